@@ -1,0 +1,131 @@
+"""The on-disk contract between data prep and training.
+
+A shard directory holds webdataset tar shards plus JSON manifests. Every sample is one tar "key" with these
+members (numpy ``.npy`` each, so plain ``webdataset.WebDataset(...).decode()`` reads them too):
+
+- ``input_ids.npy``  int32 [seq_len]     token ids; positions outside every segment are padding (``pad_id``)
+- ``segments.npy``   int32 [k, 2]        [start, end) of each document piece in the sample, in order
+- ``mask_rank.npy``  uint16 [seq_len]    masking plan: rank of each token among the maskable ones;
+                                         ``UNMASKABLE`` for special tokens and padding
+- ``mask_draw.npy``  uint32 [seq_len]    replacement draw: ``draw % 10`` picks mask (0-7) / random (8) / keep (9),
+                                         ``draw // 10`` picks the random replacement token
+- ``spans.npy``      int32 [m, 2]        MAGNET spans, [start, end), sorted, each inside one segment
+
+Keys are ``f{file_index:06d}s{sample_index:08d}``: ``file_index`` is the input file's position in the sorted input
+list, ``sample_index`` the sample's position in that file's packed stream. Both are independent of how many prep
+jobs ran, so K jobs and 1 job produce the same set of samples.
+
+Beside each shard ``X.tar`` sits ``X.idx.npy``: int64 [n, 2] byte (offset, length) of each sample's members inside
+the tar, so the trainer can read any sample without scanning the shard.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from dataclasses import dataclass
+
+import numpy as np
+
+FORMAT_VERSION = "decoder-encoders-shards/1"
+UNMASKABLE = np.iinfo(np.uint16).max
+MAX_SEQ_LEN = int(UNMASKABLE) - 1
+TAR_MTIME = 1_700_000_000  # fixed so that shard bytes are reproducible
+
+FIELDS = {
+    "input_ids": np.int32,
+    "segments": np.int32,
+    "mask_rank": np.uint16,
+    "mask_draw": np.uint32,
+    "spans": np.int32,
+}
+
+
+def sample_key(file_index: int, sample_index: int) -> str:
+    return f"f{file_index:06d}s{sample_index:08d}"
+
+
+def parse_key(key: str) -> tuple[int, int]:
+    return int(key[1:7]), int(key[8:])
+
+
+@dataclass(frozen=True)
+class Sample:
+    key: str
+    input_ids: np.ndarray
+    segments: np.ndarray
+    mask_rank: np.ndarray
+    mask_draw: np.ndarray
+    spans: np.ndarray
+
+    def validate(self, seq_len: int) -> None:
+        """Raise ValueError when arrays are out of bounds: checked by inspect_shards and the loader's first read."""
+        for name, dtype in FIELDS.items():
+            arr = getattr(self, name)
+            if arr.dtype != dtype:
+                raise ValueError(f"sample {self.key}: {name} has dtype {arr.dtype}, expected {np.dtype(dtype)}")
+        for name in ("input_ids", "mask_rank", "mask_draw"):
+            if getattr(self, name).shape != (seq_len,):
+                raise ValueError(f"sample {self.key}: {name} has shape {getattr(self, name).shape}, expected ({seq_len},)")
+        for name in ("segments", "spans"):
+            arr = getattr(self, name)
+            if arr.ndim != 2 or arr.shape[1] != 2:
+                raise ValueError(f"sample {self.key}: {name} must have shape [k, 2], got {arr.shape}")
+            if len(arr) and ((arr[:, 0] >= arr[:, 1]).any() or arr.min() < 0 or arr.max() > seq_len):
+                raise ValueError(f"sample {self.key}: {name} has an empty or out-of-bounds interval: {arr.tolist()}")
+            if len(arr) > 1 and (arr[1:, 0] < arr[:-1, 1]).any():
+                raise ValueError(f"sample {self.key}: {name} intervals overlap or are unsorted: {arr.tolist()}")
+        seg = self.segments
+        for s, e in self.spans:
+            if not ((seg[:, 0] <= s) & (e <= seg[:, 1])).any():
+                raise ValueError(f"sample {self.key}: span [{s}, {e}) crosses a document boundary or padding")
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def sample_members(sample: Sample) -> list[tuple[str, bytes]]:
+    """The (member name, bytes) pairs of one sample, in a fixed order."""
+    return [(f"{sample.key}.{name}.npy", _npy_bytes(np.ascontiguousarray(getattr(sample, name), dtype=dtype)))
+            for name, dtype in FIELDS.items()]
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = TAR_MTIME
+    info.mode = 0o444
+    info.uname = info.gname = "data"
+    tar.addfile(info, io.BytesIO(data))
+
+
+def decode_members(blob: bytes) -> Sample:
+    """Decode the tar bytes of one sample (as located by the ``.idx.npy`` sidecar)."""
+    arrays: dict[str, np.ndarray] = {}
+    key = None
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+        for member in tar:
+            stem, field, ext = member.name.split(".")
+            if ext != "npy" or field not in FIELDS:
+                raise ValueError(f"unexpected tar member {member.name!r}")
+            key = stem if key is None else key
+            if stem != key:
+                raise ValueError(f"members of two samples ({key}, {stem}) in one index entry")
+            arrays[field] = np.load(io.BytesIO(tar.extractfile(member).read()), allow_pickle=False)
+    missing = set(FIELDS) - set(arrays)
+    if missing:
+        raise ValueError(f"sample {key}: missing members {sorted(missing)}")
+    return Sample(key=key, **arrays)
+
+
+def index_path(shard_path: str) -> str:
+    assert shard_path.endswith(".tar"), shard_path
+    return shard_path[: -len(".tar")] + ".idx.npy"
+
+
+def read_sample(f, offset: int, length: int) -> Sample:
+    f.seek(offset)
+    return decode_members(f.read(length))

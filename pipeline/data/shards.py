@@ -1,0 +1,101 @@
+"""Writing and random-access reading of one tar shard and its ``.idx.npy`` sidecar."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+
+import numpy as np
+
+from pipeline.data.format import Sample, add_member, index_path, read_sample, sample_members
+
+
+def fsync_replace(tmp: str, final: str) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class ShardWriter:
+    """Writes one shard under a temporary name; ``close()`` fsyncs and renames it, so a killed job never leaves a
+    file with the final name that is incomplete. The tar is plain POSIX ustar with fixed metadata (byte-reproducible),
+    readable by ``webdataset.WebDataset``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.tmp = path + ".tmp"
+        self._tar = tarfile.open(self.tmp, mode="w", format=tarfile.USTAR_FORMAT)
+        self._offsets: list[tuple[int, int]] = []
+        self.num_tokens = 0
+
+    def write(self, sample: Sample) -> None:
+        start = self._tar.offset
+        for name, data in sample_members(sample):
+            add_member(self._tar, name, data)
+        self._offsets.append((start, self._tar.offset - start))
+        self.num_tokens += int(sum(e - s for s, e in sample.segments))
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._offsets)
+
+    def close(self) -> dict:
+        """Finish the shard; returns its manifest entry (name, samples, tokens, bytes, sha256)."""
+        self._tar.close()
+        idx_tmp = index_path(self.path) + ".tmp"
+        with open(idx_tmp, "wb") as f:
+            np.save(f, np.asarray(self._offsets, dtype=np.int64).reshape(-1, 2), allow_pickle=False)
+        fsync_replace(idx_tmp, index_path(self.path))
+        fsync_replace(self.tmp, self.path)
+        return {"name": os.path.basename(self.path), "samples": self.num_samples, "tokens": self.num_tokens,
+                "bytes": os.path.getsize(self.path), "sha256": sha256_file(self.path)}
+
+    def abort(self) -> None:
+        self._tar.close()
+        for p in (self.tmp, index_path(self.path) + ".tmp"):
+            if os.path.exists(p):
+                os.remove(p)
+
+
+class ShardReader:
+    """Random access to the samples of one shard through its index sidecar."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.index = np.load(index_path(path), allow_pickle=False)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{index_path(path)} is missing: the shard {path} has no index; "
+                                    f"rebuild it with data_prep/build_shards.py") from e
+        self._f = None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> Sample:
+        if self._f is None:  # opened lazily so readers survive fork into dataloader workers
+            self._f = open(self.path, "rb")
+        off, length = self.index[i]
+        try:
+            return read_sample(self._f, int(off), int(length))
+        except (ValueError, tarfile.TarError, EOFError) as e:
+            raise ValueError(f"{self.path}: sample {i} at byte {off} is corrupt ({e}); "
+                             f"check it with data_prep/inspect_shards.py and rebuild the shard") from e
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
