@@ -1,0 +1,29 @@
+"""One packed (input_ids, segments) pair -> a complete shard Sample with its masking plan and MAGNET spans."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.data.format import Sample, sample_key
+from pipeline.data.masking import maskable_positions, plan_masks, sample_rng
+from pipeline.data.spans import sample_spans
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    seed: int
+    special_ids: np.ndarray
+    span_min: int = 8
+    span_max: int = 32
+    span_fraction: float = 0.15
+
+
+def make_sample(input_ids: np.ndarray, segments: np.ndarray, file_index: int, sample_index: int,
+                settings: PlanSettings) -> Sample:
+    maskable = maskable_positions(input_ids, segments, settings.special_ids)
+    rank, draw = plan_masks(maskable, sample_rng(settings.seed, file_index, sample_index, "mask"))
+    spans = sample_spans(segments, sample_rng(settings.seed, file_index, sample_index, "spans"),
+                         settings.span_min, settings.span_max, settings.span_fraction)
+    return Sample(sample_key(file_index, sample_index), input_ids, segments, rank, draw, spans)

@@ -1,0 +1,44 @@
+"""MAGNET span boundaries: contiguous spans inside single documents, precomputed per sample."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sample_spans(segments: np.ndarray, rng: np.random.Generator, min_len: int, max_len: int,
+                 fraction: float) -> np.ndarray:
+    """Non-overlapping [start, end) spans covering about ``fraction`` of the document tokens.
+
+    Lengths are uniform in [min_len, max_len] (the last one shortened towards the target, never below min_len).
+    Every span starts at least one token after its document piece begins, so the token before it is context
+    (it predicts the span's first token), and spans never touch, so each is a separate span. Returns int32 [m, 2].
+    """
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"span lengths need 1 <= min_len <= max_len, got {min_len}..{max_len}")
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"span fraction must be in [0, 1), got {fraction}")
+    lengths = (segments[:, 1] - segments[:, 0]).astype(np.int64)
+    target = int(round(fraction * lengths.sum()))
+    if target == 0 or not (lengths - 1 >= min_len).any():
+        return np.zeros((0, 2), dtype=np.int32)
+    # Candidates are drawn in one vectorised batch: a length and a uniformly random start token each; a
+    # candidate is kept when it fits its document piece and neither overlaps nor touches an earlier span.
+    tries = 8 * (target // min_len + 1)
+    cand_len = rng.integers(min_len, max_len + 1, size=tries)
+    offsets = rng.integers(0, lengths.sum(), size=tries)
+    cum = np.concatenate([[0], np.cumsum(lengths)])
+    seg = np.searchsorted(cum, offsets, side="right") - 1
+    starts = segments[seg, 0] + (offsets - cum[seg])
+    taken = bytearray(int(segments[:, 1].max()) + 2)
+    spans: list[tuple[int, int]] = []
+    covered = 0
+    for n, s, lo, hi in zip(cand_len.tolist(), starts.tolist(), segments[seg, 0].tolist(), segments[seg, 1].tolist()):
+        n = min(n, max(min_len, target - covered))
+        if s <= lo or s + n > hi or any(taken[s - 1 : s + n + 1]):
+            continue
+        taken[s : s + n] = b"\x01" * n
+        spans.append((s, s + n))
+        covered += n
+        if covered >= target:
+            break
+    return np.array(sorted(spans), dtype=np.int32).reshape(-1, 2)

@@ -1,0 +1,93 @@
+"""Unit tests of packing, the masking plan and MAGNET spans (pure functions; end-to-end in test_build_shards)."""
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.data.build_sample import PlanSettings, make_sample
+from pipeline.data.format import UNMASKABLE
+from pipeline.data.masking import apply_mask_plan, mask_targets
+from pipeline.data.packing import Packer
+from pipeline.data.spans import sample_spans
+
+BOS, EOS, PAD, MASK = 1, 2, 0, 3
+SPECIAL = np.array([PAD, BOS, EOS, MASK])
+
+
+def _docs(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, 100, size=int(rng.integers(1, 200))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("remainder", ["drop", "pad"])
+def test_packing_round_trips_the_token_stream(remainder):
+    docs = _docs(30)
+    packer = Packer(64, PAD, BOS, EOS, remainder)
+    samples = [s for d in docs for s in packer.add(d)] + packer.finish()
+    stream = np.concatenate([ids[s:e] for ids, segs in samples for s, e in segs])
+    ref = np.concatenate([[BOS, *d, EOS] for d in docs])
+    if remainder == "drop":
+        ref = ref[: len(ref) // 64 * 64]
+    assert np.array_equal(stream, ref)
+    ids, segs = samples[-1]
+    assert (ids[segs[-1, 1]:] == PAD).all()
+    for ids, segs in samples:  # every piece after the first starts with BOS
+        assert all(ids[s] == BOS for s in segs[1:, 0])
+
+
+def _sample(seed=0, seq_len=512):
+    packer = Packer(seq_len, PAD, BOS, EOS, "pad")
+    ids, segs = [s for d in _docs(40, seed) for s in packer.add(d)][1]
+    return make_sample(ids, segs, 3, 7, PlanSettings(seed=11, special_ids=SPECIAL))
+
+
+def test_mask_ratio_exact_subsets_and_no_specials():
+    s = _sample()
+    rank = torch.from_numpy(s.mask_rank.astype(np.int32))[None]
+    eligible = int((s.mask_rank != UNMASKABLE).sum())
+    assert eligible == int((~np.isin(s.input_ids, SPECIAL)).sum())
+    prev = torch.zeros_like(rank, dtype=torch.bool)
+    for p in (0.05, 0.2, 0.3, 0.4, 0.5, 0.8):
+        m = mask_targets(rank, p)
+        assert abs(m.sum().item() / eligible - p) <= 0.01
+        assert not np.isin(s.input_ids[m[0].numpy()], SPECIAL).any()
+        assert not (prev & ~m).any()  # lower ratios are subsets of higher ones
+        prev = m
+
+
+def test_replacement_policies():
+    s = _sample()
+    ids = torch.from_numpy(s.input_ids).long()[None]
+    rank = torch.from_numpy(s.mask_rank.astype(np.int32))[None]
+    draw = torch.from_numpy(s.mask_draw.astype(np.int64))[None]
+    pool = torch.arange(5, 100)
+    full, t = apply_mask_plan(ids, rank, draw, 0.5, "mask", MASK, pool)
+    assert (full[t] == MASK).all() and (full[~t] == ids[~t]).all()
+    bert, t2 = apply_mask_plan(ids, rank, draw, 0.5, "80-10-10", MASK, pool)
+    assert torch.equal(t, t2)
+    share = (bert[t] == MASK).float().mean().item()
+    assert 0.7 < share < 0.9
+    assert ((bert[t] != MASK) & (bert[t] != ids[t])).any()  # some random replacements
+    with pytest.raises(ValueError, match="policy"):
+        apply_mask_plan(ids, rank, draw, 0.5, "90-5-5", MASK, pool)
+
+
+def test_plan_is_deterministic_per_sample_identity():
+    a, b = _sample(), _sample()
+    assert np.array_equal(a.mask_rank, b.mask_rank) and np.array_equal(a.spans, b.spans)
+    assert not np.array_equal(a.mask_draw, _sample(seed=1).mask_draw)
+
+
+def test_spans_in_one_document_with_context_before():
+    rng = np.random.default_rng(0)
+    segments = np.array([[0, 40], [40, 45], [45, 300], [300, 512]], dtype=np.int32)
+    for _ in range(50):
+        spans = sample_spans(segments, rng, 8, 32, 0.15)
+        assert abs((spans[:, 1] - spans[:, 0]).sum() / 512 - 0.15) < 0.05
+        assert (spans[1:, 0] > spans[:-1, 1]).all()
+        for s, e in spans:
+            assert 8 <= e - s <= 32
+            assert ((segments[:, 0] < s) & (e <= segments[:, 1])).any()
+    assert len(sample_spans(np.array([[0, 5]], dtype=np.int32), rng, 8, 32, 0.5)) == 0
+    with pytest.raises(ValueError, match="min_len"):
+        sample_spans(segments, rng, 9, 8, 0.1)
