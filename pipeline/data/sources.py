@@ -1,0 +1,264 @@
+"""Reading documents from input files, with bad records counted instead of crashing the job.
+
+Supported inputs: ``.jsonl``, ``.jsonl.zst``, ``.jsonl.gz`` (one JSON object a line), ``.parquet`` and a local
+HF ``datasets`` directory (``datasets.save_to_disk``). Each bad record is counted under one of ``BAD_REASONS`` and the
+first few are kept as messages naming the file and line; the caller decides, through ``--max-bad-fraction``,
+whether there were too many. A truncated or corrupt compressed file yields every record decoded before the damage
+and then counts one ``corrupt_file`` record: a shard job must not lose a whole file to one bad block.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import zstandard
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz")
+SUFFIXES = JSONL_SUFFIXES + (".parquet",)
+CHUNK_BYTES = 1 << 20
+MAX_EXAMPLES = 5
+
+BAD_REASONS = {
+    "corrupt_file": "the file is truncated or corrupt (records before the damage were kept); re-download or "
+                    "re-create it",
+    "not_json": "the line is not a JSON object; fix or remove it",
+    "missing_field": "the record has no text field; set --text-field to the field that holds the text",
+    "not_string": "the text field is not a string; set --text-field to a string field",
+    "empty": "the document is empty or only whitespace; drop it from the input",
+    "invalid_utf8": "the record is not valid UTF-8; re-encode the file as UTF-8",
+}
+
+
+class InputError(ValueError):
+    """An input that cannot be used at all (no such file, unsupported type): raised before any work starts."""
+
+
+@dataclass
+class RecordStats:
+    """Good and bad record counts of one input file; ``examples`` holds the first few bad records' messages."""
+
+    documents: int = 0
+    bad: dict[str, int] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)
+
+    def add_bad(self, reason: str, where: str, detail: str, count: int = 1) -> None:
+        assert reason in BAD_REASONS, reason
+        self.bad[reason] = self.bad.get(reason, 0) + count
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(f"{where}: {detail}: {BAD_REASONS[reason]}")
+
+    @property
+    def num_bad(self) -> int:
+        return sum(self.bad.values())
+
+    @property
+    def bad_fraction(self) -> float:
+        total = self.documents + self.num_bad
+        return self.num_bad / total if total else 0.0
+
+
+def is_hf_dataset_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(
+        os.path.join(path, "dataset_info.json"))
+
+
+def _check_input(path: str) -> None:
+    if os.path.isdir(path):
+        if is_hf_dataset_dir(path):
+            return
+        if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+            splits = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+            raise InputError(f"{path} is a datasets DatasetDict with splits {splits}; pass one split's directory, "
+                             f"e.g. {os.path.join(path, splits[0] if splits else 'train')}")
+        raise InputError(f"{path} is a directory but not a saved HF dataset (no state.json); pass a glob of its "
+                         f"files instead, e.g. '{os.path.join(path, '*.jsonl.zst')}'")
+    if not path.endswith(SUFFIXES):
+        raise InputError(f"{path}: unsupported input type; expected one of {', '.join(SUFFIXES)} "
+                         f"or a datasets.save_to_disk directory")
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[str]:
+    """Paths of all inputs, sorted: the position in this list is a file's ``file_index`` in the sample keys."""
+    paths: set[str] = set()
+    for pattern in patterns:
+        matches = [pattern] if os.path.exists(pattern) else glob.glob(pattern, recursive=True)
+        if not matches:
+            raise InputError(f"--input {pattern!r} matches no file; check the path or quote the glob")
+        for path in matches:
+            _check_input(path)
+            paths.add(path)
+    return sorted(paths)
+
+
+def input_size(path: str) -> int:
+    """Bytes on disk (all files of a dataset directory): recorded in the manifest to notice changed inputs."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+class _Truncated(Exception):
+    pass
+
+
+def _zstd_chunks(f) -> Iterator[bytes]:
+    """Decompressed blocks of a (multi-frame) zstd stream; raises ``_Truncated`` if the last frame is cut short
+    (the streaming reader would silently stop there)."""
+    dctx = zstandard.ZstdDecompressor()
+    dobj, in_frame = dctx.decompressobj(), False
+    while data := f.read(CHUNK_BYTES):
+        while data:
+            out = dobj.decompress(data)
+            in_frame = True
+            if out:
+                yield out
+            if not dobj.eof:
+                break
+            data = dobj.unused_data
+            dobj, in_frame = dctx.decompressobj(), False
+    if in_frame:
+        raise _Truncated("the zstd stream ends in the middle of a frame")
+
+
+def _gzip_chunks(f) -> Iterator[bytes]:
+    """Like ``_zstd_chunks`` for (multi-member) gzip."""
+    dobj, in_member = zlib.decompressobj(16 + zlib.MAX_WBITS), False
+    while data := f.read(CHUNK_BYTES):
+        while data:
+            out = dobj.decompress(data)
+            in_member = True
+            if out:
+                yield out
+            if not dobj.eof:
+                break
+            data = dobj.unused_data
+            dobj, in_member = zlib.decompressobj(16 + zlib.MAX_WBITS), False
+    if in_member:
+        raise _Truncated("the gzip stream ends in the middle of a member")
+
+
+def _plain_chunks(f) -> Iterator[bytes]:
+    while data := f.read(CHUNK_BYTES):
+        yield data
+
+
+def _lines(path: str, stats: RecordStats) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a jsonl file; decompression damage ends the file with one ``corrupt_file`` record."""
+    chunks: Callable = (_zstd_chunks if path.endswith(".zst") else _gzip_chunks if path.endswith(".gz")
+                        else _plain_chunks)
+    lineno, tail = 0, b""
+    with open(path, "rb") as f:
+        try:
+            for chunk in chunks(f):
+                lines = (tail + chunk).split(b"\n")
+                tail = lines.pop()
+                for line in lines:
+                    lineno += 1
+                    yield lineno, line
+        except (zstandard.ZstdError, zlib.error, _Truncated) as e:
+            stats.add_bad("corrupt_file", f"{path}:{lineno + 1}", f"decompression failed ({e})")
+            return
+    if tail.strip():
+        yield lineno + 1, tail
+
+
+def _check_text(value, where: str, text_field: str, stats: RecordStats) -> str | None:
+    """The document text, or None after counting why the record is bad."""
+    if value is None:
+        stats.add_bad("missing_field", where, f"field {text_field!r} is missing or null")
+    elif not isinstance(value, str):
+        stats.add_bad("not_string", where, f"field {text_field!r} is {type(value).__name__}")
+    elif not value.strip():
+        stats.add_bad("empty", where, "empty document")
+    else:
+        stats.documents += 1
+        return value
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    """A JSON \\u escape can encode a lone surrogate, which is not text any tokenizer can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _read_jsonl(path: str, text_field: str, stats: RecordStats) -> Iterator[str]:
+    for lineno, raw in _lines(path, stats):
+        if not raw.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            stats.add_bad("invalid_utf8", where, f"byte {e.start} is not UTF-8")
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            stats.add_bad("not_json", where, f"invalid JSON ({e.msg} at column {e.colno})")
+            continue
+        if not isinstance(record, dict):
+            stats.add_bad("not_json", where, f"a JSON {type(record).__name__}, not an object")
+            continue
+        value = record.get(text_field)
+        if isinstance(value, str) and ("\\ud" in line or "\\uD" in line) and _has_surrogate(value):
+            stats.add_bad("invalid_utf8", where, "the text holds a lone surrogate (a \\ud800-\\udfff escape)")
+            continue
+        text = _check_text(value, where, text_field, stats)
+        if text is not None:
+            yield text
+
+
+def _read_columns(path: str, text_field: str, columns: list[str], num_rows: int, batches: Iterable[list],
+                  stats: RecordStats) -> Iterator[str]:
+    """Rows of a columnar input (parquet file or HF dataset), where a missing column makes every row bad."""
+    if text_field not in columns:
+        stats.add_bad("missing_field", f"{path}: rows 1-{num_rows}", f"no column {text_field!r} "
+                      f"(columns: {columns})", count=num_rows)
+        return
+    row = 0
+    for values in batches:
+        for value in values:
+            row += 1
+            text = _check_text(value, f"{path}: row {row}", text_field, stats)
+            if text is not None:
+                yield text
+
+
+def _read_parquet(path: str, text_field: str, stats: RecordStats) -> Iterator[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+        columns = pf.schema_arrow.names
+        batches = (b.column(0).to_pylist() for b in pf.iter_batches(columns=[text_field]))
+        yield from _read_columns(path, text_field, columns, pf.metadata.num_rows, batches, stats)
+    except (pa.ArrowException, OSError) as e:
+        stats.add_bad("corrupt_file", path, f"cannot read parquet ({e})")
+
+
+def _read_hf_dataset(path: str, text_field: str, stats: RecordStats) -> Iterator[str]:
+    import datasets
+
+    ds = datasets.load_from_disk(path)
+    batches = (batch[text_field] for batch in ds.select_columns([text_field]).iter(batch_size=1024)) \
+        if text_field in ds.column_names else iter(())
+    yield from _read_columns(path, text_field, ds.column_names, ds.num_rows, batches, stats)
+
+
+def read_texts(path: str, text_field: str, stats: RecordStats) -> Iterator[str]:
+    """The documents of one input, in file order; bad records are counted in ``stats`` and skipped."""
+    if os.path.isdir(path):
+        return _read_hf_dataset(path, text_field, stats)
+    if path.endswith(".parquet"):
+        return _read_parquet(path, text_field, stats)
+    return _read_jsonl(path, text_field, stats)
