@@ -1,0 +1,60 @@
+"""The micro-batch the loader hands to the objectives: shard samples stacked into [B, L] tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from pipeline.data.format import Sample
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # int64 [B, L] token ids; padding is the tokenizer's pad id
+    doc_ids: torch.Tensor  # int32 [B, L] index of the document piece (segment) in its sample, -1 on padding
+    mask_rank: torch.Tensor  # int32 [B, L] masking-plan rank, format.UNMASKABLE (65535) where never masked
+    mask_draw: torch.Tensor  # int64 [B, L] replacement draw (the shard's uint32)
+    span_ids: torch.Tensor  # int32 [B, L] index of the MAGNET span holding the position, -1 on context
+    keys: list[str]  # sample keys, to trace a batch back to its shard samples
+
+    def _map(self, fn) -> Batch:
+        return Batch(**{f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "keys"},
+                     keys=self.keys)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        """Called by DataLoader(pin_memory=True) so host-to-GPU copies can be asynchronous."""
+        return self._map(torch.Tensor.pin_memory)
+
+    @classmethod
+    def empty(cls, seq_len: int) -> Batch:
+        """A batch of zero rows: a rank's share of the last evaluation round can be empty."""
+        def zeros(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros((0, seq_len), dtype=dtype)
+        return cls(zeros(torch.int64), zeros(torch.int32), zeros(torch.int32), zeros(torch.int64), zeros(torch.int32), [])
+
+
+def _interval_ids(intervals: np.ndarray, out: np.ndarray) -> None:
+    """Write into ``out`` (pre-filled with -1) the index of the [start, end) interval holding each position."""
+    for k, (start, end) in enumerate(intervals):
+        out[start:end] = k
+
+
+def collate(samples: list[Sample]) -> Batch:
+    """Stack samples (all of one seq_len) into a Batch; widens the shard dtypes to what torch indexes with."""
+    if not samples:
+        raise ValueError("collate needs at least one sample; use Batch.empty(seq_len) for an empty batch")
+    input_ids = np.stack([s.input_ids for s in samples]).astype(np.int64)
+    doc_ids = np.full(input_ids.shape, -1, dtype=np.int32)
+    span_ids = np.full(input_ids.shape, -1, dtype=np.int32)
+    for row, sample in enumerate(samples):
+        _interval_ids(sample.segments, doc_ids[row])
+        _interval_ids(sample.spans, span_ids[row])
+    return Batch(input_ids=torch.from_numpy(input_ids), doc_ids=torch.from_numpy(doc_ids),
+                 mask_rank=torch.from_numpy(np.stack([s.mask_rank for s in samples]).astype(np.int32)),
+                 mask_draw=torch.from_numpy(np.stack([s.mask_draw for s in samples]).astype(np.int64)),
+                 span_ids=torch.from_numpy(span_ids), keys=[s.key for s in samples])

@@ -1,0 +1,225 @@
+"""The deterministic shard loader: a rank's micro-batches in the global order of ``order.py``, read by random
+access through the shards' ``.idx.npy`` sidecars, with a world-size independent state for exact resume.
+
+Workers split a rank's micro-batch sequence round-robin (worker w makes micro-batches w, w+W, ...), which is the
+order in which torch's DataLoader collects them, so the stream does not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from pipeline.data.batch import Batch, collate
+from pipeline.data.manifest import DatasetIndex
+from pipeline.data.order import EvalPlan, TrainPlan
+from pipeline.data.shards import ShardReader
+
+STATE_KEYS = ("fingerprint", "seed", "epoch", "samples_in_epoch", "samples_consumed", "global_batch")
+
+
+def check_compatible(index: DatasetIndex, tokenizer_fingerprint: str, seq_len: int) -> None:
+    """Refuse shards built with another tokenizer or sequence length than the experiment's."""
+    fix = ("rebuild the shards with data_prep/build_shards.py using the experiment's tokenizer and seq-len, "
+           "or point the experiment at a shard directory built with them")
+    built_with = index.tokenizer.get("fingerprint")
+    if built_with != tokenizer_fingerprint:
+        raise ValueError(f"{index.directory}: shards were built with tokenizer fingerprint {built_with!r}, the "
+                         f"experiment's tokenizer has {tokenizer_fingerprint!r}; {fix}")
+    if index.seq_len != seq_len:
+        raise ValueError(f"{index.directory}: shards have seq_len {index.seq_len}, the experiment uses {seq_len}; {fix}")
+
+
+class _SampleReader:
+    """Global sample id -> Sample. Keeps at most ``max_open`` shard readers (index + file handle), least recently
+    used first out, so a corpus of many thousand shards stays within file-descriptor limits."""
+
+    def __init__(self, index: DatasetIndex, max_open: int):
+        self.index = index
+        self.starts = np.cumsum([0] + [s.samples for s in index.shards])
+        self.max_open = max_open
+        self._open: OrderedDict[int, ShardReader] = OrderedDict()
+        self._validated: set[int] = set()
+
+    def _reader(self, shard: int) -> ShardReader:
+        reader = self._open.pop(shard, None)
+        if reader is None:
+            info = self.index.shards[shard]
+            reader = ShardReader(info.path)
+            if len(reader) != info.samples:
+                raise ValueError(f"{info.path}: its index holds {len(reader)} samples, the job manifest says "
+                                 f"{info.samples}; check it with data_prep/inspect_shards.py and rebuild the shard")
+            if len(self._open) >= self.max_open:
+                self._open.popitem(last=False)[1].close()
+        self._open[shard] = reader
+        return reader
+
+    def read(self, sample_id: int):
+        shard = int(np.searchsorted(self.starts, sample_id, side="right")) - 1
+        reader = self._reader(shard)
+        sample = reader[sample_id - int(self.starts[shard])]
+        if shard not in self._validated:  # one check per shard and process catches a wrong or mixed directory
+            try:
+                sample.validate(self.index.seq_len)
+            except ValueError as e:
+                raise ValueError(f"{reader.path}: {e}; check it with data_prep/inspect_shards.py and rebuild "
+                                 f"the shard") from e
+            self._validated.add(shard)
+        return sample
+
+    def batch(self, sample_ids: np.ndarray) -> Batch:
+        if not len(sample_ids):
+            return Batch.empty(self.index.seq_len)
+        return collate([self.read(int(i)) for i in sample_ids])
+
+    def close(self) -> None:
+        for reader in self._open.values():
+            reader.close()
+        self._open.clear()
+
+
+class _MicroBatches(IterableDataset):
+    """The micro-batches of a plan; DataLoader worker w of W makes every W-th one, starting at w."""
+
+    def __init__(self, index: DatasetIndex, plan: TrainPlan | EvalPlan, max_open_shards: int):
+        self.index, self.plan, self.max_open_shards = index, plan, max_open_shards
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        total = self.plan.num_batches
+        js = itertools.count(worker, workers) if total is None else range(worker, total, workers)
+        reader = _SampleReader(self.index, self.max_open_shards)
+        try:
+            for j in js:
+                yield reader.batch(self.plan.sample_ids(j))
+        finally:
+            reader.close()
+
+
+def _as_is(batch: Batch) -> Batch:
+    """DataLoader's collate_fn: batches are made in the workers, and default_convert would only cost time."""
+    return batch
+
+
+def _data_loader(dataset: _MicroBatches, num_workers: int, pin_memory: bool, prefetch_factor: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=None, collate_fn=_as_is, num_workers=num_workers, pin_memory=pin_memory,
+                      prefetch_factor=prefetch_factor if num_workers else None)
+
+
+class ShardLoader:
+    """A rank's endless stream of micro-batches over the epochs of a shard directory.
+
+    Iterate it for micro-batches, or call :meth:`next_global_step` for the ``grad_accum`` micro-batches of one
+    optimizer step. :meth:`state_dict` counts what was handed out, not what workers prefetched, rounded down to
+    whole optimizer steps (model and optimizer only change at step boundaries, so a resume replays the micro-batches
+    of an unfinished step). The state is global, so it loads into a loader with another ``dp_world``,
+    ``micro_batch``, ``grad_accum`` or ``num_workers`` as long as its global batch divides the samples consumed in
+    the epoch.
+    """
+
+    def __init__(self, index: DatasetIndex, micro_batch: int, grad_accum: int = 1, dp_rank: int = 0,
+                 dp_world: int = 1, seed: int = 0, num_workers: int = 0, pin_memory: bool = False,
+                 prefetch_factor: int = 2, max_open_shards: int = 64):
+        if micro_batch < 1 or grad_accum < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
+            raise ValueError(f"need micro_batch >= 1, grad_accum >= 1 and 0 <= dp_rank < dp_world, got "
+                             f"micro_batch={micro_batch} grad_accum={grad_accum} dp_rank={dp_rank} dp_world={dp_world}")
+        if seed < 0 or num_workers < 0:
+            raise ValueError(f"seed and num_workers must be >= 0, got seed={seed} num_workers={num_workers}")
+        self.index = index
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.prefetch_factor, self.max_open_shards = prefetch_factor, max_open_shards
+        self._plan = TrainPlan(index.num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world)
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"{index.directory} holds {index.num_samples} samples, fewer than one global batch of "
+                             f"{self.global_batch} (micro_batch {micro_batch} x grad_accum {grad_accum} x dp_world "
+                             f"{dp_world}); use a smaller batch or build more data")
+        self._samples_consumed_at_start = 0
+        self._micro_consumed = 0  # micro-batches handed out since the plan's start_step
+        self._iterator: Iterator[Batch] | None = None
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self._plan.global_batch
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Global batches (optimizer steps) per epoch; the epoch's last ``num_samples % global_batch`` are dropped."""
+        return self._plan.steps_per_epoch
+
+    @property
+    def _steps_done(self) -> int:
+        return self._micro_consumed // self._plan.grad_accum
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next optimizer step."""
+        return (self._plan.start_step + self._steps_done) // self.batches_per_epoch
+
+    def _next(self) -> Batch:
+        if self._iterator is None:
+            dataset = _MicroBatches(self.index, self._plan, self.max_open_shards)
+            self._iterator = iter(_data_loader(dataset, self.num_workers, self.pin_memory, self.prefetch_factor))
+        batch = next(self._iterator)
+        self._micro_consumed += 1
+        return batch
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            yield self._next()
+
+    def next_global_step(self) -> list[Batch]:
+        """This rank's ``grad_accum`` micro-batches of the next optimizer step."""
+        if self._micro_consumed % self._plan.grad_accum:
+            raise RuntimeError(f"next_global_step() called after {self._micro_consumed % self._plan.grad_accum} "
+                               f"micro-batches of a step were taken by iteration; use one way of consuming")
+        return [self._next() for _ in range(self._plan.grad_accum)]
+
+    def state_dict(self) -> dict:
+        step = self._plan.start_step + self._steps_done
+        return {"fingerprint": self.index.fingerprint, "seed": self._plan.seed,
+                "epoch": step // self.batches_per_epoch,
+                "samples_in_epoch": step % self.batches_per_epoch * self.global_batch,
+                "samples_consumed": self._samples_consumed_at_start + self._steps_done * self.global_batch,
+                "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at the global sample where ``state`` stopped; drops any running workers."""
+        missing = [k for k in STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"not a ShardLoader state: missing {missing}; pass the dict ShardLoader.state_dict() made")
+        if state["fingerprint"] != self.index.fingerprint:
+            raise ValueError(f"the loader state is for shards with fingerprint {state['fingerprint']}, but "
+                             f"{self.index.directory} has {self.index.fingerprint}; resume on the shard directory "
+                             f"the run was trained on, or start a new run")
+        if state["seed"] != self._plan.seed:
+            raise ValueError(f"the loader state was saved with seed {state['seed']}, this loader has seed "
+                             f"{self._plan.seed}; resume with the run's seed, or start a new run")
+        if state["samples_in_epoch"] % self.global_batch:
+            raise ValueError(f"the run stopped {state['samples_in_epoch']} samples into epoch {state['epoch']}, not a "
+                             f"multiple of this loader's global batch {self.global_batch} (micro_batch x grad_accum x "
+                             f"dp_world); choose a global batch that divides it, e.g. the saved "
+                             f"{state['global_batch']}")
+        self.close()
+        start = state["epoch"] * self.batches_per_epoch + state["samples_in_epoch"] // self.global_batch
+        self._plan = TrainPlan(self._plan.num_samples, self._plan.seed, self._plan.micro_batch,
+                               self._plan.grad_accum, self._plan.dp_rank, self._plan.dp_world, start_step=start)
+        self._samples_consumed_at_start = state["samples_consumed"]
+        self._micro_consumed = 0
+
+    def close(self) -> None:
+        """Stop the workers (they restart on the next batch)."""
+        self._iterator = None
+
+
+def iter_eval(index: DatasetIndex, micro_batch: int, dp_rank: int = 0, dp_world: int = 1, num_workers: int = 0,
+              max_open_shards: int = 64) -> Iterator[Batch]:
+    """Every sample exactly once, in stored order, split over ranks; each rank gets the same number of batches
+    (the last ones may be short or empty), so sum losses and counts and reduce once at the end."""
+    plan = EvalPlan(index.num_samples, micro_batch, dp_rank, dp_world)
+    yield from _data_loader(_MicroBatches(index, plan, max_open_shards), num_workers, False, 2)

@@ -1,0 +1,52 @@
+"""Test helpers shared by test modules (import with ``from helpers import ...``; pytest puts tests/ on sys.path).
+
+``make_shard_dir`` writes a small but real shard directory (random documents packed by the real ``Packer``, real
+masking plans and MAGNET spans from ``make_sample``, real tar shards with ``.idx.npy`` sidecars and the manifests
+``load_index`` reads) without a tokenizer or input files, so loader and trainer tests don't depend on data prep.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from pipeline.data.build_sample import PlanSettings, make_sample
+from pipeline.data.format import FORMAT_VERSION
+from pipeline.data.manifest import MANIFEST, job_manifest_name, settings_fingerprint, write_json_atomic
+from pipeline.data.packing import Packer
+from pipeline.data.shards import ShardWriter
+
+PAD, BOS, EOS, MASK = 0, 1, 2, 3
+SPECIAL_IDS = (PAD, BOS, EOS, MASK)
+
+
+def make_shard_dir(root: str, num_samples: int = 37, seq_len: int = 32, vocab: int = 64,
+                   samples_per_shard: int = 13, seed: int = 0, tokenizer_fingerprint: str = "test-tokenizer") -> str:
+    """Build ``root/shards`` with exactly ``num_samples`` samples over ceil(num_samples / samples_per_shard)
+    shards, written as one complete prep job; returns the directory. Special ids are PAD=0, BOS=1, EOS=2,
+    MASK=3; document tokens are drawn from [4, vocab). Documents are 1..2*seq_len tokens long, so samples hold
+    several documents and documents cross sample boundaries. ``seed`` changes the tokens and the fingerprint."""
+    directory = os.path.join(str(root), "shards")
+    os.makedirs(directory, exist_ok=True)
+    settings = {"seq_len": seq_len, "seed": seed,
+                "tokenizer": {"fingerprint": tokenizer_fingerprint, "vocab_size": vocab, "pad_id": PAD,
+                              "bos_id": BOS, "eos_id": EOS, "mask_id": MASK}}
+    fingerprint = settings_fingerprint(settings)
+    rng = np.random.default_rng(seed)
+    plan = PlanSettings(seed=seed, special_ids=np.array(SPECIAL_IDS), span_min=2, span_max=6)
+    packer = Packer(seq_len, PAD, BOS, EOS, "drop")
+    packed: list[tuple[np.ndarray, np.ndarray]] = []
+    while len(packed) < num_samples:
+        packed += packer.add(rng.integers(len(SPECIAL_IDS), vocab, size=int(rng.integers(1, 2 * seq_len))).tolist())
+    shards = []
+    for first in range(0, num_samples, samples_per_shard):
+        writer = ShardWriter(os.path.join(directory, f"shard-00000-{first // samples_per_shard:06d}.tar"))
+        for i in range(first, min(first + samples_per_shard, num_samples)):
+            writer.write(make_sample(*packed[i], file_index=0, sample_index=i, settings=plan))
+        shards.append(writer.close())
+    write_json_atomic(os.path.join(directory, MANIFEST), {"format": FORMAT_VERSION, "fingerprint": fingerprint,
+                                                          "settings": settings, "num_jobs": 1})
+    write_json_atomic(os.path.join(directory, job_manifest_name(0)),
+                      {"fingerprint": fingerprint, "complete": True, "shards": shards})
+    return directory
