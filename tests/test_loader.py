@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import make_shard_dir
 
-from pipeline.data.batch import Batch, collate
+from pipeline.data.batch import collate
 from pipeline.data.format import UNMASKABLE, Sample
 from pipeline.data.loader import ShardLoader, check_compatible, iter_eval
 from pipeline.data.manifest import job_manifest_name, load_index
@@ -154,9 +154,15 @@ def test_too_small_or_inconsistent_directory(index, tmp_path):
 def test_eval_sees_every_sample_once_in_order(index, stored, micro_batch, dp_world, num_workers):
     ranks = [list(iter_eval(index, micro_batch, rank, dp_world, num_workers)) for rank in range(dp_world)]
     assert len({len(batches) for batches in ranks}) == 1  # same number of batches on every rank
-    keys = [k for rnd in zip(*ranks) for batch in rnd for k in batch.keys]
-    assert keys == sorted(stored)
-    assert all(b.input_ids.shape[1] == index.seq_len for batches in ranks for b in batches)
+    batches = [batch for rnd in zip(*ranks) for batch in rnd]
+    assert all(b.input_ids.shape == (micro_batch, index.seq_len) for b in batches)
+    keys = [k for batch in batches for k in batch.keys]
+    assert [k for k in keys if k] == sorted(stored)
+    assert len(keys) - len(stored) == -N % (micro_batch * dp_world)  # padding rows fill the last round only
+    for batch in batches:
+        filler = torch.tensor([k == "" for k in batch.keys])
+        assert (batch.doc_ids[filler] == -1).all() and (batch.mask_rank[filler] == UNMASKABLE).all()
+        assert (batch.doc_ids[~filler] >= 0).any(dim=1).all()
 
 
 def _sample(key, segments, spans, seq_len=8):
@@ -174,8 +180,7 @@ def test_collate_shapes_dtypes_and_ids():
     assert batch.mask_rank.unique().tolist() == [int(UNMASKABLE)]
     assert batch.mask_draw.unique().tolist() == [4_000_000_007]  # uint32 above int32 range survives
     assert batch.keys == ["a", "b"] and batch.to("cpu").input_ids.shape == (2, 8)
-    assert Batch.empty(8).input_ids.shape == (0, 8) and Batch.empty(8).keys == []
-    with pytest.raises(ValueError, match="Batch.empty"):
+    with pytest.raises(ValueError, match="at least one sample"):
         collate([])
 
 
@@ -199,3 +204,13 @@ def test_two_real_ranks_under_gloo_see_the_reference_order(index, reference, tmp
     mp.start_processes(_distributed_rank, args=(index.directory, tmp_path / "store", out), nprocs=2,
                        start_method="fork")
     assert json.loads(out.read_text()) == reference[:STEPS_PER_EPOCH + 2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a GPU")
+def test_pinned_batches_reach_the_gpu_unchanged(index):
+    loader = ShardLoader(index, micro_batch=4, num_workers=1, pin_memory=True)
+    batch = loader.next_global_step()[0]
+    assert batch.input_ids.is_pinned() and batch.span_ids.is_pinned()
+    on_gpu = batch.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.mask_draw.cpu(), batch.mask_draw) and on_gpu.keys == batch.keys

@@ -30,13 +30,6 @@ class Batch:
         """Called by DataLoader(pin_memory=True) so host-to-GPU copies can be asynchronous."""
         return self._map(torch.Tensor.pin_memory)
 
-    @classmethod
-    def empty(cls, seq_len: int) -> Batch:
-        """A batch of zero rows: a rank's share of the last evaluation round can be empty."""
-        def zeros(dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros((0, seq_len), dtype=dtype)
-        return cls(zeros(torch.int64), zeros(torch.int32), zeros(torch.int32), zeros(torch.int64), zeros(torch.int32), [])
-
 
 def _interval_ids(intervals: np.ndarray, out: np.ndarray) -> None:
     """Write into ``out`` (pre-filled with -1) the index of the [start, end) interval holding each position."""
@@ -47,7 +40,7 @@ def _interval_ids(intervals: np.ndarray, out: np.ndarray) -> None:
 def collate(samples: list[Sample]) -> Batch:
     """Stack samples (all of one seq_len) into a Batch; widens the shard dtypes to what torch indexes with."""
     if not samples:
-        raise ValueError("collate needs at least one sample; use Batch.empty(seq_len) for an empty batch")
+        raise ValueError("collate needs at least one sample")
     input_ids = np.stack([s.input_ids for s in samples]).astype(np.int64)
     doc_ids = np.full(input_ids.shape, -1, dtype=np.int32)
     span_ids = np.full(input_ids.shape, -1, dtype=np.int32)

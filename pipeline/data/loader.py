@@ -15,6 +15,7 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.batch import Batch, collate
+from pipeline.data.format import UNMASKABLE, Sample
 from pipeline.data.manifest import DatasetIndex
 from pipeline.data.order import EvalPlan, TrainPlan
 from pipeline.data.shards import ShardReader
@@ -58,7 +59,7 @@ class _SampleReader:
         self._open[shard] = reader
         return reader
 
-    def read(self, sample_id: int):
+    def read(self, sample_id: int) -> Sample:
         shard = int(np.searchsorted(self.starts, sample_id, side="right")) - 1
         reader = self._reader(shard)
         sample = reader[sample_id - int(self.starts[shard])]
@@ -71,10 +72,16 @@ class _SampleReader:
             self._validated.add(shard)
         return sample
 
+    def filler(self) -> Sample:
+        """A row of pure padding (key ""): no document, never a target, attends only to itself."""
+        seq_len, pad_id = self.index.seq_len, self.index.tokenizer.get("pad_id") or 0
+        none = np.zeros((0, 2), np.int32)
+        return Sample("", np.full(seq_len, pad_id, np.int32), none, np.full(seq_len, UNMASKABLE, np.uint16),
+                      np.zeros(seq_len, np.uint32), none)
+
     def batch(self, sample_ids: np.ndarray) -> Batch:
-        if not len(sample_ids):
-            return Batch.empty(self.index.seq_len)
-        return collate([self.read(int(i)) for i in sample_ids])
+        """Id -1 stands for a padding row."""
+        return collate([self.read(int(i)) if i >= 0 else self.filler() for i in sample_ids])
 
     def close(self) -> None:
         for reader in self._open.values():
@@ -219,7 +226,13 @@ class ShardLoader:
 
 def iter_eval(index: DatasetIndex, micro_batch: int, dp_rank: int = 0, dp_world: int = 1, num_workers: int = 0,
               max_open_shards: int = 64) -> Iterator[Batch]:
-    """Every sample exactly once, in stored order, split over ranks; each rank gets the same number of batches
-    (the last ones may be short or empty), so sum losses and counts and reduce once at the end."""
+    """Every sample exactly once, in stored order, split over ranks. Every rank gets the same number of
+    micro-batches of ``micro_batch`` rows, so ZeRO-3's collective forward never waits on a rank that ran out; the
+    last round is filled up with padding rows (key "", ``doc_ids`` all -1), which no objective takes targets from.
+    The evaluated set is the same for any ``micro_batch`` and ``dp_world``: sum losses and target counts over the
+    batches and reduce once at the end."""
+    if micro_batch < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
+        raise ValueError(f"need micro_batch >= 1 and 0 <= dp_rank < dp_world, got micro_batch={micro_batch} "
+                         f"dp_rank={dp_rank} dp_world={dp_world}")
     plan = EvalPlan(index.num_samples, micro_batch, dp_rank, dp_world)
     yield from _data_loader(_MicroBatches(index, plan, max_open_shards), num_workers, False, 2)

@@ -86,8 +86,8 @@ class TrainPlan:
 @dataclass(frozen=True)
 class EvalPlan:
     """Every sample once, in stored order. Round t covers [t*M*W, (t+1)*M*W) and rank r takes the r-th slice of M,
-    so all ranks get the same number of micro-batches (ZeRO-3's forward is a collective); those of the last round
-    may be short or empty."""
+    so all ranks get the same number of micro-batches (ZeRO-3's forward is a collective). Slots past the last
+    sample are -1: the loader fills them with padding rows, so every micro-batch has M rows."""
 
     num_samples: int
     micro_batch: int
@@ -99,5 +99,5 @@ class EvalPlan:
         return -(-self.num_samples // (self.micro_batch * self.dp_world))
 
     def sample_ids(self, j: int) -> np.ndarray:
-        first = (j * self.dp_world + self.dp_rank) * self.micro_batch
-        return np.arange(min(first, self.num_samples), min(first + self.micro_batch, self.num_samples))
+        ids = np.arange(self.micro_batch) + (j * self.dp_world + self.dp_rank) * self.micro_batch
+        return np.where(ids < self.num_samples, ids, -1)
