@@ -1,0 +1,309 @@
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from pipeline.data.build import BuildConfig, BuildError, run_job
+from pipeline.data.format import UNMASKABLE, parse_key
+from pipeline.data.manifest import INDEX, MANIFEST, job_manifest_name, load_index
+from pipeline.data.masking import mask_targets
+from pipeline.data.shards import ShardReader
+from pipeline.data.sources import RecordStats, read_texts
+from pipeline.tokenizer import load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEQ_LEN = 128
+
+
+def write_jsonl_zst(path, docs) -> str:
+    lines = b"".join(json.dumps({"text": d, "meta": {"redpajama_set_name": "test"}}).encode() + b"\n" for d in docs)
+    with open(path, "wb") as f:
+        f.write(zstandard.ZstdCompressor().compress(lines))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> str:
+    import io
+
+    import sentencepiece as spm
+
+    rng = random.Random(1)
+    text = [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(3000)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model, vocab_size=400,
+                                   model_type="bpe", pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+                                   user_defined_symbols=["<mask>"], minloglevel=2)
+    path = tmp_path_factory.mktemp("tok") / "sp.model"
+    path.write_bytes(model.getvalue())
+    return str(path)
+
+
+WORDS = [w for w in """the of and to in a is that for it as was with be by on not he i this are or his from at which
+but have an they you were her she there been one all we their has would when if so no will more can who said
+what up out into them some could him time than only new other about two may then do first any like now my such
+over our even most made after also did many before must through back years where much your way well down should
+because each just those people how too little state good very make world still own see men work long get here
+between both life being under never day same another know while last might us great old year off come since
+against go came right used take three""".split()]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[str]:
+    """Five input files of documents from 1 to ~4 samples long (so documents cross and fill samples)."""
+    rng = random.Random(0)
+    root = tmp_path_factory.mktemp("corpus")
+    paths = []
+    for f in range(5):
+        docs = [" ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 20, 60, 400]))) for _ in range(40 + 7 * f)]
+        paths.append(write_jsonl_zst(root / f"part-{f}.jsonl.zst", docs))
+    return paths
+
+
+def config(inputs, tok, out, **kw) -> BuildConfig:
+    kw = {"seq_len": SEQ_LEN, "samples_per_shard": 8, "progress": False, "remainder": "pad", **kw}
+    return BuildConfig(inputs=tuple(inputs), tokenizer=tok, output=str(out), **kw)
+
+
+def read_samples(directory) -> dict:
+    index = load_index(str(directory))
+    samples = {}
+    for shard in index.shards:
+        for sample in ShardReader(shard.path):
+            assert sample.key not in samples
+            samples[sample.key] = sample
+    return samples
+
+
+def dir_bytes(directory) -> dict[str, bytes]:
+    return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
+
+
+@pytest.fixture(scope="module")
+def built(corpus, tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("built") / "shards"
+    summary = run_job(config(corpus, tokenizer, out))
+    return out, summary
+
+
+def test_token_stream_roundtrip(built, corpus, tokenizer):
+    out, summary = built
+    tok = load_tokenizer(tokenizer)
+    samples = read_samples(out)
+    assert summary.samples == len(samples) and summary.files == len(corpus)
+    for file_index, path in enumerate(corpus):
+        docs = list(read_texts(path, "text", RecordStats()))
+        expected = [t for ids in tok.encode_batch(docs) for t in [tok.bos_id, *ids, tok.eos_id]]
+        keys = sorted(k for k in samples if parse_key(k)[0] == file_index)
+        assert [parse_key(k)[1] for k in keys] == list(range(len(keys)))
+        got = [int(t) for k in keys for s, e in samples[k].segments for t in samples[k].input_ids[s:e]]
+        assert got == expected
+        last = samples[keys[-1]]
+        assert (last.input_ids[last.segments[-1, 1]:] == tok.pad_id).all()  # the padded remainder
+    assert not [n for n in os.listdir(out) if ".tmp" in n or n.startswith(".work")]
+    assert summary.tokens == sum(int((s.segments[:, 1] - s.segments[:, 0]).sum()) for s in samples.values())
+
+
+def test_two_runs_give_identical_bytes(built, corpus, tokenizer, tmp_path):
+    out, _ = built
+    run_job(config(corpus, tokenizer, tmp_path / "again"))
+    assert dir_bytes(out) == dir_bytes(tmp_path / "again")
+
+
+def test_three_jobs_equal_one_job(built, corpus, tokenizer, tmp_path):
+    out, _ = built
+    summaries = [run_job(config(corpus, tokenizer, tmp_path / "k3", num_jobs=3, job_index=k, workers=2))
+                 for k in range(3)]
+    assert [s.index_written for s in summaries] == [False, False, True]
+    assert [s.files for s in summaries] == [2, 2, 1]
+    one, three = read_samples(out), read_samples(tmp_path / "k3")
+    assert one.keys() == three.keys()
+    for key, a in one.items():
+        b = three[key]
+        for name in ("input_ids", "segments", "mask_rank", "mask_draw", "spans"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=f"{key}.{name}")
+    index = json.load(open(tmp_path / "k3" / INDEX))
+    assert index["num_samples"] == len(one)
+    assert {s["name"][:11] for s in index["shards"]} == {"shard-00000", "shard-00001", "shard-00002"}
+
+
+def test_mask_plan(built, tokenizer):
+    out, _ = built
+    tok = load_tokenizer(tokenizer)
+    special = np.asarray(tok.special_ids)
+    eligible = masked = 0
+    for sample in read_samples(out).values():
+        rank = torch.from_numpy(sample.mask_rank.astype(np.int32))
+        low, high = mask_targets(rank, 0.2).numpy(), mask_targets(rank, 0.4).numpy()
+        n = int((sample.mask_rank != UNMASKABLE).sum())
+        assert abs(high.sum() - 0.4 * n) <= 0.5
+        assert not (low & ~high).any(), "the 20% mask must be a subset of the 40% mask"
+        assert not np.isin(sample.input_ids[high], special).any()
+        assert (sample.mask_rank[np.isin(sample.input_ids, special)] == UNMASKABLE).all()
+        eligible += n
+        masked += int(high.sum())
+    assert abs(masked / eligible - 0.4) <= 0.01
+
+
+def test_spans_in_bounds_and_inside_one_document(built):
+    out, _ = built
+    span_tokens = doc_tokens = 0
+    for sample in read_samples(out).values():
+        sample.validate(SEQ_LEN)
+        for s, e in sample.spans:
+            assert 8 <= e - s <= 32
+            assert ((sample.segments[:, 0] < s) & (e <= sample.segments[:, 1])).any()
+        span_tokens += int((sample.spans[:, 1] - sample.spans[:, 0]).sum())
+        doc_tokens += int((sample.segments[:, 1] - sample.segments[:, 0]).sum())
+    assert 0.08 < span_tokens / doc_tokens < 0.2
+
+
+def test_rerun_of_finished_job_does_nothing(built, corpus, tokenizer, capsys):
+    out, _ = built
+    before = {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}
+    summary = run_job(config(corpus, tokenizer, out))
+    assert summary.already_complete and summary.samples == 0
+    assert "already complete" in capsys.readouterr().err
+    assert before == {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}
+
+
+def test_other_settings_are_refused(built, corpus, tokenizer):
+    out, _ = built
+    with pytest.raises(BuildError) as e:
+        run_job(config(corpus, tokenizer, out, seq_len=64, seed=3))
+    message = str(e.value)
+    assert "seq_len: directory has 128, this run has 64" in message
+    assert "seed: directory has 0, this run has 3" in message
+    assert "new --output" in message
+    with pytest.raises(BuildError, match="built with --num-jobs 1, this run has --num-jobs 2"):
+        run_job(config(corpus, tokenizer, out, num_jobs=2))
+
+
+def test_same_samples_from_parquet_and_hf_dataset(corpus, tokenizer, tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = list(read_texts(corpus[0], "text", RecordStats()))
+    pq.write_table(pa.table({"body": docs}), tmp_path / "in.parquet")
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(tmp_path / "in_ds"))
+    runs = {}
+    for name, src, field in [("zst", corpus[0], "text"), ("parquet", str(tmp_path / "in.parquet"), "body"),
+                             ("hf", str(tmp_path / "in_ds"), "body")]:
+        run_job(config([src], tokenizer, tmp_path / name, text_field=field))
+        runs[name] = read_samples(tmp_path / name)
+    for name in ("parquet", "hf"):
+        assert runs[name].keys() == runs["zst"].keys()
+        for key, sample in runs["zst"].items():
+            np.testing.assert_array_equal(runs[name][key].input_ids, sample.input_ids)
+            np.testing.assert_array_equal(runs[name][key].mask_rank, sample.mask_rank)
+
+
+def bad_file(path, kind: str) -> str:
+    rng = random.Random(3)
+    good = [json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 80)))}).encode()
+            for i in range(3000)]
+    lines = {"not_json": good[:150] + [b"{oops"] + good[150:],
+             "missing_field": good[:150] + [json.dumps({"txt": "x"}).encode()] + good[150:],
+             "not_string": good[:150] + [json.dumps({"text": ["x"]}).encode()] + good[150:],
+             "empty": good[:150] + [json.dumps({"text": " \t"}).encode()] + good[150:],
+             "invalid_utf8": good[:150] + [b'{"text": "\xff\xfe"}'] + good[150:]}
+    if kind == "corrupt_file":
+        data = zstandard.ZstdCompressor().compress(b"\n".join(good) + b"\n")
+        with open(path, "wb") as f:
+            f.write(data[: len(data) * 3 // 4])
+    else:
+        with open(path, "wb") as f:
+            f.write(b"\n".join(lines[kind]) + b"\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("not_json", "bad.jsonl:151: invalid JSON"),
+    ("missing_field", "bad.jsonl:151: field 'text' is missing or null"),
+    ("not_string", "bad.jsonl:151: field 'text' is list"),
+    ("empty", "bad.jsonl:151: empty document"),
+    ("invalid_utf8", "bad.jsonl:151: byte 10 is not UTF-8"),
+    ("corrupt_file", "bad.jsonl.zst:"),
+])
+def test_bad_records_are_counted_and_reported(tokenizer, tmp_path, capsys, kind, message):
+    path = bad_file(tmp_path / ("bad.jsonl.zst" if kind == "corrupt_file" else "bad.jsonl"), kind)
+    out = tmp_path / "out"
+    run_job(config([path], tokenizer, out))
+    err = capsys.readouterr().err
+    assert message in err and "warning:" in err
+    files = json.load(open(out / job_manifest_name(0)))["files"]
+    assert files[0]["bad_records"] == {kind: 1}
+
+
+def test_too_many_bad_records_fail_after_committing_earlier_files(corpus, tokenizer, tmp_path):
+    bad = tmp_path / "z-bad.jsonl"  # sorts after the corpus files
+    bad.write_bytes(b"\n".join([json.dumps({"text": "fine"}).encode()] * 10 + [b"not json"] * 2) + b"\n")
+    out = tmp_path / "out"
+    inputs = [*corpus[:2], str(bad)]
+    with pytest.raises(BuildError) as e:
+        run_job(config(inputs, tokenizer, out))
+    assert f"{bad}: 2 bad records of 12 (16.67%: not_json 2) exceed --max-bad-fraction 0.01" in str(e.value)
+    assert "the 2 files before it are committed" in str(e.value)
+    job = json.load(open(out / job_manifest_name(0)))
+    assert not job["complete"] and [f["file_index"] for f in job["files"]] == [0, 1]
+    assert not [n for n in os.listdir(out) if n.startswith(".work")]
+    # max_bad_fraction is not a shard setting: a re-run with a higher limit continues with the bad file
+    summary = run_job(config(inputs, tokenizer, out, max_bad_fraction=0.2))
+    assert summary.files == 1 and summary.bad_records == 2
+    reference = tmp_path / "ref"
+    run_job(config(inputs, tokenizer, reference, max_bad_fraction=0.2))
+    assert dir_bytes(out) == dir_bytes(reference)
+
+
+def test_missing_tokenizer(corpus, tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data_prep/build_shards.py"), "--input", corpus[0],
+                           "--tokenizer", str(tmp_path / "nope"), "--output", str(tmp_path / "out")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert str(tmp_path / "nope") in proc.stderr and proc.stderr.startswith("error:")
+
+
+def test_slurm_array_defaults():
+    sys.path.insert(0, os.path.join(ROOT, "data_prep"))
+    from build_shards import slurm_array_defaults
+
+    assert slurm_array_defaults({}) == (0, 1)
+    assert slurm_array_defaults({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "4",
+                                 "SLURM_ARRAY_TASK_COUNT": "8"}) == (3, 8)
+
+
+def test_sigkill_midway_then_rerun_is_identical(tokenizer, tmp_path):
+    rng = random.Random(2)
+    inputs = [write_jsonl_zst(tmp_path / f"in-{f:02d}.jsonl.zst",
+                              [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(5, 600))) for _ in range(150)])
+              for f in range(12)]
+    cmd = [sys.executable, os.path.join(ROOT, "data_prep/build_shards.py"), "--input", *inputs, "--tokenizer",
+           tokenizer, "--seq-len", str(SEQ_LEN), "--samples-per-shard", "50", "--no-progress", "--workers", "2"]
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    subprocess.run([*cmd, "--output", str(reference)], check=True, capture_output=True)
+
+    proc = subprocess.Popen([*cmd, "--output", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job_json = killed / job_manifest_name(0)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if job_json.exists() and json.load(open(job_json))["files"]:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the job finished before it could be killed: give it more data"
+    job = json.load(open(job_json))
+    assert not job["complete"] and 0 < len(job["files"]) < len(inputs)
+
+    subprocess.run([*cmd, "--output", str(killed)], check=True, capture_output=True)
+    assert dir_bytes(killed) == dir_bytes(reference)
+    assert os.path.exists(killed / INDEX) and os.path.exists(killed / MANIFEST)
