@@ -1,0 +1,67 @@
+"""Build the model: a preset trained from scratch, or a local HF Llama/Mistral checkpoint for continued pretraining.
+
+Both routes go through ``AutoModelForCausalLM.from_config`` / ``from_pretrained``: under ZeRO-3 (while the trainer
+keeps a ``transformers.integrations.HfDeepSpeedConfig`` alive) transformers wraps construction in
+``deepspeed.zero.Init`` and still runs its own weight init, so a 7B model never materialises whole on one rank.
+A bare ``deepspeed.zero.Init`` around the model class would silently skip that init.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from pipeline.model.presets import PRESETS, get_preset
+
+ARCHITECTURES = ("llama", "mistral")
+
+
+def build_model(spec: str, vocab_size: int, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
+                pad_token_id: int | None = None, bos_token_id: int | None = None,
+                eos_token_id: int | None = None) -> PreTrainedModel:
+    """A causal-LM model from a preset name or a local HF checkpoint directory.
+
+    ``vocab_size`` and the special ids come from the data's tokenizer: a preset takes them, a checkpoint must agree
+    with them (a model trained on another tokenizer would read the shards' ids as different tokens).
+    """
+    if spec in PRESETS:
+        config = get_preset(spec).to_config(vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+                                            eos_token_id=eos_token_id)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    path = Path(spec)
+    if not path.is_dir():
+        hint = f"no such directory {spec!r}" if ("/" in spec or spec.startswith(".")) else f"unknown preset {spec!r}"
+        raise ValueError(f"{hint}; the model must be one of the presets {', '.join(PRESETS)} "
+                         "or a local HF checkpoint directory (Llama or Mistral architecture)")
+    config = load_checkpoint_config(path)
+    check_tokenizer_compatible(config, path, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    config.use_cache = False
+    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                attn_implementation=attn_implementation, local_files_only=True)
+
+
+def load_checkpoint_config(path: Path) -> PretrainedConfig:
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not an HF checkpoint: it has no config.json (expected a save_pretrained "
+                         "directory with config.json and model weights)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type not in ARCHITECTURES:
+        raise ValueError(f"{path}/config.json: model_type {config.model_type!r} is not supported; "
+                         f"supported architectures: {', '.join(ARCHITECTURES)}")
+    return config
+
+
+def check_tokenizer_compatible(config: PretrainedConfig, path: Path, vocab_size: int, *,
+                               bos_token_id: int | None, eos_token_id: int | None) -> None:
+    """Raise when the checkpoint's vocabulary or special ids differ from the data tokenizer's."""
+    fix = "tokenize the data with this checkpoint's tokenizer (or pick a checkpoint trained with the data's)"
+    if config.vocab_size != vocab_size:
+        raise ValueError(f"{path}/config.json: vocab_size {config.vocab_size} does not match the data tokenizer's "
+                         f"{vocab_size}; {fix}")
+    for name, ours in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
+        theirs = getattr(config, name, None)
+        accepted = theirs if isinstance(theirs, list) else [theirs]
+        if ours is not None and theirs is not None and ours not in accepted:
+            raise ValueError(f"{path}/config.json: {name} {theirs} differs from the data tokenizer's {ours}; {fix}")

@@ -1,0 +1,60 @@
+"""Named model shapes: the Llama-style architectures of the MLM-vs-CLM study plus a tiny one for tests.
+
+Every preset shares the block design of that study (no biases, RMSNorm, SwiGLU, RoPE theta 10 000, untied
+embeddings); only the sizes differ. The vocabulary is not part of a preset: it comes from the data's tokenizer.
+See docs/models.md for where each shape comes from and its parameter count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import LlamaConfig
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    num_layers: int
+    hidden_size: int
+    ffn_size: int
+    num_heads: int
+    num_kv_heads: int
+    max_seq_len: int = 2048
+
+    def to_config(self, vocab_size: int, **special_ids: int | None) -> LlamaConfig:
+        """The HF config of this shape; ``special_ids`` are ``pad_token_id``, ``bos_token_id``, ``eos_token_id``."""
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.ffn_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.hidden_size // self.num_heads,
+            max_position_embeddings=self.max_seq_len,
+            hidden_act="silu",
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=False,
+            use_cache=False,
+            **special_ids,
+        )
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "tiny": ModelPreset(num_layers=2, hidden_size=64, ffn_size=128, num_heads=4, num_kv_heads=2, max_seq_len=256),
+    "210m": ModelPreset(num_layers=12, hidden_size=768, ffn_size=3072, num_heads=12, num_kv_heads=12),
+    "610m": ModelPreset(num_layers=26, hidden_size=1152, ffn_size=4096, num_heads=18, num_kv_heads=6),
+    # The paper's appendix table as recapped (28 layers, FFN 5120), not the reverted EuroBERT commit (26, 4096).
+    "1b": ModelPreset(num_layers=28, hidden_size=1728, ffn_size=5120, num_heads=18, num_kv_heads=6),
+    "7b": ModelPreset(num_layers=32, hidden_size=4096, ffn_size=11008, num_heads=32, num_kv_heads=32),
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)} "
+                         "(or give a local HF checkpoint directory)")
+    return PRESETS[name]
