@@ -1,0 +1,30 @@
+"""Training objectives by name; the trainer builds them once from the experiment config and the tokenizer."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from pipeline.objectives.base import MaskedObjective, Masking, MaskingConfig, Objective, ObjectiveOutput
+from pipeline.objectives.clm import CLM
+from pipeline.objectives.mlm import MLM
+from pipeline.objectives.mntp import MNTP
+
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (CLM, MLM, MNTP)}
+
+__all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "Masking", "MaskingConfig", "Objective", "ObjectiveOutput",
+           "make_objective"]
+
+
+def make_objective(name: str, *, tokenizer: PreTrainedTokenizerBase | None = None,
+                   masking: MaskingConfig | None = None, document_masking: bool = True) -> Objective:
+    """The objective ``name``; masked objectives resolve ``masking`` (default ``MaskingConfig()``) with ``tokenizer``."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; known objectives: {', '.join(OBJECTIVES)}")
+    cls = OBJECTIVES[name]
+    if not issubclass(cls, MaskedObjective):
+        if masking is not None:
+            raise ValueError(f"objective {name!r} does not mask its input; remove its masking settings")
+        return cls(document_masking=document_masking)
+    if tokenizer is None:
+        raise ValueError(f"objective {name!r} needs the tokenizer to resolve its mask token")
+    return cls(Masking.resolve(masking or MaskingConfig(), tokenizer), document_masking=document_masking)

@@ -1,0 +1,149 @@
+"""What every objective shares: the output triple, masking settings, and the target-only LM head.
+
+An objective turns a ``Batch`` into ``Targets`` (model input, which positions predict, and what they predict).
+The base class then runs the decoder body for hidden states, gathers the predicting positions, and runs the LM
+head and cross-entropy on those alone: at 30 % masking and a 128k vocabulary the full head would be most of the
+step's cost. Losses are returned as sums with their target counts so the trainer can normalise over all ranks
+and micro-batches of an optimizer step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from pipeline.data.batch import Batch
+from pipeline.data.masking import POLICIES, apply_mask_plan
+from pipeline.model.attention import attention_inputs
+
+
+@dataclass
+class ObjectiveOutput:
+    loss_sum: torch.Tensor  # fp32 scalar: sum of cross-entropy over the targets (differentiable)
+    num_targets: torch.Tensor  # int64 scalar
+    num_correct: torch.Tensor  # int64 scalar: targets whose arg-max prediction is right
+
+
+@dataclass
+class Targets:
+    input_ids: torch.Tensor  # [B, L] what the model reads (masked for MLM/MNTP)
+    source: torch.Tensor  # bool [B, L] positions whose hidden state makes a prediction
+    labels: torch.Tensor  # [B, L] the token predicted at each source position (meaningless elsewhere)
+
+
+@dataclass(frozen=True)
+class MaskingConfig:
+    """Masking settings of MLM/MNTP. ``mask_token=None`` uses the tokenizer's mask token; otherwise it names an
+    ordinary vocabulary token, e.g. "_" (LLM2Vec's choice for Llama, whose tokenizer has no mask token)."""
+
+    ratio: float = 0.3
+    policy: str = "80-10-10"
+    mask_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"masking.policy: {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if not 0.0 < self.ratio <= 1.0:
+            raise ValueError(f"masking.ratio: {self.ratio} is outside (0, 1]")
+
+
+def resolve_mask_id(tokenizer: PreTrainedTokenizerBase, mask_token: str | None) -> int:
+    name = getattr(tokenizer, "name_or_path", "the tokenizer")
+    if mask_token is None:
+        if tokenizer.mask_token_id is None:
+            raise ValueError(f"tokenizer {name} has no mask token; set masking.mask_token to an ordinary token "
+                             "such as '_' (LLM2Vec's choice for Llama)")
+        return tokenizer.mask_token_id
+    vocab = tokenizer.get_vocab()
+    if mask_token not in vocab:
+        raise ValueError(f"masking.mask_token {mask_token!r} is not a single token of tokenizer {name}; pick a "
+                         "token string exactly as it appears in tokenizer.get_vocab() (e.g. '_')")
+    return vocab[mask_token]
+
+
+def ordinary_token_ids(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """Ids that 80-10-10 may draw as random replacements: every id but special and added special tokens."""
+    special = set(tokenizer.all_special_ids)
+    special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return torch.tensor([i for i in range(len(tokenizer)) if i not in special], dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Masking:
+    """``MaskingConfig`` resolved once against the tokenizer."""
+
+    ratio: float
+    policy: str
+    mask_id: int
+    random_pool: torch.Tensor
+
+    @classmethod
+    def resolve(cls, config: MaskingConfig, tokenizer: PreTrainedTokenizerBase) -> Masking:
+        return cls(config.ratio, config.policy, resolve_mask_id(tokenizer, config.mask_token),
+                   ordinary_token_ids(tokenizer))
+
+    def apply(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(masked input ids, bool targets) from the batch's precomputed plan."""
+        return apply_mask_plan(batch.input_ids, batch.mask_rank, batch.mask_draw, self.ratio, self.policy,
+                               self.mask_id, self.random_pool)
+
+
+def next_token_targets(input_ids: torch.Tensor, labels_from: torch.Tensor, doc_ids: torch.Tensor,
+                       is_target: torch.Tensor) -> Targets:
+    """Targets where position i-1 predicts token i of ``labels_from`` (CLM and MNTP).
+
+    Token i is a target only when ``is_target[i]`` and position i-1 lies in the same document: the first token of
+    a document (its BOS, or a continued piece's first token) has no predecessor to predict it from.
+    """
+    source = torch.zeros_like(is_target)
+    source[:, :-1] = is_target[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, 1:] >= 0)
+    labels = torch.zeros_like(labels_from)
+    labels[:, :-1] = labels_from[:, 1:]
+    return Targets(input_ids=input_ids, source=source, labels=labels)
+
+
+def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets) -> ObjectiveOutput:
+    """LM head and cross-entropy on the source positions only (fp32 logits)."""
+    labels = targets.labels[targets.source]
+    logits = lm_head(hidden[targets.source]).float()
+    return ObjectiveOutput(loss_sum=F.cross_entropy(logits, labels, reduction="sum"),
+                           num_targets=targets.source.sum(),
+                           num_correct=(logits.argmax(-1) == labels).sum())
+
+
+class Objective(ABC):
+    """One training objective: an attention mode plus a way to pick inputs and targets from a batch."""
+
+    name: ClassVar[str]
+    attention_mode: ClassVar[str]
+
+    def __init__(self, document_masking: bool = True):
+        self.document_masking = document_masking
+
+    @abstractmethod
+    def targets(self, batch: Batch) -> Targets: ...
+
+    def num_targets(self, batch: Batch) -> int:
+        """Targets in ``batch`` without running the model, so the trainer can normalise a step before backward."""
+        return int(self.targets(batch).source.sum())
+
+    def __call__(self, model: PreTrainedModel, batch: Batch) -> ObjectiveOutput:
+        targets = self.targets(batch)
+        attention = attention_inputs(self.attention_mode, batch.doc_ids, batch.span_ids,
+                                     document_masking=self.document_masking,
+                                     attn_implementation=model.config._attn_implementation, dtype=model.dtype)
+        hidden = model.model(input_ids=targets.input_ids, **attention).last_hidden_state
+        return target_loss(model.lm_head, hidden, targets)
+
+
+class MaskedObjective(Objective):
+    """An objective that reads the batch's masking plan (MLM, MNTP)."""
+
+    def __init__(self, masking: Masking, document_masking: bool = True):
+        super().__init__(document_masking)
+        self.masking = masking

@@ -1,0 +1,15 @@
+"""Masked language modelling: bidirectional attention, each masked token predicted at its own position."""
+
+from __future__ import annotations
+
+from pipeline.data.batch import Batch
+from pipeline.objectives.base import MaskedObjective, Targets
+
+
+class MLM(MaskedObjective):
+    name = "mlm"
+    attention_mode = "bidirectional"
+
+    def targets(self, batch: Batch) -> Targets:
+        masked_ids, is_target = self.masking.apply(batch)
+        return Targets(input_ids=masked_ids, source=is_target, labels=batch.input_ids)
