@@ -1,0 +1,59 @@
+"""Resolve the user's DeepSpeed JSON against the experiment: ``"auto"`` fields are filled, conflicts are errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from pipeline.config import ConfigError
+from pipeline.train.experiment import ExperimentConfig
+
+
+def load_ds_config(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path}: DeepSpeed config not found (see ds_configs/ for examples)") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+
+
+def _fill(cfg: dict, path: str, value, source: str, where: str) -> None:
+    *parents, leaf = path.split(".")
+    node = cfg
+    for p in parents:
+        node = node.setdefault(p, {})
+    current = node.get(leaf, "auto")
+    if current == "auto":
+        node[leaf] = value
+    elif current != value and not (isinstance(value, float) and isinstance(current, (int, float))
+                                   and abs(current - value) <= 1e-12 * max(1.0, abs(value))):
+        raise ConfigError(f"{where}: {path} = {current!r} contradicts the experiment's {source} = {value!r}; "
+                          f"set it to \"auto\" (or remove it) so the experiment decides, or change {source}")
+
+
+def resolve_ds_config(ds: dict, exp: ExperimentConfig, world_size: int, bf16: bool, where: str = "DeepSpeed config") -> dict:
+    cfg = copy.deepcopy(ds)
+    t, o = exp.train, exp.optim
+    _fill(cfg, "train_micro_batch_size_per_gpu", t.micro_batch, "train.micro_batch", where)
+    _fill(cfg, "gradient_accumulation_steps", t.grad_accum, "train.grad_accum", where)
+    _fill(cfg, "train_batch_size", t.micro_batch * t.grad_accum * world_size,
+          f"train.micro_batch x train.grad_accum x world size ({world_size})", where)
+    _fill(cfg, "gradient_clipping", o.grad_clip, "optim.grad_clip", where)
+    _fill(cfg, "bf16.enabled", bf16, "model.dtype", where)
+    if cfg.get("fp16", {}).get("enabled") is True:
+        raise ConfigError(f"{where}: fp16.enabled is not supported (loss scaling is not wired); use bf16 via model.dtype")
+    if "scheduler" in cfg:
+        raise ConfigError(f"{where}: remove the \"scheduler\" section; the learning-rate schedule comes from "
+                          f"the experiment's optim section")
+    if "optimizer" in cfg:  # DeepSpeed builds it (e.g. CPU Adam for offload); its hyper-parameters are ours
+        params = f"{where} optimizer.params"
+        _fill(cfg, "optimizer.params.lr", o.lr, "optim.lr", params)
+        _fill(cfg, "optimizer.params.betas", list(o.betas), "optim.betas", params)
+        _fill(cfg, "optimizer.params.eps", o.eps, "optim.eps", params)
+        _fill(cfg, "optimizer.params.weight_decay", o.weight_decay, "optim.weight_decay", params)
+    zero = cfg.get("zero_optimization", {})
+    if zero.get("stage") == 3:
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    return cfg

@@ -1,0 +1,166 @@
+"""The training loop: model, objectives, data and DeepSpeed meet here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import yaml
+
+from pipeline.config import to_dict
+from pipeline.data.loader import ShardLoader, check_compatible
+from pipeline.data.manifest import DatasetIndex, write_json_atomic
+from pipeline.model.flops import flops_per_token
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train import checkpoint
+from pipeline.train.ds_config import resolve_ds_config
+from pipeline.train.experiment import ExperimentConfig
+from pipeline.train.metrics import MetricsLogger, device_peak_tflops, memory_gib
+from pipeline.train.model import build_train_model, export_hf
+from pipeline.train.phases import build_objectives
+from pipeline.train.schedule import lr_multiplier
+from pipeline.train.shards import ensure_shards
+
+
+class StopRequest:
+    """SIGUSR1/SIGTERM (SLURM's warning before the time limit, or a requeue) ask for a checkpoint and a clean exit."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """All ranks must stop at the same step: a signal may reach them at different times."""
+        flag = torch.tensor([float(self.requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _write_run_files(exp: ExperimentConfig, ds: dict, lm, index: DatasetIndex) -> dict[str, dict]:
+    files = {"experiment.json": to_dict(exp), "ds_config.json": ds, "model_config.json": lm.config.to_dict(),
+             "data.json": {"directory": index.directory, "fingerprint": index.fingerprint,
+                           "samples": index.num_samples, "tokens": index.num_tokens}}
+    os.makedirs(exp.run_dir, exist_ok=True)
+    for name, obj in files.items():
+        write_json_atomic(os.path.join(exp.run_dir, name), obj)
+    with open(os.path.join(exp.run_dir, "experiment.yaml"), "w") as f:
+        yaml.safe_dump(to_dict(exp), f, sort_keys=False)
+    return files
+
+
+def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
+    device = _device()
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(exp.train.seed)
+
+    tokenizer = load_tokenizer(exp.data.tokenizer)
+    index = ensure_shards(exp.data, tokenizer, rank)
+    check_compatible(index, tokenizer.info.fingerprint, exp.data.seq_len)
+
+    bf16 = exp.model.dtype == "bf16" or (exp.model.dtype == "auto" and device.type == "cuda")
+    ds = resolve_ds_config(ds_raw, exp, world, bf16)
+    lm, model, optimizer = build_train_model(exp, ds, tokenizer, bf16)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, exp.train.steps, exp.optim)) if optimizer is not None else None
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=None if optimizer
+                                           else [p for p in model.parameters() if p.requires_grad],
+                                           lr_scheduler=scheduler, config=ds)
+    if scheduler is None:  # DeepSpeed built the optimizer (ds config "optimizer" section)
+        engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            engine.optimizer, lambda s: lr_multiplier(s, exp.train.steps, exp.optim))
+    run_files = _write_run_files(exp, ds, lm, index) if rank == 0 else {}
+    loader = ShardLoader(index, exp.train.micro_batch, exp.train.grad_accum, rank, world, exp.train.seed,
+                         exp.data.num_workers, pin_memory=device.type == "cuda")
+
+    step, tokens_seen = 0, 0
+    resume_step = checkpoint.latest_complete(exp.run_dir) if exp.checkpoint.resume else None
+    if resume_step is not None:
+        client = checkpoint.load(engine, exp.run_dir, resume_step)
+        step, tokens_seen = client["step"], client["tokens_seen"]
+        loader.load_state_dict(client["loader"])
+        if rank == 0:
+            print(f"resumed from {checkpoint.tag_for(step)} (epoch {loader.epoch}, {tokens_seen:,} tokens seen)")
+
+    objectives = [build_objectives(p, tokenizer) for p in exp.phases]
+    metrics = MetricsLogger(exp.run_dir, rank == 0, exp.train.log_every)
+    stop = StopRequest()
+    flops_tok = flops_per_token(lm.config, exp.data.seq_len)
+    peak = device_peak_tflops(exp.train.peak_tflops)
+    last_saved = step
+
+    def save() -> None:
+        nonlocal last_saved
+        client = {"step": step, "tokens_seen": tokens_seen, "loader": loader.state_dict(),
+                  "phase": exp.phase_at(max(step - 1, 0))[1].name}
+        checkpoint.save(engine, exp.run_dir, step, client, run_files, exp.checkpoint.keep_last,
+                        exp.checkpoint.keep_every)
+        last_saved = step
+
+    t_start = time.time()
+    while step < exp.train.steps:
+        t0 = time.time()
+        phase_idx, phase = exp.phase_at(step)
+        batches = [b.to(device) for b in loader.next_global_step()]
+        t_data = time.time() - t0
+        step_objs = objectives[phase_idx]
+        # Normalise every objective by its target count over the whole global batch (all ranks, all micro-steps):
+        # DeepSpeed averages gradients over ranks and micro-steps, hence the world * grad_accum factor.
+        counts = torch.tensor([float(sum(o.objective.num_targets(b) for b in batches)) for o in step_objs])
+        dist.all_reduce(counts)
+        counts = counts.clamp(min=1)
+        sums = torch.zeros(len(step_objs), 2)
+        scale = world * exp.train.grad_accum
+        for batch in batches:
+            loss = 0.0
+            for i, o in enumerate(step_objs):
+                loss_sum, _, num_correct = engine(o.objective, batch)
+                loss = loss + o.weight * loss_sum * scale / counts[i].to(loss_sum.device)
+                sums[i] += torch.stack([loss_sum.detach().float().cpu(), num_correct.float().cpu()])
+            engine.backward(loss)
+            lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside step()
+            engine.step()
+        step += 1
+        dist.all_reduce(sums)
+        step_tokens = sum(int((b.doc_ids >= 0).sum()) for b in batches) * world  # same count on every rank
+        tokens_seen += step_tokens
+        dt = time.time() - t0
+        scalars = {f"loss/{o.name}": (sums[i, 0] / counts[i]).item() for i, o in enumerate(step_objs)}
+        scalars |= {f"acc/{o.name}": (sums[i, 1] / counts[i]).item() for i, o in enumerate(step_objs)}
+        scalars |= {"optim/lr": lr, "optim/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                    "perf/tokens_per_s": step_tokens / dt, "perf/data_wait": t_data / dt,
+                    "perf/mfu": flops_tok * step_tokens / dt / (world * peak * 1e12) if peak else 0.0,
+                    "perf/mem_gib": memory_gib(), "progress/tokens_seen": tokens_seen, "progress/phase": phase_idx}
+        metrics.log(step, scalars, phase.name)
+        stopping = stop.agreed() or step == exp.train.stop_at_step
+        if step % exp.checkpoint.every == 0 or stopping or step == exp.train.steps:
+            save()
+        if stopping:
+            if rank == 0:
+                print(f"stopped at step {step} (checkpointed); start the same command again to resume")
+            break
+
+    if last_saved != step:
+        save()
+    summary = {"steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(time.time() - t_start, 1),
+               "run_dir": exp.run_dir}
+    if step == exp.train.steps and exp.train.export_hf:
+        summary["hf_export"] = export_hf(engine, lm, tokenizer, os.path.join(exp.run_dir, "hf"))
+    metrics.close(summary)
+    loader.close()
+    return summary

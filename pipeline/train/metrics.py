@@ -1,0 +1,63 @@
+"""Rank-0 progress: one compact line every N steps, the same numbers as TensorBoard scalars, a final summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+import torch
+
+# Dense bf16 peak TFLOPs per device, for the MFU estimate (matched as a substring of the device name).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0,
+               "MI250X": 383.0, "MI300X": 1307.0, "V100": 125.0}
+
+
+def device_peak_tflops(configured: float) -> float:
+    if configured > 0:
+        return configured
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        return next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
+    return 0.0
+
+
+def memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, enabled: bool, log_every: int):
+        self.enabled, self.log_every = enabled, log_every
+        self.writer = None
+        self.history_path = os.path.join(run_dir, "metrics.jsonl")
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self.start = time.time()
+
+    def log(self, step: int, scalars: dict[str, float], phase: str) -> None:
+        """Every step goes to metrics.jsonl and TensorBoard; every ``log_every``-th step also to stdout."""
+        if not self.enabled:
+            return
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+        with open(self.history_path, "a") as f:
+            f.write(json.dumps({"step": step, "phase": phase, **scalars}) + "\n")
+        if step % self.log_every == 0 or step == 1:
+            losses = " ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in scalars.items() if k.startswith("loss/"))
+            mfu = f" mfu={scalars['perf/mfu']:.1%}" if scalars.get("perf/mfu") else ""
+            print(f"step {step:>6} [{phase}] {losses} lr={scalars['optim/lr']:.2e} "
+                  f"gnorm={scalars['optim/grad_norm']:.3f} tok/s={scalars['perf/tokens_per_s']:,.0f}{mfu} "
+                  f"data_wait={scalars['perf/data_wait']:.1%} mem={scalars['perf/mem_gib']:.2f}GiB", flush=True)
+
+    def close(self, summary: dict) -> None:
+        if not self.enabled:
+            return
+        self.writer.flush()
+        self.writer.close()
+        print("summary: " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)

@@ -1,0 +1,80 @@
+"""The model as the DeepSpeed engine sees it, its optimizer, and the HF export."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.integrations import HfDeepSpeedConfig
+
+from pipeline.model.build import build_model
+from pipeline.train.experiment import ExperimentConfig
+
+PREFIX = "lm."
+
+
+class TrainModule(nn.Module):
+    """Runs an objective inside the engine's forward, so ZeRO-3's hooks see one forward per objective even though
+    objectives call the base model and the LM head separately (the head runs on target positions only)."""
+
+    def __init__(self, lm: PreTrainedModel):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, objective, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = objective(self.lm, batch)  # a plain tuple: ZeRO-3's hooks only see through tuples, lists and dicts
+        return out.loss_sum, out.num_targets, out.num_correct
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (not on norms); ZeRO-3 partitioned params keep their shape in ``ds_shape``."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool):
+    """(HF model, engine module, client optimizer or None when the DeepSpeed config builds its own)."""
+    stage3 = ds.get("zero_optimization", {}).get("stage") == 3
+    # Alive during construction, HfDeepSpeedConfig makes from_config/from_pretrained build the model partitioned
+    # under zero.Init while keeping HF's weight init; kept on the module so the weak reference stays valid.
+    hf_ds = HfDeepSpeedConfig(ds) if stage3 else None
+    info = tokenizer.info
+    lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
+                     attn_implementation=exp.model.attn_implementation, pad_token_id=info.pad_id,
+                     bos_token_id=info.bos_id, eos_token_id=info.eos_id)
+    lm.config.use_cache = False
+    if exp.model.activation_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = TrainModule(lm)
+    model._hf_ds_config = hf_ds
+    o = exp.optim
+    optimizer = None if "optimizer" in ds else torch.optim.AdamW(
+        _param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    return lm, model, optimizer
+
+
+def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str) -> str:
+    """Write an HF ``save_pretrained`` directory (weights, config, tokenizer) from an engine-module state dict."""
+    sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in state_dict.items()}
+    os.makedirs(out, exist_ok=True)
+    lm.config.use_cache = True
+    lm.save_pretrained(out, state_dict=sd, safe_serialization=True)
+    tokenizer.hf.save_pretrained(out)
+    return out
+
+
+def export_hf(engine, lm: PreTrainedModel, tokenizer, out: str) -> str:
+    """Collective under ZeRO-3: every rank takes part in the 16-bit gather; rank 0 writes."""
+    stage3 = engine.zero_optimization_stage() == 3
+    sd = engine._zero3_consolidated_16bit_state_dict() if stage3 else engine.module.state_dict()
+    if dist.get_rank() == 0:
+        save_hf(lm, sd, tokenizer, out)
+        print(f"exported HF model to {out}", flush=True)
+    dist.barrier()
+    return out

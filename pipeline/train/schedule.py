@@ -1,0 +1,24 @@
+"""Learning-rate schedules as a multiplier of the peak lr, a pure function of the optimizer step."""
+
+from __future__ import annotations
+
+import math
+
+from pipeline.train.experiment import OptimConfig
+
+
+def lr_multiplier(step: int, total: int, cfg: OptimConfig) -> float:
+    """``step`` counts optimizer steps from 0. Warmup is linear from 1/warmup to 1."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    floor = cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "wsd":
+        decay_start = total - cfg.decay_steps
+        if step < decay_start:
+            return 1.0
+        frac = (step - decay_start) / max(1, cfg.decay_steps)
+        return 1.0 - (1.0 - floor) * min(1.0, frac)
+    frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
