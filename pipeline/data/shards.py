@@ -8,7 +8,7 @@ import tarfile
 
 import numpy as np
 
-from pipeline.data.format import Sample, add_member, index_path, read_sample, sample_members
+from pipeline.data.format import Sample, index_path, member_bytes, read_sample, sample_members, tar_end
 
 
 def fsync_replace(tmp: str, final: str) -> None:
@@ -28,21 +28,27 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
 class ShardWriter:
     """Writes one shard under a temporary name; ``close()`` fsyncs and renames it, so a killed job never leaves a
     file with the final name that is incomplete. The tar is plain POSIX ustar with fixed metadata (byte-reproducible),
-    readable by ``webdataset.WebDataset``."""
+    readable by ``webdataset.WebDataset``, and hashed as it is written."""
 
     def __init__(self, path: str):
         self.path = path
         self.tmp = path + ".tmp"
-        self._tar = tarfile.open(self.tmp, mode="w", format=tarfile.USTAR_FORMAT)
+        self._f = open(self.tmp, "wb")
+        self._sha = hashlib.sha256()
+        self._size = 0
         self._offsets: list[tuple[int, int]] = []
         self.num_tokens = 0
 
+    def _append(self, data: bytes) -> None:
+        self._f.write(data)
+        self._sha.update(data)
+        self._size += len(data)
+
     def write(self, sample: Sample) -> None:
-        start = self._tar.offset
-        for name, data in sample_members(sample):
-            add_member(self._tar, name, data)
-        self._offsets.append((start, self._tar.offset - start))
-        self.num_tokens += int(sum(e - s for s, e in sample.segments))
+        blob = b"".join(member_bytes(name, data) for name, data in sample_members(sample))
+        self._offsets.append((self._size, len(blob)))
+        self._append(blob)
+        self.num_tokens += int((sample.segments[:, 1] - sample.segments[:, 0]).sum())
 
     @property
     def num_samples(self) -> int:
@@ -50,17 +56,18 @@ class ShardWriter:
 
     def close(self) -> dict:
         """Finish the shard; returns its manifest entry (name, samples, tokens, bytes, sha256)."""
-        self._tar.close()
+        self._append(tar_end(self._size))
+        self._f.close()
         idx_tmp = index_path(self.path) + ".tmp"
         with open(idx_tmp, "wb") as f:
             np.save(f, np.asarray(self._offsets, dtype=np.int64).reshape(-1, 2), allow_pickle=False)
         fsync_replace(idx_tmp, index_path(self.path))
         fsync_replace(self.tmp, self.path)
         return {"name": os.path.basename(self.path), "samples": self.num_samples, "tokens": self.num_tokens,
-                "bytes": os.path.getsize(self.path), "sha256": sha256_file(self.path)}
+                "bytes": self._size, "sha256": self._sha.hexdigest()}
 
     def abort(self) -> None:
-        self._tar.close()
+        self._f.close()
         for p in (self.tmp, index_path(self.path) + ".tmp"):
             if os.path.exists(p):
                 os.remove(p)
