@@ -1,15 +1,15 @@
-"""CLM / MLM / MNTP against direct reference computations on a random tiny Llama and real packed samples."""
+"""CLM / MLM / MNTP against direct reference computations on a random tiny Llama and real packed text."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import BOS, EOS, PAD, SPECIAL_IDS
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
 from pipeline.data.batch import Batch, collate
@@ -19,45 +19,48 @@ from pipeline.data.packing import Packer
 from pipeline.model.attention import attention_inputs
 from pipeline.model.build import build_model
 from pipeline.objectives import CLM, MLM, MNTP, Masking, MaskingConfig, make_objective
-from pipeline.objectives.base import ordinary_token_ids, resolve_mask_id
+from pipeline.objectives.base import resolve_mask_id
+from pipeline.tokenizer import Tokenizer, load_tokenizer
 
-VOCAB, SEQ_LEN = 64, 32
-UNDERSCORE = 4  # the "_" token of the test vocabulary
+SEQ_LEN = 32
+TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "sample", "tokenizer")
+TEXTS = [  # Shakespeare, public domain: short and long documents, so some cross sample boundaries
+    "To be, or not to be, that is the question.",
+    "Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune, or to take arms "
+    "against a sea of troubles and by opposing end them.",
+    "All the world's a stage.",
+    "Now is the winter of our discontent made glorious summer by this sun of York.",
+    "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him.",
+    "The lady doth protest too much, methinks.",
+    "If music be the food of love, play on; give me excess of it, that, surfeiting, the appetite may sicken, "
+    "and so die.",
+    "Brevity is the soul of wit.",
+]
 
 
-def make_tokenizer(with_mask: bool = True) -> PreTrainedTokenizerFast:
-    """A real word-level tokenizer whose ids match tests/helpers.py (PAD, BOS, EOS, MASK = 0..3), then "_"."""
-    words = ["<pad>", "<s>", "</s>", "<mask>", "_"] + [f"w{i}" for i in range(5, VOCAB)]
-    backend = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="w5"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   mask_token="<mask>" if with_mask else None)
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    """The project's shipped sample tokenizer (sentencepiece, 8000 ids, with a <mask> piece)."""
+    return load_tokenizer(TOKENIZER_DIR)
 
 
-def make_batch(seed: int = 0) -> Batch:
-    """Three full packed samples (several documents, some crossing sample boundaries) and one padded sample."""
-    rng = np.random.default_rng(seed)
-    packer = Packer(SEQ_LEN, PAD, BOS, EOS, "pad")
+def make_batch(tokenizer: Tokenizer, seed: int = 0) -> Batch:
+    """Real text packed as data prep packs it: three full samples and a padded last one, with real plans."""
+    docs = tokenizer.encode_batch(TEXTS)
+    packer = Packer(SEQ_LEN, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, "pad")
     packed: list[tuple[np.ndarray, np.ndarray]] = []
-    while len(packed) < 3:
-        packed += packer.add(rng.integers(len(SPECIAL_IDS), VOCAB, size=int(rng.integers(3, 40))).tolist())
-    tail = Packer(SEQ_LEN, PAD, BOS, EOS, "pad")
-    tail.add(rng.integers(len(SPECIAL_IDS), VOCAB, size=SEQ_LEN // 2).tolist())
-    plan = PlanSettings(seed=seed, special_ids=np.array(SPECIAL_IDS), span_min=2, span_max=6)
-    samples = [make_sample(ids, segs, 0, i, plan) for i, (ids, segs) in enumerate(packed[:3] + tail.finish())]
-    return collate(samples)
+    for i in np.random.default_rng(seed).permutation(len(docs)):
+        packed += packer.add(docs[i])
+    packed += packer.finish()
+    plan = PlanSettings(seed=seed, special_ids=np.array(tokenizer.special_ids), span_min=2, span_max=6)
+    return collate([make_sample(ids, segs, 0, i, plan) for i, (ids, segs) in enumerate(packed[-4:])])
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(tokenizer):
     torch.manual_seed(0)
-    return build_model("tiny", VOCAB, attn_implementation="sdpa", pad_token_id=PAD, bos_token_id=BOS,
-                       eos_token_id=EOS)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_tokenizer()
+    return build_model("tiny", tokenizer.info.vocab_size, attn_implementation="sdpa", pad_token_id=tokenizer.pad_id,
+                       bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
 
 
 def masking(tokenizer, ratio=0.3, policy="80-10-10", mask_token=None) -> Masking:
@@ -75,15 +78,15 @@ def has_same_doc_predecessor(doc_ids: torch.Tensor) -> torch.Tensor:
     return (doc_ids >= 0) & (prev == doc_ids)
 
 
-def test_batch_is_packed_and_padded():
-    batch = make_batch()
+def test_batch_is_packed_and_padded(tokenizer):
+    batch = make_batch(tokenizer)
     assert (batch.doc_ids[3] == -1).any() and (batch.doc_ids[:3] >= 0).all()
     assert (batch.doc_ids.amax(-1)[:3] >= 1).any()  # document boundaries inside a sample
-    assert (batch.input_ids[:3, 0] != BOS).any()  # a document continued from the previous sample
+    assert (batch.input_ids[:3, 0] != tokenizer.bos_id).any()  # a document continued from the previous sample
 
 
-def test_clm_equals_transformers_shifted_loss(model):
-    batch = make_batch()
+def test_clm_equals_transformers_shifted_loss(model, tokenizer):
+    batch = make_batch(tokenizer)
     out = CLM()(model, batch)
     labels = torch.where(has_same_doc_predecessor(batch.doc_ids), batch.input_ids, -100)
     with torch.no_grad():
@@ -96,11 +99,12 @@ def test_clm_equals_transformers_shifted_loss(model):
 
 
 def test_mntp_equals_transformers_shifted_loss(model, tokenizer):
-    batch = make_batch(1)
-    objective = MNTP(masking(tokenizer, ratio=0.4, mask_token="_"))
+    batch = make_batch(tokenizer, 1)
+    objective = MNTP(masking(tokenizer, ratio=0.4, mask_token="\u2581the"))
     out = objective(model, batch)
     masked_ids, is_target = objective.masking.apply(batch)
-    assert (masked_ids[is_target] == UNDERSCORE).float().mean() > 0.5  # 80 % of targets show the mask token
+    the = tokenizer.hf.get_vocab()["\u2581the"]
+    assert (masked_ids[is_target] == the).float().mean() > 0.5  # 80 % of targets show the mask token
     labels = torch.where(is_target & has_same_doc_predecessor(batch.doc_ids), batch.input_ids, -100)
     with torch.no_grad():  # LLM2Vec: LlamaForCausalLM's own shifted loss on the masked input, bidirectional
         ref = model(input_ids=masked_ids, labels=labels, **attention(model, "bidirectional", batch))
@@ -110,11 +114,12 @@ def test_mntp_equals_transformers_shifted_loss(model, tokenizer):
 
 
 def test_mlm_equals_hand_loop(model, tokenizer):
-    batch = make_batch(2)
+    batch = make_batch(tokenizer, 2)
     objective = MLM(masking(tokenizer, ratio=0.3, policy="mask"))
     out = objective(model, batch)
     masked_ids, is_target = objective.masking.apply(batch)
-    assert (masked_ids[is_target] == 3).all() and (masked_ids[~is_target] == batch.input_ids[~is_target]).all()
+    assert (masked_ids[is_target] == tokenizer.mask_id).all()
+    assert torch.equal(masked_ids[~is_target], batch.input_ids[~is_target])
     with torch.no_grad():
         logits = model(input_ids=masked_ids, **attention(model, "bidirectional", batch)).logits
     loss, correct = 0.0, 0
@@ -128,7 +133,7 @@ def test_mlm_equals_hand_loop(model, tokenizer):
 
 @pytest.mark.parametrize("name", ["clm", "mlm", "mntp"])
 def test_target_only_head_equals_full_head(model, tokenizer, name):
-    batch = make_batch(3)
+    batch = make_batch(tokenizer, 3)
     objective = make_objective(name, tokenizer=tokenizer, masking=None if name == "clm" else MaskingConfig())
     out = objective(model, batch)
     targets = objective.targets(batch)
@@ -149,14 +154,15 @@ def test_targets_on_a_hand_written_batch(tokenizer):
     everything = masking(tokenizer, ratio=1.0, policy="mask")
     mlm, mntp, clm = MLM(everything).targets(batch), MNTP(everything).targets(batch), CLM().targets(batch)
     assert mlm.source.tolist() == [[True] * 6] and mlm.labels.tolist() == ids.tolist()
-    assert (mlm.input_ids == 3).all() and (mntp.input_ids == 3).all() and torch.equal(clm.input_ids, ids)
+    assert (mlm.input_ids == tokenizer.mask_id).all() and (mntp.input_ids == tokenizer.mask_id).all()
+    assert torch.equal(clm.input_ids, ids)
     for t in (mntp, clm):
         assert t.source.tolist() == [[True, True, False, True, True, False]]
         assert t.labels[t.source].tolist() == [6, 7, 9, 10]
 
 
 def test_ratio_follows_the_plan(tokenizer):
-    batch = make_batch(4)
+    batch = make_batch(tokenizer, 4)
     maskable = (batch.mask_rank != int(UNMASKABLE)).sum(-1)
     for ratio in (0.2, 0.5):
         source = MLM(masking(tokenizer, ratio=ratio)).targets(batch).source
@@ -164,8 +170,9 @@ def test_ratio_follows_the_plan(tokenizer):
 
 
 def test_padding_rows_give_no_targets_and_finite_gradients(model, tokenizer):
-    batch = make_batch(5)
-    padding = Batch(input_ids=torch.full_like(batch.input_ids, PAD), doc_ids=torch.full_like(batch.doc_ids, -1),
+    batch = make_batch(tokenizer, 5)
+    padding = Batch(input_ids=torch.full_like(batch.input_ids, tokenizer.pad_id),
+                    doc_ids=torch.full_like(batch.doc_ids, -1),
                     mask_rank=torch.full_like(batch.mask_rank, int(UNMASKABLE)), mask_draw=batch.mask_draw,
                     span_ids=batch.span_ids, keys=batch.keys)
     for objective in (CLM(), MLM(masking(tokenizer)), MNTP(masking(tokenizer))):
@@ -180,15 +187,19 @@ def test_padding_rows_give_no_targets_and_finite_gradients(model, tokenizer):
     model.zero_grad()
 
 
-def test_mask_token_resolution(tokenizer):
-    assert resolve_mask_id(tokenizer, None) == 3
-    assert resolve_mask_id(tokenizer, "_") == UNDERSCORE
-    with pytest.raises(ValueError, match="'zz' is not a single token"):
-        resolve_mask_id(tokenizer, "zz")
-    with pytest.raises(ValueError, match="has no mask token; set masking.mask_token"):
-        resolve_mask_id(make_tokenizer(with_mask=False), None)
-    pool = ordinary_token_ids(tokenizer).tolist()
-    assert pool == list(range(4, VOCAB))  # random replacements never draw special tokens
+def test_masking_resolution(tokenizer, tmp_path):
+    assert resolve_mask_id(tokenizer, None) == tokenizer.mask_id
+    assert resolve_mask_id(tokenizer, "\u2581the") == tokenizer.hf.convert_tokens_to_ids("\u2581the")
+    with pytest.raises(ValueError, match="'_' is not a single token of tokenizer .*sample/tokenizer"):
+        resolve_mask_id(tokenizer, "_")  # LLM2Vec's Llama choice does not exist in this vocabulary
+    words = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "_", "a", "b"])}
+    PreTrainedTokenizerFast(tokenizer_object=BackendTokenizer(WordLevel(words, unk_token="<unk>")), unk_token="<unk>",
+                            bos_token="<s>", eos_token="</s>").save_pretrained(tmp_path)
+    no_mask = load_tokenizer(str(tmp_path))
+    with pytest.raises(ValueError, match="has no mask token; set masking.mask_token to an ordinary token such as '_'"):
+        resolve_mask_id(no_mask, None)
+    resolved = Masking.resolve(MaskingConfig(mask_token="_"), no_mask)
+    assert resolved.mask_id == 3 and resolved.random_pool.tolist() == [3, 4, 5]  # never a special token
 
 
 def test_bad_configuration(tokenizer):
@@ -202,6 +213,6 @@ def test_bad_configuration(tokenizer):
         MaskingConfig(policy="90-10")
     with pytest.raises(ValueError, match=r"masking.ratio: 0.0 is outside \(0, 1\]"):
         MaskingConfig(ratio=0.0)
-    objective = make_objective("mntp", tokenizer=tokenizer, masking=MaskingConfig(mask_token="_"),
+    objective = make_objective("mntp", tokenizer=tokenizer, masking=MaskingConfig(ratio=0.2, policy="mask"),
                                document_masking=False)
-    assert objective.masking.mask_id == UNDERSCORE and objective.document_masking is False
+    assert objective.masking.mask_id == tokenizer.mask_id and objective.document_masking is False

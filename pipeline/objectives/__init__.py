@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
-
 from pipeline.objectives.base import MaskedObjective, Masking, MaskingConfig, Objective, ObjectiveOutput
 from pipeline.objectives.clm import CLM
 from pipeline.objectives.mlm import MLM
 from pipeline.objectives.mntp import MNTP
+from pipeline.tokenizer import Tokenizer
 
 OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (CLM, MLM, MNTP)}
 
@@ -15,7 +14,7 @@ __all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "Masking", "MaskingConfig", "Obje
            "make_objective"]
 
 
-def make_objective(name: str, *, tokenizer: PreTrainedTokenizerBase | None = None,
+def make_objective(name: str, *, tokenizer: Tokenizer | None = None,
                    masking: MaskingConfig | None = None, document_masking: bool = True) -> Objective:
     """The objective ``name``; masked objectives resolve ``masking`` (default ``MaskingConfig()``) with ``tokenizer``."""
     if name not in OBJECTIVES:

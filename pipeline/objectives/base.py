@@ -15,11 +15,12 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from pipeline.data.batch import Batch
 from pipeline.data.masking import POLICIES, apply_mask_plan
 from pipeline.model.attention import attention_inputs
+from pipeline.tokenizer import Tokenizer
 
 
 @dataclass
@@ -52,25 +53,17 @@ class MaskingConfig:
             raise ValueError(f"masking.ratio: {self.ratio} is outside (0, 1]")
 
 
-def resolve_mask_id(tokenizer: PreTrainedTokenizerBase, mask_token: str | None) -> int:
-    name = getattr(tokenizer, "name_or_path", "the tokenizer")
+def resolve_mask_id(tokenizer: Tokenizer, mask_token: str | None) -> int:
     if mask_token is None:
-        if tokenizer.mask_token_id is None:
-            raise ValueError(f"tokenizer {name} has no mask token; set masking.mask_token to an ordinary token "
-                             "such as '_' (LLM2Vec's choice for Llama)")
-        return tokenizer.mask_token_id
-    vocab = tokenizer.get_vocab()
+        if tokenizer.mask_id is None:
+            raise ValueError(f"tokenizer {tokenizer.path} has no mask token; set masking.mask_token to an ordinary "
+                             "token such as '_' (LLM2Vec's choice for Llama)")
+        return tokenizer.mask_id
+    vocab = tokenizer.hf.get_vocab()
     if mask_token not in vocab:
-        raise ValueError(f"masking.mask_token {mask_token!r} is not a single token of tokenizer {name}; pick a "
-                         "token string exactly as it appears in tokenizer.get_vocab() (e.g. '_')")
+        raise ValueError(f"masking.mask_token {mask_token!r} is not a single token of tokenizer {tokenizer.path}; "
+                         "pick a token string exactly as it appears in its vocabulary (e.g. '_' for Llama)")
     return vocab[mask_token]
-
-
-def ordinary_token_ids(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
-    """Ids that 80-10-10 may draw as random replacements: every id but special and added special tokens."""
-    special = set(tokenizer.all_special_ids)
-    special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-    return torch.tensor([i for i in range(len(tokenizer)) if i not in special], dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -83,9 +76,10 @@ class Masking:
     random_pool: torch.Tensor
 
     @classmethod
-    def resolve(cls, config: MaskingConfig, tokenizer: PreTrainedTokenizerBase) -> Masking:
+    def resolve(cls, config: MaskingConfig, tokenizer: Tokenizer) -> Masking:
+        """Random replacements draw from the tokenizer's regular (non-special) ids, as data prep defines them."""
         return cls(config.ratio, config.policy, resolve_mask_id(tokenizer, config.mask_token),
-                   ordinary_token_ids(tokenizer))
+                   torch.from_numpy(tokenizer.regular_ids()).long())
 
     def apply(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(masked input ids, bool targets) from the batch's precomputed plan."""
