@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -72,6 +73,7 @@ class Tokenizer:
                  sp_model: str | None):
         self.path = path
         self.hf = hf
+        self.files = files
         self._sp = _matching_sentencepiece(hf, sp_model) if sp_model else None
         self.backend = "sentencepiece" if self._sp is not None else "hf"
         special = set(hf.all_special_ids) | {i for i, t in hf.added_tokens_decoder.items() if t.special}
@@ -94,6 +96,16 @@ class Tokenizer:
         if self._sp is not None:
             return self._sp.encode(list(texts))
         return _hf_encode(self.hf, list(texts))
+
+    def save(self, out: str) -> None:
+        """Write the tokenizer into directory ``out``. An HF directory's files are copied verbatim, so the copy keeps
+        the fingerprint and a model exported with it still matches shards made with the original."""
+        os.makedirs(out, exist_ok=True)
+        if os.path.isdir(self.path):
+            for name, src in self.files.items():
+                shutil.copyfile(src, os.path.join(out, name))
+        else:
+            self.hf.save_pretrained(out)
 
     def decode(self, ids) -> str:
         return self.hf.decode([int(i) for i in ids])

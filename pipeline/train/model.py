@@ -65,7 +65,7 @@ def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str) -> str:
     os.makedirs(out, exist_ok=True)
     lm.config.use_cache = True
     lm.save_pretrained(out, state_dict=sd, safe_serialization=True)
-    tokenizer.hf.save_pretrained(out)
+    tokenizer.save(out)
     return out
 
 

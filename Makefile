@@ -1,0 +1,38 @@
+# The two commands of the README: `make demo` (set up, then train the embedded default on CPU with 2 ZeRO-3 ranks)
+# and `make test` (set up, then run the test suite). Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+NPROC ?= 2
+CPU_ENV := DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
+
+.PHONY: setup demo test test-slow lint bench clean-runs
+
+setup: $(VENV)/.installed
+
+# torch first: `pip install torch==2.13.0` takes the local CPU wheel here instead of a multi-GB CUDA build
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(CPU_ENV) PATH=$(abspath $(BIN)):$$PATH deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/zero3.json
+
+test: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/python bench/bench_build_shards.py
+	$(BIN)/python bench/bench_target_head.py
+
+clean-runs:
+	rm -rf runs

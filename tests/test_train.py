@@ -1,0 +1,208 @@
+"""The trainer end to end: real DeepSpeed ZeRO-3 engines in 2 CPU processes (gloo), real shards of the sample
+corpus, the shipped tokenizer and a tiny HF Llama.
+
+One 20-step baseline run is shared by the tests: it is compared with a plain single-process PyTorch loop, with a
+run stopped at step 10 and resumed, with a run killed while writing its step-20 checkpoint, and its HF export is
+reloaded. Each launch costs ~15 s of process start-up, so launches are few.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError
+from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.loader import ShardLoader
+from pipeline.data.manifest import load_index
+from pipeline.model.build import build_model
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train import checkpoint
+from pipeline.train.ds_config import resolve_ds_config
+from pipeline.train.experiment import SAMPLE_DIR, load_experiment
+from pipeline.train.model import TrainModule, _param_groups
+from pipeline.train.phases import build_objectives
+from pipeline.train.schedule import lr_multiplier
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
+STEPS = 20
+COMMON = ["train.steps=20", "train.micro_batch=2", "train.grad_accum=2", "train.log_every=5",
+          "optim.warmup_steps=4", "optim.decay_steps=6", "optim.lr=0.002", "checkpoint.every=10",
+          "data.seq_len=64", "data.build_if_missing=false"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(run_dir: str, shards: str, init: str, *overrides: str, nproc: int = 2, env: dict | None = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
+           os.path.join(REPO, "launch", "train.py"), "--config", os.path.join(REPO, "ds_configs", "zero3.json")]
+    for item in (*COMMON, f"run_dir={run_dir}", f"data.shards={shards}", f"model.init={init}", *overrides):
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def losses(run_dir: str) -> dict[int, float]:
+    """Step -> loss; a step logged twice (replayed after a resume) keeps its last value."""
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            out[rec["step"]] = rec["loss/clm"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("data") / "shards")
+    run_job(BuildConfig(inputs=(os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),), tokenizer=TOKENIZER,
+                        output=out, seq_len=64, samples_per_shard=512, progress=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def init_dir(tmp_path_factory) -> str:
+    """A tiny random HF checkpoint, so the ZeRO-3 run and the reference loop start from the same weights (and a
+    run started from an HF checkpoint directory is exercised)."""
+    tok = load_tokenizer(TOKENIZER)
+    torch.manual_seed(0)
+    lm = build_model("tiny", tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
+                     eos_token_id=tok.info.eos_id)
+    out = str(tmp_path_factory.mktemp("init") / "tiny")
+    lm.save_pretrained(out)
+    tok.hf.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, shards, init_dir) -> str:
+    run_dir = str(tmp_path_factory.mktemp("runs") / "baseline")
+    launch(run_dir, shards, init_dir)
+    return run_dir
+
+
+def reference_losses(shards: str, init_dir: str, run_dir: str) -> tuple[list[float], torch.nn.Module]:
+    """The same training in one process with plain PyTorch: AdamW, LambdaLR, clip-by-norm, no DeepSpeed."""
+    exp = load_experiment(None, [*COMMON, f"model.init={init_dir}", f"data.shards={shards}"])
+    tok = load_tokenizer(TOKENIZER)
+    lm = build_model(init_dir, tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
+                     eos_token_id=tok.info.eos_id)
+    model = TrainModule(lm)
+    opt = torch.optim.AdamW(_param_groups(model, exp.optim.weight_decay), lr=exp.optim.lr, betas=exp.optim.betas,
+                            eps=exp.optim.eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, STEPS, exp.optim))
+    # 2 ranks x micro 2 x accumulation 2 = global batch 8: one rank taking micro-batches of 4, twice
+    loader = ShardLoader(load_index(shards), micro_batch=4, grad_accum=2, seed=exp.train.seed)
+    (clm,) = build_objectives(exp.phases[0], tok)
+    out = []
+    for _ in range(STEPS):
+        batches = loader.next_global_step()
+        count = sum(clm.objective.num_targets(b) for b in batches)
+        total = 0.0
+        for b in batches:
+            loss_sum, _, _ = model(clm.objective, b)
+            (loss_sum / count).backward()
+            total += loss_sum.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), exp.optim.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out.append(total / count)
+    return out, lm
+
+
+def test_zero3_two_ranks_match_single_process_loop(baseline, shards, init_dir):
+    ours = losses(baseline)
+    ref, _ = reference_losses(shards, init_dir, baseline)
+    assert sorted(ours) == list(range(1, STEPS + 1)) or len(ours) == STEPS
+    for step, expected in enumerate(ref, start=1):
+        assert abs(ours[step] - expected) <= 1e-5 * abs(expected), (step, ours[step], expected)
+    assert ours[STEPS] < ours[1] - 0.5  # it learns
+
+
+def test_resume_is_bit_identical_and_survives_kill_during_checkpoint(baseline, shards, init_dir, tmp_path):
+    run_dir = str(tmp_path / "resumed")
+    first = launch(run_dir, shards, init_dir, "train.stop_at_step=10")
+    assert "stopped at step 10" in first.stdout
+    assert checkpoint.complete_steps(run_dir) == [10]
+    # resume, and die (SIGKILL on rank 0) after DeepSpeed wrote step 20 but before the completion marker
+    killed = launch(run_dir, shards, init_dir, env={"PIPELINE_FAULT": "kill-before-marker:20"}, check=False)
+    assert killed.returncode != 0
+    assert "resumed from step00000010" in killed.stdout
+    assert os.path.isdir(os.path.join(checkpoint.checkpoint_root(run_dir), "step00000020"))
+    assert checkpoint.latest_complete(run_dir) == 10  # the half-written step 20 is not trusted
+    final = launch(run_dir, shards, init_dir)
+    assert "resumed from step00000010" in final.stdout
+    assert checkpoint.latest_complete(run_dir) == STEPS
+    ours, base = losses(run_dir), losses(baseline)
+    assert [ours[s] for s in range(11, STEPS + 1)] == [base[s] for s in range(11, STEPS + 1)]
+
+
+def _logits(model_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(model_dir).eval()(input_ids=ids).logits
+
+
+def test_hf_export_reloads_with_the_trained_weights(baseline, shards, init_dir, tmp_path):
+    ids = torch.randint(4, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
+    exported = _logits(os.path.join(baseline, "hf"), ids)
+    offline = str(tmp_path / "offline")
+    subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", baseline,
+                    "--output", offline], check=True, capture_output=True, cwd=REPO)
+    assert torch.equal(_logits(offline, ids), exported)  # 16-bit gather in training == offline fp32 export
+    _, reference = reference_losses(shards, init_dir, baseline)
+    with torch.no_grad():
+        ref = reference.eval()(input_ids=ids).logits
+    assert torch.allclose(exported, ref, atol=1e-3), (exported - ref).abs().max()
+    assert not torch.allclose(_logits(init_dir, ids), exported, atol=1e-3)  # training changed the weights
+    tok = load_tokenizer(os.path.join(baseline, "hf"))
+    assert tok.info.fingerprint == load_tokenizer(TOKENIZER).info.fingerprint
+
+
+def test_export_without_checkpoint_says_so(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", str(tmp_path),
+                           "--output", str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
+
+
+def test_ds_config_auto_fields_and_conflicts():
+    exp = load_experiment(None, ["train.micro_batch=3", "train.grad_accum=2"])
+    ds = resolve_ds_config({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                            "zero_optimization": {"stage": 3}}, exp, world_size=4, bf16=False)
+    assert ds["train_batch_size"] == 24 and ds["gradient_accumulation_steps"] == 2 and ds["bf16"]["enabled"] is False
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu = 8 contradicts.*train.micro_batch"):
+        resolve_ds_config({"train_micro_batch_size_per_gpu": 8}, exp, world_size=1, bf16=False)
+    with pytest.raises(ConfigError, match="scheduler"):
+        resolve_ds_config({"scheduler": {"type": "WarmupLR"}}, exp, world_size=1, bf16=False)
+    with pytest.raises(ConfigError, match="optimizer.params.lr"):
+        resolve_ds_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, exp, world_size=1, bf16=False)
+
+
+def test_experiment_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"phases.0.objectives.0.name: 'bert' is not allowed; choose one of"):
+        load_experiment(None, ["phases=[{objectives: [{name: bert}]}]"])
+    with pytest.raises(ConfigError, match=r"train.stepz: unknown key"):
+        load_experiment(None, ["train.stepz=3"])
+    with pytest.raises(ConfigError, match="shares must sum to 1"):
+        load_experiment(None, ["phases=[{share: 0.5, objectives: [{name: clm}]}]"])
+    exp = load_experiment(None, ["train.steps=100", "phases=[{share: 0.25, objectives: [{name: clm}]}, "
+                                 "{share: 0.75, objectives: [{name: mlm, ratio: 0.4}]}]"])
+    assert exp.phase_starts() == [0, 25]
+    assert exp.phase_at(24)[1].name == "clm" and exp.phase_at(25)[1].name == "mlm"
