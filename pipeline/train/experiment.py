@@ -73,14 +73,14 @@ class OptimConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     schedule: Literal["wsd", "cosine", "constant"] = "wsd"
-    warmup_steps: int = 20
-    decay_steps: int = 50  # wsd: length of the final linear decay
+    warmup_steps: int = 30
+    decay_steps: int = 60  # wsd: length of the final linear decay
     min_lr_ratio: float = 0.0  # lr at the end of the decay, as a fraction of lr
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
+    steps: int = 300
     micro_batch: int = 4  # samples per rank per micro-step
     grad_accum: int = 1
     seed: int = 0

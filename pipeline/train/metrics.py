@@ -60,4 +60,38 @@ class MetricsLogger:
             return
         self.writer.flush()
         self.writer.close()
+        summary["loss_plot"] = plot_losses(self.history_path, os.path.join(os.path.dirname(self.history_path),
+                                                                           "loss.png"))
         print("summary: " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
+
+
+def plot_losses(history_path: str, out: str) -> str:
+    """loss.png: every objective's loss against the step (a resumed run's replayed steps keep their last value),
+    with the phase boundaries marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_step: dict[int, dict] = {}
+    with open(history_path) as f:
+        for line in f:
+            rec = json.loads(line)
+            by_step[rec["step"]] = rec
+    steps = sorted(by_step)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in sorted({k for r in by_step.values() for k in r if k.startswith("loss/")}):
+        xs = [s for s in steps if key in by_step[s]]
+        ax.plot(xs, [by_step[s][key] for s in xs], label=key.split("/", 1)[1])
+    for prev, cur in zip(steps, steps[1:]):
+        if by_step[cur]["phase"] != by_step[prev]["phase"]:
+            ax.axvline(cur, color="grey", linestyle=":")
+            ax.text(cur, ax.get_ylim()[1], f" {by_step[cur]['phase']}", va="top", fontsize=8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats per target token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
