@@ -207,8 +207,10 @@ def test_bad_configuration(tokenizer):
         make_objective("nsp")
     with pytest.raises(ValueError, match="'clm' does not mask"):
         make_objective("clm", masking=MaskingConfig())
-    with pytest.raises(ValueError, match="'mlm' needs the tokenizer"):
+    with pytest.raises(TypeError, match="'mlm' needs the data's pipeline.tokenizer.Tokenizer.*got NoneType"):
         make_objective("mlm")
+    with pytest.raises(TypeError, match="got PreTrainedTokenizerFast"):
+        make_objective("mlm", tokenizer=tokenizer.hf)
     with pytest.raises(ValueError, match="masking.policy: '90-10' is not one of 80-10-10, mask"):
         MaskingConfig(policy="90-10")
     with pytest.raises(ValueError, match=r"masking.ratio: 0.0 is outside \(0, 1\]"):

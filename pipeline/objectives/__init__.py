@@ -24,6 +24,7 @@ def make_objective(name: str, *, tokenizer: Tokenizer | None = None,
         if masking is not None:
             raise ValueError(f"objective {name!r} does not mask its input; remove its masking settings")
         return cls(document_masking=document_masking)
-    if tokenizer is None:
-        raise ValueError(f"objective {name!r} needs the tokenizer to resolve its mask token")
+    if not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"objective {name!r} needs the data's pipeline.tokenizer.Tokenizer (load_tokenizer(path)) "
+                        f"to resolve its mask token and random-replacement ids, got {type(tokenizer).__name__}")
     return cls(Masking.resolve(masking or MaskingConfig(), tokenizer), document_masking=document_masking)
