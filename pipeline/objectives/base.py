@@ -111,13 +111,26 @@ def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets
 
 
 class Objective(ABC):
-    """One training objective: an attention mode plus a way to pick inputs and targets from a batch."""
+    """One training objective: an attention mode plus a way to pick inputs and targets from a batch.
+
+    The trainer's contract, which objectives other than token prediction (contrastive ones) implement directly:
+    ``source`` names the shards it reads, ``attach`` adds trainable heads before the engine is built,
+    ``num_targets(batch)`` counts targets without the model, and ``__call__(model, batch)`` returns an
+    ``ObjectiveOutput`` -- or, for an objective that computes several losses from one forward pass, a dict of
+    them by name, with ``num_targets`` returning a dict of the same names.
+    """
 
     name: ClassVar[str]
     attention_mode: ClassVar[str]
+    source: ClassVar[str] = "packed"  # "packed": the packed training shards; "units": sentence-unit shards
 
     def __init__(self, document_masking: bool = True):
         self.document_masking = document_masking
+
+    def attach(self, model: PreTrainedModel) -> None:
+        """Register the objective's own trainable modules on ``model`` (called once, before DeepSpeed wraps it).
+        Token objectives have none."""
+        return None
 
     @abstractmethod
     def targets(self, batch: Batch) -> Targets: ...

@@ -21,6 +21,8 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes per rank; the order does not depend on it
     build_inputs: list[str] = field(default_factory=lambda: [os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")])
     build_if_missing: bool = True  # rank 0 builds the shards from build_inputs when the directory has none
+    unit_shards: str = ""  # sentence-unit shards (build_shards.py --units) for contrastive objectives
+    unit_micro_batch: int = 0  # sentence units per rank per micro-step (0: train.micro_batch)
 
     def validate(self) -> None:
         if self.seq_len < 8:

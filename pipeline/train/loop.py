@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from pipeline.config import to_dict
+from pipeline.config import ConfigError, to_dict
 from pipeline.data.loader import ShardLoader, check_compatible
-from pipeline.data.manifest import DatasetIndex, write_json_atomic
+from pipeline.data.manifest import DatasetIndex, load_index, write_json_atomic
 from pipeline.model.flops import flops_per_token
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train import checkpoint
@@ -21,7 +21,7 @@ from pipeline.train.ds_config import resolve_ds_config
 from pipeline.train.experiment import ExperimentConfig
 from pipeline.train.metrics import MetricsLogger, device_peak_tflops, memory_gib
 from pipeline.train.model import build_train_model, export_hf
-from pipeline.train.phases import build_objectives
+from pipeline.train.phases import WeightedObjective, build_objectives
 from pipeline.train.schedule import lr_multiplier
 from pipeline.train.shards import ensure_shards
 
@@ -63,6 +63,62 @@ def _write_run_files(exp: ExperimentConfig, ds: dict, lm, index: DatasetIndex) -
     return files
 
 
+def _named(name: str, value):
+    """Objectives return one output, or a dict of named outputs when one forward pass yields several losses."""
+    return value if isinstance(value, dict) else {name: value}
+
+
+def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, list], world: int,
+               grad_accum: int) -> tuple[dict[str, float], dict[str, float], float]:
+    """One optimizer step over ``grad_accum`` micro-steps; returns (loss per output, accuracy per output, lr).
+
+    Every loss is normalised by its target count over the whole global batch (all ranks, all micro-steps), so
+    the step equals one big-batch step whatever the split; DeepSpeed averages gradients over ranks and
+    micro-steps, hence the ``world * grad_accum`` factor.
+    """
+    counts: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for o in step_objs:
+        for b in batches[o.objective.source]:
+            for name, n in _named(o.name, o.objective.num_targets(b)).items():
+                counts[name] = counts.get(name, 0.0) + float(n)
+                weights[name] = o.weight * getattr(o.objective, "loss_weights", {}).get(name, 1.0)
+    names = list(counts)
+    total = torch.tensor([counts[n] for n in names])
+    dist.all_reduce(total)
+    total = dict(zip(names, total.clamp(min=1).tolist()))
+    sums = torch.zeros(len(names), 2)
+    lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside the last step()
+    for micro in range(grad_accum):
+        loss = 0.0
+        for o in step_objs:
+            for name, (loss_sum, _, correct) in _named(o.name, engine(o.objective, batches[o.objective.source][micro])).items():
+                loss = loss + weights[name] * loss_sum * (world * grad_accum / total[name])
+                sums[names.index(name)] += torch.stack([loss_sum.detach().float().cpu(), correct.float().cpu()])
+        engine.backward(loss)
+        engine.step()
+    dist.all_reduce(sums)
+    return ({n: sums[i, 0].item() / total[n] for i, n in enumerate(names)},
+            {n: sums[i, 1].item() / total[n] for i, n in enumerate(names)}, lr)
+
+
+def _open_loaders(exp: ExperimentConfig, objectives, tokenizer, index: DatasetIndex, rank: int, world: int,
+                  pin: bool) -> dict[str, ShardLoader]:
+    """A loader per data source any phase reads: the packed shards, and the sentence units when asked for."""
+    t, d = exp.train, exp.data
+    loaders = {"packed": ShardLoader(index, t.micro_batch, t.grad_accum, rank, world, t.seed, d.num_workers,
+                                     pin_memory=pin)}
+    if any(o.objective.source == "units" for phase in objectives for o in phase):
+        if not d.unit_shards:
+            raise ConfigError("an objective reads sentence units (e.g. simcse, sscl) but data.unit_shards is empty; "
+                              "build them with data_prep/build_shards.py --units and set data.unit_shards")
+        units = load_index(d.unit_shards)
+        check_compatible(units, tokenizer.info.fingerprint, units.seq_len)
+        loaders["units"] = ShardLoader(units, d.unit_micro_batch or t.micro_batch, t.grad_accum, rank, world,
+                                       t.seed, d.num_workers, pin_memory=pin)
+    return loaders
+
+
 def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
     device = _device()
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
@@ -72,10 +128,11 @@ def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
     tokenizer = load_tokenizer(exp.data.tokenizer)
     index = ensure_shards(exp.data, tokenizer, rank)
     check_compatible(index, tokenizer.info.fingerprint, exp.data.seq_len)
+    objectives = [build_objectives(p, tokenizer) for p in exp.phases]
 
     bf16 = exp.model.dtype == "bf16" or (exp.model.dtype == "auto" and device.type == "cuda")
     ds = resolve_ds_config(ds_raw, exp, world, bf16)
-    lm, model, optimizer = build_train_model(exp, ds, tokenizer, bf16)
+    lm, model, optimizer = build_train_model(exp, ds, tokenizer, bf16, [o.objective for p in objectives for o in p])
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, exp.train.steps, exp.optim)) if optimizer is not None else None
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=None if optimizer
@@ -85,19 +142,18 @@ def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
         engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             engine.optimizer, lambda s: lr_multiplier(s, exp.train.steps, exp.optim))
     run_files = _write_run_files(exp, ds, lm, index) if rank == 0 else {}
-    loader = ShardLoader(index, exp.train.micro_batch, exp.train.grad_accum, rank, world, exp.train.seed,
-                         exp.data.num_workers, pin_memory=device.type == "cuda")
+    loaders = _open_loaders(exp, objectives, tokenizer, index, rank, world, device.type == "cuda")
 
     step, tokens_seen = 0, 0
     resume_step = checkpoint.latest_complete(exp.run_dir) if exp.checkpoint.resume else None
     if resume_step is not None:
         client = checkpoint.load(engine, exp.run_dir, resume_step)
         step, tokens_seen = client["step"], client["tokens_seen"]
-        loader.load_state_dict(client["loader"])
+        for src, state in client["loaders"].items():
+            loaders[src].load_state_dict(state)
         if rank == 0:
-            print(f"resumed from {checkpoint.tag_for(step)} (epoch {loader.epoch}, {tokens_seen:,} tokens seen)")
+            print(f"resumed from {checkpoint.tag_for(step)} ({tokens_seen:,} tokens seen)")
 
-    objectives = [build_objectives(p, tokenizer) for p in exp.phases]
     metrics = MetricsLogger(exp.run_dir, rank == 0, exp.train.log_every)
     stop = StopRequest()
     flops_tok = flops_per_token(lm.config, exp.data.seq_len)
@@ -106,7 +162,8 @@ def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
 
     def save() -> None:
         nonlocal last_saved
-        client = {"step": step, "tokens_seen": tokens_seen, "loader": loader.state_dict(),
+        client = {"step": step, "tokens_seen": tokens_seen,
+                  "loaders": {src: loader.state_dict() for src, loader in loaders.items()},
                   "phase": exp.phase_at(max(step - 1, 0))[1].name}
         checkpoint.save(engine, exp.run_dir, step, client, run_files, exp.checkpoint.keep_last,
                         exp.checkpoint.keep_every)
@@ -116,32 +173,16 @@ def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
     while step < exp.train.steps:
         t0 = time.time()
         phase_idx, phase = exp.phase_at(step)
-        batches = [b.to(device) for b in loader.next_global_step()]
-        t_data = time.time() - t0
         step_objs = objectives[phase_idx]
-        # Normalise every objective by its target count over the whole global batch (all ranks, all micro-steps):
-        # DeepSpeed averages gradients over ranks and micro-steps, hence the world * grad_accum factor.
-        counts = torch.tensor([float(sum(o.objective.num_targets(b) for b in batches)) for o in step_objs])
-        dist.all_reduce(counts)
-        counts = counts.clamp(min=1)
-        sums = torch.zeros(len(step_objs), 2)
-        scale = world * exp.train.grad_accum
-        for batch in batches:
-            loss = 0.0
-            for i, o in enumerate(step_objs):
-                loss_sum, _, num_correct = engine(o.objective, batch)
-                loss = loss + o.weight * loss_sum * scale / counts[i].to(loss_sum.device)
-                sums[i] += torch.stack([loss_sum.detach().float().cpu(), num_correct.float().cpu()])
-            engine.backward(loss)
-            lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside step()
-            engine.step()
+        batches = {src: [b.to(device) for b in loaders[src].next_global_step()]
+                   for src in sorted({o.objective.source for o in step_objs})}
+        t_data = time.time() - t0
+        losses, accuracy, lr = train_step(engine, step_objs, batches, world, exp.train.grad_accum)
         step += 1
-        dist.all_reduce(sums)
-        step_tokens = sum(int((b.doc_ids >= 0).sum()) for b in batches) * world  # same count on every rank
+        step_tokens = world * sum(int((b.doc_ids >= 0).sum()) for bs in batches.values() for b in bs)
         tokens_seen += step_tokens
         dt = time.time() - t0
-        scalars = {f"loss/{o.name}": (sums[i, 0] / counts[i]).item() for i, o in enumerate(step_objs)}
-        scalars |= {f"acc/{o.name}": (sums[i, 1] / counts[i]).item() for i, o in enumerate(step_objs)}
+        scalars = {f"loss/{n}": v for n, v in losses.items()} | {f"acc/{n}": v for n, v in accuracy.items()}
         scalars |= {"optim/lr": lr, "optim/grad_norm": float(engine.get_global_grad_norm() or 0.0),
                     "perf/tokens_per_s": step_tokens / dt, "perf/data_wait": t_data / dt,
                     "perf/mfu": flops_tok * step_tokens / dt / (world * peak * 1e12) if peak else 0.0,
@@ -162,5 +203,6 @@ def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
     if step == exp.train.steps and exp.train.export_hf:
         summary["hf_export"] = export_hf(engine, lm, tokenizer, os.path.join(exp.run_dir, "hf"))
     metrics.close(summary)
-    loader.close()
+    for loader in loaders.values():
+        loader.close()
     return summary

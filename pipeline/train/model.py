@@ -24,8 +24,11 @@ class TrainModule(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, objective, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = objective(self.lm, batch)  # a plain tuple: ZeRO-3's hooks only see through tuples, lists and dicts
+    def forward(self, objective, batch):
+        # plain tuples (in a dict for several outputs): ZeRO-3's hooks only see through tuples, lists and dicts
+        out = objective(self.lm, batch)
+        if isinstance(out, dict):
+            return {name: (o.loss_sum, o.num_targets, o.num_correct) for name, o in out.items()}
         return out.loss_sum, out.num_targets, out.num_correct
 
 
@@ -38,8 +41,9 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool):
-    """(HF model, engine module, client optimizer or None when the DeepSpeed config builds its own)."""
+def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=()):
+    """(HF model, engine module, client optimizer or None when the DeepSpeed config builds its own). Objectives
+    attach their trainable heads to the model first, so the engine partitions and optimises them too."""
     stage3 = ds.get("zero_optimization", {}).get("stage") == 3
     # Alive during construction, HfDeepSpeedConfig makes from_config/from_pretrained build the model partitioned
     # under zero.Init while keeping HF's weight init; kept on the module so the weak reference stays valid.
@@ -49,6 +53,8 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool):
                      attn_implementation=exp.model.attn_implementation, pad_token_id=info.pad_id,
                      bos_token_id=info.bos_id, eos_token_id=info.eos_id)
     lm.config.use_cache = False
+    for objective in objectives:
+        objective.attach(lm)
     if exp.model.activation_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = TrainModule(lm)

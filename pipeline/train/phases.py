@@ -19,7 +19,7 @@ def build_objectives(phase: PhaseSpec, tokenizer) -> list[WeightedObjective]:
     out = []
     for spec in phase.objectives:
         masking = None if spec.name == "clm" else MaskingConfig(spec.ratio, spec.policy, spec.mask_token)
-        obj = make_objective(spec.name, tokenizer=tokenizer.hf, masking=masking,
+        obj = make_objective(spec.name, tokenizer=tokenizer, masking=masking,
                              document_masking=phase.document_masking)
         out.append(WeightedObjective(spec.name, spec.weight, obj))
     return out
