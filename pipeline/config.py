@@ -55,7 +55,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         item = args[0] if args else Any
         out = [_coerce(item, v, f"{key}.{i}") for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out
-    if origin is dict:
+    if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return dict(value)

@@ -15,16 +15,23 @@ __all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "Masking", "MaskingConfig", "Obje
 
 
 def make_objective(name: str, *, tokenizer: Tokenizer | None = None,
-                   masking: MaskingConfig | None = None, document_masking: bool = True) -> Objective:
-    """The objective ``name``; masked objectives resolve ``masking`` (default ``MaskingConfig()``) with ``tokenizer``."""
+                   masking: MaskingConfig | None = None, document_masking: bool = True, **options) -> Objective:
+    """The objective ``name``; masked objectives resolve ``masking`` (default ``MaskingConfig()``) with ``tokenizer``.
+
+    ``options`` are the objective's own settings (the experiment's ``objectives[i].options``); objectives that
+    take any receive them with the tokenizer as keyword arguments, and an unknown option is an error naming it.
+    """
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; known objectives: {', '.join(OBJECTIVES)}")
     cls = OBJECTIVES[name]
-    if not issubclass(cls, MaskedObjective):
-        if masking is not None:
-            raise ValueError(f"objective {name!r} does not mask its input; remove its masking settings")
-        return cls(document_masking=document_masking)
-    if not isinstance(tokenizer, Tokenizer):
-        raise TypeError(f"objective {name!r} needs the data's pipeline.tokenizer.Tokenizer (load_tokenizer(path)) "
-                        f"to resolve its mask token and random-replacement ids, got {type(tokenizer).__name__}")
-    return cls(Masking.resolve(masking or MaskingConfig(), tokenizer), document_masking=document_masking)
+    if issubclass(cls, MaskedObjective):
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"objective {name!r} needs the data's pipeline.tokenizer.Tokenizer (load_tokenizer(path)) "
+                            f"to resolve its mask token and random-replacement ids, got {type(tokenizer).__name__}")
+        return cls(Masking.resolve(masking or MaskingConfig(), tokenizer), document_masking=document_masking,
+                   **options)
+    if masking is not None:
+        raise ValueError(f"objective {name!r} does not mask its input; remove its masking settings")
+    if options or getattr(cls, "takes_tokenizer", False):
+        return cls(tokenizer=tokenizer, document_masking=document_masking, **options)
+    return cls(document_masking=document_masking)

@@ -44,6 +44,7 @@ class ObjectiveSpec:
     ratio: float = 0.3  # masking ratio (mlm, mntp); any value in (0, 1] from the same shards
     policy: Literal["80-10-10", "mask"] = "80-10-10"  # replacement of masked tokens: BERT's split, or all [MASK]
     mask_token: str | None = None  # None: the tokenizer's mask token; or an ordinary token such as "_" (LLM2Vec)
+    options: dict = field(default_factory=dict)  # the objective's own settings (see docs/training.md)
 
     def validate(self) -> None:
         if self.weight <= 0:

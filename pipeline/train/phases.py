@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.objectives import MaskingConfig, Objective, make_objective
+from pipeline.config import ConfigError
+from pipeline.objectives import OBJECTIVES, MaskedObjective, MaskingConfig, Objective, make_objective
 from pipeline.train.experiment import PhaseSpec
 
 
@@ -18,8 +19,12 @@ class WeightedObjective:
 def build_objectives(phase: PhaseSpec, tokenizer) -> list[WeightedObjective]:
     out = []
     for spec in phase.objectives:
-        masking = None if spec.name == "clm" else MaskingConfig(spec.ratio, spec.policy, spec.mask_token)
-        obj = make_objective(spec.name, tokenizer=tokenizer, masking=masking,
-                             document_masking=phase.document_masking)
+        masked = issubclass(OBJECTIVES[spec.name], MaskedObjective)
+        masking = MaskingConfig(spec.ratio, spec.policy, spec.mask_token) if masked else None
+        try:
+            obj = make_objective(spec.name, tokenizer=tokenizer, masking=masking,
+                                 document_masking=phase.document_masking, **spec.options)
+        except TypeError as e:  # an option the objective does not take
+            raise ConfigError(f"phase {phase.name!r}, objective {spec.name}: bad options {spec.options} ({e})") from e
         out.append(WeightedObjective(spec.name, spec.weight, obj))
     return out
