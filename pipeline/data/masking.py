@@ -19,7 +19,10 @@ _STREAMS = {"mask": 0, "spans": 1}
 
 def sample_rng(seed: int, file_index: int, sample_index: int, stream: str) -> np.random.Generator:
     """An RNG that depends only on the sample's identity, not on job layout or processing order."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, file_index, sample_index, _STREAMS[stream]])))
+    entropy = [seed, file_index, sample_index, _STREAMS[stream]]
+    if 0 <= min(entropy) and max(entropy) < 1 << 32:  # same words as the list, but 2x faster for SeedSequence
+        entropy = np.array(entropy, dtype=np.uint32)
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
 
 
 def maskable_positions(input_ids: np.ndarray, segments: np.ndarray, special_ids: np.ndarray) -> np.ndarray:

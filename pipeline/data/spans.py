@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from itertools import accumulate
+
 import numpy as np
 
 
@@ -17,22 +20,26 @@ def sample_spans(segments: np.ndarray, rng: np.random.Generator, min_len: int, m
         raise ValueError(f"span lengths need 1 <= min_len <= max_len, got {min_len}..{max_len}")
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"span fraction must be in [0, 1), got {fraction}")
-    lengths = (segments[:, 1] - segments[:, 0]).astype(np.int64)
-    target = int(round(fraction * lengths.sum()))
-    if target == 0 or not (lengths - 1 >= min_len).any():
+    # Plain Python over the few candidates actually examined: numpy's per-call overhead cost more than the work.
+    pieces = segments.tolist()
+    lengths = [e - s for s, e in pieces]
+    total = sum(lengths)
+    target = int(round(fraction * total))
+    if target == 0 or not any(n - 1 >= min_len for n in lengths):
         return np.zeros((0, 2), dtype=np.int32)
     # Candidates are drawn in one vectorised batch: a length and a uniformly random start token each; a
     # candidate is kept when it fits its document piece and neither overlaps nor touches an earlier span.
     tries = 8 * (target // min_len + 1)
-    cand_len = rng.integers(min_len, max_len + 1, size=tries)
-    offsets = rng.integers(0, lengths.sum(), size=tries)
-    cum = np.concatenate([[0], np.cumsum(lengths)])
-    seg = np.searchsorted(cum, offsets, side="right") - 1
-    starts = segments[seg, 0] + (offsets - cum[seg])
-    taken = bytearray(int(segments[:, 1].max()) + 2)
+    cand_len = rng.integers(min_len, max_len + 1, size=tries).tolist()
+    offsets = rng.integers(0, total, size=tries).tolist()
+    cum = list(accumulate(lengths, initial=0))
+    taken = bytearray(max(e for _, e in pieces) + 2)
     spans: list[tuple[int, int]] = []
     covered = 0
-    for n, s, lo, hi in zip(cand_len.tolist(), starts.tolist(), segments[seg, 0].tolist(), segments[seg, 1].tolist()):
+    for n, offset in zip(cand_len, offsets):
+        k = bisect_right(cum, offset) - 1
+        lo, hi = pieces[k]
+        s = lo + offset - cum[k]
         n = min(n, max(min_len, target - covered))
         if s <= lo or s + n > hi or any(taken[s - 1 : s + n + 1]):
             continue
