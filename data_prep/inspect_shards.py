@@ -95,8 +95,10 @@ def verify(index: DatasetIndex, special_ids: np.ndarray, ratio: float) -> Stats:
         reader.close()
         if tokens != shard.tokens:
             raise ShardProblem(f"{where}: {tokens} tokens, the manifest says {shard.tokens}")
-        print(f"\rverified {n + 1}/{len(index.shards)} shards", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+        if sys.stderr.isatty():
+            print(f"\rverified {n + 1}/{len(index.shards)} shards", end="", file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
     for job in index.jobs:
         for f in job["files"]:
             got = sorted(samples_per_file.get(f["file_index"], []))
@@ -153,6 +155,11 @@ def token_texts(tok, ids: list[int]) -> list[str]:
     return out
 
 
+def _visible(text: str) -> str:
+    """A token's text inside a marker: line breaks and tabs escaped, an empty text (a lone space) as a middle dot."""
+    return text.replace("\n", "\\n").replace("\t", "\\t") or "\u00b7"
+
+
 def render_sample(sample: Sample, tok, ratio: float, policy: str) -> str:
     """The sample as text, masked targets as [MASK:word] / [RAND:word>new] / [KEEP:word], spans as <<...>>."""
     ids = torch.from_numpy(sample.input_ids.astype(np.int64))
@@ -173,7 +180,9 @@ def render_sample(sample: Sample, tok, ratio: float, policy: str) -> str:
             if target[pos]:
                 new = int(masked[pos])
                 kind = ("MASK" if new == tok.mask_id else "KEEP" if new == int(ids[pos]) else "RAND")
-                text = f"[{kind}:{text.strip()}" + (f">{tok.decode([new]).strip()}]" if kind == "RAND" else "]")
+                core = text.lstrip(" ")
+                replacement = f">{_visible(tok.decode([new]).strip(' '))}" if kind == "RAND" else ""
+                text = f"{text[: len(text) - len(core)]}[{kind}:{_visible(core)}{replacement}]"
             parts.append(text)
             if pos + 1 in ends:
                 parts.append(">>")

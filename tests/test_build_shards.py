@@ -1,6 +1,5 @@
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard
+from shard_corpus import HOLDOUT, ROOT, TOKENIZER, TRAIN, documents, split_corpus
 
 from pipeline.data.build import BuildConfig, BuildError, run_job
 from pipeline.data.format import UNMASKABLE, parse_key
@@ -19,53 +19,19 @@ from pipeline.data.shards import ShardReader
 from pipeline.data.sources import RecordStats, read_texts
 from pipeline.tokenizer import load_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ_LEN = 128
 
 
-def write_jsonl_zst(path, docs) -> str:
-    lines = b"".join(json.dumps({"text": d, "meta": {"redpajama_set_name": "test"}}).encode() + b"\n" for d in docs)
-    with open(path, "wb") as f:
-        f.write(zstandard.ZstdCompressor().compress(lines))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> str:
-    import io
-
-    import sentencepiece as spm
-
-    rng = random.Random(1)
-    text = [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(3000)]
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model, vocab_size=400,
-                                   model_type="bpe", pad_id=0, unk_id=1, bos_id=2, eos_id=3,
-                                   user_defined_symbols=["<mask>"], minloglevel=2)
-    path = tmp_path_factory.mktemp("tok") / "sp.model"
-    path.write_bytes(model.getvalue())
-    return str(path)
-
-
-WORDS = [w for w in """the of and to in a is that for it as was with be by on not he i this are or his from at which
-but have an they you were her she there been one all we their has would when if so no will more can who said
-what up out into them some could him time than only new other about two may then do first any like now my such
-over our even most made after also did many before must through back years where much your way well down should
-because each just those people how too little state good very make world still own see men work long get here
-between both life being under never day same another know while last might us great old year off come since
-against go came right used take three""".split()]
+def tokenizer() -> str:
+    return TOKENIZER
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> list[str]:
-    """Five input files of documents from 1 to ~4 samples long (so documents cross and fill samples)."""
-    rng = random.Random(0)
-    root = tmp_path_factory.mktemp("corpus")
-    paths = []
-    for f in range(5):
-        docs = [" ".join(rng.choice(WORDS) for _ in range(rng.choice([3, 20, 60, 400]))) for _ in range(40 + 7 * f)]
-        paths.append(write_jsonl_zst(root / f"part-{f}.jsonl.zst", docs))
-    return paths
+    """The held-out Shakespeare split dealt into five files: documents from a few lines to ~6k tokens, so samples
+    hold several documents and long documents run over many samples."""
+    return split_corpus(tmp_path_factory.mktemp("corpus"), 5)
 
 
 def config(inputs, tok, out, **kw) -> BuildConfig:
@@ -208,16 +174,17 @@ def test_same_samples_from_parquet_and_hf_dataset(corpus, tokenizer, tmp_path):
 
 
 def bad_file(path, kind: str) -> str:
-    rng = random.Random(3)
-    good = [json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randrange(1, 80)))}).encode()
-            for i in range(3000)]
-    lines = {"not_json": good[:150] + [b"{oops"] + good[150:],
-             "missing_field": good[:150] + [json.dumps({"txt": "x"}).encode()] + good[150:],
-             "not_string": good[:150] + [json.dumps({"text": ["x"]}).encode()] + good[150:],
-             "empty": good[:150] + [json.dumps({"text": " \t"}).encode()] + good[150:],
-             "invalid_utf8": good[:150] + [b'{"text": "\xff\xfe"}'] + good[150:]}
+    """300 good records with one bad one in the middle (line 151), or a .zst of 3000 good records cut short."""
+    good = [json.dumps({"text": line}).encode() for line in "\n".join(documents(HOLDOUT)).split("\n") if line.strip()]
+    lines = {"not_json": good[:150] + [b"{oops"] + good[150:300],
+             "missing_field": good[:150] + [json.dumps({"txt": "x"}).encode()] + good[150:300],
+             "not_string": good[:150] + [json.dumps({"text": ["x"]}).encode()] + good[150:300],
+             "empty": good[:150] + [json.dumps({"text": " \t"}).encode()] + good[150:300],
+             "invalid_utf8": good[:150] + [b'{"text": "\xff\xfe"}'] + good[150:300]}
     if kind == "corrupt_file":
-        data = zstandard.ZstdCompressor().compress(b"\n".join(good) + b"\n")
+        cobj = zstandard.ZstdCompressor().compressobj()  # one frame of many blocks, like a streamed .zst
+        data = b"".join(cobj.compress(b"\n".join(good[i:i + 200]) + b"\n") + cobj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+                        for i in range(0, 3000, 200))
         with open(path, "wb") as f:
             f.write(data[: len(data) * 3 // 4])
     else:
@@ -282,14 +249,11 @@ def test_slurm_array_defaults():
 
 
 def test_sigkill_midway_then_rerun_is_identical(tokenizer, tmp_path):
-    rng = random.Random(2)
-    inputs = [write_jsonl_zst(tmp_path / f"in-{f:02d}.jsonl.zst",
-                              [" ".join(rng.choice(WORDS) for _ in range(rng.randrange(5, 600))) for _ in range(150)])
-              for f in range(12)]
+    inputs = split_corpus(tmp_path, 12, TRAIN, max_chars=3000)
     cmd = [sys.executable, os.path.join(ROOT, "data_prep/build_shards.py"), "--input", *inputs, "--tokenizer",
            tokenizer, "--seq-len", str(SEQ_LEN), "--samples-per-shard", "50", "--no-progress", "--workers", "2"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    subprocess.run([*cmd, "--output", str(reference)], check=True, capture_output=True)
+    run_job(config(inputs, tokenizer, reference, remainder="drop", samples_per_shard=50, workers=2))
 
     proc = subprocess.Popen([*cmd, "--output", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     job_json = killed / job_manifest_name(0)
@@ -304,6 +268,6 @@ def test_sigkill_midway_then_rerun_is_identical(tokenizer, tmp_path):
     job = json.load(open(job_json))
     assert not job["complete"] and 0 < len(job["files"]) < len(inputs)
 
-    subprocess.run([*cmd, "--output", str(killed)], check=True, capture_output=True)
+    run_job(config(inputs, tokenizer, killed, remainder="drop", samples_per_shard=50, workers=2))
     assert dir_bytes(killed) == dir_bytes(reference)
     assert os.path.exists(killed / INDEX) and os.path.exists(killed / MANIFEST)

@@ -142,9 +142,11 @@ class JobSummary:
 _worker: dict = {}
 
 
-def _init_worker(spec: WorkerSpec, docs_counter, tokens_counter) -> None:
+def _init_worker(spec: WorkerSpec, docs_counter, tokens_counter, tokenizer=None) -> None:
+    """Per-process state; a forked worker gets the parent's tokenizer, a spawned one loads its own."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker.update(spec=spec, tokenizer=load_tokenizer(spec.tokenizer), docs=docs_counter, tokens=tokens_counter)
+    _worker.update(spec=spec, tokenizer=tokenizer or load_tokenizer(spec.tokenizer), docs=docs_counter,
+                   tokens=tokens_counter)
 
 
 def _batches(items: Iterable, n: int) -> Iterator[list]:
@@ -321,17 +323,18 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _results(tasks: list[tuple[int, str]], spec: WorkerSpec, workers: int, on_wait) -> Iterator[FileResult]:
+def _results(tasks: list[tuple[int, str]], spec: WorkerSpec, tok, workers: int, on_wait) -> Iterator[FileResult]:
     """FileResults in file order; ``on_wait`` runs every PROGRESS_INTERVAL_S while waiting for the next one."""
-    ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
+    fork = sys.platform == "linux"
+    ctx = mp.get_context("fork" if fork else "spawn")
     docs, tokens = ctx.Value("q", 0), ctx.Value("q", 0)
     if workers == 1 or len(tasks) <= 1:
-        _init_worker(spec, docs, tokens)
+        _init_worker(spec, docs, tokens, tok)
         for task in tasks:
             yield _process_file(task)
             on_wait(docs.value, tokens.value)
         return
-    with ctx.Pool(min(workers, len(tasks)), _init_worker, (spec, docs, tokens)) as pool:
+    with ctx.Pool(min(workers, len(tasks)), _init_worker, (spec, docs, tokens, tok if fork else None)) as pool:
         it = pool.imap(_process_file, tasks)
         while True:
             try:
@@ -409,7 +412,7 @@ def run_job(cfg: BuildConfig) -> JobSummary:
                       cfg.eos, PlanSettings(cfg.seed, np.asarray(tok.special_ids), cfg.span_min, cfg.span_max,
                                             cfg.span_fraction), work_dir)
     bar = _ProgressBar(cfg.progress, len(tasks))
-    results = _results(tasks, spec, cfg.workers, bar.show)
+    results = _results(tasks, spec, tok, cfg.workers, bar.show)
     try:
         for result in results:
             _check_bad(cfg, result, len(job["files"]))

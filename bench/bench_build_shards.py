@@ -1,0 +1,137 @@
+"""Data-prep throughput: the whole build_shards job against the bare tokenizer and a ``datasets.map`` baseline.
+
+On the same text (the sample corpus's training files concatenated into files of ~5 MB of text, as many as make
+about ``--mb`` MB) and the same number of processes, it times
+  (a) the bare tokenizer: read the documents and batch-encode them, nothing else (same backend as build_shards);
+  (b) build_shards (``run_job``): read, encode, pack, masking plans, MAGNET spans, tar shards, manifests;
+  (c) ``datasets``: ``load_dataset("json")`` + ``map(batched=True, num_proc=P)`` + ``save_to_disk``, once with the
+      same encode function as (a) and (b) and once with the HF fast tokenizer (the usual recipe);
+and prints token throughputs and the ratios (b)/(a) (goal >= 0.85) and (b)/(c) (goal >= 1.2). Each measurement
+is repeated and the median reported, because shared machines are noisy. Run from the repository root:
+
+    python bench/bench_build_shards.py --mb 30 --procs 2 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import datasets  # noqa: E402  (imported here so that its import time is not measured)
+
+from pipeline.data.build import BuildConfig, run_job  # noqa: E402
+from pipeline.data.sources import RecordStats, read_texts  # noqa: E402
+from pipeline.tokenizer import load_tokenizer  # noqa: E402
+
+BATCH = 512
+_tok = None
+
+
+def make_corpus(directory: str, megabytes: float, procs: int) -> tuple[list[str], float]:
+    """Files of SlimPajama-like size, each the sample corpus's training files concatenated (zstd frames chain),
+    as many as give about ``megabytes`` of text, rounded to a multiple of ``procs`` so no process idles."""
+    sources = sorted(glob.glob("data/sample/train/*/*.jsonl.zst"))
+    text_mb = sum(len(t.encode()) for p in sources for t in read_texts(p, "text", RecordStats())) / 1e6
+    blob = b"".join(open(p, "rb").read() for p in sources)
+    paths = []
+    for i in range(procs * max(1, round(megabytes / text_mb / procs))):
+        paths.append(os.path.join(directory, f"part{i:03d}.jsonl.zst"))
+        with open(paths[-1], "wb") as f:
+            f.write(blob)
+    return paths, len(paths) * text_mb
+
+
+def _encode_file(path: str) -> int:
+    tokens, texts = 0, []
+    for text in read_texts(path, "text", RecordStats()):
+        texts.append(text)
+        if len(texts) == BATCH:
+            tokens += sum(map(len, _tok.encode_batch(texts)))
+            texts = []
+    return tokens + sum(map(len, _tok.encode_batch(texts)))
+
+
+def _init(tokenizer: str) -> None:
+    global _tok
+    _tok = load_tokenizer(tokenizer)
+
+
+def bare(paths: list[str], tokenizer: str, procs: int) -> int:
+    with mp.get_context("fork").Pool(procs, _init, (tokenizer,)) as pool:
+        return sum(pool.imap(_encode_file, paths))
+
+
+def build(paths: list[str], tokenizer: str, procs: int, out: str, seq_len: int) -> int:
+    shutil.rmtree(out, ignore_errors=True)
+    summary = run_job(BuildConfig(inputs=tuple(paths), tokenizer=tokenizer, output=out, seq_len=seq_len,
+                                  workers=procs, progress=False))
+    return summary.tokens
+
+
+def hf_datasets(paths: list[str], tokenizer: str, procs: int, out: str, backend: str) -> int:
+    shutil.rmtree(out, ignore_errors=True)
+    tok = load_tokenizer(tokenizer)
+    encode = tok.encode_batch if backend == "same" else (
+        lambda texts: tok.hf(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"])
+    ds = datasets.load_dataset("json", data_files=paths, split="train", cache_dir=os.path.join(out, "cache"))
+    ds = ds.map(lambda b: {"input_ids": encode(b["text"])}, batched=True, batch_size=BATCH, num_proc=procs,
+                remove_columns=ds.column_names)
+    ds.save_to_disk(os.path.join(out, "saved"), num_proc=procs)
+    return sum(len(x) for x in ds["input_ids"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mb", type=float, default=30, help="about this many MB of text to process")
+    p.add_argument("--procs", type=int, default=2, help="processes for every variant")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--tokenizer", default="data/sample/tokenizer")
+    a = p.parse_args()
+    datasets.disable_progress_bars()
+    work = tempfile.mkdtemp(prefix="bench_build_shards_")
+    try:
+        paths, text_mb = make_corpus(work, a.mb, a.procs)
+        backend = load_tokenizer(a.tokenizer).backend
+        variants = {
+            "a_bare": lambda: bare(paths, a.tokenizer, a.procs),
+            "b_build_shards": lambda: build(paths, a.tokenizer, a.procs, os.path.join(work, "shards"), a.seq_len),
+            "c_datasets_same": lambda: hf_datasets(paths, a.tokenizer, a.procs, os.path.join(work, "ds"), "same"),
+            "c_datasets_hf": lambda: hf_datasets(paths, a.tokenizer, a.procs, os.path.join(work, "ds"), "hf"),
+        }
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        tokens: dict[str, int] = {}
+        for r in range(a.repeats):
+            for name, run in variants.items():
+                start = time.perf_counter()
+                tokens[name] = run()
+                times[name].append(time.perf_counter() - start)
+                print(f"repeat {r + 1}: {name} {times[name][-1]:.2f} s", file=sys.stderr, flush=True)
+        print(f"{len(paths)} files, {text_mb:.1f} MB of text, {a.procs} processes, seq_len {a.seq_len}, "
+              f"tokenizer backend {backend}")
+        rate = {}
+        for name in variants:
+            median = statistics.median(times[name])
+            rate[name] = tokens["a_bare"] / median  # same documents; (b) also counts BOS/EOS, so use (a)'s count
+            runs = ", ".join(f"{t:.2f}" for t in times[name])
+            print(f"{name:16s} {median:7.2f} s  {rate[name] / 1e6:6.3f} M doc tokens/s  [{runs}]")
+        b = rate["b_build_shards"]
+        print(f"(b)/(a) = {b / rate['a_bare']:.3f}  (goal >= 0.85)")
+        print(f"(b)/(c) = {b / rate['c_datasets_same']:.3f} with the same encoder, "
+              f"{b / rate['c_datasets_hf']:.3f} with datasets + the HF fast tokenizer  (goal >= 1.2)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
