@@ -35,6 +35,7 @@ class ModelConfig:
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     activation_checkpointing: bool = False
+    attention_dropout: float = 0.0  # dropout on attention probabilities (SimCSE's positives need > 0, e.g. 0.3)
 
 
 @dataclass

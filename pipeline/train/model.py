@@ -53,6 +53,10 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
                      attn_implementation=exp.model.attn_implementation, pad_token_id=info.pad_id,
                      bos_token_id=info.bos_id, eos_token_id=info.eos_id)
     lm.config.use_cache = False
+    lm.config.attention_dropout = exp.model.attention_dropout
+    for module in lm.modules():  # each attention layer copied the value from the config when it was built
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = exp.model.attention_dropout
     for objective in objectives:
         objective.attach(lm)
     if exp.model.activation_checkpointing:
