@@ -113,6 +113,7 @@ def _header_template() -> bytes:
 
 
 _HEADER_TEMPLATE = _header_template()
+_TEMPLATE_SUM = sum(_HEADER_TEMPLATE) - sum(_HEADER_TEMPLATE[124:136])  # without the size field
 
 
 def member_bytes(name: str, data: bytes) -> bytes:
@@ -122,10 +123,11 @@ def member_bytes(name: str, data: bytes) -> bytes:
     raw = name.encode()
     if len(raw) > 100:
         raise ValueError(f"tar member name {name!r} is longer than 100 bytes")
+    size = b"%011o\0" % len(data)
     header = bytearray(_HEADER_TEMPLATE)
-    header[: len(raw)] = raw
-    header[124:136] = b"%011o\0" % len(data)
-    header[148:155] = b"%06o\0" % sum(header)
+    header[: len(raw)] = raw  # the template's name field is all zeros
+    header[124:136] = size
+    header[148:155] = b"%06o\0" % (_TEMPLATE_SUM + sum(raw) + sum(size))
     return bytes(header) + data + bytes(-len(data) % tarfile.BLOCKSIZE)
 
 

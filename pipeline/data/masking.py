@@ -28,9 +28,13 @@ def sample_rng(seed: int, file_index: int, sample_index: int, stream: str) -> np
 def maskable_positions(input_ids: np.ndarray, segments: np.ndarray, special_ids: np.ndarray) -> np.ndarray:
     """Tokens inside a document that are not special tokens (BOS/EOS/PAD/mask are never masked)."""
     inside = np.zeros(len(input_ids), dtype=bool)
-    for s, e in segments:
+    for s, e in segments.tolist():
         inside[s:e] = True
-    return inside & ~np.isin(input_ids, special_ids)
+    if len(special_ids) == 0:
+        return inside
+    special = np.sort(special_ids)  # membership by binary search: np.isin's set-up costs more at this size
+    nearest = special[np.minimum(np.searchsorted(special, input_ids), len(special) - 1)]
+    return inside & (nearest != input_ids)
 
 
 def plan_masks(maskable: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
