@@ -9,7 +9,7 @@ and micro-batches of an optimizer step.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -132,8 +132,10 @@ class Objective(ABC):
         Token objectives have none."""
         return None
 
-    @abstractmethod
-    def targets(self, batch: Batch) -> Targets: ...
+    def targets(self, batch: Batch) -> Targets:
+        """Token objectives define this; objectives that override ``num_targets`` and ``__call__`` (contrastive,
+        several losses) need not."""
+        raise NotImplementedError(f"objective {self.name!r} has no single token-target set")
 
     def num_targets(self, batch: Batch) -> int:
         """Targets in ``batch`` without running the model, so the trainer can normalise a step before backward."""
