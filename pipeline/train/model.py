@@ -52,6 +52,7 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
                      attn_implementation=exp.model.attn_implementation, pad_token_id=info.pad_id,
                      bos_token_id=info.bos_id, eos_token_id=info.eos_id)
+    lm.train()  # from_pretrained returns the model in eval mode: dropout (SimCSE's positives) would be off
     lm.config.use_cache = False
     lm.config.attention_dropout = exp.model.attention_dropout
     for module in lm.modules():  # each attention layer copied the value from the config when it was built
