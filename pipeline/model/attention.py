@@ -3,8 +3,8 @@
 A mode is a rule that says whether query token ``q`` may attend to key token ``k`` given their positions,
 document ids and MAGNET span ids. The builder adds what every mode shares: padding (``doc_id == -1``) is never a
 key, document masking keeps packed documents apart, and the diagonal is always allowed, so every query row keeps
-at least one key (padding rows attend only to themselves; no NaN). A new mode (MAGNET's context/span mode) is one
-more entry in ``RULES``.
+at least one key (padding rows attend only to themselves; no NaN). MAGNET's context/span modes are two more
+entries in ``RULES``.
 
 The result is what the HF model's forward needs, in the form each attention implementation reads correctly:
 
@@ -51,7 +51,26 @@ def _bidirectional(q: Tokens, k: Tokens) -> torch.Tensor:
     return torch.ones_like(k.pos <= q.pos)
 
 
-RULES: dict[str, Rule] = {"causal": _causal, "bidirectional": _bidirectional}
+def _in_span(t: Tokens) -> torch.Tensor:
+    """Bool: is the token inside a MAGNET span? Without span ids every token is context."""
+    return t.span >= 0 if t.span is not None else torch.zeros_like(t.pos, dtype=torch.bool)
+
+
+def _magnet(q: Tokens, k: Tokens) -> torch.Tensor:
+    """MAGNET: context (span -1) sees all context and never a span token, so no span leaks into the encoder
+    states; a span token sees all context and the span tokens at or before it (causal across spans)."""
+    q_in_span, k_in_span = _in_span(q), _in_span(k)
+    return ~k_in_span | (q_in_span & (k.pos <= q.pos))
+
+
+def _magnet_own_span(q: Tokens, k: Tokens) -> torch.Tensor:
+    """MAGNET with span tokens seeing only earlier tokens of their own span (plus all context)."""
+    q_in_span, k_in_span = _in_span(q), _in_span(k)
+    return ~k_in_span | (q_in_span & (k.pos <= q.pos) & (k.span == q.span))
+
+
+RULES: dict[str, Rule] = {"causal": _causal, "bidirectional": _bidirectional, "magnet": _magnet,
+                          "magnet_own_span": _magnet_own_span}
 # Modes that, without padding or document boundaries, are exactly HF's own causal / bidirectional attention.
 _PLAIN_IS_CAUSAL = {"causal": True, "bidirectional": False}
 IMPLEMENTATIONS = ("eager", "sdpa")

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from pipeline.objectives.base import MaskedObjective, Masking, MaskingConfig, Objective, ObjectiveOutput
 from pipeline.objectives.clm import CLM
+from pipeline.objectives.magnet import Magnet
 from pipeline.objectives.mlm import MLM
 from pipeline.objectives.mntp import MNTP
+from pipeline.objectives.sscl import SSCL
 from pipeline.tokenizer import Tokenizer
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (CLM, MLM, MNTP)}
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (CLM, MLM, MNTP, Magnet, SSCL)}
 
-__all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "Masking", "MaskingConfig", "Objective", "ObjectiveOutput",
-           "make_objective"]
+__all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "SSCL", "Magnet", "Masking", "MaskingConfig", "Objective",
+           "ObjectiveOutput", "make_objective"]
 
 
 def make_objective(name: str, *, tokenizer: Tokenizer | None = None,

@@ -1,0 +1,117 @@
+"""MAGNET's language-modelling view (Khosla et al., ACL 2025): one forward pass, two losses.
+
+The input x^m keeps the span tokens in place and MNTP-masks the context tokens (the sample's precomputed plan,
+restricted to context). Under the MAGNET mask (context sees all context of its document and never a span; span
+tokens see all context and the span tokens at or before them) the same hidden states give
+
+- ``mntp``: each masked context token i predicted from the context position i - 1 (LLM2Vec's shift);
+- ``msg`` (missing-span generation): each span token l + 1 predicted from position l, so a span's first token is
+  predicted from the context token before it and the rest autoregressively.
+
+Both sets of predicting positions are disjoint (a label is either context or span), so the LM head runs once per
+target. Ablations: ``mntp_weight: 0`` reads the unmasked text (masking would only hide context from MSG);
+``msg_weight: 0`` ignores the spans, so every token is context and the objective is MNTP under bidirectional
+attention (identical to ``mntp`` at the same ratio).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import PreTrainedModel
+
+from pipeline.data.batch import Batch
+from pipeline.data.format import UNMASKABLE
+from pipeline.model.attention import attention_inputs
+from pipeline.objectives.base import (
+    MaskedObjective,
+    Masking,
+    ObjectiveOutput,
+    Targets,
+    next_token_targets,
+    target_loss,
+)
+
+
+@dataclass
+class MagnetView:
+    input_ids: torch.Tensor  # [B, L] x^m: span tokens in place, context masked by the plan
+    span_ids: torch.Tensor  # [B, L] span index, -1 on context (all -1 when MSG is off)
+    targets: dict[str, Targets]  # "mntp" and/or "msg", the active losses
+
+
+def context_ranks(mask_rank: torch.Tensor, in_span: torch.Tensor) -> torch.Tensor:
+    """The plan's ranks restricted to context tokens, renumbered 0..n-1 per row (span tokens never masked).
+
+    The plan ranks are a uniformly random permutation of the maskable tokens, so their order among the context
+    tokens is one too: masking at ratio p then selects round(p * maskable context tokens), as MNTP does.
+    """
+    rank = mask_rank.masked_fill(in_span, int(UNMASKABLE))
+    dense = rank.argsort(-1, stable=True).argsort(-1).to(rank.dtype)
+    return torch.where(rank == int(UNMASKABLE), rank, dense)
+
+
+class Magnet(MaskedObjective):
+    name = "magnet"
+    attention_mode = "magnet"
+
+    def __init__(self, masking: Masking, document_masking: bool = True, mntp_weight: float = 1.0,
+                 msg_weight: float = 1.0, own_span_only: bool = False):
+        """``mntp_weight`` / ``msg_weight`` are the paper's lambda1 / lambda3 (the trainer multiplies them by the
+        objective's weight); 0 turns a loss off. ``own_span_only``: span tokens attend to earlier tokens of their
+        own span only, instead of all earlier span tokens of the document."""
+        super().__init__(masking, document_masking)
+        if min(mntp_weight, msg_weight) < 0 or mntp_weight + msg_weight == 0:
+            raise ValueError(f"magnet: options mntp_weight and msg_weight must be >= 0 and not both 0, got "
+                             f"{mntp_weight} and {msg_weight}; drop the objective instead")
+        self.loss_weights = {n: float(w) for n, w in (("mntp", mntp_weight), ("msg", msg_weight)) if w > 0}
+        if "msg" not in self.loss_weights:
+            self.attention_mode = "bidirectional"
+        elif own_span_only:
+            self.attention_mode = "magnet_own_span"
+
+    def view(self, batch: Batch) -> MagnetView:
+        """x^m, the span ids the mask reads, and the targets of each active loss; checks the batch's spans."""
+        if "msg" in self.loss_weights:
+            check_spans(batch)
+            span_ids = batch.span_ids
+        else:
+            span_ids = torch.full_like(batch.span_ids, -1)
+        in_span = span_ids >= 0
+        targets = {}
+        if "mntp" in self.loss_weights:
+            input_ids, masked = self.masking.apply(replace(batch, mask_rank=context_ranks(batch.mask_rank, in_span)))
+            mntp = next_token_targets(input_ids, batch.input_ids, batch.doc_ids, masked)
+            mntp.source &= ~in_span  # a span token's state never predicts context: context is the encoder's job
+            targets["mntp"] = mntp
+        else:
+            input_ids = batch.input_ids
+        if "msg" in self.loss_weights:
+            targets["msg"] = next_token_targets(input_ids, batch.input_ids, batch.doc_ids, in_span)
+        return MagnetView(input_ids, span_ids, targets)
+
+    def num_targets(self, batch: Batch) -> dict[str, int]:
+        return {name: int(t.source.sum()) for name, t in self.view(batch).targets.items()}
+
+    def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
+        view = self.view(batch)
+        attention = attention_inputs(self.attention_mode, batch.doc_ids, view.span_ids,
+                                     document_masking=self.document_masking,
+                                     attn_implementation=model.config._attn_implementation, dtype=model.dtype)
+        hidden = model.model(input_ids=view.input_ids, **attention).last_hidden_state
+        return {name: target_loss(model.lm_head, hidden, t) for name, t in view.targets.items()}
+
+
+def check_spans(batch: Batch) -> None:
+    """MSG needs spans, and spans only over document tokens; say which samples are wrong and what to do."""
+    over_padding = ((batch.span_ids >= 0) & (batch.doc_ids < 0)).any(-1)
+    if over_padding.any():
+        keys = [k for k, bad in zip(batch.keys, over_padding.tolist()) if bad]
+        raise ValueError(f"samples {keys}: a MAGNET span overlaps padding; the shards are corrupt or were not "
+                         "written by data_prep/build_shards.py (check them with data_prep/inspect_shards.py)")
+    if not (batch.span_ids >= 0).any():
+        raise ValueError(f"samples {batch.keys} have no MAGNET spans, so the MSG loss has no target: the shards were "
+                         "built with --span-fraction 0, from documents shorter than --span-min + 1 tokens, or are "
+                         "sentence-unit shards; rebuild packed shards with --span-fraction > 0 (e.g. 0.15), or turn "
+                         "MSG off with options.msg_weight: 0")

@@ -1,0 +1,156 @@
+"""MAGNET's sentence-level self-supervised contrastive learning (SSCL).
+
+A sentence unit x, prefixed with the instruction "Given the sentence, find its representation:", and its
+augmented view x+ (prefixed the same way) run in one forward pass with bidirectional attention. The hidden state
+of each view's last token (the unit's EOS when data prep adds one; it never takes part in MNTP) goes through the
+projection head, and InfoNCE on cosine similarity pulls x towards its own x+ against the x+ of every other unit in
+the global batch (``info_nce``: negatives gathered across ranks with gradient).
+
+The projection head (``model.sscl_head``, attached before DeepSpeed wraps the model so it is trained and
+checkpointed with it) is SimCSE's: ``Linear(d, d)`` then ``tanh``, d = hidden size (weight [d, d], bias [d]),
+initialised to the identity so the first steps contrast tanh of the hidden states themselves, the same on every
+rank without a broadcast. It serves the loss only: embeddings for evaluation are the last hidden states. The HF
+export leaves it out.
+
+x+ (``augment``):
+
+- ``dropout`` (default): x+ is x again and only dropout differs (``model.attention_dropout`` must be > 0). The paper
+  used a T5 paraphraser, which is not available offline; SimCSE found dropout noise alone beats deletion, cropping
+  and word replacement for unsupervised sentence embeddings, so it is the best offline stand-in.
+- ``delete``, ``crop``, ``swap``: token edits of about ``edit_ratio`` of the sentence (``augment.py``), seeded by the
+  sample key and ``seed`` (no RNG in the loop, so a resumed run is exact); dropout, if on, applies as well.
+- ``paraphrase``: precomputed paraphrase ids from the unit shards (``Batch.paraphrase_ids``; data prep's
+  ``--paraphrase-field``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from pipeline.data.batch import Batch
+from pipeline.model.attention import attention_inputs
+from pipeline.objectives.augment import EDITS, edit_tokens
+from pipeline.objectives.base import Objective, ObjectiveOutput
+from pipeline.objectives.infonce import info_nce
+from pipeline.tokenizer import Tokenizer
+
+INSTRUCTION = "Given the sentence, find its representation:"
+AUGMENTS = ("dropout", *EDITS, "paraphrase")
+HEAD = "sscl_head"
+
+
+@dataclass
+class SentenceViews:
+    input_ids: torch.Tensor  # [2n, W] the n anchors (instruction + unit), then their n positives
+    doc_ids: torch.Tensor  # [2n, W] 0 on tokens, -1 on padding (a row without a unit is all padding)
+    last: torch.Tensor  # int64 [2n] position of each row's last token: its hidden state is the embedding
+    valid: torch.Tensor  # bool [n] rows that hold a unit (the loader may fill a batch with empty rows)
+
+
+class SSCL(Objective):
+    name = "sscl"
+    attention_mode = "bidirectional"
+    source = "units"
+    takes_tokenizer = True
+
+    def __init__(self, tokenizer: Tokenizer | None, document_masking: bool = True, augment: str = "dropout",
+                 edit_ratio: float = 0.1, scale: float = 20.0, instruction: str = INSTRUCTION, seed: int = 0):
+        """``scale`` is 1 / temperature (20: tau = 0.05, as SimCSE and LLM2Vec); ``seed`` seeds the token edits."""
+        super().__init__(document_masking)
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"objective 'sscl' needs the data's pipeline.tokenizer.Tokenizer to encode its instruction, "
+                            f"got {type(tokenizer).__name__}")
+        if augment not in AUGMENTS:
+            raise ValueError(f"sscl: options.augment {augment!r} is not one of {', '.join(AUGMENTS)}")
+        if not 0.0 < edit_ratio < 1.0:
+            raise ValueError(f"sscl: options.edit_ratio must be in (0, 1), got {edit_ratio}")
+        self.augment, self.edit_ratio, self.scale, self.seed = augment, edit_ratio, scale, seed
+        self.prefix = np.asarray(tokenizer.encode_batch([instruction])[0], dtype=np.int64)
+        self.bos, self.eos = tokenizer.bos_id, tokenizer.eos_id
+        self.pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+
+    def attach(self, model: PreTrainedModel) -> None:
+        if self.augment == "dropout" and not model.config.attention_dropout:
+            raise ValueError("sscl: augment 'dropout' makes x+ differ from x by dropout alone, but "
+                             "model.attention_dropout is 0, so both views would be identical; set "
+                             "model.attention_dropout (e.g. 0.1; LLM2Vec's SimCSE uses 0.3) or pick another "
+                             f"augment ({', '.join(a for a in AUGMENTS if a != 'dropout')})")
+        d = model.config.hidden_size
+        head = nn.Sequential(nn.Linear(d, d), nn.Tanh()).to(model.dtype)
+        with torch.no_grad():
+            head[0].weight.copy_(torch.eye(d))
+            head[0].bias.zero_()
+        model.add_module(HEAD, head)
+        # the HF export is the encoder/decoder itself; HF would load the head's weights as unexpected keys
+        model._keys_to_ignore_on_save = [*(model._keys_to_ignore_on_save or ()),
+                                         *(f"{HEAD}.{k}" for k in head.state_dict())]
+
+    def _wrap(self, unit: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(BOS if the unit has one, the unit's text tokens, EOS if it has one)."""
+        start = int(len(unit) > 0 and unit[0] == self.bos)
+        end = len(unit) - int(len(unit) > start and unit[-1] == self.eos)
+        return unit[:start], unit[start:end], unit[end:]
+
+    def _positive(self, text: np.ndarray, batch: Batch, row: int) -> np.ndarray:
+        if self.augment == "dropout":
+            return text
+        if self.augment == "paraphrase":
+            if batch.paraphrase_ids is None:
+                raise ValueError("sscl: options.augment is 'paraphrase' but the unit shards carry no paraphrases; "
+                                 "build them with data_prep/build_shards.py --units --paraphrase-field FIELD from "
+                                 "records that hold a paraphrase, or pick augment dropout, delete, crop or swap")
+            paraphrase = batch.paraphrase_ids[row].cpu().numpy()
+            paraphrase = self._wrap(paraphrase[paraphrase != self.pad])[1]
+            if not len(paraphrase):
+                raise ValueError(f"sample {batch.keys[row]}: its paraphrase is empty; fix the input record's "
+                                 "paraphrase field (or drop the record)")
+            return paraphrase
+        return edit_tokens(self.augment, text, self.edit_ratio, batch.keys[row], self.seed)
+
+    def views(self, batch: Batch) -> SentenceViews:
+        """The instruction-prefixed anchors and positives of the batch's units, right-padded into one tensor."""
+        packed = (batch.doc_ids > 0).any(-1)
+        if packed.any():
+            keys = [k for k, bad in zip(batch.keys, packed.tolist()) if bad][:3]
+            raise ValueError(f"sscl reads sentence units (one per sample), but samples {keys} hold several documents: "
+                             "point data.unit_shards at shards built with data_prep/build_shards.py --units")
+        ids, docs = batch.input_ids.cpu().numpy(), batch.doc_ids.cpu().numpy()
+        anchors: list[np.ndarray] = []
+        positives: list[np.ndarray] = []
+        for row in range(len(ids)):
+            head, text, tail = self._wrap(ids[row][docs[row] >= 0])
+            if not len(head) + len(text) + len(tail):
+                anchors.append(np.zeros(0, np.int64))
+                positives.append(anchors[-1])
+                continue
+            anchors.append(np.concatenate([head, self.prefix, text, tail]))
+            positives.append(np.concatenate([head, self.prefix, self._positive(text, batch, row), tail]))
+        rows = anchors + positives
+        width = max(1, *(len(r) for r in rows))
+        input_ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        doc_ids = torch.full((len(rows), width), -1, dtype=torch.int32)
+        for i, r in enumerate(rows):
+            input_ids[i, : len(r)] = torch.from_numpy(r)
+            doc_ids[i, : len(r)] = 0
+        device = batch.input_ids.device
+        return SentenceViews(input_ids=input_ids.to(device), doc_ids=doc_ids.to(device),
+                             last=torch.tensor([max(len(r) - 1, 0) for r in rows], device=device),
+                             valid=torch.tensor([len(r) > 0 for r in anchors], device=device))
+
+    def num_targets(self, batch: Batch) -> int:
+        """One query per unit."""
+        return int((batch.doc_ids >= 0).any(-1).sum())
+
+    def __call__(self, model: PreTrainedModel, batch: Batch) -> ObjectiveOutput:
+        views = self.views(batch)
+        attention = attention_inputs(self.attention_mode, views.doc_ids, document_masking=self.document_masking,
+                                     attn_implementation=model.config._attn_implementation, dtype=model.dtype)
+        hidden = model.model(input_ids=views.input_ids, **attention).last_hidden_state
+        embeddings = getattr(model, HEAD)(hidden[torch.arange(len(views.last), device=hidden.device), views.last])
+        n = len(views.valid)
+        return info_nce(embeddings[:n][views.valid], embeddings[n:][views.valid], self.scale)
