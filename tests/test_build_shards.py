@@ -78,6 +78,16 @@ def test_token_stream_roundtrip(built, corpus, tokenizer):
     assert summary.tokens == sum(int((s.segments[:, 1] - s.segments[:, 0]).sum()) for s in samples.values())
 
 
+def test_no_bos_and_dropped_remainder(corpus, tokenizer, tmp_path):
+    run_job(config(corpus[:1], tokenizer, tmp_path / "out", bos=False, remainder="drop"))
+    tok = load_tokenizer(tokenizer)
+    expected = [t for ids in tok.encode_batch(list(read_texts(corpus[0], "text", RecordStats())))
+                for t in [*ids, tok.eos_id]]
+    samples = read_samples(tmp_path / "out")
+    got = [int(t) for k in sorted(samples) for s, e in samples[k].segments for t in samples[k].input_ids[s:e]]
+    assert got == expected[: len(expected) // SEQ_LEN * SEQ_LEN]
+
+
 def test_two_runs_give_identical_bytes(built, corpus, tokenizer, tmp_path):
     out, _ = built
     run_job(config(corpus, tokenizer, tmp_path / "again"))

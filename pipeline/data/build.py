@@ -10,7 +10,6 @@ run; a finished job does nothing when run again.
 
 from __future__ import annotations
 
-import glob
 import multiprocessing as mp
 import os
 import shutil
@@ -161,8 +160,8 @@ def _process_file(task: tuple[int, str]) -> FileResult:
     spec: WorkerSpec = _worker["spec"]
     tok = _worker["tokenizer"]
     result = FileResult(file_index, path, RecordStats(), [])
-    packer = Packer(spec.seq_len, tok.pad_id, tok.bos_id if spec.bos else None, tok.eos_id if spec.eos else None,
-                    spec.remainder)
+    packer = Packer(spec.seq_len, _pad_id(tok), tok.bos_id if spec.bos else None,
+                    tok.eos_id if spec.eos else None, spec.remainder)
     writer: ShardWriter | None = None
 
     def emit(packed: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -200,10 +199,17 @@ def _process_file(task: tuple[int, str]) -> FileResult:
 # ---------------------------------------------------------------- directory and manifests
 
 
-def _settings(cfg: BuildConfig, tokenizer_info: dict, inputs: list[str]) -> dict:
+def _pad_id(tok) -> int:
+    """The id written at padding positions: the tokenizer's PAD, else EOS (Llama has no PAD), else 0. Readers find
+    padding through the segments, never through this id."""
+    return next(i for i in (tok.pad_id, tok.eos_id, 0) if i is not None)
+
+
+def _settings(cfg: BuildConfig, tokenizer_info: dict, pad_id: int, inputs: list[str]) -> dict:
     """Everything that determines the shard bytes (fingerprinted; a later job with other settings is refused)."""
     return {
         "tokenizer": tokenizer_info,
+        "pad_id": pad_id,
         "seq_len": cfg.seq_len,
         "seed": cfg.seed,
         "bos": cfg.bos,
@@ -276,14 +282,15 @@ def _work_dir_prefix(cfg: BuildConfig) -> str:
 def _remove_stale(cfg: BuildConfig, job: dict) -> None:
     """Remove what a killed run of this job left behind: its work directories, temporary files, and shards renamed
     but not yet recorded (they are rewritten, identically, from the first unrecorded file on)."""
-    for work_dir in glob.glob(os.path.join(cfg.output, glob.escape(_work_dir_prefix(cfg)) + "*")):
-        shutil.rmtree(work_dir, ignore_errors=True)
     recorded = {s["name"] for s in job["shards"]}
     recorded |= {n[: -len(".tar")] + ".idx.npy" for n in recorded}
-    stem = os.path.join(cfg.output, f"{glob.escape(cfg.prefix)}-{cfg.job_index:05d}-")
-    job_json = os.path.join(cfg.output, job_manifest_name(cfg.job_index))
-    for path in glob.glob(stem + "*") + glob.glob(glob.escape(job_json) + ".tmp*"):
-        if os.path.basename(path) not in recorded:
+    shard_stem = f"{cfg.prefix}-{cfg.job_index:05d}-"
+    job_tmp = job_manifest_name(cfg.job_index) + ".tmp"
+    for name in os.listdir(cfg.output):
+        path = os.path.join(cfg.output, name)
+        if name.startswith(_work_dir_prefix(cfg)):
+            shutil.rmtree(path, ignore_errors=True)
+        elif (name.startswith(shard_stem) and name not in recorded) or name.startswith(job_tmp):
             os.remove(path)
 
 
@@ -388,7 +395,10 @@ def run_job(cfg: BuildConfig) -> JobSummary:
         tok = load_tokenizer(cfg.tokenizer)
     except (FileNotFoundError, ValueError) as e:
         raise BuildError(str(e)) from e
-    settings = _settings(cfg, tok.info.as_dict(), inputs)
+    for wanted, token_id, name in ((cfg.bos, tok.bos_id, "bos"), (cfg.eos, tok.eos_id, "eos")):
+        if wanted and token_id is None:
+            raise BuildError(f"tokenizer {cfg.tokenizer} has no {name.upper()} token; pass --no-{name}")
+    settings = _settings(cfg, tok.info.as_dict(), _pad_id(tok), inputs)
     os.makedirs(cfg.output, exist_ok=True)
     manifest = _ensure_manifest(cfg, settings, os.path.abspath(cfg.tokenizer))
     job = _load_job(cfg, manifest["fingerprint"])
