@@ -458,16 +458,18 @@ class _ProgressBar:
         from tqdm import tqdm
 
         self._bar = tqdm(unit="doc", unit_scale=True, disable=not enabled, file=sys.stderr, dynamic_ncols=True)
-        self._start, self._files, self._num_files, self._docs = time.monotonic(), 0, num_files, 0
+        self._start, self._files, self._num_files = time.monotonic(), 0, num_files
+        self._docs = self._tokens = 0
 
     def show(self, docs: int, tokens: int) -> None:
         self._bar.update(docs - self._docs)
-        self._docs = docs
+        self._docs, self._tokens = docs, tokens
         rate = tokens / max(time.monotonic() - self._start, 1e-9)
         self._bar.set_postfix_str(f"{rate:,.0f} tok/s, files {self._files}/{self._num_files}", refresh=False)
 
     def file_done(self) -> None:
         self._files += 1
+        self.show(self._docs, self._tokens)
 
     def close(self) -> None:
         self._bar.close()
