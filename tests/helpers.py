@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 
+from pipeline.data.batch import Batch, collate
 from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.data.format import FORMAT_VERSION
 from pipeline.data.manifest import MANIFEST, job_manifest_name, settings_fingerprint, write_json_atomic
@@ -50,3 +51,17 @@ def make_shard_dir(root: str, num_samples: int = 37, seq_len: int = 32, vocab: i
     write_json_atomic(os.path.join(directory, job_manifest_name(0)),
                       {"fingerprint": fingerprint, "complete": True, "shards": shards})
     return directory
+
+
+def packed_text_batch(tokenizer, texts: list[str], seq_len: int = 32, rows: int = 4, seed: int = 0,
+                      span_fraction: float = 0.3) -> Batch:
+    """The last ``rows`` samples of ``texts`` packed as data prep packs them (BOS/EOS, documents crossing sample
+    boundaries, the last sample padded), with real masking plans and MAGNET spans of 2..6 tokens."""
+    packer = Packer(seq_len, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id, "pad")
+    packed: list[tuple[np.ndarray, np.ndarray]] = []
+    for ids in tokenizer.encode_batch(texts):
+        packed += packer.add(ids)
+    packed += packer.finish()
+    plan = PlanSettings(seed=seed, special_ids=np.array(tokenizer.special_ids), span_min=2, span_max=6,
+                        span_fraction=span_fraction)
+    return collate([make_sample(ids, segs, 0, i, plan) for i, (ids, segs) in enumerate(packed)][-rows:])

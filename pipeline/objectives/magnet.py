@@ -48,7 +48,7 @@ def context_ranks(mask_rank: torch.Tensor, in_span: torch.Tensor) -> torch.Tenso
     tokens is one too: masking at ratio p then selects round(p * maskable context tokens), as MNTP does.
     """
     rank = mask_rank.masked_fill(in_span, int(UNMASKABLE))
-    dense = rank.argsort(-1, stable=True).argsort(-1).to(rank.dtype)
+    dense = rank.argsort(-1).argsort(-1).to(rank.dtype)  # ranks are distinct except the UNMASKABLE ones
     return torch.where(rank == int(UNMASKABLE), rank, dense)
 
 
