@@ -65,3 +65,16 @@ def packed_text_batch(tokenizer, texts: list[str], seq_len: int = 32, rows: int 
     plan = PlanSettings(seed=seed, special_ids=np.array(tokenizer.special_ids), span_min=2, span_max=6,
                         span_fraction=span_fraction)
     return collate([make_sample(ids, segs, 0, i, plan) for i, (ids, segs) in enumerate(packed)][-rows:])
+
+
+def unit_text_batch(tokenizer, texts: list[str], seq_len: int = 32, seed: int = 0, first_index: int = 0) -> Batch:
+    """One sentence unit per sample, as the unit shards hold them: BOS, the text's tokens (cut to fit), EOS, then
+    padding; one segment, real masking plans, no spans. Sample indices (keys) start at ``first_index``."""
+    plan = PlanSettings(seed=seed, special_ids=np.array(tokenizer.special_ids), span_fraction=0.0)
+    samples = []
+    for i, ids in enumerate(tokenizer.encode_batch(texts)):
+        unit = [tokenizer.bos_id, *ids[: seq_len - 2], tokenizer.eos_id]
+        input_ids = np.full(seq_len, tokenizer.pad_id, dtype=np.int32)
+        input_ids[: len(unit)] = unit
+        samples.append(make_sample(input_ids, np.array([[0, len(unit)]], dtype=np.int32), 0, first_index + i, plan))
+    return collate(samples)

@@ -1,0 +1,213 @@
+"""SSCL: instruction-prefixed views, deterministic token edits, the loss against a direct reference, and the
+cross-rank gather (2 real gloo processes give the loss and gradients of 1 process with the whole batch)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from helpers import packed_text_batch, unit_text_batch
+from shard_corpus import TOKENIZER, documents
+
+from pipeline.model.attention import attention_inputs
+from pipeline.model.build import build_model
+from pipeline.objectives import SSCL, make_objective
+from pipeline.objectives.augment import crop, delete, edit_rng, edit_tokens, swap
+from pipeline.objectives.sscl import HEAD, INSTRUCTION
+from pipeline.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TOKENIZER)
+
+
+def sentences(n: int) -> list[str]:
+    """Lines of the sample corpus long enough to be sentences."""
+    lines = [line.strip() for doc in documents(max_chars=3000) for line in doc.split("\n")]
+    return [line for line in lines if len(line) > 30][:n]
+
+
+def tiny_model(tokenizer, attention_dropout: float = 0.0):
+    torch.manual_seed(0)
+    model = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id)
+    model.config.attention_dropout = attention_dropout
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = attention_dropout
+    return model
+
+
+def attached(objective: SSCL, model):
+    objective.attach(model)
+    return model
+
+
+def test_views_prefix_the_instruction(tokenizer):
+    batch = unit_text_batch(tokenizer, sentences(3))
+    batch = replace(batch, doc_ids=batch.doc_ids.clone())
+    batch.doc_ids[1] = -1  # a row without a unit (the loader pads a batch with such rows)
+    objective = SSCL(tokenizer)
+    views = objective.views(batch)
+    prefix = tokenizer.encode_batch([INSTRUCTION])[0]
+    unit = batch.input_ids[0][batch.doc_ids[0] >= 0].tolist()
+    anchor = views.input_ids[0][views.doc_ids[0] >= 0].tolist()
+    assert anchor == [unit[0], *prefix, *unit[1:]] and unit[0] == tokenizer.bos_id and unit[-1] == tokenizer.eos_id
+    assert int(views.last[0]) == len(anchor) - 1 and anchor[-1] == tokenizer.eos_id  # the EOS is pooled
+    assert torch.equal(views.input_ids[:3], views.input_ids[3:])  # dropout: x+ is x
+    assert views.valid.tolist() == [True, False, True] and (views.doc_ids[1] == -1).all()
+    assert objective.num_targets(batch) == 2
+
+
+def test_edits_are_deterministic_and_bounded():
+    tokens = np.arange(100, 140)
+    for kind in ("delete", "crop", "swap"):
+        once = edit_tokens(kind, tokens, 0.2, "f000001s00000007", 0)
+        assert np.array_equal(once, edit_tokens(kind, tokens, 0.2, "f000001s00000007", 0))
+        others = [edit_tokens(kind, tokens, 0.2, "f000001s00000007", seed) for seed in range(1, 6)]
+        assert any(not np.array_equal(once, o) for o in others)
+        assert not np.array_equal(once, tokens)
+        for n in (1, 2, 3):
+            assert len(edit_tokens(kind, tokens[:n], 0.9, "k", 0)) >= 1  # never empty
+        assert len(edit_tokens(kind, tokens[:0], 0.2, "k", 0)) == 0
+    rng = edit_rng("key", 0)
+    deleted = delete(tokens, 0.2, rng)
+    assert set(deleted) < set(tokens) and np.all(np.diff(deleted) > 0)  # a subsequence in order
+    cropped = crop(tokens, 0.2, rng)
+    assert len(cropped) == 32 and np.all(np.diff(cropped) == 1)  # one contiguous window
+    swapped = swap(tokens, 0.2, rng)
+    assert sorted(swapped) == sorted(tokens) and not np.array_equal(swapped, tokens)
+    with pytest.raises(ValueError, match="unknown token edit 'shuffle'"):
+        edit_tokens("shuffle", tokens, 0.2, "k", 0)
+
+
+def reference_loss(model, views_rows: list[list[int]], n: int, scale: float) -> torch.Tensor:
+    """Each view alone (no padding), full bidirectional attention, last token -> head, InfoNCE by hand."""
+    embeddings = []
+    for row in views_rows:
+        ids = torch.tensor([row])
+        hidden = model.model(input_ids=ids, attention_mask=torch.zeros(1, 1, len(row), len(row))).last_hidden_state
+        embeddings.append(getattr(model, HEAD)(hidden[0, -1]))
+    e = F.normalize(torch.stack(embeddings).double(), dim=-1)
+    sim = scale * e[:n] @ e[n:].T
+    return -sum(torch.log_softmax(sim[i], -1)[i] for i in range(n))
+
+
+@pytest.mark.parametrize("augment", ["delete", "swap", "crop"])
+def test_loss_equals_reference(tokenizer, augment):
+    batch = unit_text_batch(tokenizer, sentences(6))
+    objective = SSCL(tokenizer, augment=augment, edit_ratio=0.3, scale=10.0)
+    model = attached(objective, tiny_model(tokenizer)).eval()
+    views = objective.views(batch)
+    rows = [views.input_ids[i][views.doc_ids[i] >= 0].tolist() for i in range(len(views.input_ids))]
+    assert rows[:6] != rows[6:]  # the edits changed the positives
+    out = objective(model, batch)
+    with torch.no_grad():
+        ref = reference_loss(model, rows, 6, 10.0)
+    assert int(out.num_targets) == 6
+    assert out.loss_sum.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_head_is_identity_tanh_trained_and_not_exported(tokenizer, tmp_path):
+    objective = SSCL(tokenizer, augment="swap")
+    model = attached(objective, tiny_model(tokenizer))
+    head = getattr(model, HEAD)
+    d = model.config.hidden_size
+    assert head[0].weight.shape == (d, d) and head[0].bias.shape == (d,)
+    x = torch.randn(3, d)
+    torch.testing.assert_close(head(x), torch.tanh(x))
+    objective(model, unit_text_batch(tokenizer, sentences(4))).loss_sum.backward()
+    assert head[0].weight.grad.abs().sum() > 0
+    model.save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and not any(k.startswith(HEAD) for k in keys)
+
+
+def test_dropout_views_differ_only_by_dropout(tokenizer):
+    objective = SSCL(tokenizer)  # the default: augment "dropout"
+    with pytest.raises(ValueError, match="model.attention_dropout is 0, so both views would be identical"):
+        objective.attach(tiny_model(tokenizer))
+    model = attached(objective, tiny_model(tokenizer, attention_dropout=0.3))
+    batch = unit_text_batch(tokenizer, sentences(4))
+    views = objective.views(batch)
+    attention = attention_inputs("bidirectional", views.doc_ids, attn_implementation="sdpa")
+    with torch.no_grad():
+        hidden = model.model(input_ids=views.input_ids, **attention).last_hidden_state
+    last = hidden[torch.arange(8), views.last]
+    assert (last[:4] - last[4:]).abs().amax(-1).min() > 1e-3  # same input, different dropout
+    model.eval()
+    with torch.no_grad():
+        hidden = model.model(input_ids=views.input_ids, **attention).last_hidden_state
+    torch.testing.assert_close(hidden[:4], hidden[4:])
+
+
+def test_bad_input_is_named(tokenizer):
+    objective = SSCL(tokenizer, augment="swap")
+    model = attached(objective, tiny_model(tokenizer))
+    packed = packed_text_batch(tokenizer, documents(max_chars=400)[:12])
+    with pytest.raises(ValueError, match=r"sscl reads sentence units .*data_prep/build_shards.py --units"):
+        objective(model, packed)
+    batch = unit_text_batch(tokenizer, sentences(2))
+    empty = replace(batch, doc_ids=torch.full_like(batch.doc_ids, -1))
+    assert objective.num_targets(empty) == 0
+    with pytest.raises(ValueError, match="fewer than 2 examples over all ranks.*data.unit_micro_batch"):
+        objective(model, empty)
+    with pytest.raises(ValueError, match="options.augment 'backtranslate' is not one of dropout, delete"):
+        make_objective("sscl", tokenizer=tokenizer, augment="backtranslate")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temperature'"):
+        make_objective("sscl", tokenizer=tokenizer, temperature=0.05)
+    with pytest.raises(TypeError, match="needs the data's pipeline.tokenizer.Tokenizer"):
+        make_objective("sscl", augment="swap")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loss_and_grads(objective: SSCL, model, batch) -> tuple[float, int, dict[str, torch.Tensor]]:
+    out = objective(model, batch)
+    out.loss_sum.backward()
+    return out.loss_sum.item(), int(out.num_targets), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                      if p.grad is not None}
+
+
+def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    tokenizer = load_tokenizer(TOKENIZER)
+    objective = SSCL(tokenizer, augment="swap", edit_ratio=0.3)
+    model = attached(objective, tiny_model(tokenizer)).eval()
+    part = unit_text_batch(tokenizer, texts[:split]) if rank == 0 else unit_text_batch(tokenizer, texts[split:],
+                                                                                       first_index=split)
+    torch.save(_loss_and_grads(objective, model, part),
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_two_ranks_equal_one_rank_with_the_whole_batch(tokenizer, tmp_path):
+    texts = sentences(7)
+    # uneven parts (3 + 4): the gather pads and trims; the keys (which seed the edits) match the whole batch's
+    mp.spawn(_rank, args=(2, _free_port(), texts, 3, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    objective = SSCL(tokenizer, augment="swap", edit_ratio=0.3)
+    model = attached(objective, tiny_model(tokenizer)).eval()
+    whole = unit_text_batch(tokenizer, texts)
+    loss, count, grads = _loss_and_grads(objective, model, whole)
+    assert sum(r[1] for r in ranks) == count == 7
+    assert sum(r[0] for r in ranks) == pytest.approx(loss, rel=1e-5)
+    assert HEAD + ".0.weight" in grads and set(ranks[0][2]) == set(ranks[1][2]) == set(grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(ranks[0][2][name] + ranks[1][2][name], grad, atol=1e-6, rtol=1e-4)
