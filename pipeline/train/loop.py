@@ -25,6 +25,11 @@ from pipeline.train.phases import WeightedObjective, build_objectives
 from pipeline.train.schedule import lr_multiplier
 from pipeline.train.shards import ensure_shards
 
+# Process-group backends by device type. The loop's own collectives (target counts, logged sums, the stop flag)
+# run on small CPU tensors, which NCCL alone refuses ("No backend type associated with device type cpu"), so a
+# GPU run pairs it with gloo for those.
+DIST_BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}
+
 
 class StopRequest:
     """SIGUSR1/SIGTERM (SLURM's warning before the time limit, or a requeue) ask for a checkpoint and a clean exit."""
@@ -121,7 +126,7 @@ def _open_loaders(exp: ExperimentConfig, objectives, tokenizer, index: DatasetIn
 
 def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
     device = _device()
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend=DIST_BACKENDS[device.type])
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(exp.train.seed)
 
