@@ -18,10 +18,13 @@ class Batch:
     mask_draw: torch.Tensor  # int64 [B, L] replacement draw (the shard's uint32)
     span_ids: torch.Tensor  # int32 [B, L] index of the MAGNET span holding the position, -1 on context
     keys: list[str]  # sample keys, to trace a batch back to its shard samples
+    # int64 [B, L] the units' paraphrases (MAGNET's x+), wrapped and padded like input_ids; None when the shards
+    # carry none (built without --paraphrase-field)
+    paraphrase_ids: torch.Tensor | None = None
 
     def _map(self, fn) -> Batch:
-        return Batch(**{f.name: fn(getattr(self, f.name)) for f in fields(self) if f.name != "keys"},
-                     keys=self.keys)
+        return Batch(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
+                        for f in fields(self) if f.name != "keys"}, keys=self.keys)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -37,6 +40,19 @@ def _interval_ids(intervals: np.ndarray, out: np.ndarray) -> None:
         out[start:end] = k
 
 
+def _paraphrases(samples: list[Sample]) -> torch.Tensor | None:
+    """int64 [B, L] paraphrase ids, or None when no sample has one. A padding row (key "") has none and gets its
+    own all-padding ids; any other sample without one means shard directories were mixed."""
+    if all(s.paraphrase is None for s in samples):
+        return None
+    missing = [s.key for s in samples if s.paraphrase is None and s.key]
+    if missing:
+        raise ValueError(f"samples {missing[:3]} have no paraphrase while others in their batch do; build every unit "
+                         f"shard of a directory with the same --paraphrase-field")
+    return torch.from_numpy(np.stack([s.input_ids if s.paraphrase is None else s.paraphrase
+                                      for s in samples]).astype(np.int64))
+
+
 def collate(samples: list[Sample]) -> Batch:
     """Stack samples (all of one seq_len) into a Batch; widens the shard dtypes to what torch indexes with."""
     if not samples:
@@ -50,4 +66,5 @@ def collate(samples: list[Sample]) -> Batch:
     return Batch(input_ids=torch.from_numpy(input_ids), doc_ids=torch.from_numpy(doc_ids),
                  mask_rank=torch.from_numpy(np.stack([s.mask_rank for s in samples]).astype(np.int32)),
                  mask_draw=torch.from_numpy(np.stack([s.mask_draw for s in samples]).astype(np.int64)),
-                 span_ids=torch.from_numpy(span_ids), keys=[s.key for s in samples])
+                 span_ids=torch.from_numpy(span_ids), keys=[s.key for s in samples],
+                 paraphrase_ids=_paraphrases(samples))

@@ -21,9 +21,10 @@ class PlanSettings:
 
 
 def make_sample(input_ids: np.ndarray, segments: np.ndarray, file_index: int, sample_index: int,
-                settings: PlanSettings) -> Sample:
+                settings: PlanSettings, paraphrase: np.ndarray | None = None) -> Sample:
+    """``paraphrase``: the unit's paraphrase ids, for unit shards built with a paraphrase field."""
     maskable = maskable_positions(input_ids, segments, settings.special_ids)
     rank, draw = plan_masks(maskable, sample_rng(settings.seed, file_index, sample_index, "mask"))
     spans = sample_spans(segments, sample_rng(settings.seed, file_index, sample_index, "spans"),
                          settings.span_min, settings.span_max, settings.span_fraction)
-    return Sample(sample_key(file_index, sample_index), input_ids, segments, rank, draw, spans)
+    return Sample(sample_key(file_index, sample_index), input_ids, segments, rank, draw, spans, paraphrase)

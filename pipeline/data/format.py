@@ -10,6 +10,9 @@ members (numpy ``.npy`` each, so plain ``webdataset.WebDataset(...).decode()`` r
 - ``mask_draw.npy``  uint32 [seq_len]    replacement draw: ``draw % 10`` picks mask (0-7) / random (8) / keep (9),
                                          ``draw // 10`` picks the random replacement token
 - ``spans.npy``      int32 [m, 2]        MAGNET spans, [start, end), sorted, each inside one segment
+- ``paraphrase.npy`` int32 [seq_len]     OPTIONAL, in every sample of unit shards built with ``--paraphrase-field``
+                                         and in no other: the record's paraphrase (MAGNET's x+), wrapped in BOS/EOS
+                                         and padded with ``pad_id`` like ``input_ids``
 
 Keys are ``f{file_index:06d}s{sample_index:08d}``: ``file_index`` is the input file's position in the sorted input
 list, ``sample_index`` the sample's position in that file's packed stream. Both are independent of how many prep
@@ -39,6 +42,7 @@ FIELDS = {
     "mask_draw": np.uint32,
     "spans": np.int32,
 }
+OPTIONAL_FIELDS = {"paraphrase": np.int32}
 
 
 def sample_key(file_index: int, sample_index: int) -> str:
@@ -57,14 +61,20 @@ class Sample:
     mask_rank: np.ndarray
     mask_draw: np.ndarray
     spans: np.ndarray
+    paraphrase: np.ndarray | None = None
+
+    def fields(self) -> dict[str, type]:
+        """Name -> dtype of the members this sample has: every required one, and the optional ones it carries."""
+        return FIELDS | {name: dtype for name, dtype in OPTIONAL_FIELDS.items() if getattr(self, name) is not None}
 
     def validate(self, seq_len: int) -> None:
         """Raise ValueError when arrays are out of bounds: checked by inspect_shards and the loader's first read."""
-        for name, dtype in FIELDS.items():
+        fields = self.fields()
+        for name, dtype in fields.items():
             arr = getattr(self, name)
             if arr.dtype != dtype:
                 raise ValueError(f"sample {self.key}: {name} has dtype {arr.dtype}, expected {np.dtype(dtype)}")
-        for name in ("input_ids", "mask_rank", "mask_draw"):
+        for name in ("input_ids", "mask_rank", "mask_draw", *(n for n in OPTIONAL_FIELDS if n in fields)):
             if getattr(self, name).shape != (seq_len,):
                 raise ValueError(f"sample {self.key}: {name} has shape {getattr(self, name).shape}, expected ({seq_len},)")
         for name in ("segments", "spans"):
@@ -97,9 +107,9 @@ def _npy_bytes(arr: np.ndarray) -> bytes:
 
 
 def sample_members(sample: Sample) -> list[tuple[str, bytes]]:
-    """The (member name, bytes) pairs of one sample, in a fixed order."""
+    """The (member name, bytes) pairs of one sample, in a fixed order (optional members last, when present)."""
     return [(f"{sample.key}.{name}.npy", _npy_bytes(np.ascontiguousarray(getattr(sample, name), dtype=dtype)))
-            for name, dtype in FIELDS.items()]
+            for name, dtype in sample.fields().items()]
 
 
 def _header_template() -> bytes:
@@ -144,7 +154,7 @@ def decode_members(blob: bytes) -> Sample:
     with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
         for member in tar:
             stem, field, ext = member.name.split(".")
-            if ext != "npy" or field not in FIELDS:
+            if ext != "npy" or (field not in FIELDS and field not in OPTIONAL_FIELDS):
                 raise ValueError(f"unexpected tar member {member.name!r}")
             key = stem if key is None else key
             if stem != key:
