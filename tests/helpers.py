@@ -8,8 +8,10 @@ masking plans and MAGNET spans from ``make_sample``, real tar shards with ``.idx
 from __future__ import annotations
 
 import os
+import socket
 
 import numpy as np
+import torch
 
 from pipeline.data.batch import Batch, collate
 from pipeline.data.build_sample import PlanSettings, make_sample
@@ -17,6 +19,7 @@ from pipeline.data.format import FORMAT_VERSION
 from pipeline.data.manifest import MANIFEST, job_manifest_name, settings_fingerprint, write_json_atomic
 from pipeline.data.packing import Packer
 from pipeline.data.shards import ShardWriter
+from pipeline.model.build import build_model
 
 PAD, BOS, EOS, MASK = 0, 1, 2, 3
 SPECIAL_IDS = (PAD, BOS, EOS, MASK)
@@ -78,3 +81,23 @@ def unit_text_batch(tokenizer, texts: list[str], seq_len: int = 32, seed: int = 
         input_ids[: len(unit)] = unit
         samples.append(make_sample(input_ids, np.array([[0, len(unit)]], dtype=np.int32), 0, first_index + i, plan))
     return collate(samples)
+
+
+def free_port() -> int:
+    """A free TCP port on localhost, for a torch.distributed rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_llama(tokenizer, attention_dropout: float = 0.0, seed: int = 0):
+    """The "tiny" preset with ``tokenizer``'s vocabulary and seeded weights; ``attention_dropout`` is set on every
+    attention layer, as the trainer does."""
+    torch.manual_seed(seed)
+    model = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id,
+                        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    model.config.attention_dropout = attention_dropout
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = attention_dropout
+    return model

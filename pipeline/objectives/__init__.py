@@ -7,13 +7,14 @@ from pipeline.objectives.clm import CLM
 from pipeline.objectives.magnet import Magnet
 from pipeline.objectives.mlm import MLM
 from pipeline.objectives.mntp import MNTP
+from pipeline.objectives.simcse import SimCSE
 from pipeline.objectives.sscl import SSCL
 from pipeline.tokenizer import Tokenizer
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (CLM, MLM, MNTP, Magnet, SSCL)}
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (CLM, MLM, MNTP, Magnet, SSCL, SimCSE)}
 
 __all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "SSCL", "Magnet", "Masking", "MaskingConfig", "Objective",
-           "ObjectiveOutput", "make_objective"]
+           "ObjectiveOutput", "SimCSE", "make_objective"]
 
 
 def make_objective(name: str, *, tokenizer: Tokenizer | None = None,

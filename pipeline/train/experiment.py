@@ -40,7 +40,7 @@ class ModelConfig:
 
 @dataclass
 class ObjectiveSpec:
-    name: Literal["clm", "mlm", "mntp", "magnet", "sscl"]
+    name: Literal["clm", "mlm", "mntp", "magnet", "sscl", "simcse"]
     weight: float = 1.0
     ratio: float = 0.3  # masking ratio (mlm, mntp); any value in (0, 1] from the same shards
     policy: Literal["80-10-10", "mask"] = "80-10-10"  # replacement of masked tokens: BERT's split, or all [MASK]

@@ -1,0 +1,88 @@
+"""LLM2Vec's unsupervised SimCSE: a sentence unit against itself, the two views differing by dropout alone.
+
+The batch's units run through the model twice in one forward pass (the batch stacked on itself), with
+bidirectional attention and attention-probability dropout (``model.attention_dropout``, 0.3 in LLM2Vec), so each
+copy of a unit draws its own dropout mask: the two views of two separate passes, at one pass's cost. Each view is
+mean-pooled, and InfoNCE on cosine similarity (``scale`` 20, i.e. tau = 0.05) makes the first copy of each unit pick
+its second copy among the second copies of every unit of the global batch (``info_nce``: negatives all-gathered
+across ranks with gradient; one direction, as LLM2Vec's ``HardNegativeNLLLoss``).
+
+Pooling is the mean over the unit's text tokens: padding, BOS and EOS are left out, as LLM2Vec's ``encode()`` pools
+at inference (its ``embed_mask`` covers the text alone). LLM2Vec's SimCSE training differs by a quirk: its
+collator leaves ``embed_mask`` empty, so training pools every position of the left-padded row, padding included.
+Pooling what inference pools keeps training and use consistent and makes a unit's embedding independent of how
+much padding its batch has.
+
+There is no projection head and no instruction: the embedding is the model's own, as in LLM2Vec.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from pipeline.data.batch import Batch
+from pipeline.model.attention import attention_inputs
+from pipeline.objectives.base import Objective, ObjectiveOutput
+from pipeline.objectives.infonce import info_nce
+from pipeline.tokenizer import Tokenizer
+
+
+def check_units(batch: Batch, objective: str) -> None:
+    """Refuse packed samples: a sentence-unit objective needs one unit (one segment) per sample."""
+    packed = (batch.doc_ids > 0).any(-1)
+    if packed.any():
+        keys = [k for k, bad in zip(batch.keys, packed.tolist()) if bad][:3]
+        raise ValueError(f"{objective} reads sentence units (one per sample), but samples {keys} hold several "
+                         "documents: point data.unit_shards at shards built with data_prep/build_shards.py --units")
+
+
+def mean_pool(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """[B, d] mean of ``hidden`` [B, L, d] over the positions where ``keep`` [B, L] is True (zero for none)."""
+    weights = keep.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
+
+
+class SimCSE(Objective):
+    name = "simcse"
+    attention_mode = "bidirectional"
+    source = "units"
+    takes_tokenizer = True
+
+    def __init__(self, tokenizer: Tokenizer | None, document_masking: bool = True, scale: float = 20.0):
+        """``scale`` is 1 / temperature; the tokenizer names the special ids that pooling leaves out."""
+        super().__init__(document_masking)
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"objective 'simcse' needs the data's pipeline.tokenizer.Tokenizer to know which tokens "
+                            f"are special (pooling leaves them out), got {type(tokenizer).__name__}")
+        if scale <= 0:
+            raise ValueError(f"simcse: options.scale must be > 0 (1 / temperature), got {scale}")
+        self.scale = scale
+        self.special_ids = torch.tensor(tokenizer.special_ids, dtype=torch.long)
+
+    def attach(self, model: PreTrainedModel) -> None:
+        """No head; checks that dropout can make the two views differ."""
+        if not model.config.attention_dropout:
+            raise ValueError("simcse: the two views of a unit differ by dropout alone, but model.attention_dropout "
+                             "is 0, so they would be identical; set model.attention_dropout (LLM2Vec: 0.3)")
+
+    def text_tokens(self, batch: Batch) -> torch.Tensor:
+        """Bool [B, L]: the units' text tokens, the positions that are pooled."""
+        special = torch.isin(batch.input_ids, self.special_ids.to(batch.input_ids.device))
+        return (batch.doc_ids >= 0) & ~special
+
+    def num_targets(self, batch: Batch) -> int:
+        """One query per unit; padding rows (no text) have none."""
+        return int(self.text_tokens(batch).any(-1).sum())
+
+    def __call__(self, model: PreTrainedModel, batch: Batch) -> ObjectiveOutput:
+        check_units(batch, self.name)
+        keep = self.text_tokens(batch)
+        doc_ids = torch.cat([batch.doc_ids, batch.doc_ids])
+        attention = attention_inputs(self.attention_mode, doc_ids, document_masking=self.document_masking,
+                                     attn_implementation=model.config._attn_implementation, dtype=model.dtype)
+        hidden = model.model(input_ids=torch.cat([batch.input_ids, batch.input_ids]), **attention).last_hidden_state
+        pooled = mean_pool(hidden, torch.cat([keep, keep]))
+        valid = keep.any(-1)
+        n = len(valid)
+        return info_nce(pooled[:n][valid], pooled[n:][valid], self.scale)
