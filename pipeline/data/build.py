@@ -46,6 +46,9 @@ class BuildError(RuntimeError):
 
 @dataclass(frozen=True)
 class BuildConfig:
+    """The options of one job (docs/data_prep.md). All but ``num_jobs``, ``job_index``, ``workers``,
+    ``max_bad_fraction`` and ``progress`` determine the shard bytes and are fixed by the directory's manifest."""
+
     inputs: tuple[str, ...]
     tokenizer: str
     output: str
