@@ -19,6 +19,7 @@ from pipeline.data.format import FORMAT_VERSION
 from pipeline.data.manifest import MANIFEST, job_manifest_name, settings_fingerprint, write_json_atomic
 from pipeline.data.packing import Packer
 from pipeline.data.shards import ShardWriter
+from pipeline.data.units import unit_sample
 from pipeline.model.build import build_model
 
 PAD, BOS, EOS, MASK = 0, 1, 2, 3
@@ -70,16 +71,19 @@ def packed_text_batch(tokenizer, texts: list[str], seq_len: int = 32, rows: int 
     return collate([make_sample(ids, segs, 0, i, plan) for i, (ids, segs) in enumerate(packed)][-rows:])
 
 
-def unit_text_batch(tokenizer, texts: list[str], seq_len: int = 32, seed: int = 0, first_index: int = 0) -> Batch:
-    """One sentence unit per sample, as the unit shards hold them: BOS, the text's tokens (cut to fit), EOS, then
-    padding; one segment, real masking plans, no spans. Sample indices (keys) start at ``first_index``."""
+def unit_text_batch(tokenizer, texts: list[str], seq_len: int = 32, seed: int = 0, first_index: int = 0,
+                    paraphrases: list[str] | None = None) -> Batch:
+    """One sentence unit per sample, as data prep's unit mode writes them (``units.unit_sample``: BOS, the text's
+    tokens cut to fit, EOS, padding; one segment), with real masking plans, no spans, and the ``paraphrases`` when
+    given. Sample indices (keys) start at ``first_index``."""
     plan = PlanSettings(seed=seed, special_ids=np.array(tokenizer.special_ids), span_fraction=0.0)
+    info = (seq_len, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
+    para = tokenizer.encode_batch(paraphrases) if paraphrases is not None else [None] * len(texts)
     samples = []
-    for i, ids in enumerate(tokenizer.encode_batch(texts)):
-        unit = [tokenizer.bos_id, *ids[: seq_len - 2], tokenizer.eos_id]
-        input_ids = np.full(seq_len, tokenizer.pad_id, dtype=np.int32)
-        input_ids[: len(unit)] = unit
-        samples.append(make_sample(input_ids, np.array([[0, len(unit)]], dtype=np.int32), 0, first_index + i, plan))
+    for i, (ids, p) in enumerate(zip(tokenizer.encode_batch(texts), para)):
+        input_ids, n, _ = unit_sample(ids, *info)
+        samples.append(make_sample(input_ids, np.array([[0, n]], dtype=np.int32), 0, first_index + i, plan,
+                                   None if p is None else unit_sample(p, *info)[0]))
     return collate(samples)
 
 

@@ -4,7 +4,6 @@ cross-rank gather (2 real gloo processes give the loss and gradients of 1 proces
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import replace
 
 import numpy as np
@@ -13,11 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import packed_text_batch, unit_text_batch
+from helpers import free_port, packed_text_batch, tiny_llama, unit_text_batch
 from shard_corpus import TOKENIZER, documents
 
 from pipeline.model.attention import attention_inputs
-from pipeline.model.build import build_model
 from pipeline.objectives import SSCL, make_objective
 from pipeline.objectives.augment import crop, delete, edit_rng, edit_tokens, swap
 from pipeline.objectives.sscl import HEAD, INSTRUCTION
@@ -33,16 +31,6 @@ def sentences(n: int) -> list[str]:
     """Lines of the sample corpus long enough to be sentences."""
     lines = [line.strip() for doc in documents(max_chars=3000) for line in doc.split("\n")]
     return [line for line in lines if len(line) > 30][:n]
-
-
-def tiny_model(tokenizer, attention_dropout: float = 0.0):
-    torch.manual_seed(0)
-    model = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id)
-    model.config.attention_dropout = attention_dropout
-    for module in model.modules():
-        if hasattr(module, "attention_dropout"):
-            module.attention_dropout = attention_dropout
-    return model
 
 
 def attached(objective: SSCL, model):
@@ -104,7 +92,7 @@ def reference_loss(model, views_rows: list[list[int]], n: int, scale: float) -> 
 def test_loss_equals_reference(tokenizer, augment):
     batch = unit_text_batch(tokenizer, sentences(6))
     objective = SSCL(tokenizer, augment=augment, edit_ratio=0.3, scale=10.0)
-    model = attached(objective, tiny_model(tokenizer)).eval()
+    model = attached(objective, tiny_llama(tokenizer)).eval()
     views = objective.views(batch)
     rows = [views.input_ids[i][views.doc_ids[i] >= 0].tolist() for i in range(len(views.input_ids))]
     assert rows[:6] != rows[6:]  # the edits changed the positives
@@ -117,7 +105,7 @@ def test_loss_equals_reference(tokenizer, augment):
 
 def test_head_is_identity_tanh_trained_and_not_exported(tokenizer, tmp_path):
     objective = SSCL(tokenizer, augment="swap")
-    model = attached(objective, tiny_model(tokenizer))
+    model = attached(objective, tiny_llama(tokenizer))
     head = getattr(model, HEAD)
     d = model.config.hidden_size
     assert head[0].weight.shape == (d, d) and head[0].bias.shape == (d,)
@@ -136,8 +124,8 @@ def test_head_is_identity_tanh_trained_and_not_exported(tokenizer, tmp_path):
 def test_dropout_views_differ_only_by_dropout(tokenizer):
     objective = SSCL(tokenizer)  # the default: augment "dropout"
     with pytest.raises(ValueError, match="model.attention_dropout is 0, so both views would be identical"):
-        objective.attach(tiny_model(tokenizer))
-    model = attached(objective, tiny_model(tokenizer, attention_dropout=0.3))
+        objective.attach(tiny_llama(tokenizer))
+    model = attached(objective, tiny_llama(tokenizer, attention_dropout=0.3))
     batch = unit_text_batch(tokenizer, sentences(4))
     views = objective.views(batch)
     attention = attention_inputs("bidirectional", views.doc_ids, attn_implementation="sdpa")
@@ -151,9 +139,29 @@ def test_dropout_views_differ_only_by_dropout(tokenizer):
     torch.testing.assert_close(hidden[:4], hidden[4:])
 
 
+def test_paraphrase_is_the_positive(tokenizer):
+    texts = sentences(4)
+    paraphrases = [" ".join(reversed(t.split())) for t in texts]
+    batch = unit_text_batch(tokenizer, texts, paraphrases=paraphrases)
+    objective = SSCL(tokenizer, augment="paraphrase")
+    views = objective.views(batch)
+    prefix = tokenizer.encode_batch([INSTRUCTION])[0]
+    for row, ids in enumerate(tokenizer.encode_batch(paraphrases)):
+        positive = views.input_ids[4 + row][views.doc_ids[4 + row] >= 0].tolist()
+        assert positive == [tokenizer.bos_id, *prefix, *ids[:30], tokenizer.eos_id]
+    model = attached(objective, tiny_llama(tokenizer)).eval()
+    assert int(objective(model, batch).num_targets) == 4
+    with pytest.raises(ValueError, match="augment is 'paraphrase' but the unit shards carry no paraphrases.*"
+                                         "--paraphrase-field"):
+        objective.views(unit_text_batch(tokenizer, texts))
+    empty = unit_text_batch(tokenizer, texts, paraphrases=["", *paraphrases[1:]])
+    with pytest.raises(ValueError, match=rf"sample {empty.keys[0]}: its paraphrase is empty"):
+        objective.views(empty)
+
+
 def test_bad_input_is_named(tokenizer):
     objective = SSCL(tokenizer, augment="swap")
-    model = attached(objective, tiny_model(tokenizer))
+    model = attached(objective, tiny_llama(tokenizer))
     packed = packed_text_batch(tokenizer, documents(max_chars=400)[:12])
     with pytest.raises(ValueError, match=r"sscl reads sentence units .*data_prep/build_shards.py --units"):
         objective(model, packed)
@@ -170,12 +178,6 @@ def test_bad_input_is_named(tokenizer):
         make_objective("sscl", augment="swap")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _loss_and_grads(objective: SSCL, model, batch) -> tuple[float, int, dict[str, torch.Tensor]]:
     out = objective(model, batch)
     out.loss_sum.backward()
@@ -189,7 +191,7 @@ def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_di
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tokenizer = load_tokenizer(TOKENIZER)
     objective = SSCL(tokenizer, augment="swap", edit_ratio=0.3)
-    model = attached(objective, tiny_model(tokenizer)).eval()
+    model = attached(objective, tiny_llama(tokenizer)).eval()
     part = unit_text_batch(tokenizer, texts[:split]) if rank == 0 else unit_text_batch(tokenizer, texts[split:],
                                                                                        first_index=split)
     torch.save(_loss_and_grads(objective, model, part),
@@ -200,10 +202,10 @@ def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_di
 def test_two_ranks_equal_one_rank_with_the_whole_batch(tokenizer, tmp_path):
     texts = sentences(7)
     # uneven parts (3 + 4): the gather pads and trims; the keys (which seed the edits) match the whole batch's
-    mp.spawn(_rank, args=(2, _free_port(), texts, 3, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), texts, 3, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     objective = SSCL(tokenizer, augment="swap", edit_ratio=0.3)
-    model = attached(objective, tiny_model(tokenizer)).eval()
+    model = attached(objective, tiny_llama(tokenizer)).eval()
     whole = unit_text_batch(tokenizer, texts)
     loss, count, grads = _loss_and_grads(objective, model, whole)
     assert sum(r[1] for r in ranks) == count == 7

@@ -37,6 +37,7 @@ from pipeline.model.attention import attention_inputs
 from pipeline.objectives.augment import EDITS, edit_tokens
 from pipeline.objectives.base import Objective, ObjectiveOutput
 from pipeline.objectives.infonce import info_nce
+from pipeline.objectives.simcse import check_units
 from pipeline.tokenizer import Tokenizer
 
 INSTRUCTION = "Given the sentence, find its representation:"
@@ -114,11 +115,7 @@ class SSCL(Objective):
 
     def views(self, batch: Batch) -> SentenceViews:
         """The instruction-prefixed anchors and positives of the batch's units, right-padded into one tensor."""
-        packed = (batch.doc_ids > 0).any(-1)
-        if packed.any():
-            keys = [k for k, bad in zip(batch.keys, packed.tolist()) if bad][:3]
-            raise ValueError(f"sscl reads sentence units (one per sample), but samples {keys} hold several documents: "
-                             "point data.unit_shards at shards built with data_prep/build_shards.py --units")
+        check_units(batch, self.name)
         ids, docs = batch.input_ids.cpu().numpy(), batch.doc_ids.cpu().numpy()
         anchors: list[np.ndarray] = []
         positives: list[np.ndarray] = []
