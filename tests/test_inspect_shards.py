@@ -94,6 +94,21 @@ def test_incomplete_directory_is_reported(copy, capsys):
     assert rc == 1 and "prep jobs [0] of 1 are not complete" in err
 
 
+def test_shard_missing_from_the_job_manifest_is_reported(copy, capsys):
+    path = os.path.join(copy, job_manifest_name(0))
+    job = json.load(open(path))
+    dropped = job["shards"].pop()
+    json.dump(job, open(path, "w"))
+    rc, _, err = run(capsys, copy)
+    assert rc == 1 and "index.json lists other shards than the job manifests" in err
+    os.remove(os.path.join(copy, "index.json"))
+    rc, _, err = run(capsys, copy)
+    last = job["files"][-1]
+    assert rc == 1
+    assert (f"the shards hold {last['samples'] - dropped['samples']} samples, the job manifest says "
+            f"{last['samples']}") in err
+
+
 def test_sample_out_of_range(shard_dir, capsys):
     rc, _, err = run(capsys, shard_dir, "--no-verify", "--sample", 10**6)
     assert rc == 1 and "--sample 1000000 is out of range" in err
