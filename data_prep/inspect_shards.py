@@ -161,10 +161,11 @@ def _visible(text: str) -> str:
 def render_sample(sample: Sample, tok, ratio: float, policy: str) -> str:
     """The sample as text, masked targets as [MASK:word] / [RAND:word>new] / [KEEP:word], spans as <<...>>."""
     ids = torch.from_numpy(sample.input_ids.astype(np.int64))
+    mask_id = -1 if tok.mask_id is None else tok.mask_id  # a tokenizer without one (Llama) still shows [MASK:x]
     pool = torch.from_numpy(tok.regular_ids())
     masked, target = apply_mask_plan(ids, torch.from_numpy(sample.mask_rank.astype(np.int32)),
                                      torch.from_numpy(sample.mask_draw.astype(np.int64)), ratio, policy,
-                                     tok.mask_id, pool)
+                                     mask_id, pool)
     starts = {int(s) for s, _ in sample.spans}
     ends = {int(e) for _, e in sample.spans}
     lines = []
@@ -177,7 +178,7 @@ def render_sample(sample: Sample, tok, ratio: float, policy: str) -> str:
                 parts.append("<<")
             if target[pos]:
                 new = int(masked[pos])
-                kind = ("MASK" if new == tok.mask_id else "KEEP" if new == int(ids[pos]) else "RAND")
+                kind = ("MASK" if new == mask_id else "KEEP" if new == int(ids[pos]) else "RAND")
                 core = text.lstrip(" ")
                 replacement = f">{_visible(tok.decode([new]).strip(' '))}" if kind == "RAND" else ""
                 text = f"{text[: len(text) - len(core)]}[{kind}:{_visible(core)}{replacement}]"
