@@ -3,10 +3,16 @@
 Layout: ``RUN/checkpoints/step{N:08d}/`` holds DeepSpeed's files, ``rng-rank{r}.pt`` per rank, and ``COMPLETE``
 (written by rank 0 after a barrier, once every rank has finished writing). A directory without ``COMPLETE`` is a
 half-written checkpoint and is never resumed from; DeepSpeed's ``latest`` file is not trusted.
+
+Resuming on another world size: ZeRO-3 files hold one flat partition per rank, so DeepSpeed refuses them at another
+data-parallel size. When the marker's ``world_size`` differs from the current one, rank 0 converts the checkpoint
+once into DeepSpeed's universal format (``step{N}/universal/``: fp32 weights and Adam moments per parameter) and
+every rank loads its new partition from there.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import re
@@ -18,9 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.data.manifest import write_json_atomic
+from pipeline.data.manifest import read_json, write_json_atomic
 
 MARKER = "COMPLETE"
+UNIVERSAL = "universal"  # sub-directory of a step with its universal-format copy
 _TAG = re.compile(r"^step(\d{8})$")
 
 
@@ -96,17 +103,81 @@ def prune(run_dir: str, keep_last: int, keep_every: int) -> None:
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
+def saved_world_size(path: str) -> int:
+    """The number of ranks that wrote the checkpoint directory ``path`` (from its completion marker)."""
+    return read_json(os.path.join(path, MARKER), "not a complete checkpoint").get("world_size", 1)
+
+
+def to_universal(path: str) -> str:
+    """Convert the checkpoint directory ``path`` into DeepSpeed's universal format in ``path/universal`` (once;
+    the conversion writes to a temporary directory and renames it, so a killed conversion is redone)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    out = os.path.join(path, UNIVERSAL)
+    if os.path.exists(os.path.join(out, MARKER)):
+        return out
+    tmp = f"{out}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    # one worker: the conversion runs inside a training process, where forking worker processes is unsafe
+    ds_to_universal.main(argparse.Namespace(input_folder=path, output_folder=tmp, num_extract_workers=1,
+                                            num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                            inject_missing_state=False))
+    os.remove(os.path.join(path, "latest_universal"))  # written beside the output; we name the tag ourselves
+    write_json_atomic(os.path.join(tmp, MARKER), {"source": os.path.basename(path), "time": time.time()})
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _load_universal(engine, path: str):
+    """Load ``path/universal`` into an engine of any data-parallel size.
+
+    DeepSpeed reads its ``load_universal`` setting only while loading, so it is switched on just for this load
+    (putting it in the config would need the resume step before the engine exists). Two repairs after its ZeRO-3
+    loader: it copies the hyper-parameters of the first optimizer param group into every group (weight decay on
+    the norms), so each group gets its own saved values back; and it gives every group's Adam state the same
+    ``step`` tensor, which torch's Adam increments in place, so the step would advance once per group and skew
+    the bias correction; each group gets its own copy.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        to_universal(path)
+    if dist.is_initialized():
+        dist.barrier()
+    engine._config.load_universal_checkpoint = True
+    try:
+        load_path, client = engine.load_checkpoint(path, tag=UNIVERSAL, load_module_strict=True)
+    finally:
+        engine._config.load_universal_checkpoint = False
+    saved = torch.load(os.path.join(path, UNIVERSAL, "zero", "optimizer_state.pt"), weights_only=False)["param_groups"]
+    optimizer = engine.optimizer.optimizer
+    if len(saved) != len(optimizer.param_groups):
+        raise RuntimeError(f"{path}: the checkpoint has {len(saved)} optimizer param groups, the model "
+                           f"{len(optimizer.param_groups)}")
+    for group, values in zip(optimizer.param_groups, saved):
+        group.update({k: v for k, v in values.items() if k != "params"})
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    return load_path, client
+
+
 def load(engine, run_dir: str, step: int) -> dict:
-    """Collective. Restores the engine (weights, optimizer, lr scheduler) and this rank's RNG; returns client state."""
+    """Collective. Restores the engine (weights, optimizer, lr scheduler) and this rank's RNG; returns client state.
+    A checkpoint written by another number of ranks goes through the universal format (see the module doc)."""
     root, tag = checkpoint_root(run_dir), tag_for(step)
     path = os.path.join(root, tag)
     if not os.path.exists(os.path.join(path, MARKER)):
         raise FileNotFoundError(f"{path}: no complete checkpoint at step {step}; complete ones: {complete_steps(run_dir)}")
-    load_path, client = engine.load_checkpoint(root, tag=tag, load_module_strict=True)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if saved_world_size(path) == world:
+        load_path, client = engine.load_checkpoint(root, tag=tag, load_module_strict=True)
+    else:
+        load_path, client = _load_universal(engine, path)
     if load_path is None:
         raise RuntimeError(f"{path}: DeepSpeed could not load this checkpoint (files missing?)")
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = os.path.join(path, f"rng-rank{rank}.pt")
-    if os.path.exists(rng_file):  # absent when resuming on more ranks than saved; the loop draws no randomness
+    if os.path.exists(rng_file):  # absent for a rank the saved run did not have: its RNG keeps the seeded start
         set_rng_state(torch.load(rng_file, weights_only=False))
     return client

@@ -1,0 +1,60 @@
+"""Resume a ZeRO-3 run on another number of ranks (2 -> 1 -> 2) through DeepSpeed's universal checkpoint.
+
+One run trains steps 1-10 on 2 ranks, 11-15 on 1 rank and 16-20 on 2 ranks again, always with the global batch
+of 8 (2 ranks x 2 x 2 accumulation, then 1 rank x 2 x 4). Its losses must follow the uninterrupted training (the
+single-process reference loop of test_train, which matches 2-rank ZeRO-3 to fp32 rounding) step for step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import test_train as tt
+import torch
+
+from pipeline.data.build import BuildConfig, run_job
+from pipeline.model.build import build_model
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train import checkpoint
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("data") / "shards")
+    run_job(BuildConfig(inputs=(os.path.join(tt.SAMPLE_DIR, "train", "**", "*.jsonl.zst"),), tokenizer=tt.TOKENIZER,
+                        output=out, seq_len=64, samples_per_shard=512, progress=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def init_dir(tmp_path_factory) -> str:
+    tok = load_tokenizer(tt.TOKENIZER)
+    torch.manual_seed(0)
+    lm = build_model("tiny", tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
+                     eos_token_id=tok.info.eos_id)
+    out = str(tmp_path_factory.mktemp("init") / "tiny")
+    lm.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow  # three 2-rank/1-rank launches (~1 min)
+def test_resume_on_fewer_then_more_ranks_follows_the_uninterrupted_run(shards, init_dir, tmp_path):
+    run_dir = str(tmp_path / "elastic")
+    tt.launch(run_dir, shards, init_dir, "train.stop_at_step=10")
+    root = checkpoint.checkpoint_root(run_dir)
+    assert checkpoint.saved_world_size(os.path.join(root, checkpoint.tag_for(10))) == 2
+
+    one = tt.launch(run_dir, shards, init_dir, "train.grad_accum=4", "train.stop_at_step=15", nproc=1)
+    assert "resumed from step00000010" in one.stdout
+    assert os.path.isdir(os.path.join(root, checkpoint.tag_for(10), checkpoint.UNIVERSAL))
+    assert checkpoint.saved_world_size(os.path.join(root, checkpoint.tag_for(15))) == 1
+
+    two = tt.launch(run_dir, shards, init_dir)
+    assert "resumed from step00000015" in two.stdout
+    assert checkpoint.latest_complete(run_dir) == tt.STEPS
+
+    ours = tt.losses(run_dir)
+    ref, _ = tt.reference_losses(shards, init_dir, run_dir)
+    for step, expected in enumerate(ref, start=1):
+        assert ours[step] == pytest.approx(expected, rel=1e-5), (step, ours[step], expected)
