@@ -105,9 +105,10 @@ def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets
     """LM head and cross-entropy on the source positions only (fp32 logits)."""
     labels = targets.labels[targets.source]
     logits = lm_head(hidden[targets.source]).float()
+    with torch.no_grad():  # a label is right when its logit is the largest: amax, as CPU argmax costs ~30x more
+        correct = (logits.gather(-1, labels[:, None]).squeeze(-1) >= logits.amax(-1)).sum()
     return ObjectiveOutput(loss_sum=F.cross_entropy(logits, labels, reduction="sum"),
-                           num_targets=targets.source.sum(),
-                           num_correct=(logits.argmax(-1) == labels).sum())
+                           num_targets=targets.source.sum(), num_correct=correct)
 
 
 class Objective(ABC):
