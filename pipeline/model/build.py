@@ -53,6 +53,31 @@ def load_checkpoint_config(path: Path) -> PretrainedConfig:
     return config
 
 
+def check_checkpoint_shape(spec: str, preset: str) -> None:
+    """Continued pretraining names the size it continues (``model.shape``): the checkpoint in ``spec`` must have
+    that preset's shape, so a run never silently continues the wrong start model."""
+    want = get_preset(preset)
+    if spec in PRESETS:
+        if spec != preset:
+            raise ValueError(f"model.init is the preset {spec!r} but model.shape is {preset!r}; make them agree")
+        return
+    path = Path(spec)
+    if not path.is_dir():
+        raise ValueError(f"model.init {spec!r}: the start checkpoint does not exist; continued pretraining starts "
+                         "from the HF export of a finished run (RUN/hf, written at the end of its training, or "
+                         "launch/export_hf.py --run RUN --output DIR); finish or export that run first")
+    config = load_checkpoint_config(path)
+    got = (config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.num_attention_heads,
+           config.num_key_value_heads)
+    expected = (want.num_layers, want.hidden_size, want.ffn_size, want.num_heads, want.num_kv_heads)
+    if got != expected:
+        def shape(s):
+            return f"{s[0]} layers, hidden {s[1]}, FFN {s[2]}, {s[3]}/{s[4]} heads"
+
+        raise ValueError(f"{path}/config.json: the start checkpoint has {shape(got)}, but model.shape {preset!r} "
+                         f"has {shape(expected)}; point model.init at a {preset} checkpoint or correct model.shape")
+
+
 def check_tokenizer_compatible(config: PretrainedConfig, path: Path, vocab_size: int, *,
                                bos_token_id: int | None, eos_token_id: int | None) -> None:
     """Raise when the checkpoint's vocabulary or special ids differ from the data tokenizer's."""

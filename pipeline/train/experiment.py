@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pipeline.config import ConfigError, apply_overrides, from_dict, load_yaml
+from pipeline.model.presets import PRESETS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLE_DIR = os.path.join(REPO, "data", "sample")
@@ -36,6 +37,11 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     activation_checkpointing: bool = False
     attention_dropout: float = 0.0  # dropout on attention probabilities (SimCSE's positives need > 0, e.g. 0.3)
+    shape: str = ""  # a preset whose shape the checkpoint in `init` must have (continued pretraining); "": unchecked
+
+    def validate(self) -> None:
+        if self.shape and self.shape not in PRESETS:
+            raise ConfigError(f"model.shape: {self.shape!r} is not a preset; choose one of {list(PRESETS)} (or \"\")")
 
 
 @dataclass

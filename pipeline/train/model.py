@@ -10,7 +10,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, check_checkpoint_shape
 from pipeline.train.experiment import ExperimentConfig
 
 PREFIX = "lm."
@@ -49,6 +49,8 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     # under zero.Init while keeping HF's weight init; kept on the module so the weak reference stays valid.
     hf_ds = HfDeepSpeedConfig(ds) if stage3 else None
     info = tokenizer.info
+    if exp.model.shape:
+        check_checkpoint_shape(exp.model.init, exp.model.shape)
     lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
                      attn_implementation=exp.model.attn_implementation, pad_token_id=info.pad_id,
                      bos_token_id=info.bos_id, eos_token_id=info.eos_id)

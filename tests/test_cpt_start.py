@@ -1,0 +1,55 @@
+"""Continued pretraining: a start checkpoint that is missing or has another shape or architecture is refused with
+a message naming the path and the fix, before any model is built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError
+from pipeline.model.build import build_model, check_checkpoint_shape
+from pipeline.train.experiment import load_experiment
+
+
+def _save_tiny(path, **changes) -> str:
+    torch.manual_seed(0)
+    lm = build_model("tiny", 100)
+    for key, value in changes.items():
+        setattr(lm.config, key, value)
+    lm.save_pretrained(path)
+    return str(path)
+
+
+def test_matching_start_checkpoint_passes(tmp_path):
+    check_checkpoint_shape(_save_tiny(tmp_path / "tiny"), "tiny")
+    check_checkpoint_shape("610m", "610m")
+
+
+def test_missing_start_checkpoint_names_path_and_fix(tmp_path):
+    missing = str(tmp_path / "scratch-610m-clm" / "hf")
+    with pytest.raises(ValueError, match=r"scratch-610m-clm/hf.*start checkpoint does not exist.*launch/export_hf.py"):
+        check_checkpoint_shape(missing, "610m")
+
+
+def test_start_checkpoint_of_another_size_is_refused(tmp_path):
+    path = _save_tiny(tmp_path / "tiny")
+    with pytest.raises(ValueError, match=r"config.json: the start checkpoint has 2 layers, hidden 64, FFN 128, 4/2 "
+                                         r"heads, but model.shape '610m' has 26 layers, hidden 1152"):
+        check_checkpoint_shape(path, "610m")
+    with pytest.raises(ValueError, match="model.init is the preset '210m' but model.shape is '610m'"):
+        check_checkpoint_shape("210m", "610m")
+
+
+def test_start_checkpoint_of_another_architecture_is_refused(tmp_path):
+    path = _save_tiny(tmp_path / "other")
+    config = json.loads((tmp_path / "other" / "config.json").read_text())
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; supported architectures: llama"):
+        check_checkpoint_shape(path, "tiny")
+
+
+def test_unknown_shape_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"model.shape: '620m' is not a preset; choose one of"):
+        load_experiment(None, ["model.shape=620m"])
