@@ -3,6 +3,10 @@
     python data_prep/build_shards.py --input 'train/chunk*/example_train_*.jsonl.zst' \\
         --tokenizer TOKENIZER_DIR --output shards/ --seq-len 2048 --num-jobs 64 --job-index 0 --workers 8
 
+Sentence units (one sentence a sample, 128 tokens, for SimCSE / MAGNET's SSCL) instead of packed documents:
+
+    python data_prep/build_shards.py --input ... --tokenizer TOKENIZER_DIR --output units/ --units sentence
+
 Job k of K takes the sorted inputs k::K; under a SLURM array the job index and count default to the array task's.
 Re-running is safe: a finished job does nothing, a killed one redoes only what is missing. See docs/data_prep.md.
 """
@@ -17,6 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.data.build import BuildConfig, BuildError, run_job  # noqa: E402
 from pipeline.data.sources import InputError  # noqa: E402
+from pipeline.data.units import UNIT_MODES  # noqa: E402
+
+DEFAULT_UNIT_TOKENS = 128  # LLM2Vec's SimCSE max_seq_length
 
 
 def slurm_array_defaults(env: dict) -> tuple[int, int]:
@@ -40,13 +47,21 @@ def parse_args(argv: list[str] | None = None) -> BuildConfig:
     io.add_argument("--prefix", default=d.prefix, help="shard names are PREFIX-JOB-N.tar")
     io.add_argument("--samples-per-shard", type=int, default=d.samples_per_shard)
     pack = p.add_argument_group("packing")
-    pack.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sample")
+    pack.add_argument("--seq-len", type=int, default=None, help=f"tokens per packed sample (default {d.seq_len})")
     pack.add_argument("--bos", action=argparse.BooleanOptionalAction, default=d.bos,
                       help="start each document with the tokenizer's BOS token")
     pack.add_argument("--eos", action=argparse.BooleanOptionalAction, default=d.eos,
                       help="end each document with the tokenizer's EOS token")
     pack.add_argument("--remainder", choices=("drop", "pad"), default=d.remainder,
                       help="what to do with each file's last, incomplete sample")
+    units = p.add_argument_group("sentence units (contrastive objectives: SimCSE, MAGNET's SSCL) instead of packing")
+    units.add_argument("--units", choices=UNIT_MODES, default=None,
+                       help="one unit a sample: each sentence, paragraph or whole record (docs/data_prep.md)")
+    units.add_argument("--max-unit-tokens", type=int, default=None,
+                       help=f"unit samples' length, BOS and EOS included; longer units are cut (default "
+                            f"{DEFAULT_UNIT_TOKENS})")
+    units.add_argument("--paraphrase-field", default="",
+                       help="with --units record: the field holding a paraphrase of the text, stored beside it")
     plan = p.add_argument_group("masking plan and MAGNET spans")
     plan.add_argument("--seed", type=int, default=d.seed,
                       help="seeds every sample's masking plan and spans (the plan serves every mask ratio)")
@@ -64,11 +79,17 @@ def parse_args(argv: list[str] | None = None) -> BuildConfig:
                      help="fail when a file has more bad records than this fraction")
     run.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     a = p.parse_args(argv)
-    return BuildConfig(inputs=tuple(a.input), tokenizer=a.tokenizer, output=a.output, seq_len=a.seq_len, seed=a.seed,
+    if a.units and a.seq_len is not None:
+        p.error("--seq-len is for packed samples; unit samples are --max-unit-tokens long")
+    if not a.units and a.max_unit_tokens is not None:
+        p.error("--max-unit-tokens needs --units")
+    seq_len = (a.max_unit_tokens or DEFAULT_UNIT_TOKENS) if a.units else (a.seq_len or d.seq_len)
+    return BuildConfig(inputs=tuple(a.input), tokenizer=a.tokenizer, output=a.output, seq_len=seq_len, seed=a.seed,
                        text_field=a.text_field, num_jobs=a.num_jobs, job_index=a.job_index, workers=a.workers,
                        prefix=a.prefix, samples_per_shard=a.samples_per_shard, bos=a.bos, eos=a.eos,
                        remainder=a.remainder, span_min=a.span_min, span_max=a.span_max,
-                       span_fraction=a.span_fraction, max_bad_fraction=a.max_bad_fraction, progress=a.progress)
+                       span_fraction=a.span_fraction, max_bad_fraction=a.max_bad_fraction, progress=a.progress,
+                       units=a.units or "", paraphrase_field=a.paraphrase_field)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,11 +134,18 @@ def print_statistics(index: DatasetIndex, stats: Stats | None, ratio: float) -> 
           f" of all positions), documents: {documents}, mean document length: "
           f"{index.num_tokens / max(documents, 1):.1f} tokens (with BOS/EOS; remainders dropped at file ends)")
     print(f"bad records skipped: {sum(bad.values())}" + (f" ({bad})" if bad else ""))
+    if s.get("units"):
+        truncated = sum(f["truncated_units"] for job in index.jobs for f in job["files"])
+        print(f"units: one {s['units']} a sample" + (f", with paraphrases ({s['paraphrase_field']!r})"
+                                                     if s["paraphrase_field"] else "")
+              + f"; {truncated} cut to {index.seq_len} tokens")
     if stats is not None:
+        spans = "" if s.get("units") else (
+            f"; MAGNET span fraction: {stats.span_tokens / max(stats.tokens, 1):.2%} "
+            f"(target {s['span_fraction']}, lengths {s['span_min']}-{s['span_max']})")
         print(f"document pieces per sample: {stats.pieces / max(stats.samples, 1):.2f}; masked at ratio {ratio}: "
               f"{stats.masked / max(stats.maskable, 1):.2%} of maskable tokens, {stats.masked / max(stats.tokens, 1):.2%}"
-              f" of document tokens; MAGNET span fraction: {stats.span_tokens / max(stats.tokens, 1):.2%} "
-              f"(target {s['span_fraction']}, lengths {s['span_min']}-{s['span_max']})")
+              f" of document tokens" + spans)
 
 
 def token_texts(tok, ids: list[int]) -> list[str]:

@@ -3,14 +3,27 @@ Sample.validate and collate, and build_shards' unit mode on the sample corpus.""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+
 import numpy as np
 import pytest
+from helpers import make_shard_dir
+from shard_corpus import ROOT, TOKENIZER, documents, write_jsonl_zst
 
 from pipeline.data.batch import collate
+from pipeline.data.build import BuildConfig, BuildError, run_job
 from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.data.format import Sample
+from pipeline.data.loader import ShardLoader, check_source
+from pipeline.data.manifest import load_index
 from pipeline.data.shards import ShardReader, ShardWriter
 from pipeline.data.units import split_units, unit_sample
+from pipeline.tokenizer import load_tokenizer
+
+sys.path.insert(0, os.path.join(ROOT, "data_prep"))
+import build_shards as build_cli  # noqa: E402
 
 DOC = """SCENE II. A Camp near Forres.
 
@@ -40,7 +53,8 @@ def test_sentences_end_at_punctuation_and_flatten_line_breaks():
         "He can report, As seemeth by his plight, of the revolt The newest state.", "MALCOLM.",
         '"Hail, brave friend!"', "Say to the king the knowledge (of the broil.)", "As thou didst leave it"]
     assert split_units("  \n\n ", "sentence") == [] and split_units("no end", "sentence") == ["no end"]
-    with pytest.raises(ValueError, match="unit mode must be one of sentence, paragraph, got 'line'"):
+    assert split_units(" A. B.\n\nC ", "record") == ["A. B.\n\nC"] and split_units(" ", "record") == []
+    with pytest.raises(ValueError, match="unit mode must be one of sentence, paragraph, record, got 'line'"):
         split_units(DOC, "line")
 
 
@@ -91,3 +105,94 @@ def test_paraphrase_errors_name_the_sample():
     filler = Sample("", np.zeros(8, np.int32), np.zeros((0, 2), np.int32), good.mask_rank, good.mask_draw,
                     np.zeros((0, 2), np.int32))
     assert collate([good, filler]).paraphrase_ids[1].tolist() == [0] * 8  # a padding row pads its paraphrase
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def sentence_shards(tmp_path_factory) -> tuple[str, list[str]]:
+    """Sentence units of a few sample-corpus documents in 24-token samples; the documents too."""
+    root = tmp_path_factory.mktemp("units")
+    docs = documents(max_chars=1500)[:6]
+    corpus = write_jsonl_zst(root / "docs.jsonl.zst", docs)
+    out = str(root / "shards")
+    run_job(BuildConfig(inputs=(corpus,), tokenizer=TOKENIZER, output=out, seq_len=24, units="sentence",
+                        samples_per_shard=50, progress=False))
+    return out, docs
+
+
+def test_sentence_shards_hold_one_unit_a_sample(sentence_shards, tokenizer):
+    out, docs = sentence_shards
+    index = load_index(out)
+    units = [u for d in docs for u in split_units(d, "sentence")]
+    samples = [s for shard in index.shards for s in ShardReader(shard.path)]
+    assert len(samples) == index.num_samples == len(units) and len(index.shards) > 1
+    cut = 0
+    for sample, ids in zip(samples, tokenizer.encode_batch(units)):
+        expected, n, truncated = unit_sample(ids, 24, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)
+        assert np.array_equal(sample.input_ids, expected) and sample.segments.tolist() == [[0, n]]
+        assert sample.spans.shape == (0, 2) and sample.paraphrase is None
+        cut += truncated
+    assert 0 < cut < len(units)
+    assert [s.key for s in samples] == [f"f000000s{i:08d}" for i in range(len(units))]
+    assert index.units == "sentence" and index.seq_len == 24 and index.settings["paraphrase_field"] is None
+    assert not {"span_fraction", "remainder"} & set(index.settings)  # settings units do not use
+    assert sum(f["truncated_units"] for job in index.jobs for f in job["files"]) == cut
+
+
+def test_paraphrases_are_stored_beside_record_units(tmp_path, tokenizer):
+    records = [{"text": "The quick brown fox jumps over the lazy dog.", "para": "A fast fox leaps over a dog."},
+               {"text": "To be or not to be.", "para": "Whether to exist or not."},
+               {"text": "Missing its paraphrase."},
+               {"text": "All the world's a stage.", "para": "The world is a theatre."}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = str(tmp_path / "shards")
+    summary = run_job(BuildConfig(inputs=(str(path),), tokenizer=TOKENIZER, output=out, seq_len=16, units="record",
+                                  paraphrase_field="para", max_bad_fraction=0.5, progress=False))
+    assert summary.samples == 3 and summary.bad_by_reason == {"missing_field": 1}
+    good = [r for r in records if "para" in r]
+    index = load_index(out)
+    assert index.units == "record" and index.settings["paraphrase_field"] == "para"
+    batch = next(iter(ShardLoader(index, micro_batch=3)))
+    by_key = dict(zip(batch.keys, batch.paraphrase_ids.tolist()))
+    for i, (record, ids) in enumerate(zip(good, tokenizer.encode_batch([r["para"] for r in good]))):
+        expected = unit_sample(ids, 16, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id)[0]
+        assert by_key[f"f000000s{i:08d}"] == expected.tolist(), record
+
+
+def test_bad_unit_options_are_named(tmp_path, capsys):
+    def fails(*args: str) -> str:
+        with pytest.raises(SystemExit):
+            build_cli.parse_args(["--input", "x.jsonl", "--tokenizer", TOKENIZER, "--output", str(tmp_path), *args])
+        return capsys.readouterr().err
+
+    assert "--seq-len is for packed samples; unit samples are --max-unit-tokens long" in fails(
+        "--units", "sentence", "--seq-len", "64")
+    assert "--max-unit-tokens needs --units" in fails("--max-unit-tokens", "64")
+    assert "invalid choice: 'line'" in fails("--units", "line")
+    cfg = build_cli.parse_args(["--input", "x.jsonl", "--tokenizer", TOKENIZER, "--output", "o", "--units", "sentence"])
+    assert (cfg.units, cfg.seq_len) == ("sentence", 128)
+    for config, message in [
+        (dict(units="sentence", paraphrase_field="para"), "--paraphrase-field needs --units record"),
+        (dict(paraphrase_field="para"), "--paraphrase-field needs --units record .* got --units \\(none: packed\\)"),
+        (dict(units="record", seq_len=2), "--max-unit-tokens 2 leaves no room for text between BOS and EOS"),
+    ]:
+        with pytest.raises(BuildError, match=message):
+            BuildConfig(inputs=("x",), tokenizer=TOKENIZER, output="o", **config).validate()
+
+
+def test_trainer_refuses_the_wrong_kind_of_shards(sentence_shards, tmp_path):
+    units = load_index(sentence_shards[0])
+    packed = load_index(make_shard_dir(str(tmp_path)))
+    check_source(units, "units", "data.unit_shards", ["simcse"])
+    check_source(packed, "packed", "data.shards", ["mntp"])
+    with pytest.raises(ValueError, match=r"data.unit_shards .* holds packed samples .* but simcse reads sentence "
+                                         r"units, one a sample; build unit shards with .*--units sentence"):
+        check_source(packed, "units", "data.unit_shards", ["simcse"])
+    with pytest.raises(ValueError, match=r"data.shards .* holds sentence units \(built with --units\), but clm, "
+                                         r"mntp reads packed samples"):
+        check_source(units, "packed", "data.shards", ["clm", "mntp"])

@@ -6,6 +6,11 @@ job, worker processes each take whole files and write them into a private work d
 the results in file order, renames the shards to their final names and rewrites the job manifest after every
 file. A killed job therefore restarts after the last committed file and ends byte-identical to an uninterrupted
 run; a finished job does nothing when run again.
+
+With ``units`` set, a job writes sentence units instead of packed documents (``units.py``): every sample is one
+sentence, paragraph or record of ``seq_len`` (= ``--max-unit-tokens``) tokens, padded, without MAGNET spans, and
+with the record's paraphrase as well when ``paraphrase_field`` is given (records are then the units). The
+manifest's settings record the mode (``units``), so the trainer can tell unit shards from packed ones.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from pipeline.data.manifest import (
 )
 from pipeline.data.packing import REMAINDER_POLICIES, Packer
 from pipeline.data.shards import ShardWriter
-from pipeline.data.sources import RecordStats, expand_inputs, input_size, read_texts
+from pipeline.data.sources import RecordStats, expand_inputs, input_size, read_records
+from pipeline.data.units import UNIT_MODES, split_units, unit_sample
 from pipeline.tokenizer import load_tokenizer
 
 ENCODE_BATCH_DOCS = 512
@@ -68,6 +74,8 @@ class BuildConfig:
     span_fraction: float = 0.15
     max_bad_fraction: float = 0.01
     progress: bool = True
+    units: str = ""  # "": pack documents; "sentence", "paragraph", "record": one unit per sample of seq_len tokens
+    paraphrase_field: str = ""  # with units "record": the record field holding the text's paraphrase
 
     def validate(self) -> None:
         checks = [
@@ -84,6 +92,12 @@ class BuildConfig:
             (0.0 <= self.max_bad_fraction <= 1.0,
              f"--max-bad-fraction must be in [0, 1], got {self.max_bad_fraction}"),
             (self.prefix and "/" not in self.prefix, f"--prefix must be a plain file name prefix, got {self.prefix!r}"),
+            (self.units in ("", *UNIT_MODES), f"--units must be one of {', '.join(UNIT_MODES)}, got {self.units!r}"),
+            (not self.paraphrase_field or self.units == "record",
+             f"--paraphrase-field needs --units record (each record is one unit, its paraphrase beside it), got "
+             f"--units {self.units or '(none: packed)'}"),
+            (not self.units or self.seq_len >= 1 + self.bos + self.eos,
+             f"--max-unit-tokens {self.seq_len} leaves no room for text between BOS and EOS"),
         ]
         for ok, message in checks:
             if not ok:
@@ -103,6 +117,8 @@ class WorkerSpec:
     eos: bool
     plan: PlanSettings
     work_dir: str
+    units: str = ""
+    paraphrase_field: str = ""
 
 
 @dataclass
@@ -113,6 +129,7 @@ class FileResult:
     shards: list[dict]  # ShardWriter.close() entries plus "work_path", the shard's name in the work directory
     samples: int = 0
     tokens: int = 0
+    truncated_units: int = 0  # units (or paraphrases) longer than seq_len, cut to fit
 
 
 @dataclass
@@ -129,13 +146,16 @@ class JobSummary:
     already_complete: bool = False
     index_written: bool = False
     bad_by_reason: dict[str, int] = field(default_factory=dict)
+    truncated_units: int | None = None  # unit mode only
 
     def lines(self) -> list[str]:
         rate = max(self.elapsed_s, 1e-9)
         bad = ", ".join(f"{k} {v}" for k, v in sorted(self.bad_by_reason.items())) or "none"
+        truncated = [] if self.truncated_units is None else \
+            [f"units cut to --max-unit-tokens: {self.truncated_units} of {self.samples}"]
         return [f"job {self.job_index} of {self.num_jobs}: {self.files} files, {self.documents} documents, "
                 f"{self.samples} samples, {self.tokens} tokens, {self.shards} shards",
-                f"bad records: {self.bad_records} ({bad})",
+                f"bad records: {self.bad_records} ({bad})", *truncated,
                 f"elapsed {self.elapsed_s:.1f} s: {self.documents / rate:.0f} docs/s, {self.tokens / rate:.0f} tokens/s"]
 
 
@@ -157,6 +177,24 @@ def _batches(items: Iterable, n: int) -> Iterator[list]:
         yield batch
 
 
+def _unit_samples(records: list[tuple[str, ...]], spec: WorkerSpec, tok, result: FileResult
+                  ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray | None]], int]:
+    """(samples (input ids, segments, paraphrase ids or None), tokens read) of the units of ``records``."""
+    bos, eos = tok.bos_id if spec.bos else None, tok.eos_id if spec.eos else None
+    units = [u for record in records for u in split_units(record[0], spec.units)]
+    encoded = tok.encode_batch(units)
+    paraphrases = tok.encode_batch([r[1] for r in records]) if spec.paraphrase_field else [None] * len(encoded)
+    samples = []
+    for ids, paraphrase in zip(encoded, paraphrases):
+        input_ids, n, cut = unit_sample(ids, spec.seq_len, _pad_id(tok), bos, eos)
+        if paraphrase is not None:
+            paraphrase, _, cut_paraphrase = unit_sample(paraphrase, spec.seq_len, _pad_id(tok), bos, eos)
+            cut = cut or cut_paraphrase
+        result.truncated_units += cut
+        samples.append((input_ids, np.array([[0, n]], dtype=np.int32), paraphrase))
+    return samples, sum(map(len, encoded)) + (sum(map(len, paraphrases)) if spec.paraphrase_field else 0)
+
+
 def _process_file(task: tuple[int, str]) -> FileResult:
     """Pack one input file into shards of the work directory (named by file index, renamed by the main process)."""
     file_index, path = task
@@ -167,13 +205,13 @@ def _process_file(task: tuple[int, str]) -> FileResult:
                     tok.eos_id if spec.eos else None, spec.remainder)
     writer: ShardWriter | None = None
 
-    def emit(packed: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    def emit(samples: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> None:
         nonlocal writer
-        for input_ids, segments in packed:
+        for input_ids, segments, paraphrase in samples:
             if writer is None:
                 name = f"f{file_index:06d}-{len(result.shards):06d}.tar"
                 writer = ShardWriter(os.path.join(spec.work_dir, name))
-            writer.write(make_sample(input_ids, segments, file_index, result.samples, spec.plan))
+            writer.write(make_sample(input_ids, segments, file_index, result.samples, spec.plan, paraphrase))
             result.samples += 1
             if writer.num_samples == spec.samples_per_shard:
                 close()
@@ -185,15 +223,21 @@ def _process_file(task: tuple[int, str]) -> FileResult:
         result.tokens += entry["tokens"]
         writer = None
 
-    for texts in _batches(read_texts(path, spec.text_field, result.stats), ENCODE_BATCH_DOCS):
-        encoded = tok.encode_batch(texts)
-        for ids in encoded:
-            emit(packer.add(ids))
+    fields = (spec.text_field, spec.paraphrase_field) if spec.paraphrase_field else (spec.text_field,)
+    for records in _batches(read_records(path, fields, result.stats), ENCODE_BATCH_DOCS):
+        if spec.units:
+            samples, tokens = _unit_samples(records, spec, tok, result)
+            emit(samples)
+        else:
+            encoded = tok.encode_batch([text for (text,) in records])
+            for ids in encoded:
+                emit((input_ids, segments, None) for input_ids, segments in packer.add(ids))
+            tokens = sum(map(len, encoded))
         with _worker["docs"].get_lock():
-            _worker["docs"].value += len(texts)
+            _worker["docs"].value += len(records)
         with _worker["tokens"].get_lock():
-            _worker["tokens"].value += sum(map(len, encoded))
-    emit(packer.finish())
+            _worker["tokens"].value += tokens
+    emit((input_ids, segments, None) for input_ids, segments in packer.finish())
     if writer is not None:
         close()
     return result
@@ -209,8 +253,10 @@ def _pad_id(tok) -> int:
 
 
 def _settings(cfg: BuildConfig, tokenizer_info: dict, pad_id: int, inputs: list[str]) -> dict:
-    """Everything that determines the shard bytes (fingerprinted; a later job with other settings is refused)."""
-    return {
+    """Everything that determines the shard bytes (fingerprinted; a later job with other settings is refused).
+    Unit shards record their mode (and paraphrase field) instead of the packing and span settings they do not use;
+    packed shards have no ``units`` key, so their settings (and fingerprints) are those of earlier versions."""
+    settings = {
         "tokenizer": tokenizer_info,
         "pad_id": pad_id,
         "seq_len": cfg.seq_len,
@@ -226,6 +272,11 @@ def _settings(cfg: BuildConfig, tokenizer_info: dict, pad_id: int, inputs: list[
         "prefix": cfg.prefix,
         "samples_per_shard": cfg.samples_per_shard,
     }
+    if cfg.units:
+        for unused in ("remainder", "span_min", "span_max", "span_fraction"):
+            del settings[unused]
+        settings |= {"units": cfg.units, "paraphrase_field": cfg.paraphrase_field or None}
+    return settings
 
 
 def _describe(value) -> str:
@@ -371,7 +422,7 @@ def _commit(cfg: BuildConfig, job: dict, result: FileResult) -> None:
     _fsync_dir(cfg.output)
     job["files"].append({"file_index": result.file_index, "path": result.path, "documents": result.stats.documents,
                          "samples": result.samples, "tokens": result.tokens, "bad_records": result.stats.bad,
-                         "shards": names})
+                         "shards": names} | ({"truncated_units": result.truncated_units} if cfg.units else {}))
     write_json_atomic(os.path.join(cfg.output, job_manifest_name(cfg.job_index)), job)
 
 
@@ -421,9 +472,11 @@ def run_job(cfg: BuildConfig) -> JobSummary:
     tasks = [(i, p) for i, p in enumerate(inputs) if i % cfg.num_jobs == cfg.job_index and i not in done]
     _log(f"job {cfg.job_index} of {cfg.num_jobs}: {len(tasks)} files to do"
          + (f" ({len(done)} already done)" if done else ""))
+    spans = 0.0 if cfg.units else cfg.span_fraction  # units have no MAGNET spans
     spec = WorkerSpec(cfg.tokenizer, cfg.text_field, cfg.seq_len, cfg.samples_per_shard, cfg.remainder, cfg.bos,
                       cfg.eos, PlanSettings(cfg.seed, np.asarray(tok.special_ids), cfg.span_min, cfg.span_max,
-                                            cfg.span_fraction), work_dir)
+                                            spans), work_dir, cfg.units, cfg.paraphrase_field)
+    summary.truncated_units = 0 if cfg.units else None
     bar = _ProgressBar(cfg.progress, len(tasks))
     results = _results(tasks, spec, tok, cfg.workers, bar.show)
     try:
@@ -436,6 +489,8 @@ def run_job(cfg: BuildConfig) -> JobSummary:
             summary.tokens += result.tokens
             summary.shards += len(result.shards)
             summary.bad_records += result.stats.num_bad
+            if cfg.units:
+                summary.truncated_units += result.truncated_units
             for reason, n in result.stats.bad.items():
                 summary.bad_by_reason[reason] = summary.bad_by_reason.get(reason, 0) + n
             bar.file_done()

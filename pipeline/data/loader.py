@@ -35,6 +35,18 @@ def check_compatible(index: DatasetIndex, tokenizer_fingerprint: str, seq_len: i
         raise ValueError(f"{index.directory}: shards have seq_len {index.seq_len}, the experiment uses {seq_len}; {fix}")
 
 
+def check_source(index: DatasetIndex, source: str, setting: str, readers: list[str]) -> None:
+    """Refuse packed shards where the objectives ``readers`` read sentence units (source "units"), and unit shards
+    where they read packed samples (source "packed"): ``setting`` names the config key that chose the directory."""
+    if source == "units" and index.units is None:
+        raise ValueError(f"{setting} {index.directory} holds packed samples (several documents a sample), but "
+                         f"{', '.join(readers)} reads sentence units, one a sample; build unit shards with "
+                         f"data_prep/build_shards.py --units sentence and set {setting} to them")
+    if source == "packed" and index.units is not None:
+        raise ValueError(f"{setting} {index.directory} holds {index.units} units (built with --units), but "
+                         f"{', '.join(readers)} reads packed samples; point {setting} at shards built without --units")
+
+
 class _SampleReader:
     """Global sample id -> Sample. Keeps at most ``max_open`` shard readers (index + file handle), least recently
     used first out, so a corpus of many thousand shards stays within file-descriptor limits."""

@@ -84,6 +84,11 @@ class DatasetIndex:
     def tokenizer(self) -> dict:
         return self.settings["tokenizer"]
 
+    @property
+    def units(self) -> str | None:
+        """The unit mode of sentence-unit shards (``build_shards.py --units``); None for packed shards."""
+        return self.settings.get("units")
+
 
 def load_manifest(directory: str) -> dict:
     manifest = read_json(os.path.join(directory, MANIFEST),

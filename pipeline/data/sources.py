@@ -27,7 +27,8 @@ BAD_REASONS = {
     "corrupt_file": "the file is truncated or corrupt (records before the damage were kept); re-download or "
                     "re-create it",
     "not_json": "the line is not a JSON object; fix or remove it",
-    "missing_field": "the record has no text field; set --text-field to the field that holds the text",
+    "missing_field": "the record has no text field; set --text-field (or --paraphrase-field) to the field that "
+                     "holds it",
     "not_string": "the text field is not a string; set --text-field to a string field",
     "empty": "the document is empty or only whitespace; drop it from the input",
     "invalid_utf8": "the record is not valid UTF-8; re-encode the file as UTF-8",
@@ -167,18 +168,27 @@ def _lines(path: str, stats: RecordStats) -> Iterator[tuple[int, bytes]]:
         yield lineno + 1, tail
 
 
-def _check_text(value, where: str, text_field: str, stats: RecordStats) -> str | None:
-    """The document text, or None after counting why the record is bad."""
+def _text_problem(value, name: str, first: bool) -> tuple[str, str] | None:
+    """(bad reason, detail) when a field's value is not usable text; ``first`` is the document text field."""
     if value is None:
-        stats.add_bad("missing_field", where, f"field {text_field!r} is missing or null")
-    elif not isinstance(value, str):
-        stats.add_bad("not_string", where, f"field {text_field!r} is {type(value).__name__}")
-    elif not value.strip():
-        stats.add_bad("empty", where, "empty document")
-    else:
-        stats.documents += 1
-        return value
+        return "missing_field", f"field {name!r} is missing or null"
+    if not isinstance(value, str):
+        return "not_string", f"field {name!r} is {type(value).__name__}"
+    if not value.strip():
+        return "empty", "empty document" if first else f"field {name!r} is empty"
     return None
+
+
+def _check_record(values: tuple, where: str, fields: tuple[str, ...], stats: RecordStats) -> tuple | None:
+    """The record's field values, or None after counting why the record is bad (its first bad field)."""
+    for i, (value, name) in enumerate(zip(values, fields)):
+        problem = _text_problem(value, name, i == 0)
+        if problem is not None:
+            reason, detail = problem
+            stats.add_bad(reason, where, detail)
+            return None
+    stats.documents += 1
+    return values
 
 
 def _has_surrogate(text: str) -> bool:
@@ -190,7 +200,7 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
-def _read_jsonl(path: str, text_field: str, stats: RecordStats) -> Iterator[str]:
+def _read_jsonl(path: str, fields: tuple[str, ...], stats: RecordStats) -> Iterator[tuple]:
     for lineno, raw in _lines(path, stats):
         if not raw.strip():
             continue
@@ -208,57 +218,65 @@ def _read_jsonl(path: str, text_field: str, stats: RecordStats) -> Iterator[str]
         if not isinstance(record, dict):
             stats.add_bad("not_json", where, f"a JSON {type(record).__name__}, not an object")
             continue
-        value = record.get(text_field)
-        if isinstance(value, str) and ("\\ud" in line or "\\uD" in line) and _has_surrogate(value):
+        values = tuple(record.get(name) for name in fields)
+        if ("\\ud" in line or "\\uD" in line) and any(isinstance(v, str) and _has_surrogate(v) for v in values):
             stats.add_bad("invalid_utf8", where, "the text holds a lone surrogate (a \\ud800-\\udfff escape)")
             continue
-        text = _check_text(value, where, text_field, stats)
-        if text is not None:
-            yield text
+        values = _check_record(values, where, fields, stats)
+        if values is not None:
+            yield values
 
 
-def _read_columns(path: str, text_field: str, columns: list[str], num_rows: int, batches: Iterable[list],
-                  stats: RecordStats) -> Iterator[str]:
-    """Rows of a columnar input (parquet file or HF dataset), where a missing column makes every row bad."""
-    if text_field not in columns:
-        stats.add_bad("missing_field", f"{path}: rows 1-{num_rows}", f"no column {text_field!r} "
+def _read_columns(path: str, fields: tuple[str, ...], columns: list[str], num_rows: int, batches: Iterable[list],
+                  stats: RecordStats) -> Iterator[tuple]:
+    """Rows of a columnar input (parquet file or HF dataset), where a missing column makes every row bad.
+    ``batches`` yields, per batch, one list of values per field."""
+    missing = [name for name in fields if name not in columns]
+    if missing:
+        stats.add_bad("missing_field", f"{path}: rows 1-{num_rows}", f"no column {missing[0]!r} "
                       f"(columns: {columns})", count=num_rows)
         return
     row = 0
     for values in batches:
-        for value in values:
+        for record in zip(*values):
             row += 1
-            text = _check_text(value, f"{path}: row {row}", text_field, stats)
-            if text is not None:
-                yield text
+            record = _check_record(record, f"{path}: row {row}", fields, stats)
+            if record is not None:
+                yield record
 
 
-def _read_parquet(path: str, text_field: str, stats: RecordStats) -> Iterator[str]:
+def _read_parquet(path: str, fields: tuple[str, ...], stats: RecordStats) -> Iterator[tuple]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
         columns = pf.schema_arrow.names
-        batches = (b.column(0).to_pylist() for b in pf.iter_batches(columns=[text_field]))
-        yield from _read_columns(path, text_field, columns, pf.metadata.num_rows, batches, stats)
+        batches = ([c.to_pylist() for c in b.columns] for b in pf.iter_batches(columns=list(fields)))
+        yield from _read_columns(path, fields, columns, pf.metadata.num_rows, batches, stats)
     except (pa.ArrowException, OSError) as e:
         stats.add_bad("corrupt_file", path, f"cannot read parquet ({e})")
 
 
-def _read_hf_dataset(path: str, text_field: str, stats: RecordStats) -> Iterator[str]:
+def _read_hf_dataset(path: str, fields: tuple[str, ...], stats: RecordStats) -> Iterator[tuple]:
     import datasets
 
     ds = datasets.load_from_disk(path)
-    batches = (batch[text_field] for batch in ds.select_columns([text_field]).iter(batch_size=1024)) \
-        if text_field in ds.column_names else iter(())
-    yield from _read_columns(path, text_field, ds.column_names, ds.num_rows, batches, stats)
+    batches = ([batch[name] for name in fields] for batch in ds.select_columns(list(fields)).iter(batch_size=1024)) \
+        if all(name in ds.column_names for name in fields) else iter(())
+    yield from _read_columns(path, fields, ds.column_names, ds.num_rows, batches, stats)
+
+
+def read_records(path: str, fields: tuple[str, ...], stats: RecordStats) -> Iterator[tuple[str, ...]]:
+    """The values of ``fields`` (all non-empty strings) of each record of one input, in file order; a record with
+    a bad field is counted in ``stats`` and skipped."""
+    if os.path.isdir(path):
+        return _read_hf_dataset(path, fields, stats)
+    if path.endswith(".parquet"):
+        return _read_parquet(path, fields, stats)
+    return _read_jsonl(path, fields, stats)
 
 
 def read_texts(path: str, text_field: str, stats: RecordStats) -> Iterator[str]:
     """The documents of one input, in file order; bad records are counted in ``stats`` and skipped."""
-    if os.path.isdir(path):
-        return _read_hf_dataset(path, text_field, stats)
-    if path.endswith(".parquet"):
-        return _read_parquet(path, text_field, stats)
-    return _read_jsonl(path, text_field, stats)
+    return (text for (text,) in read_records(path, (text_field,), stats))
