@@ -12,7 +12,7 @@ import torch.distributed as dist
 import yaml
 
 from pipeline.config import ConfigError, to_dict
-from pipeline.data.loader import ShardLoader, check_compatible
+from pipeline.data.loader import ShardLoader, check_compatible, check_source
 from pipeline.data.manifest import DatasetIndex, load_index, write_json_atomic
 from pipeline.model.flops import flops_per_token
 from pipeline.tokenizer import load_tokenizer
@@ -41,6 +41,9 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         self.requested = True
+        # the request stands; repeats (launch/slurm/train.sbatch resends USR1) are ignored, since Python restores
+        # default handlers at exit and a late USR1 would then kill a rank that stopped cleanly
+        signal.signal(signum, signal.SIG_IGN)
 
     def agreed(self) -> bool:
         """All ranks must stop at the same step: a signal may reach them at different times."""
@@ -111,14 +114,19 @@ def _open_loaders(exp: ExperimentConfig, objectives, tokenizer, index: DatasetIn
                   pin: bool) -> dict[str, ShardLoader]:
     """A loader per data source any phase reads: the packed shards, and the sentence units when asked for."""
     t, d = exp.train, exp.data
+    readers = {src: sorted({o.name for phase in objectives for o in phase if o.objective.source == src})
+               for src in ("packed", "units")}
+    if readers["packed"]:
+        check_source(index, "packed", "data.shards", readers["packed"])
     loaders = {"packed": ShardLoader(index, t.micro_batch, t.grad_accum, rank, world, t.seed, d.num_workers,
                                      pin_memory=pin)}
-    if any(o.objective.source == "units" for phase in objectives for o in phase):
+    if readers["units"]:
         if not d.unit_shards:
             raise ConfigError("an objective reads sentence units (e.g. simcse, sscl) but data.unit_shards is empty; "
                               "build them with data_prep/build_shards.py --units and set data.unit_shards")
         units = load_index(d.unit_shards)
         check_compatible(units, tokenizer.info.fingerprint, units.seq_len)
+        check_source(units, "units", "data.unit_shards", readers["units"])
         loaders["units"] = ShardLoader(units, d.unit_micro_batch or t.micro_batch, t.grad_accum, rank, world,
                                        t.seed, d.num_workers, pin_memory=pin)
     return loaders
