@@ -102,25 +102,29 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+def set_path(data: dict, key: str, value: Any) -> None:
+    """``set_path(d, "a.b", v)`` sets d["a"]["b"] = v, creating mappings on the way; integer parts index lists."""
+    parts = key.strip().split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            node = node[int(part)]
+        else:
+            node = node.setdefault(part, [] if nxt.isdigit() else {})
+    if isinstance(node, list):
+        node[int(parts[-1])] = value
+    else:
+        node[parts[-1]] = value
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """``a.b=c`` sets data["a"]["b"] = yaml(c); integer parts index lists (``phases.1.share=0.75``)."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.steps=100")
         key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        node: Any = data
-        for i, part in enumerate(parts[:-1]):
-            nxt = parts[i + 1]
-            if isinstance(node, list):
-                node = node[int(part)]
-            else:
-                node = node.setdefault(part, [] if nxt.isdigit() else {})
-        value = yaml.safe_load(raw)
-        if isinstance(node, list):
-            node[int(parts[-1])] = value
-        else:
-            node[parts[-1]] = value
+        set_path(data, key, yaml.safe_load(raw))
     return data
 
 
