@@ -7,6 +7,7 @@ Dataclasses may define ``validate(self)`` for cross-field checks (raise :class:`
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import Any, Literal, TypeVar, Union
@@ -14,6 +15,7 @@ from typing import Any, Literal, TypeVar, Union
 import yaml
 
 T = TypeVar("T")
+_YAML11_FLOAT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 
 
 class ConfigError(ValueError):
@@ -68,6 +70,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
