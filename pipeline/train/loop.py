@@ -44,9 +44,6 @@ class StopRequest:
         # the request stands; repeats (launch/slurm/train.sbatch resends USR1) are ignored, since Python restores
         # default handlers at exit and a late USR1 would then kill a rank that stopped cleanly
         signal.signal(signum, signal.SIG_IGN)
-        # the request stands; repeats (launch/slurm/train.sbatch resends USR1) are ignored, since Python restores
-        # default handlers at exit and a late USR1 would then kill a rank that stopped cleanly
-        signal.signal(signum, signal.SIG_IGN)
 
     def agreed(self) -> bool:
         """All ranks must stop at the same step: a signal may reach them at different times."""
