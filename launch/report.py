@@ -1,0 +1,49 @@
+"""The ablation report of a set of runs: a markdown table per paper and PNG plots.
+
+    python launch/report.py runs/clm runs/mlm-40 runs/clm-25-mlm ... --out reports/grid
+
+Reads each run's experiment.json (the variant), metrics.jsonl (loss curves) and eval/*.json (written by
+launch/evaluate.py). Writes OUT/report.md (every table, the plots inline), OUT/<paper>.md (one table per paper),
+OUT/loss_curves.png, OUT/metrics_vs_clm_share.png and OUT/metrics_vs_mask_ratio.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run directories")
+    p.add_argument("--out", required=True, help="output directory")
+    args = p.parse_args(argv)
+
+    from pipeline.eval.report.papers import PAPERS
+    from pipeline.eval.report.plots import all_plots
+    from pipeline.eval.report.runs import load_run
+    from pipeline.eval.report.tables import paper_table, report_markdown
+
+    try:
+        runs = [load_run(r) for r in args.runs]
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    plots = all_plots(runs, args.out)
+    for paper in PAPERS:
+        table = paper_table(paper, runs)
+        if table:
+            with open(os.path.join(args.out, f"{paper.name}.md"), "w") as f:
+                f.write(table)
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write(report_markdown(runs, plots))
+    print(f"wrote {os.path.join(args.out, 'report.md')} and {', '.join(plots)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""Evaluation: one command from a checkpoint to the papers' numbers (``launch/evaluate.py``), the embedding API, and
+the ablation report (``launch/report.py``). See docs/evaluation.md.
+
+- ``load_model(path)``: a run directory or HF directory, with its tokenizer and how its training says to read it;
+- ``encode(model, texts, instruction=None, pooling="mean")`` and ``SentenceEncoder`` (sentence-transformers / MTEB);
+- ``registry.TASKS``: every task by name, one module per family.
+"""
+
+from pipeline.eval.encode import SentenceEncoder, encode
+from pipeline.eval.model import EvalModel, load_model
+
+__all__ = ["EvalModel", "SentenceEncoder", "encode", "load_model"]

@@ -1,0 +1,133 @@
+"""Sentence-embedding tasks as MTEB scores them: STS (Spearman of cosine similarity against the gold scores, x100)
+and clustering (V-measure of k-means with k = the number of gold labels, x100), on local files.
+
+STS records (``.tsv`` with a header, ``.jsonl``, or an HF dataset): STS-B (``sentence1``, ``sentence2``,
+``score``), SICK (``sentence_A``, ``sentence_B``, ``relatedness_score``), MTEB (``sentence1``, ``sentence2``,
+``score``). Clustering records: MTEB's layout, one set per record (``{"sentences": [...], "labels": [...]}``), or one
+text and label per record (``text``/``sentence`` and ``label``), which form one set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.eval.data import DataError, Row, dataset_name, read_rows
+from pipeline.eval.encode import encode
+from pipeline.eval.metrics import spearman, v_measure
+from pipeline.eval.task import EvalContext, Task
+
+EXTS = (".tsv", ".csv", ".txt", ".jsonl", ".json")
+
+
+@dataclass
+class EmbeddingOptions:
+    datasets: list[str] = field(default_factory=list)  # files or HF names; default: all of DATA_DIR/<task>
+    pooling: str = "mean"  # mean | last | weighted_mean
+    instruction: str | None = None  # e.g. LLM2Vec's "Retrieve semantically similar text:"; left out of pooling
+    attention: str | None = None  # None: the model's (bidirectional for bidirectionally trained runs)
+    max_length: int = 512
+    max_examples: int = 0  # 0: all
+    split: str = "test"  # split of an HF dataset
+
+
+def _embed(ctx: EvalContext, texts: list[str], opts: EmbeddingOptions) -> np.ndarray:
+    return encode(ctx.model, texts, opts.instruction, opts.pooling, ctx.batch_size, opts.attention, opts.max_length,
+                  ctx.progress)
+
+
+def _float(row: Row, value, what: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{row.where}: {what} {value!r} is not a number") from e
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    norms = np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
+    return (a * b).sum(1) / norms
+
+
+def sts_file(ctx: EvalContext, source: str, opts: EmbeddingOptions) -> dict:
+    rows = read_rows(source, opts.split)
+    rows = rows[: opts.max_examples] if opts.max_examples else rows
+    if len(rows) < 2:
+        raise DataError(f"{source}: {len(rows)} pairs; Spearman needs at least 2")
+    first = [r.get(("sentence1", "sentence_A", "text1", "s1"), "first sentence") for r in rows]
+    second = [r.get(("sentence2", "sentence_B", "text2", "s2"), "second sentence") for r in rows]
+    gold = [_float(r, r.get(("score", "relatedness_score", "similarity", "label"), "gold score"), "score")
+            for r in rows]
+    emb = _embed(ctx, first + second, opts)
+    sims = cosine(emb[: len(rows)], emb[len(rows):])
+    return {"spearman": 100 * spearman(sims, gold), "pairs": len(rows)}
+
+
+def kmeans(x: np.ndarray, k: int, seed: int, restarts: int = 10, iterations: int = 100) -> np.ndarray:
+    """Cluster ids of Lloyd's k-means with k-means++ seeding; the restart with the lowest inertia wins."""
+    rng = np.random.default_rng(seed)
+    best, best_inertia = None, np.inf
+    for _ in range(restarts):
+        centers = [x[rng.integers(len(x))]]
+        for _ in range(1, k):
+            d2 = np.min(((x[:, None] - np.asarray(centers)[None]) ** 2).sum(-1), axis=1)
+            centers.append(x[rng.choice(len(x), p=d2 / d2.sum())] if d2.sum() > 0 else x[rng.integers(len(x))])
+        centers = np.asarray(centers)
+        for _ in range(iterations):
+            labels = ((x[:, None] - centers[None]) ** 2).sum(-1).argmin(1)
+            moved = np.asarray([x[labels == c].mean(0) if (labels == c).any() else centers[c] for c in range(k)])
+            if np.allclose(moved, centers):
+                break
+            centers = moved
+        inertia = ((x - centers[labels]) ** 2).sum()
+        if inertia < best_inertia:
+            best, best_inertia = labels, inertia
+    return best
+
+
+def cluster_sets(rows: list[Row]) -> list[tuple[list[str], list[str], str]]:
+    """(texts, labels, where) per clustering set."""
+    if rows and rows[0].get(("sentences",), "sentences", required=False) is not None:
+        sets = []
+        for r in rows:
+            texts, labels = r.get(("sentences",), "sentences"), r.get(("labels",), "labels")
+            if len(texts) != len(labels):
+                raise DataError(f"{r.where}: {len(texts)} sentences but {len(labels)} labels")
+            sets.append((list(texts), [str(label) for label in labels], r.where))
+        return sets
+    return [([r.get(("text", "sentence"), "text") for r in rows],
+             [str(r.get(("label", "labels", "category"), "label")) for r in rows], rows[0].where if rows else "")]
+
+
+def clustering_file(ctx: EvalContext, source: str, opts: EmbeddingOptions) -> dict:
+    rows = read_rows(source, opts.split)
+    sets = cluster_sets(rows[: opts.max_examples] if opts.max_examples else rows)
+    scores = []
+    for texts, labels, where in sets:
+        k = len(set(labels))
+        if k < 2 or len(texts) < k:
+            raise DataError(f"{where}: a clustering set needs >= 2 labels and at least as many texts, got {k} labels "
+                            f"and {len(texts)} texts")
+        labels_pred = kmeans(_embed(ctx, texts, opts), k, ctx.seed)
+        scores.append(v_measure(labels, labels_pred))
+    return {"v_measure": 100 * float(np.mean(scores)), "sets": len(sets)}
+
+
+def _run(family: str, per_file):
+    def run(ctx: EvalContext, opts: EmbeddingOptions) -> dict:
+        results = {dataset_name(s): per_file(ctx, s, opts) for s in ctx.sources(family, opts.datasets, EXTS)}
+        metric = "spearman" if family == "sts" else "v_measure"
+        return {"datasets": results, "average": float(np.mean([r[metric] for r in results.values()])),
+                "pooling": opts.pooling, "instruction": opts.instruction,
+                "attention": opts.attention or ctx.model.attention}
+    return run
+
+
+TASKS = (
+    Task("sts", "sts", "STS: Spearman x100 of cosine similarity against gold scores", EmbeddingOptions,
+         _run("sts", sts_file),
+         lambda r: {"sts_avg": r["average"], **{f"sts/{k}": v["spearman"] for k, v in r["datasets"].items()}}),
+    Task("clustering", "clustering", "clustering: V-measure x100 of k-means on embeddings", EmbeddingOptions,
+         _run("clustering", clustering_file),
+         lambda r: {"clustering_avg": r["average"]}),
+)

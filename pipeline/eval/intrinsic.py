@@ -1,0 +1,92 @@
+"""Intrinsic tasks on held-out shards: CLM perplexity, and MLM / MNTP loss and accuracy at a masking ratio.
+
+The losses are the training objectives themselves (``pipeline.objectives``) over every sample of a shard directory
+built by ``data_prep/build_shards.py`` from held-out text with the model's tokenizer (``iter_eval``: each sample
+once, in stored order). Losses are summed over all targets and divided once, so the numbers do not depend on the
+batch size. The masks come from the shards' precomputed plans, so every model is scored on the same masked tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from tqdm import tqdm
+
+from pipeline.data.loader import check_compatible, iter_eval
+from pipeline.data.manifest import load_index
+from pipeline.eval.task import EvalContext, Task
+from pipeline.objectives import MaskingConfig, make_objective
+
+
+@dataclass
+class HeldOutOptions:
+    shards: str = "heldout"  # shard directory, relative to --data-dir or absolute
+    max_batches: int = 0  # 0: every sample
+    document_masking: bool = True
+
+
+@dataclass
+class MaskedHeldOutOptions(HeldOutOptions):
+    ratio: float = 0.3
+    policy: Literal["80-10-10", "mask"] = "80-10-10"
+    mask_token: str | None = None  # None: the run's own mask_token setting, else the tokenizer's mask token
+
+
+def run_mask_token(experiment: dict | None) -> str | None:
+    """The ``mask_token`` the run trained its masked objectives with (e.g. "_" for Llama), if any."""
+    for phase in (experiment or {}).get("phases", []):
+        for spec in phase.get("objectives", []):
+            if spec.get("mask_token"):
+                return spec["mask_token"]
+    return None
+
+
+@torch.no_grad()
+def score(ctx: EvalContext, objective, opts: HeldOutOptions) -> dict:
+    """Summed loss, targets and correct predictions of ``objective`` over the held-out shards."""
+    path = opts.shards if os.path.isabs(opts.shards) else os.path.join(ctx.data_dir, opts.shards)
+    index = load_index(path)
+    check_compatible(index, ctx.model.tokenizer.info.fingerprint, index.seq_len)
+    total = math.ceil(index.num_samples / ctx.batch_size)
+    if opts.max_batches:
+        total = min(total, opts.max_batches)
+    loss = targets = correct = 0.0
+    for i, batch in enumerate(tqdm(iter_eval(index, ctx.batch_size), total=total, desc=objective.name,
+                                   disable=not ctx.progress, leave=False)):
+        if i == total:
+            break
+        out = objective(ctx.model.lm, batch.to(ctx.model.device))
+        loss, targets, correct = loss + float(out.loss_sum), targets + int(out.num_targets), correct + int(
+            out.num_correct)
+    if not targets:
+        raise ValueError(f"{path}: no {objective.name} targets in the evaluated samples")
+    return {"loss": loss / targets, "accuracy": correct / targets, "targets": int(targets),
+            "samples": min(index.num_samples, total * ctx.batch_size), "shards": path}
+
+
+def perplexity(ctx: EvalContext, opts: HeldOutOptions) -> dict:
+    result = score(ctx, make_objective("clm", document_masking=opts.document_masking), opts)
+    return {**result, "perplexity": math.exp(result["loss"])}
+
+
+def masked(name: str):
+    def run(ctx: EvalContext, opts: MaskedHeldOutOptions) -> dict:
+        config = MaskingConfig(opts.ratio, opts.policy, opts.mask_token or run_mask_token(ctx.model.experiment))
+        objective = make_objective(name, tokenizer=ctx.model.tokenizer, masking=config,
+                                   document_masking=opts.document_masking)
+        return {**score(ctx, objective, opts), "ratio": opts.ratio, "policy": opts.policy}
+    return run
+
+
+TASKS = (
+    Task("perplexity", "heldout", "held-out CLM loss and perplexity", HeldOutOptions, perplexity,
+         lambda r: {"ppl": r["perplexity"]}),
+    Task("mlm", "heldout", "held-out MLM loss and accuracy at a masking ratio", MaskedHeldOutOptions, masked("mlm"),
+         lambda r: {"mlm_acc": 100 * r["accuracy"]}),
+    Task("mntp", "heldout", "held-out MNTP loss and accuracy at a masking ratio", MaskedHeldOutOptions,
+         masked("mntp"), lambda r: {"mntp_acc": 100 * r["accuracy"]}),
+)

@@ -1,0 +1,135 @@
+"""The model under evaluation: a run directory of ``launch/train.py`` or an HF directory, with its tokenizer and
+what its training says about how to read it.
+
+A run directory is evaluated through its ``hf/`` export, or, when training has not exported one, through its newest
+complete checkpoint exported once by ``launch/export_hf.py`` into ``RUN/eval/hf-stepNNNNNNNN`` (reused after). Its
+``experiment.json`` decides two things, each overridable:
+
+- ``attention`` for embeddings, probing and fine-tuning inputs: ``bidirectional`` when the last phase trained any
+  non-causal objective (MLM, MNTP, MAGNET, SimCSE, SSCL), else ``causal``. An HF directory without a run is a plain
+  decoder: ``causal``.
+- ``reads_previous``: MNTP-trained models (any phase with ``mntp`` or ``magnet``) predict token i from position i-1,
+  so word probes read the states one position earlier (LLM2Vec's ``retroactive_labels: next_token``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from pipeline.data.manifest import read_json
+from pipeline.objectives import OBJECTIVES
+from pipeline.tokenizer import Tokenizer, load_tokenizer
+from pipeline.train import checkpoint
+from pipeline.train.experiment import REPO
+
+ATTENTIONS = ("auto", "causal", "bidirectional")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MNTP_OBJECTIVES = ("mntp", "magnet")
+
+
+class ModelError(ValueError):
+    """A model path that cannot be evaluated; the message names it and the fix."""
+
+
+@dataclass
+class EvalModel:
+    lm: PreTrainedModel
+    tokenizer: Tokenizer
+    hf_dir: str
+    run_dir: str | None  # the training run it came from, when known
+    experiment: dict | None  # that run's experiment.json
+    step: int | None  # the checkpoint step exported, when known
+    attention: str  # "causal" | "bidirectional": how encoders read text
+    reads_previous: bool  # MNTP-trained: token i is read from position i - 1
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.lm.parameters()).device
+
+    @property
+    def max_length(self) -> int:
+        return int(getattr(self.lm.config, "max_position_embeddings", 2048))
+
+    def describe(self) -> dict:
+        return {"hf_dir": self.hf_dir, "run_dir": self.run_dir, "step": self.step, "attention": self.attention,
+                "reads_previous": self.reads_previous, "tokenizer": self.tokenizer.path,
+                "parameters": sum(p.numel() for p in self.lm.parameters())}
+
+
+def _objective_names(experiment: dict, last_phase_only: bool) -> list[str]:
+    phases = experiment.get("phases", [])[-1:] if last_phase_only else experiment.get("phases", [])
+    return [o["name"] for p in phases for o in p.get("objectives", [])]
+
+
+def trained_attention(experiment: dict | None) -> str:
+    if experiment is None:
+        return "causal"
+    modes = {OBJECTIVES[n].attention_mode for n in _objective_names(experiment, True) if n in OBJECTIVES}
+    return "bidirectional" if modes - {"causal"} else "causal"
+
+
+def trained_reads_previous(experiment: dict | None) -> bool:
+    return experiment is not None and any(n in MNTP_OBJECTIVES for n in _objective_names(experiment, False))
+
+
+def export_checkpoint(run_dir: str, step: int) -> str:
+    """``RUN/eval/hf-stepN``, written once by launch/export_hf.py from the step's checkpoint."""
+    out = os.path.join(run_dir, "eval", f"hf-{checkpoint.tag_for(step)}")
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    cmd = [sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", run_dir, "--step", str(step),
+           "--output", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ModelError(f"{run_dir}: exporting checkpoint step {step} failed:\n{proc.stderr[-2000:]}")
+    return out
+
+
+def resolve(path: str) -> tuple[str, str | None, int | None]:
+    """(HF directory, run directory or None, checkpoint step or None) for a run or HF directory."""
+    if os.path.isfile(os.path.join(path, "experiment.json")):
+        steps = checkpoint.complete_steps(path)
+        if os.path.isfile(os.path.join(path, "hf", "config.json")):
+            return os.path.join(path, "hf"), path, steps[-1] if steps else None
+        if not steps:
+            raise ModelError(f"{path}: a run directory without an hf/ export or a complete checkpoint; train it "
+                             f"(launch/train.py) or pass an HF model directory")
+        return export_checkpoint(path, steps[-1]), path, steps[-1]
+    if os.path.isfile(os.path.join(path, "config.json")):
+        parent = os.path.dirname(os.path.abspath(path))
+        run = parent if os.path.isfile(os.path.join(parent, "experiment.json")) else None
+        return path, run, None
+    raise ModelError(f"{path}: neither a run directory (with experiment.json) nor an HF model directory (with "
+                     f"config.json); pass runs/<name> or a save_pretrained directory")
+
+
+def load_model(path: str, *, attention: str = "auto", tokenizer: str | None = None, device: str = "cpu",
+               dtype: str = "fp32", attn_implementation: str = "sdpa") -> EvalModel:
+    """Load ``path`` (run or HF directory) for evaluation, in eval mode; ``tokenizer`` overrides the model
+    directory's own tokenizer files."""
+    if attention not in ATTENTIONS:
+        raise ModelError(f"attention {attention!r} is not one of {', '.join(ATTENTIONS)}")
+    if not os.path.exists(path):
+        raise ModelError(f"{path}: no such model; pass a run directory (runs/<name>) or an HF model directory")
+    hf_dir, run_dir, step = resolve(path)
+    try:
+        tok = load_tokenizer(tokenizer or hf_dir)
+    except ValueError as e:
+        raise ModelError(f"{hf_dir}: the model has no usable tokenizer ({e}); copy the training tokenizer's files "
+                         f"into it, or pass --tokenizer DIR") from e
+    experiment = read_json(os.path.join(run_dir, "experiment.json"), "run directory") if run_dir else None
+    lm = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=DTYPES[dtype],
+                                              attn_implementation=attn_implementation)
+    if tok.info.vocab_size > lm.config.vocab_size:
+        raise ModelError(f"{hf_dir}: the tokenizer has {tok.info.vocab_size} ids but the model only "
+                         f"{lm.config.vocab_size}; pass the tokenizer the model was trained with (--tokenizer)")
+    lm.to(device).eval()
+    return EvalModel(lm=lm, tokenizer=tok, hf_dir=hf_dir, run_dir=run_dir, experiment=experiment, step=step,
+                     attention=trained_attention(experiment) if attention == "auto" else attention,
+                     reads_previous=trained_reads_previous(experiment))

@@ -1,0 +1,98 @@
+"""PNG plots of the ablation: loss curves per objective across variants, and each evaluated number against the
+CLM share and against the masking ratio. Each figure says so when it has nothing to show, instead of being absent."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from pipeline.eval.report.papers import PAPERS  # noqa: E402
+from pipeline.eval.report.runs import RunSummary  # noqa: E402
+
+MAX_PANELS = 12
+# the papers' numbers first, so they get panels when there are more than MAX_PANELS numbers
+FIRST = ("ppl", "mlm_acc", "mntp_acc", *dict.fromkeys(key for p in PAPERS for _, key in p.columns))
+
+
+def _grid(n: int, title: str):
+    cols = min(3, max(1, n))
+    rows = max(1, math.ceil(n / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    fig.suptitle(title)
+    return fig, axes.ravel()
+
+
+def _save(fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _empty(path: str, title: str, message: str) -> str:
+    fig, (ax,) = _grid(1, title)
+    ax.axis("off")
+    ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True)
+    return _save(fig, path)
+
+
+def loss_curves(runs: list[RunSummary], path: str) -> str:
+    """One panel per objective (``loss/<name>`` of metrics.jsonl), one line per run."""
+    keys = sorted({k for run in runs for k in run.history})
+    if not keys:
+        return _empty(path, "Training loss", "no metrics.jsonl with losses in these runs")
+    fig, axes = _grid(len(keys), "Training loss per objective")
+    for ax, key in zip(axes, keys):
+        for run in runs:
+            if key in run.history:
+                steps = sorted(run.history[key])
+                ax.plot(steps, [run.history[key][s] for s in steps], label=run.variant.name)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=7)
+    for ax in axes[len(keys):]:
+        ax.axis("off")
+    return _save(fig, path)
+
+
+def metric_against(runs: list[RunSummary], path: str, axis: str) -> str:
+    """One panel per headline number against ``axis`` ("clm_share" or "mask_ratio"); each point is a run, labelled,
+    and runs with the same other setting are joined by a line."""
+    label = {"clm_share": "CLM share of the steps", "mask_ratio": "masking ratio"}[axis]
+    other = "mask_ratio" if axis == "clm_share" else "clm_share"
+    placed = [r for r in runs if getattr(r.variant, axis) is not None]
+    found = {k for r in placed for k in r.headline}
+    keys = ([k for k in FIRST if k in found] + sorted(found - set(FIRST)))[:MAX_PANELS]
+    if not keys:
+        return _empty(path, f"Metrics against the {label}",
+                      f"no evaluated run with a {label}: run launch/evaluate.py on the runs first")
+    fig, axes = _grid(len(keys), f"Evaluation metrics against the {label}")
+    for ax, key in zip(axes, keys):
+        points = [(getattr(r.variant, axis), r.headline[key], r) for r in placed if key in r.headline]
+        for group in sorted({getattr(r.variant, other) for _, _, r in points}, key=lambda g: (g is None, g)):
+            line = sorted((x, y) for x, y, r in points if getattr(r.variant, other) == group)
+            ax.plot([x for x, _ in line], [y for _, y in line], marker="o",
+                    label=f"{other.replace('_', ' ')} = {group if group is not None else 'none'}")
+        for x, y, r in points:
+            ax.annotate(r.variant.name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_title(key)
+        ax.set_xlabel(label)
+        ax.set_xlim(-0.05, 1.05)
+        ax.legend(fontsize=7)
+    for ax in axes[len(keys):]:
+        ax.axis("off")
+    return _save(fig, path)
+
+
+def all_plots(runs: list[RunSummary], out: str) -> list[str]:
+    """The three PNGs in ``out``; returns their file names."""
+    paths = [loss_curves(runs, os.path.join(out, "loss_curves.png")),
+             metric_against(runs, os.path.join(out, "metrics_vs_clm_share.png"), "clm_share"),
+             metric_against(runs, os.path.join(out, "metrics_vs_mask_ratio.png"), "mask_ratio")]
+    return [os.path.basename(p) for p in paths]

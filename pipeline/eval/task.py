@@ -1,0 +1,42 @@
+"""What every evaluation task shares: its registry entry and the context it runs in.
+
+A task is a name, a typed options dataclass (set from the command line as ``--set TASK.KEY=VALUE``), a ``run``
+that returns a JSON-able dict, and a ``headline`` that picks from that dict the few numbers the ablation report
+tabulates and plots (``launch/report.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.eval.data import find_files
+from pipeline.eval.model import EvalModel
+
+
+@dataclass
+class EvalContext:
+    model: EvalModel
+    data_dir: str
+    batch_size: int = 16
+    progress: bool = True
+    seed: int = 0
+
+    def sources(self, family: str, given: Sequence[str], exts: Sequence[str]) -> list[str]:
+        """The data of one task: ``given`` entries (a file under --data-dir, any file path, or an HF dataset name),
+        or else every matching file in ``DATA_DIR/family``."""
+        if not given:
+            return find_files(os.path.join(self.data_dir, family), exts, f"task family {family!r}")
+        return [os.path.join(self.data_dir, g) if os.path.exists(os.path.join(self.data_dir, g)) else g for g in given]
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    family: str  # the module, and the DATA_DIR sub-directory it reads by default
+    description: str
+    options: type  # dataclass of the task's settings
+    run: Callable[[EvalContext, Any], dict]
+    headline: Callable[[dict], dict[str, float]] = field(default=lambda result: {})
