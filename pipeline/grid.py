@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from pipeline.config import ConfigError, from_dict, load_yaml, set_path, to_dict
 from pipeline.model.presets import PRESETS
-from pipeline.train.experiment import ExperimentConfig
+from pipeline.train.experiment import REPO, ExperimentConfig
 
 RUN_REF = re.compile(r"\$\{run:([^}]*)\}")
 SMOKE_SUFFIX = "-smoke"
@@ -46,6 +46,7 @@ class Resources:
     nodes: int = 1
     gpus_per_node: int = 1
     time: str = ""  # SLURM --time of one job (a requeued job resumes); "": the partition's default
+    gpu: bool = True  # ranks are GPUs (sbatch --gpus-per-node); false: CPU ranks, one core each
 
     @property
     def world_size(self) -> int:
@@ -63,7 +64,7 @@ class SmokeSpec:
     step_divisor: int = 1000  # every step count divided by this: 12K steps with a 3K CLM phase -> 12 and 3
     preset: str = "tiny"  # replaces every preset name in model.init and model.shape
     global_batch: int = 8
-    resources: Resources = field(default_factory=lambda: Resources(nodes=1, gpus_per_node=2))
+    resources: Resources = field(default_factory=lambda: Resources(nodes=1, gpus_per_node=2, gpu=False))
     set: dict = field(default_factory=dict)  # overrides applied last (data paths, sequence length, ...)
 
     def validate(self) -> None:
@@ -86,7 +87,7 @@ class GridSpec:
     base: str
     groups: dict  # group name -> GroupSpec
     axes: dict = field(default_factory=dict)  # axis -> value name -> overrides
-    ds_config: str = "../../ds_configs/zero3.json"
+    ds_config: str = ""  # DeepSpeed JSON for every run (relative to the grid file); "": ds_configs/zero3.json
     global_batch: int = 0  # 0: keep each experiment's train.grad_accum
     resources: Resources = field(default_factory=Resources)
     switch_before_decay: bool = False
@@ -112,15 +113,19 @@ class Grid:
 
     @property
     def ds_config(self) -> str:
-        return os.path.normpath(os.path.join(os.path.dirname(self.path), self.spec.ds_config))
+        if not self.spec.ds_config:
+            return os.path.join(REPO, "ds_configs", "zero3.json")
+        return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(self.path)), self.spec.ds_config))
 
-    def variants(self, smoke: bool = False, out: str = "runs", overrides: dict | None = None) -> list[Variant]:
+    def variants(self, smoke: bool = False, out: str = "runs", overrides: dict | None = None,
+                 resources: Resources | None = None) -> list[Variant]:
         """Every variant (or its smoke twin) as a validated experiment with run_dir ``out/NAME``; ``overrides``
-        (dotted key -> value, e.g. data paths) are applied last."""
+        (dotted key -> value, e.g. data paths) are applied last; ``resources`` replace the grid's (grad_accum
+        follows, so the global batch stays)."""
         combos = self._combinations()
         built: dict[str, Variant] = {}
         for name, (group, values, data) in combos.items():
-            variant = self._materialise(name, group, values, data, combos, smoke, out, overrides or {})
+            variant = self._materialise(name, group, values, data, combos, smoke, out, overrides or {}, resources)
             built[variant.name] = variant
         for variant in built.values():
             self._check_start(variant, built)
@@ -165,7 +170,7 @@ class Grid:
         return out
 
     def _materialise(self, name: str, group: str, values: dict, data: dict, combos: dict, smoke: bool, out: str,
-                     overrides: dict) -> Variant:
+                     overrides: dict, resources: Resources | None) -> Variant:
         full = to_dict(self._experiment(name, {**data, "name": name}))  # paper scale, validated even for a twin
         suffix = SMOKE_SUFFIX if smoke else ""
         if smoke:
@@ -179,7 +184,7 @@ class Grid:
             set_path(full, key, copy.deepcopy(value))
         exp = self._experiment(name + suffix, _map_strings(
             full, lambda s: RUN_REF.sub(lambda m: os.path.join(out, m.group(1) + suffix), s)))
-        resources = self.spec.smoke.resources if smoke else self.spec.resources
+        resources = resources or (self.spec.smoke.resources if smoke else self.spec.resources)
         global_batch = self.spec.smoke.global_batch if smoke else self.spec.global_batch
         if global_batch:
             per_step = exp.train.micro_batch * resources.world_size

@@ -1,0 +1,161 @@
+"""Grid expansion (pipeline/grid.py) and the sweep's run directories and job files (pipeline/sweep.py,
+launch/sweep.py) on small grid files; bad grids name the file, the key and what exists."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError, load_yaml
+from pipeline.grid import Resources, load_grid
+from pipeline.sweep import REPO, RunState, in_order, job_script, run_states, select, table, write_run
+from pipeline.train.experiment import load_experiment
+
+BASE = {"name": "base", "model": {"init": "610m"}, "optim": {"warmup_steps": 200, "decay_steps": 200},
+        "train": {"steps": 1000, "micro_batch": 4}, "phases": [{"objectives": [{"name": "clm"}]}]}
+AXES = {"size": {"210m": {"model.init": "210m"}, "610m": {"model.init": "610m"}},
+        "share": {"clm50": {"phases": [{"share": 0.5, "objectives": [{"name": "clm"}]},
+                                       {"share": 0.5, "objectives": [{"name": "mlm", "ratio": 0.4}]}]},
+                  "clm90": {"phases": [{"share": 0.9, "objectives": [{"name": "clm"}]},
+                                       {"share": 0.1, "objectives": [{"name": "mlm", "ratio": 0.4}]}]}},
+        "start": {"from610m": {"model.init": "${run:pre-610m-clm50}/hf", "model.shape": "610m"},
+                  "from210m": {"model.init": "${run:pre-210m-clm50}/hf", "model.shape": "610m"}}}
+
+
+def write_grid(tmp_path, **changes) -> str:
+    grid = {"base": "base.yaml", "global_batch": 32, "resources": {"nodes": 2, "gpus_per_node": 4},
+            "switch_before_decay": True, "smoke": {"step_divisor": 100, "global_batch": 8},
+            "axes": AXES, "groups": {"pre": {"axes": {"size": ["210m", "610m"], "share": ["clm50"]}},
+                                     "cont": {"axes": {"start": ["from610m"]}}}}
+    grid.update(changes)
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(BASE))
+    (tmp_path / "grid.yaml").write_text(yaml.safe_dump(grid, sort_keys=False))
+    return str(tmp_path / "grid.yaml")
+
+
+def test_variants_combine_axes_in_order_and_derive_grad_accum(tmp_path):
+    grid = load_grid(write_grid(tmp_path))
+    variants = {v.name: v for v in grid.variants(out="out")}
+    assert list(variants) == ["pre-210m-clm50", "pre-610m-clm50", "cont-from610m"]
+    v = variants["pre-210m-clm50"]
+    assert v.experiment.model.init == "210m" and v.values == {"size": "210m", "share": "clm50"}
+    assert v.experiment.phase_starts() == [0, 500] and v.experiment.run_dir == os.path.join("out", v.name)
+    assert v.experiment.train.grad_accum == 32 // (4 * 8)  # global batch / (micro-batch x 2 nodes x 4)
+    cont = variants["cont-from610m"]
+    assert cont.experiment.model.init == os.path.join("out", "pre-610m-clm50", "hf")
+    assert cont.after == ("pre-610m-clm50",)
+    bigger = {v.name: v for v in grid.variants(resources=Resources(nodes=1, gpus_per_node=2))}
+    assert bigger["pre-210m-clm50"].experiment.train.grad_accum == 4  # same global batch on fewer ranks
+
+
+def test_smoke_twins_divide_steps_and_keep_the_switch(tmp_path):
+    grid = load_grid(write_grid(tmp_path))
+    twins = {v.name: v for v in grid.variants(smoke=True, out="out")}
+    assert list(twins) == ["pre-210m-clm50-smoke", "pre-610m-clm50-smoke", "cont-from610m-smoke"]
+    exp = twins["pre-610m-clm50-smoke"].experiment
+    assert (exp.train.steps, exp.optim.warmup_steps, exp.optim.decay_steps) == (10, 2, 2)
+    assert exp.phase_starts() == [0, 5] and exp.model.init == "tiny"
+    assert exp.train.grad_accum == 8 // (4 * 2)  # smoke global batch over the twin's 1 node x 2 CPU ranks
+    cont = twins["cont-from610m-smoke"]
+    assert cont.experiment.model.init == os.path.join("out", "pre-610m-clm50-smoke", "hf")
+    assert cont.experiment.model.shape == "tiny" and cont.after == ("pre-610m-clm50-smoke",)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"groups": {"g": {"axes": {"size": ["620m"]}}}},
+     r"groups.g.axes.size: unknown value '620m'; values of size: \['210m', '610m'\]"),
+    ({"groups": {"g": {"axes": {"sizes": ["610m"]}}}}, r"groups.g.axes: unknown axis 'sizes'; axes: \['size'"),
+    ({"groups": {"g": {"axes": {"size": ["610m"]}, "exclude": ["g-620m"]}}},
+     r"groups.g.exclude: \['g-620m'\] name no variant of this group; its variants: \['g-610m'\]"),
+    ({"groups": {"g": {"axes": {"start": ["from610m"]}}}}, r"g-from610m: \$\{run:pre-610m-clm50\} names no variant"),
+    ({"groups": {"g": {"axes": {"share": ["clm90"]}}}},
+     r"g-clm90: phase 'mlm' starts at step 900, inside the learning-rate decay \(steps 800-1000\)"),
+    ({"groups": {"a": {"prefix": "x", "axes": {"size": ["610m"]}}, "b": {"prefix": "x", "axes": {"size": ["610m"]}}}},
+     r"groups.b: variant 'x-610m' is also made by group 'a'"),
+    ({"global_batch": 30}, r"pre-210m-clm50: global_batch 30 is not a multiple of train.micro_batch 4 x 8 ranks"),
+    ({"groups": {"pre": {"axes": {"size": ["610m"], "share": ["clm50"]}}, "c": {"axes": {"start": ["from210m"]}}}},
+     r"c-from210m: \$\{run:pre-210m-clm50\} names no variant"),
+    ({"groups": {"pre": {"axes": {"size": ["210m", "610m"], "share": ["clm50"]}}, "c": {"axes": {"start": ["from210m"]}}}},
+     r"c-from210m: continues pre-210m-clm50, a 210m model, but its model.shape is '610m'"),
+    ({"groups": {"g": {"set": {"train.stepz": 3}, "axes": {"size": ["610m"]}}}}, r"g-610m: train.stepz: unknown key"),
+    ({"groupz": {}}, r"groupz: unknown key; allowed keys"),
+])
+def test_bad_grid_names_file_key_and_choices(tmp_path, changes, message):
+    path = write_grid(tmp_path, **changes)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_grid(path).variants()
+    assert str(info.value).startswith(path)
+
+
+def test_only_selects_by_pattern_and_refuses_unknown_names(tmp_path):
+    variants = load_grid(write_grid(tmp_path)).variants(smoke=True)
+    assert [v.name for v in select(variants, ["pre-6*"])] == ["pre-610m-clm50-smoke"]  # a twin matches its variant
+    with pytest.raises(ConfigError, match=r"--only \['pre-2b-\*'\]: no variant of this grid matches; its variants"):
+        select(variants, ["pre-2b-*"])
+
+
+def test_a_run_that_continues_another_needs_it(tmp_path):
+    variants = load_grid(write_grid(tmp_path)).variants(out=str(tmp_path / "runs"))
+    states = run_states(variants, {})
+    cont = [v for v in variants if v.name == "cont-from610m"]
+    with pytest.raises(ConfigError, match="cont-from610m starts from pre-610m-clm50, which is new and not part of "
+                                          "this sweep; add it"):
+        in_order(cont, variants, states)
+    assert [v.name for v in in_order(cont[::-1] + variants[:2], variants, states)] == [
+        "pre-610m-clm50", "cont-from610m", "pre-210m-clm50"]
+    queued = run_states(variants, {"pre-610m-clm50": 17})
+    assert queued["pre-610m-clm50"] == RunState("queued", 0, 17)
+    assert [v.name for v in in_order(cont, variants, queued)] == ["cont-from610m"]
+    assert "queued (job 17, step 0/1000)" in table(variants, queued)
+
+
+def test_run_directory_holds_the_experiment_and_a_job_file_from_train_sbatch(tmp_path):
+    grid = load_grid(write_grid(tmp_path))
+    v = grid.variants(out=str(tmp_path / "runs"), resources=Resources(nodes=2, gpus_per_node=4, time="4:00:00"))[0]
+    write_run(grid, v, RunState("new"))
+    exp = load_experiment(os.path.join(v.experiment.run_dir, "experiment.yaml"))
+    assert exp == v.experiment
+    job = open(os.path.join(v.experiment.run_dir, "job.sbatch")).read()
+    for line in (f"#SBATCH --job-name={v.name}", "#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --time=4:00:00", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@300",
+                 f"#SBATCH --output={v.experiment.run_dir}/slurm-%j.out", "export GPUS_PER_NODE=4",
+                 f"exec bash {REPO}/launch/slurm/train.sbatch --config {REPO}/ds_configs/zero3.json "
+                 f"--experiment {v.experiment.run_dir}/experiment.yaml"):
+        assert line in job.splitlines(), line
+    assert job.count("#SBATCH --job-name") == 1 and "DS_ACCELERATOR" not in job
+    cpu = job_script(grid, grid.variants(smoke=True, out=str(tmp_path / "runs"))[0])
+    assert "#SBATCH --cpus-per-task=2" in cpu and "--gpus-per-node" not in cpu and "DS_ACCELERATOR" in cpu
+
+
+def test_a_started_run_keeps_its_experiment(tmp_path):
+    out = str(tmp_path / "runs")
+    grid = load_grid(write_grid(tmp_path))
+    v = grid.variants(out=out)[0]
+    write_run(grid, v, RunState("new"))
+    started = RunState("started", 100)
+    fewer = grid.variants(out=out, resources=Resources(nodes=1, gpus_per_node=4))[0]
+    write_run(grid, fewer, started)  # other resources: grad_accum follows, the run resumes on the new world size
+    assert load_yaml(os.path.join(v.experiment.run_dir, "experiment.yaml"))["train"]["grad_accum"] == 2
+    edited = load_grid(write_grid(tmp_path, axes={**AXES, "size": {**AXES["size"], "210m": {"model.init": "210m",
+                                                                                             "optim.lr": 0.01}}}))
+    with pytest.raises(ConfigError, match=r"has started \(step 100\) with other settings: optim.lr 0.001 -> 0.01; "
+                                          r"undo the change, or delete"):
+        write_run(edited, edited.variants(out=out)[0], started)
+
+
+def test_sweep_cli_prints_the_table_and_writes_the_runs(tmp_path):
+    path = write_grid(tmp_path)
+    out = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "sweep.py"), path, "--out", str(out),
+                           "--set", "data.shards=/data/x", "--only", "pre-*"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["run", "model", "steps", "tokens", "phases", "starts", "from", "state"]
+    assert lines[2].split() == ["pre-210m-clm50", "210m", "1000", "4.1M", "clm", "500", "->", "mlm40", "500", "-",
+                                "new"]  # 1000 steps x 32 samples x 128 tokens
+    assert sorted(os.listdir(out)) == ["pre-210m-clm50", "pre-610m-clm50"]
+    assert load_yaml(str(out / "pre-610m-clm50" / "experiment.yaml"))["data"]["shards"] == "/data/x"
