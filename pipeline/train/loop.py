@@ -25,10 +25,9 @@ from pipeline.train.phases import WeightedObjective, build_objectives
 from pipeline.train.schedule import lr_multiplier
 from pipeline.train.shards import ensure_shards
 
-# Process-group backends by device type. The loop's own collectives (target counts, logged sums, the stop flag)
-# run on small CPU tensors, which NCCL alone refuses ("No backend type associated with device type cpu"), so a
-# GPU run pairs it with gloo for those.
-DIST_BACKENDS = {"cuda": "cpu:gloo,cuda:nccl", "cpu": "gloo"}
+# The loop's own collectives (target counts, logged sums, the stop flag) use small tensors on the training device,
+# since NCCL refuses CPU tensors.
+DIST_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 
 
 class StopRequest:
@@ -45,9 +44,9 @@ class StopRequest:
         # default handlers at exit and a late USR1 would then kill a rank that stopped cleanly
         signal.signal(signum, signal.SIG_IGN)
 
-    def agreed(self) -> bool:
+    def agreed(self, device: torch.device) -> bool:
         """All ranks must stop at the same step: a signal may reach them at different times."""
-        flag = torch.tensor([float(self.requested)])
+        flag = torch.tensor([float(self.requested)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -92,17 +91,18 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
                 counts[name] = counts.get(name, 0.0) + float(n)
                 weights[name] = o.weight * getattr(o.objective, "loss_weights", {}).get(name, 1.0)
     names = list(counts)
-    total = torch.tensor([counts[n] for n in names])
+    device = next(engine.module.parameters()).device
+    total = torch.tensor([counts[n] for n in names], device=device)
     dist.all_reduce(total)
     total = dict(zip(names, total.clamp(min=1).tolist()))
-    sums = torch.zeros(len(names), 2)
+    sums = torch.zeros(len(names), 2, device=device)
     lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside the last step()
     for micro in range(grad_accum):
         loss = 0.0
         for o in step_objs:
             for name, (loss_sum, _, correct) in _named(o.name, engine(o.objective, batches[o.objective.source][micro])).items():
                 loss = loss + weights[name] * loss_sum * (world * grad_accum / total[name])
-                sums[names.index(name)] += torch.stack([loss_sum.detach().float().cpu(), correct.float().cpu()])
+                sums[names.index(name)] += torch.stack([loss_sum.detach().float(), correct.float()])
         engine.backward(loss)
         engine.step()
     dist.all_reduce(sums)
@@ -201,7 +201,7 @@ def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
                     "perf/mfu": flops_tok * step_tokens / dt / (world * peak * 1e12) if peak else 0.0,
                     "perf/mem_gib": memory_gib(), "progress/tokens_seen": tokens_seen, "progress/phase": phase_idx}
         metrics.log(step, scalars, phase.name)
-        stopping = stop.agreed() or step == exp.train.stop_at_step
+        stopping = stop.agreed(device) or step == exp.train.stop_at_step
         if step % exp.checkpoint.every == 0 or stopping or step == exp.train.steps:
             save()
         if stopping:
