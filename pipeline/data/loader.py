@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.batch import Batch, collate
@@ -126,8 +127,11 @@ def _as_is(batch: Batch) -> Batch:
 
 
 def _data_loader(dataset: _MicroBatches, num_workers: int, pin_memory: bool, prefetch_factor: int) -> DataLoader:
+    # Its own generator: without one, starting an iterator draws a seed from torch's global RNG, and a resumed run
+    # starts its iterator later than the run it continues, which would shift dropout (SimCSE/SSCL) after a resume.
     return DataLoader(dataset, batch_size=None, collate_fn=_as_is, num_workers=num_workers, pin_memory=pin_memory,
-                      prefetch_factor=prefetch_factor if num_workers else None)
+                      prefetch_factor=prefetch_factor if num_workers else None,
+                      generator=torch.Generator().manual_seed(0))
 
 
 class ShardLoader:
