@@ -7,8 +7,11 @@ masking plans and MAGNET spans from ``make_sample``, real tar shards with ``.idx
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -22,6 +25,7 @@ from pipeline.data.shards import ShardWriter
 from pipeline.data.units import unit_sample
 from pipeline.model.build import build_model
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, BOS, EOS, MASK = 0, 1, 2, 3
 SPECIAL_IDS = (PAD, BOS, EOS, MASK)
 
@@ -105,3 +109,26 @@ def tiny_llama(tokenizer, attention_dropout: float = 0.0, seed: int = 0):
         if hasattr(module, "attention_dropout"):
             module.attention_dropout = attention_dropout
     return model
+
+
+def launch_training(run_dir: str, experiment: str | None, *overrides: str, nproc: int = 2, env: dict | None = None,
+                    check: bool = True) -> subprocess.CompletedProcess:
+    """``launch/train.py`` on ``nproc`` CPU ranks (gloo, DeepSpeed's CPU accelerator) with ZeRO-3, as
+    ``torch.distributed.run`` starts it; raises with the output's tail when it fails and ``check``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+           os.path.join(REPO, "launch", "train.py"), "--config", os.path.join(REPO, "ds_configs", "zero3.json")]
+    if experiment:
+        cmd += ["--experiment", experiment]
+    for item in (f"run_dir={run_dir}", *overrides):
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def logged_steps(run_dir: str) -> dict[int, dict]:
+    """Step -> the scalars logged in ``metrics.jsonl``; a step logged twice (replayed after a resume) keeps its last."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {rec["step"]: rec for rec in map(json.loads, f)}

@@ -11,14 +11,17 @@ import glob
 import os
 
 import pytest
-from shard_corpus import TOKENIZER
+from helpers import launch_training, logged_steps
+from shard_corpus import HOLDOUT, TOKENIZER, documents, write_jsonl_zst
 
+from pipeline.data.build import BuildConfig, run_job
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.experiment import load_experiment
 from pipeline.train.phases import build_objectives
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = os.path.join(REPO, "experiments", "magnet")
+LOSSES = ("loss/mntp", "loss/msg", "loss/sscl")
 FULL = sorted(p for p in glob.glob(os.path.join(EXPERIMENTS, "*.yaml")) if not p.endswith("-smoke.yaml"))
 
 
@@ -59,3 +62,34 @@ def test_the_variants_are_the_ablations():
                       "no-msg.yaml": {"mntp", "sscl"}, "mntp-only.yaml": {"mntp"}}
     first = load_experiment(os.path.join(EXPERIMENTS, "magnet-two-stage.yaml")).phases[0]
     assert [(o.name, o.options.get("msg_weight")) for o in first.objectives] == [("magnet", 0.0), ("sscl", None)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    """--set overrides pointing a smoke experiment at packed shards (spans of 8-32 tokens, build_shards' defaults)
+    and sentence-unit shards (build_shards --units sentence) of a few sample-corpus documents."""
+    root = tmp_path_factory.mktemp("magnet-data")
+    corpus = write_jsonl_zst(root / "docs.jsonl.zst", documents(HOLDOUT, max_chars=3000)[:20])
+    shards, units = str(root / "packed"), str(root / "units")
+    run_job(BuildConfig(inputs=(corpus,), tokenizer=TOKENIZER, output=shards, seq_len=64, progress=False))
+    run_job(BuildConfig(inputs=(corpus,), tokenizer=TOKENIZER, output=units, seq_len=32, units="sentence",
+                        progress=False))
+    return [f"data.shards={shards}", f"data.unit_shards={units}", "data.build_if_missing=false"]
+
+
+def test_two_stage_zero3_run_resumes_exactly_at_the_stage_switch(data, tmp_path):
+    experiment = os.path.join(EXPERIMENTS, "magnet-two-stage-smoke.yaml")
+    whole = str(tmp_path / "whole")
+    launch_training(whole, experiment, *data)
+    resumed = str(tmp_path / "resumed")
+    first = launch_training(resumed, experiment, *data, "train.stop_at_step=4")
+    assert "stopped at step 4" in first.stdout
+    second = launch_training(resumed, experiment, *data)
+    assert "resumed from step00000004" in second.stdout
+    ours, base = logged_steps(resumed), logged_steps(whole)
+    assert sorted(base) == list(range(1, 9))
+    for step in range(1, 9):  # stage 1 (steps 1-4): MNTP + SSCL; stage 2: all three
+        stage2 = step > 4
+        assert base[step]["progress/phase"] == int(stage2)
+        assert [k in base[step] for k in LOSSES] == [True, stage2, True], step
+        assert {k: ours[step].get(k) for k in LOSSES} == {k: base[step].get(k) for k in LOSSES}, step
