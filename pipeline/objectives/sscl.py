@@ -20,7 +20,7 @@ x+ (``augment``):
 - ``delete``, ``crop``, ``swap``: token edits of about ``edit_ratio`` of the sentence (``augment.py``), seeded by the
   sample key and ``seed`` (no RNG in the loop, so a resumed run is exact); dropout, if on, applies as well.
 - ``paraphrase``: precomputed paraphrase ids from the unit shards (``Batch.paraphrase_ids``; data prep's
-  ``--paraphrase-field``).
+  ``--units record --paraphrase-field``).
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ class SSCL(Objective):
         if self.augment == "paraphrase":
             if batch.paraphrase_ids is None:
                 raise ValueError("sscl: options.augment is 'paraphrase' but the unit shards carry no paraphrases; "
-                                 "build them with data_prep/build_shards.py --units --paraphrase-field FIELD from "
-                                 "records that hold a paraphrase, or pick augment dropout, delete, crop or swap")
+                                 "build them with data_prep/build_shards.py --units record --paraphrase-field FIELD "
+                                 "from records that hold a paraphrase, or pick augment dropout, delete, crop or swap")
             paraphrase = batch.paraphrase_ids[row].cpu().numpy()
             paraphrase = self._wrap(paraphrase[paraphrase != self.pad])[1]
             if not len(paraphrase):
