@@ -19,6 +19,9 @@ from pipeline.data.shards import ShardReader
 from pipeline.data.sources import RecordStats, read_texts
 from pipeline.tokenizer import load_tokenizer
 
+sys.path.insert(0, os.path.join(ROOT, "data_prep"))
+import build_shards  # noqa: E402
+
 SEQ_LEN = 128
 
 
@@ -241,20 +244,17 @@ def test_too_many_bad_records_fail_after_committing_earlier_files(corpus, tokeni
     assert dir_bytes(out) == dir_bytes(reference)
 
 
-def test_missing_tokenizer(corpus, tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data_prep/build_shards.py"), "--input", corpus[0],
-                           "--tokenizer", str(tmp_path / "nope"), "--output", str(tmp_path / "out")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 1
-    assert str(tmp_path / "nope") in proc.stderr and proc.stderr.startswith("error:")
+def test_missing_tokenizer(corpus, tmp_path, capsys):
+    rc = build_shards.main(["--input", corpus[0], "--tokenizer", str(tmp_path / "nope"), "--output",
+                            str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.startswith(f"error: tokenizer {tmp_path / 'nope'} does not exist")
 
 
 def test_slurm_array_defaults():
-    sys.path.insert(0, os.path.join(ROOT, "data_prep"))
-    from build_shards import slurm_array_defaults
-
-    assert slurm_array_defaults({}) == (0, 1)
-    assert slurm_array_defaults({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "4",
+    assert build_shards.slurm_array_defaults({}) == (0, 1)
+    assert build_shards.slurm_array_defaults({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "4",
                                  "SLURM_ARRAY_TASK_COUNT": "8"}) == (3, 8)
 
 
