@@ -255,7 +255,7 @@ def test_missing_tokenizer(corpus, tmp_path, capsys):
 def test_slurm_array_defaults():
     assert build_shards.slurm_array_defaults({}) == (0, 1)
     assert build_shards.slurm_array_defaults({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "4",
-                                 "SLURM_ARRAY_TASK_COUNT": "8"}) == (3, 8)
+                                              "SLURM_ARRAY_TASK_COUNT": "8"}) == (3, 8)
 
 
 def test_sigkill_midway_then_rerun_is_identical(tokenizer, tmp_path):
