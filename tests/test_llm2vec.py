@@ -1,0 +1,103 @@
+"""The LLM2Vec recipe: its experiment files carry LLM2Vec's settings, the CPU smoke twins run MNTP and then SimCSE
+from MNTP's HF export on 2 ZeRO-3 ranks, and bad input through the trainer is refused with a clear message."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+from helpers import REPO, launch_training, logged_steps
+from shard_corpus import HOLDOUT, TOKENIZER, documents, write_jsonl_zst
+
+from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.manifest import load_index
+from pipeline.objectives import SimCSE, make_objective
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train.experiment import load_experiment
+from pipeline.train.loop import _open_loaders
+from pipeline.train.model import build_train_model
+from pipeline.train.phases import build_objectives
+
+EXPERIMENTS = os.path.join(REPO, "experiments", "llm2vec")
+GPUS = 8  # the full experiments' batch sizes are per GPU for 8 GPUs
+
+
+def experiment(name: str, *overrides: str):
+    return load_experiment(os.path.join(EXPERIMENTS, name), list(overrides))
+
+
+def test_experiment_files_carry_llm2vec_settings():
+    assert sorted(os.listdir(EXPERIMENTS)) == ["mntp-smoke.yaml", "mntp.yaml", "simcse-smoke.yaml", "simcse.yaml"]
+    mntp, simcse = experiment("mntp.yaml"), experiment("simcse.yaml")
+    (spec,) = mntp.phases[0].objectives
+    assert (spec.name, spec.ratio, spec.policy, spec.mask_token) == ("mntp", 0.2, "80-10-10", "_")
+    assert (mntp.train.steps, mntp.train.micro_batch * mntp.train.grad_accum * GPUS, mntp.data.seq_len) == (1000, 32, 512)
+    assert (mntp.optim.lr, mntp.optim.schedule, mntp.optim.weight_decay) == (5e-5, "constant", 0.0)
+    assert not mntp.phases[0].document_masking
+    (spec,) = simcse.phases[0].objectives
+    assert (spec.name, spec.options) == ("simcse", {"scale": 20.0}) and simcse.model.attention_dropout == 0.3
+    assert (simcse.train.steps, simcse.data.unit_micro_batch * simcse.train.grad_accum * GPUS) == (1000, 128)
+    assert (simcse.data.seq_len, simcse.optim.lr, simcse.optim.schedule) == (128, 3e-5, "constant")
+    assert simcse.model.init == os.path.join(mntp.run_dir, "hf")  # SimCSE starts from MNTP's export
+    assert simcse.data.unit_shards == simcse.data.shards and not simcse.data.build_if_missing
+    for full, smoke in ((mntp, experiment("mntp-smoke.yaml")), (simcse, experiment("simcse-smoke.yaml"))):
+        assert [(o.name, o.ratio, o.policy, o.options) for o in full.phases[0].objectives] == \
+            [(o.name, o.ratio, o.policy, o.options) for o in smoke.phases[0].objectives]
+        assert smoke.model.attention_dropout == full.model.attention_dropout
+        assert smoke.phases[0].document_masking == full.phases[0].document_masking
+    assert experiment("simcse-smoke.yaml").model.init == os.path.join(experiment("mntp-smoke.yaml").run_dir, "hf")
+    objective = make_objective("simcse", tokenizer=load_tokenizer(TOKENIZER), **simcse.phases[0].objectives[0].options)
+    assert isinstance(objective, SimCSE) and objective.scale == 20.0
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[str, str]:
+    """(packed shards of 64 tokens, sentence-unit shards of 32 tokens) of a few sample-corpus documents."""
+    root = tmp_path_factory.mktemp("llm2vec-data")
+    corpus = write_jsonl_zst(root / "docs.jsonl.zst", documents(HOLDOUT, max_chars=3000)[:20])
+    packed, units = str(root / "packed"), str(root / "units")
+    run_job(BuildConfig(inputs=(corpus,), tokenizer=TOKENIZER, output=packed, seq_len=64, progress=False))
+    run_job(BuildConfig(inputs=(corpus,), tokenizer=TOKENIZER, output=units, seq_len=32, units="sentence",
+                        progress=False))
+    return packed, units
+
+
+def test_smoke_recipe_mntp_then_simcse_on_two_zero3_ranks(data, tmp_path):
+    packed, units = data
+    mntp = str(tmp_path / "mntp")
+    launch_training(mntp, os.path.join(EXPERIMENTS, "mntp-smoke.yaml"), f"data.shards={packed}",
+                    "data.build_if_missing=false")
+    steps = logged_steps(mntp)
+    assert sorted(steps) == list(range(1, 9)) and all(math.isfinite(s["loss/mntp"]) for s in steps.values())
+    assert os.path.isfile(os.path.join(mntp, "hf", "config.json"))
+    simcse = str(tmp_path / "simcse")
+    launch_training(simcse, os.path.join(EXPERIMENTS, "simcse-smoke.yaml"), f"data.shards={units}",
+                    f"data.unit_shards={units}", f"model.init={os.path.join(mntp, 'hf')}")
+    steps = logged_steps(simcse)
+    assert sorted(steps) == list(range(1, 9))
+    losses = [steps[s]["loss/simcse"] for s in range(1, 9)]
+    assert all(0 < loss < math.log(16) + 1 for loss in losses)  # 16 units a step over both ranks
+    assert sum(losses[-3:]) / 3 < losses[0]  # it learns to tell the units apart
+
+
+def test_bad_input_is_refused_by_the_trainer(data, tmp_path):
+    """The trainer's own steps, in process: opening the data sources (SimCSE pointed at packed shards) and building
+    the model (an MNTP export that does not exist, or a checkpoint of another architecture)."""
+    packed, units = data
+    exp = experiment("simcse-smoke.yaml", f"data.shards={units}", f"data.unit_shards={packed}")
+    tokenizer = load_tokenizer(TOKENIZER)
+    objectives = [build_objectives(p, tokenizer) for p in exp.phases]
+    with pytest.raises(ValueError, match=rf"data.unit_shards {packed} holds packed samples .* but simcse reads "
+                                         r"sentence units, one a sample; build unit shards with"):
+        _open_loaders(exp, objectives, tokenizer, load_index(units), rank=0, world=1, pin=False)
+    no_zero = {"zero_optimization": {"stage": 0}}
+    missing = str(tmp_path / "no-such-mntp-run" / "hf")
+    with pytest.raises(ValueError, match=rf"no such directory {missing!r}; the model must be one of the presets"):
+        build_train_model(experiment("simcse-smoke.yaml", f"model.init={missing}"), no_zero, tokenizer, False)
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": tokenizer.info.vocab_size}))
+    with pytest.raises(ValueError, match="config.json: model_type 'gpt2' is not supported; supported architectures"):
+        build_train_model(experiment("simcse-smoke.yaml", f"model.init={other}"), no_zero, tokenizer, False)
