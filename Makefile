@@ -42,6 +42,7 @@ lint: setup
 bench: setup
 	$(BIN)/python bench/bench_build_shards.py
 	$(BIN)/python bench/bench_target_head.py
+	$(BIN)/python bench/bench_trainer.py --shape tiny
 
 clean-runs:
 	rm -rf runs
