@@ -1,0 +1,163 @@
+"""launch/plan.py and pipeline/plan.py: model-state memory equals DeepSpeed's own ZeRO estimators; the activation
+formula equals what autograd keeps for a real HF Llama; shard bytes match real shards; the CLI's numbers."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+
+import pytest
+import torch
+from deepspeed.runtime.zero.stage3 import (
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    model_to_params,
+)
+from deepspeed.runtime.zero.stage_1_and_2 import (
+    estimate_zero2_model_states_mem_needs,
+    estimate_zero2_model_states_mem_needs_all_cold,
+)
+from helpers import make_shard_dir
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from pipeline.data.manifest import load_index
+from pipeline.model.flops import param_counts
+from pipeline.model.presets import get_preset
+from pipeline.plan import (
+    GIB,
+    SHARD_BYTES_PER_SAMPLE,
+    SHARD_BYTES_PER_TOKEN,
+    activation_bytes,
+    data_prep,
+    largest_layer_params,
+    layer_activation_bytes,
+    model_states,
+)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
+import plan as plan_cli  # noqa: E402
+
+CLUSTERS = [(1, 8), (4, 8), (12, 8), (2, 4)]
+
+
+@pytest.mark.parametrize("preset", ["210m", "610m", "1b", "7b"])
+def test_model_states_equal_deepspeeds_estimators(preset):
+    config = get_preset(preset).to_config(128256)
+    params, largest = param_counts(config).total, largest_layer_params(config)
+    for nodes, gpus in CLUSTERS:
+        for offload in (False, True):
+            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest, gpus, nodes, cpu_offload=offload,
+                                                                cpu_offload_params=offload, zero_init=True)
+            ours = model_states(params, largest, 3, offload, nodes, gpus)
+            assert abs(ours.gpu - gpu) <= 1 and abs(ours.cpu_per_node - cpu) <= 1, (nodes, gpus, offload)
+            cpu, gpu = estimate_zero2_model_states_mem_needs(params, gpus, nodes, cpu_offload=offload)
+            ours = model_states(params, largest, 2, offload, nodes, gpus)
+            assert abs(ours.gpu - gpu) <= 1 and abs(ours.cpu_per_node - cpu) <= 1, (nodes, gpus, offload)
+            zero1 = model_states(params, largest, 1, offload, nodes, gpus)
+            partition = 0 if offload else 2 * params / (nodes * gpus)
+            assert zero1.gpu == pytest.approx(ours.gpu + 2 * params - partition)  # ZeRO-1: all 16-bit gradients
+
+
+def test_printed_estimates_show_the_planners_numbers():
+    config = get_preset("7b").to_config(128256)
+    params, largest = param_counts(config).total, largest_layer_params(config)
+    for fn, zero, args in ((estimate_zero3_model_states_mem_needs_all_cold, 3, (params, largest, 8, 4)),
+                           (estimate_zero2_model_states_mem_needs_all_cold, 2, (params, 8, 4))):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            fn(*args)
+        for offload in (False, True):
+            gpu = model_states(params, largest, zero, offload, 4, 8).gpu
+            assert f"{gpu / GIB:6.2f}GB" in printed.getvalue(), (zero, offload)
+
+
+def test_largest_layer_is_what_deepspeed_measures_on_a_built_model():
+    for config in (get_preset("tiny").to_config(1000),  # the embedding is the largest module
+                   LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=256, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)):  # an MLP
+        model = AutoModelForCausalLM.from_config(config)
+        assert model_to_params(model) == (param_counts(config).total, largest_layer_params(config))
+
+
+def _saved_bytes(config: LlamaConfig, ids: torch.Tensor) -> int:
+    """Bytes of the tensors autograd keeps for the backward of the decoder (weights excluded)."""
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    weights = {p.data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        if t.data_ptr() not in weights:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=ids)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("hidden, ffn, heads, kv_heads", [(128, 352, 4, 2), (256, 704, 8, 8)])
+def test_activation_formula_equals_what_autograd_keeps(hidden, ffn, heads, kv_heads):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 48))
+
+    def config(layers):
+        return LlamaConfig(vocab_size=100, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False)
+
+    per_layer = (_saved_bytes(config(4), ids) - _saved_bytes(config(2), ids)) / 2
+    assert per_layer == layer_activation_bytes(config(2)) * ids.numel()
+    body = activation_bytes(config(2), ids.numel(), 1.0, checkpointing=False)["layers"]
+    assert body == pytest.approx(_saved_bytes(config(2), ids), rel=0.05)  # plus embedding output and RoPE tables
+
+
+@pytest.mark.parametrize("seq_len", [2048, 4096])
+def test_shard_bytes_match_real_shards(tmp_path, seq_len):
+    directory = make_shard_dir(tmp_path, num_samples=24, seq_len=seq_len, samples_per_shard=12)
+    index = load_index(directory)
+    size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".tar"))
+    predicted = index.num_tokens * SHARD_BYTES_PER_TOKEN + index.num_samples * SHARD_BYTES_PER_SAMPLE
+    assert size == pytest.approx(predicted, rel=0.05)
+    prep = data_prep(index.num_tokens, seq_len, samples_per_shard=12)
+    assert (prep.samples, prep.shards) == (24, 2)
+
+
+def _report(capsys, *args: str) -> str:
+    assert plan_cli.main(list(args)) == 0
+    return capsys.readouterr().out
+
+
+def test_cli_memory_throughput_and_data_prep(capsys):
+    out = _report(capsys, "--model", "7b", "--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100",
+                  "--corpus-tokens", "100B", "--steps", "1000")
+    assert "= total" in out and "DOES NOT FIT" in out  # micro-batch 12 x 2048 of a 7B model
+    assert "2,359,296 tokens per step = 32 GPUs x 12 x 2048 x 3 accumulation" in out
+    config = get_preset("7b").to_config(128256)
+    step = float(out.split("  step ")[1].split(" s,")[0])
+    flops = float(out.split("throughput at 40% MFU:\n  ")[1].split(" GFLOP")[0]) * 1e9
+    assert step == pytest.approx(flops * 2359296 / (32 * 989e12 * 0.4), rel=0.01)
+    assert param_counts(config).total / 1e9 == pytest.approx(float(out.split("vocab 128256: ")[1].split(" B")[0]),
+                                                             abs=0.01)
+    assert "48,828,125 samples in 11,921 shards of 4096 samples" in out
+    fits = _report(capsys, "--model", "7b", "--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100",
+                   "--micro-batch", "1", "--checkpointing")
+    assert "of 80: fits" in fits and "x 36 accumulation" in fits
+
+
+def test_cli_grid_days_add_up(capsys):
+    grid = os.path.join(plan_cli.__file__.rsplit("/launch/", 1)[0], "experiments", "mlm_vs_clm", "grid.yaml")
+    out = _report(capsys, "--model", "610m", "--nodes", "12", "--gpus-per-node", "8", "--gpu", "h100", "--grid", grid)
+    rows = [line.split() for line in out.split("grid ")[1].splitlines()[2:]]
+    assert len(rows) == 37 and rows[-1][0] == "total"
+    hours = [float(r[2].replace(",", "")) for r in rows[:-1]]
+    assert float(rows[-1][1].replace(",", "")) == pytest.approx(sum(hours), abs=len(hours))
+    by_name = {r[0]: float(r[2].replace(",", "")) for r in rows[:-1]}
+    assert by_name["scratch-610m-clm"] > by_name["scratch-610m-mlm40"] > by_name["scratch-210m-clm"]  # LM head share
+    assert by_name["cpt-610m-clm-22k"] == pytest.approx(by_name["switch-610m-22k-clm0"], rel=0.01)
+
+
+def test_cli_refuses_bad_numbers(capsys):
+    with pytest.raises(SystemExit):
+        plan_cli.main(["--model", "7b", "--nodes", "0", "--gpus-per-node", "8", "--gpu", "h100"])
+    assert "--nodes must be >= 1" in capsys.readouterr().err
