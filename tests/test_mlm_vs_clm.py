@@ -81,7 +81,7 @@ def shards(tmp_path_factory) -> str:
 def sweep(out: str, shards: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, SWEEP, GRID, "--smoke", "--out", out, "--set", f"data.shards={shards}",
            "--set", "data.build_if_missing=false", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600,
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=7200,
                           env={**os.environ, **CPU, **(env or {})})
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return proc
