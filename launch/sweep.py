@@ -40,7 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
 
     from pipeline.grid import load_grid
-    from pipeline.sweep import in_order, queued_jobs, run_local, run_states, select, submit, table, write_run
+    from pipeline.sweep import (
+        check_inputs,
+        in_order,
+        queued_jobs,
+        run_local,
+        run_states,
+        select,
+        submit,
+        table,
+        write_run,
+    )
 
     try:
         overrides = {}
@@ -63,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         for v in todo:
             if states[v.name].kind != "queued":
                 write_run(grid, v, states[v.name])
+        if args.submit or args.local:
+            for v in todo:
+                check_inputs(v)
     except (ConfigError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import yaml
 
 from pipeline.config import ConfigError, load_yaml, to_dict
+from pipeline.data.manifest import MANIFEST
 from pipeline.grid import SMOKE_SUFFIX, Grid, Variant
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import OBJECTIVES, MaskedObjective
@@ -189,6 +190,18 @@ def write_run(grid: Grid, variant: Variant, state: RunState) -> None:
         yaml.safe_dump(new, f, sort_keys=False)
     with open(os.path.join(exp.run_dir, JOB_FILE), "w") as f:
         f.write(job_script(grid, variant))
+
+
+def check_inputs(variant: Variant) -> None:
+    """Before a run is started: its shards (unless the trainer builds them) and tokenizer exist, so a placeholder
+    path fails here instead of in a queued job. Relative paths are relative to the repository root, where jobs run."""
+    data = variant.experiment.data
+    if not data.build_if_missing and not os.path.isfile(os.path.join(REPO, data.shards, MANIFEST)):
+        raise ConfigError(f"{variant.name}: data.shards {data.shards} has no {MANIFEST}; build the shards first "
+                          "(docs/data_prep.md) or point the runs at them with --set data.shards=DIR")
+    if not os.path.exists(os.path.join(REPO, data.tokenizer)):
+        raise ConfigError(f"{variant.name}: data.tokenizer {data.tokenizer} does not exist; --set data.tokenizer=DIR "
+                          "(the tokenizer the shards were built with)")
 
 
 def in_order(selected: list[Variant], everything: list[Variant], states: dict[str, RunState]) -> list[Variant]:

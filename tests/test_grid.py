@@ -12,7 +12,17 @@ import yaml
 
 from pipeline.config import ConfigError, load_yaml
 from pipeline.grid import Resources, load_grid
-from pipeline.sweep import REPO, RunState, in_order, job_script, run_states, select, table, write_run
+from pipeline.sweep import (
+    REPO,
+    RunState,
+    check_inputs,
+    in_order,
+    job_script,
+    run_states,
+    select,
+    table,
+    write_run,
+)
 from pipeline.train.experiment import load_experiment
 
 BASE = {"name": "base", "model": {"init": "610m"}, "optim": {"warmup_steps": 200, "decay_steps": 200},
@@ -159,3 +169,14 @@ def test_sweep_cli_prints_the_table_and_writes_the_runs(tmp_path):
                                 "new"]  # 1000 steps x 32 samples x 128 tokens
     assert sorted(os.listdir(out)) == ["pre-210m-clm50", "pre-610m-clm50"]
     assert load_yaml(str(out / "pre-610m-clm50" / "experiment.yaml"))["data"]["shards"] == "/data/x"
+
+
+def test_placeholder_data_paths_are_refused_before_anything_starts(tmp_path):
+    grid = load_grid(write_grid(tmp_path))
+    v = grid.variants(overrides={"data.shards": str(tmp_path / "none"), "data.build_if_missing": False})[0]
+    with pytest.raises(ConfigError, match=r"pre-210m-clm50: data.shards .*/none has no manifest.json; build the shards"):
+        check_inputs(v)
+    v = grid.variants(overrides={"data.tokenizer": "/models/nowhere"})[0]
+    with pytest.raises(ConfigError, match="data.tokenizer /models/nowhere does not exist; --set data.tokenizer=DIR"):
+        check_inputs(v)
+    check_inputs(grid.variants()[0])  # the defaults: the sample tokenizer, shards built on first use
