@@ -200,6 +200,11 @@ class Grid:
             exp = from_dict(ExperimentConfig, data)
         except ConfigError as e:
             raise self._error(f"{name}: {e}") from e
+        starts = [*exp.phase_starts(), exp.train.steps]
+        for phase, start, end in zip(exp.phases, starts, starts[1:]):
+            if end <= start:
+                raise self._error(f"{name}: phase {phase.name!r} gets no step of train.steps {exp.train.steps} "
+                                  f"(share {phase.share}); raise its share or the steps")
         if self.spec.switch_before_decay:
             self._check_switch(exp)
         return exp

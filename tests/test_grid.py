@@ -31,7 +31,9 @@ AXES = {"size": {"210m": {"model.init": "210m"}, "610m": {"model.init": "610m"}}
         "share": {"clm50": {"phases": [{"share": 0.5, "objectives": [{"name": "clm"}]},
                                        {"share": 0.5, "objectives": [{"name": "mlm", "ratio": 0.4}]}]},
                   "clm90": {"phases": [{"share": 0.9, "objectives": [{"name": "clm"}]},
-                                       {"share": 0.1, "objectives": [{"name": "mlm", "ratio": 0.4}]}]}},
+                                       {"share": 0.1, "objectives": [{"name": "mlm", "ratio": 0.4}]}]},
+                  "clm10": {"phases": [{"share": 0.1, "objectives": [{"name": "clm"}]},
+                                       {"share": 0.9, "objectives": [{"name": "mlm", "ratio": 0.4}]}]}},
         "start": {"from610m": {"model.init": "${run:pre-610m-clm50}/hf", "model.shape": "610m"},
                   "from210m": {"model.init": "${run:pre-210m-clm50}/hf", "model.shape": "610m"}}}
 
@@ -93,11 +95,13 @@ def test_smoke_twins_divide_steps_and_keep_the_switch(tmp_path):
      r"c-from210m: continues pre-210m-clm50, a 210m model, but its model.shape is '610m'"),
     ({"groups": {"g": {"set": {"train.stepz": 3}, "axes": {"size": ["610m"]}}}}, r"g-610m: train.stepz: unknown key"),
     ({"groupz": {}}, r"groupz: unknown key; allowed keys"),
+    ({"smoke": {"step_divisor": 500}, "groups": {"g": {"axes": {"share": ["clm10"]}}}},
+     r"g-clm10-smoke: phase 'clm' gets no step of train.steps 2 \(share 0.1\)"),
 ])
 def test_bad_grid_names_file_key_and_choices(tmp_path, changes, message):
     path = write_grid(tmp_path, **changes)
     with pytest.raises(ConfigError, match=message) as info:
-        load_grid(path).variants()
+        load_grid(path).variants(smoke="smoke" in changes)
     assert str(info.value).startswith(path)
 
 
