@@ -20,7 +20,7 @@ CPUS_PER_NODE=${CPUS_PER_NODE:-$(nproc)}
 MEM_PER_NODE=${MEM_PER_NODE:-2000}
 PORT_BASE=${PORT_BASE:-17000}
 FIRST_JOB_ID=${FIRST_JOB_ID:-1}
-PACKAGES="slurmctld slurmd slurm-client munge"
+PACKAGES=(slurmctld slurmd slurm-client munge)
 export SLURM_CONF=$DIR/slurm.conf
 
 installed() { command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
@@ -29,8 +29,8 @@ installed() { command -v slurmctld >/dev/null && command -v slurmd >/dev/null &&
 install() {
   installed && return 0
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y --no-install-recommends $PACKAGES >/dev/null 2>&1 \
-    || { apt-get update -qq && apt-get install -y --no-install-recommends $PACKAGES >/dev/null; }
+  apt-get install -y --no-install-recommends "${PACKAGES[@]}" >/dev/null 2>&1 \
+    || { apt-get update -qq && apt-get install -y --no-install-recommends "${PACKAGES[@]}" >/dev/null; }
 }
 
 start_munge() {  # one munged per machine, shared by every cluster; reused when it answers
@@ -108,7 +108,7 @@ CONF
 idle_nodes() { sinfo -h -N -t idle -o %N 2>/dev/null | sort -u | wc -l; }
 
 up() {
-  installed || { echo "SLURM is not installed: run '$0 install' (apt: $PACKAGES)" >&2; exit 1; }
+  installed || { echo "SLURM is not installed: run '$0 install' (apt: ${PACKAGES[*]})" >&2; exit 1; }
   [ "$(id -u)" = 0 ] || { echo "cluster.sh up needs root (daemons run as root, /etc/hosts gets n1..n$NNODES)" >&2; exit 1; }
   [ -f "$SLURM_CONF" ] && down
   start_munge
