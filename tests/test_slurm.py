@@ -160,18 +160,19 @@ def test_usr1_checkpoints_and_exits_cleanly_then_requeue_resumes(cluster, array_
 
 @pytest.mark.slow
 def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, array_shards, tmp_path):
-    """The production path: ``--signal=B:USR1@30`` ahead of a 1-minute limit (SLURM sends it up to a minute
-    early, so possibly while the ranks start up: the script repeats it every RESEND_S seconds), the ranks
-    checkpoint and exit, the script requeues the job and the rerun resumes from that checkpoint."""
+    """The production path: ``--signal=B:USR1@90`` ahead of a 3-minute limit (SLURM sends it up to 60 s early,
+    possibly while the ranks start up: the script repeats it every RESEND_S seconds), the ranks checkpoint and
+    exit, the script requeues the job and the rerun resumes from that checkpoint."""
     run_dir = str(tmp_path / "timed")
-    job = submit_training(cluster, run_dir, array_shards[0], options=("--time=1", "--signal=B:USR1@30"),
+    job = submit_training(cluster, run_dir, array_shards[0], options=("--time=3", "--signal=B:USR1@90"),
                           sets=("train.steps=100000",), RESEND_S="5")
 
     def resumed() -> bool:
-        cluster.release_if_held(job)
         return os.path.exists(f"{run_dir}.out") and "resumed from" in open(f"{run_dir}.out").read()
 
-    cluster.wait("the job to stop, requeue itself and resume", resumed, 300)
+    # no StartTime=now here: a job that requeued itself while running must wait for its old credential to
+    # expire (cred_expire), else slurmd refuses it ("Job credential revoked") and the job ends FAILED
+    cluster.wait("the job to stop, requeue itself and resume", resumed, 600)
     cluster.command("scancel", str(job))
     _, log = finished(cluster, job, run_dir)
     first_run = log[:log.index(f"job {job} restart 1:")]

@@ -106,7 +106,9 @@ class Cluster:
         self.command("scancel", *(["--batch"] if batch else []), f"--signal={signal}", str(job_id))
 
     def release_if_held(self, job_id: int) -> None:
-        """A requeued job waits for its BeginTime (about a minute here); start it now instead."""
+        """A requeued job waits for its BeginTime (cred_expire and more); start it now instead. Only for a job
+        that had ended before the requeue: one requeued while running would be refused ("Job credential
+        revoked") and end FAILED."""
         if self.job(job_id)["JobState"] != "PENDING":
             return
         try:
@@ -116,7 +118,7 @@ class Cluster:
                 raise  # else it has just started
 
     def requeue(self, job_id: int) -> None:
-        """``scontrol requeue``, then start the job without waiting for its BeginTime."""
+        """``scontrol requeue`` a finished job, then start it without waiting for its BeginTime."""
         self.command("scontrol", "requeue", str(job_id))
         self.wait(f"job {job_id} to be pending", lambda: self.job(job_id)["JobState"] == "PENDING", 30)
         self.release_if_held(job_id)
