@@ -10,6 +10,7 @@ text and label per record (``text``/``sentence`` and ``label``), which form one 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -24,9 +25,9 @@ EXTS = (".tsv", ".csv", ".txt", ".jsonl", ".json")
 @dataclass
 class EmbeddingOptions:
     datasets: list[str] = field(default_factory=list)  # files or HF names; default: all of DATA_DIR/<task>
-    pooling: str = "mean"  # mean | last | weighted_mean
+    pooling: Literal["mean", "last", "weighted_mean"] = "mean"
     instruction: str | None = None  # e.g. LLM2Vec's "Retrieve semantically similar text:"; left out of pooling
-    attention: str | None = None  # None: the model's (bidirectional for bidirectionally trained runs)
+    attention: Literal["causal", "bidirectional"] | None = None  # None: the model's
     max_length: int = 512
     max_examples: int = 0  # 0: all
     split: str = "test"  # split of an HF dataset

@@ -1,0 +1,103 @@
+"""evaluate.py then report.py end to end on real smoke runs of the trainer (ZeRO-3 on CPU, gloo): the run's newest
+checkpoint is exported on the fly, the results land in RUN/eval/results.json, and the report's tables and PNGs are
+written (the PNGs are decoded and must show something)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+from test_eval_tasks import make_data_dir
+from test_train import launch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = ["train.steps=6", "optim.warmup_steps=1", "optim.decay_steps=2", "checkpoint.every=6", "train.log_every=2"]
+GRID = {  # name -> phases: the MLM-vs-CLM axes (CLM share, masking ratio)
+    "clm": "[{objectives: [{name: clm}]}]",
+    "clm50-mlm40": "[{share: 0.5, objectives: [{name: clm}]}, {share: 0.5, objectives: [{name: mlm, ratio: 0.4}]}]",
+    "mlm20": "[{objectives: [{name: mlm, ratio: 0.2}]}]",
+}
+FAST_TASKS = ["perplexity", "mlm", "sts", "repetition"]
+
+
+def cli(script: str, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", script), *args], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    return proc
+
+
+def train(root, data_dir: str, name: str, *overrides: str, nproc: int = 1) -> str:
+    run_dir = os.path.join(str(root), name)
+    launch(run_dir, os.path.join(data_dir, "heldout"), "tiny", *SMOKE, f"name={name}", f"phases={GRID[name]}",
+           *overrides, nproc=nproc)
+    return run_dir
+
+
+def evaluate(run_dir: str, data_dir: str, tasks: list[str], *sets: str) -> dict:
+    args = ["--model", run_dir, "--tasks", ",".join(tasks), "--data-dir", data_dir, "--batch-size", "8",
+            "--no-progress", "--set", "perplexity.max_batches=2", "--set", "mlm.max_batches=2",
+            "--set", "repetition.decoding.max_new_tokens=16"]
+    for s in sets:
+        args += ["--set", s]
+    proc = cli("evaluate.py", *args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(os.path.join(run_dir, "eval", "results.json")) as f:
+        return json.load(f)
+
+
+def check_png(path: str) -> None:
+    pixels = np.asarray(Image.open(path).convert("L"), dtype=np.float32)
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 1.0, path  # not blank
+
+
+def report(runs: list[str], out: str) -> str:
+    proc = cli("report.py", *runs, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for png in ("loss_curves.png", "metrics_vs_clm_share.png", "metrics_vs_mask_ratio.png"):
+        check_png(os.path.join(out, png))
+    with open(os.path.join(out, "report.md")) as f:
+        return f.read()
+
+
+def test_evaluate_then_report_on_a_smoke_run(tmp_path):
+    data_dir = make_data_dir(str(tmp_path / "data"))
+    run_dir = train(tmp_path / "runs", data_dir, "clm50-mlm40", "train.export_hf=false")
+    results = evaluate(run_dir, data_dir, FAST_TASKS, "sts.datasets=[sts/stsb.tsv]",
+                       "repetition.datasets=[repetition/roc.jsonl]")
+    assert os.path.isfile(os.path.join(run_dir, "eval", "hf-step00000006", "config.json"))  # exported on the fly
+    assert results["model"]["step"] == 6 and results["model"]["attention"] == "bidirectional"  # last phase: MLM
+    assert results["config"]["tasks"] == FAST_TASKS and results["options"]["mlm"]["ratio"] == 0.3
+    assert results["results"]["mlm"]["ratio"] == 0.3 and 0 < results["headline"]["ppl"] < 1e5
+    assert set(results["headline"]) >= {"ppl", "mlm_acc", "sts_avg", "sts/stsb"}
+    assert results["results"]["repetition"]["datasets"]["roc"]["continuations"] == 4
+
+    text = report([run_dir], str(tmp_path / "report"))
+    assert "| clm50-mlm40 | clm -> mlm | tiny | 6 | 0.50 | 0.4000 |" in text
+    assert "## LLM2Vec" in text and "## Every evaluated number" in text
+    assert "## Should We Still Pretrain" not in text  # no fine-tuning numbers yet: no empty table
+    assert os.path.isfile(tmp_path / "report" / "magnet.md")
+
+    bad = cli("evaluate.py", "--model", run_dir, "--tasks", "sts", "--data-dir", str(tmp_path / "none"))
+    assert bad.returncode == 2 and "no such directory" in bad.stderr
+
+
+@pytest.mark.slow
+def test_report_on_a_grid_of_smoke_runs(tmp_path):
+    """Three variants on both MLM-vs-CLM axes, every task, then the report: one line per variant in each plot."""
+    data_dir = make_data_dir(str(tmp_path / "data"))
+    runs = [train(tmp_path / "runs", data_dir, name) for name in GRID]
+    sweep = [f"{t}.{o}" for t in ("classification", "token_classification", "qa", "retrieval")
+             for o in ("lrs=[1e-3, 1e-4]", "seeds=[0, 1]", "max_steps=2", "batch_size=4")]
+    for run_dir in runs:
+        results = evaluate(run_dir, data_dir, [*FAST_TASKS, "mntp", "infilling", "clustering", "probing",
+                                               "classification", "token_classification", "qa", "retrieval"], *sweep)
+        assert {"sc_acc", "tc_f1", "qa_f1", "ir_ndcg10", "probe_ner"} <= set(results["headline"])
+    text = report(runs, str(tmp_path / "report"))
+    assert "## Should We Still Pretrain" in text and "## MAGNET" in text
+    for name in GRID:
+        assert f"| {name} |" in text

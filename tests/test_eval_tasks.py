@@ -1,0 +1,235 @@
+"""The evaluation tasks and the embedding API on a tiny random Llama with the shipped sample tokenizer, the shipped
+fixtures (tests/fixtures/eval, real formats) and held-out shards of the sample corpus: each checked against an
+independent computation where one exists, and each runnable alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.data.batch import Batch
+from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.format import UNMASKABLE
+from pipeline.eval import SentenceEncoder, encode, load_model
+from pipeline.eval.encode import pool
+from pipeline.eval.finetune.qa import ExtractiveQA, Question
+from pipeline.eval.finetune.sweep import FinetuneOptions, linear_warmup_decay, split_train
+from pipeline.eval.forward import tokenize_words
+from pipeline.eval.infilling import Example, span_nll
+from pipeline.eval.registry import TASKS, task_options
+from pipeline.eval.repetition import repetition_scores
+from pipeline.eval.task import EvalContext
+from pipeline.objectives import MaskingConfig, make_objective
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train.experiment import SAMPLE_DIR
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "eval")
+TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
+TINY_SWEEP = ["lrs=[1e-3, 1e-4]", "seeds=[0, 1]", "max_steps=2", "batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    from helpers import tiny_llama
+
+    tok = load_tokenizer(TOKENIZER)
+    out = str(tmp_path_factory.mktemp("model") / "tiny")
+    tiny_llama(tok).save_pretrained(out)
+    tok.save(out)
+    return out
+
+
+def make_data_dir(root: str) -> str:
+    """``root`` with the fixtures plus ``heldout/``: shards (seq_len 64) of the sample corpus' validation split."""
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(FIXTURES):
+        os.symlink(os.path.join(FIXTURES, name), os.path.join(root, name))
+    run_job(BuildConfig(inputs=(os.path.join(SAMPLE_DIR, "validation", "**", "*.jsonl.zst"),), tokenizer=TOKENIZER,
+                        output=os.path.join(root, "heldout"), seq_len=64, samples_per_shard=256, progress=False))
+    return root
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> str:
+    return make_data_dir(str(tmp_path_factory.mktemp("evaldata")))
+
+
+@pytest.fixture(scope="module")
+def model(hf_dir):
+    return load_model(hf_dir)
+
+
+def ctx_for(model, data_dir, **kw) -> EvalContext:
+    return EvalContext(model, data_dir, batch_size=kw.pop("batch_size", 4), progress=False, **kw)
+
+
+def run_task(name: str, model, data_dir, *overrides: str, batch_size: int = 4) -> dict:
+    options = task_options([name], [f"{name}.{o}" for o in overrides])[name]
+    return TASKS[name].run(ctx_for(model, data_dir, batch_size=batch_size), options)
+
+
+def test_load_model_reads_a_plain_hf_dir_as_causal(model, hf_dir):
+    assert model.attention == "causal" and not model.reads_previous and model.run_dir is None
+    assert load_model(hf_dir, attention="bidirectional").attention == "bidirectional"
+
+
+def test_pooling_leaves_the_instruction_out():
+    hidden = torch.arange(2 * 5 * 1, dtype=torch.float32).view(2, 5, 1)  # row 0: 0..4, row 1: 5..9
+    rows = [([1, 7, 8, 9, 2], 2, 4), ([1, 9, 2], 1, 2)]  # (ids, text start, text end): row 0's text is 2, 3
+    assert pool(hidden, rows, "mean")[:, 0].tolist() == [2.5, 6.0]
+    assert pool(hidden, rows, "weighted_mean")[:, 0].tolist() == pytest.approx([(2 + 2 * 3) / 3, 6.0])
+    assert pool(hidden, rows, "last")[:, 0].tolist() == [4.0, 7.0]  # the EOS of each row
+
+
+@pytest.mark.parametrize("attention", ["causal", "bidirectional"])
+def test_encode_matches_a_hand_forward_and_ignores_padding(model, attention):
+    texts = ["A short one.", "A much longer sentence that needs padding in its batch.", "Mid length text here."]
+    instruction = "Given the sentence, find its representation:"
+    batched = encode(model, texts, instruction, "mean", batch_size=3, attention=attention)
+    single = np.concatenate([encode(model, [t], instruction, "mean", batch_size=1, attention=attention)
+                             for t in texts])
+    np.testing.assert_allclose(batched, single, atol=1e-5)
+    tok = model.tokenizer
+    head = [tok.bos_id, *tok.encode_batch([instruction])[0]]
+    text = tok.encode_batch([texts[0]])[0]
+    with torch.no_grad():
+        out = model.lm.model(input_ids=torch.tensor([head + text + [tok.eos_id]]),
+                             is_causal=attention == "causal").last_hidden_state[0]
+    np.testing.assert_allclose(batched[0], out[len(head):len(head) + len(text)].mean(0).numpy(), atol=1e-5)
+
+
+def test_sentence_encoder_is_sentence_transformers_compatible(model):
+    st = SentenceEncoder(model, pooling="last", instructions={"STSBenchmark": "Retrieve semantically similar text:"})
+    emb = st.encode(["one", "two", "three"], batch_size=2, normalize_embeddings=True, task_name="STSBenchmark",
+                    prompt_type="query")
+    assert isinstance(emb, np.ndarray) and emb.shape == (3, model.lm.config.hidden_size)
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
+    raw = encode(model, ["one"], "Retrieve semantically similar text:", "last")
+    np.testing.assert_allclose(emb[0], raw[0] / np.linalg.norm(raw[0]), atol=1e-5)
+    assert st.encode("one").shape == (model.lm.config.hidden_size,)
+
+
+def test_tokenize_words_maps_each_word_to_its_tokens(model):
+    words = ["Peter", "visited", "Berlin", "."]
+    ((ids, positions),) = tokenize_words(model.tokenizer, [words])
+    assert ids[0] == model.tokenizer.bos_id and ids[-1] == model.tokenizer.eos_id
+    for word, pos in zip(words, positions):
+        assert pos and model.tokenizer.decode([ids[p] for p in pos]).strip() == word
+
+
+def test_infilling_causal_span_loss_equals_hf_labels(model):
+    """The causal baseline's span NLL is HF's own shifted cross-entropy with every non-span label ignored; the
+    MAGNET reading equals the magnet objective's MSG loss on the same sample."""
+    tok = model.tokenizer
+    ids = [tok.bos_id, *tok.encode_batch(["The river rises in the hills and flows south to the sea."])[0],
+           tok.eos_id]
+    example = Example(ids, 4, 8, "hand")
+    nll, count = span_nll(ctx_for(model, ""), [example], "causal")
+    labels = torch.full((1, 8), -100)
+    labels[0, 4:8] = torch.tensor(ids[4:8])
+    with torch.no_grad():
+        ref = model.lm(input_ids=torch.tensor([ids[:8]]), labels=labels).loss
+    assert count == 4 and nll / count == pytest.approx(float(ref), rel=1e-5)
+
+    n = len(ids)
+    span = torch.full((1, n), -1, dtype=torch.int32)
+    span[0, 4:8] = 0
+    batch = Batch(input_ids=torch.tensor([ids]), doc_ids=torch.zeros((1, n), dtype=torch.int32),
+                  mask_rank=torch.full((1, n), int(UNMASKABLE), dtype=torch.int32),
+                  mask_draw=torch.zeros((1, n), dtype=torch.int64), span_ids=span, keys=["hand"])
+    msg = make_objective("magnet", tokenizer=tok, masking=MaskingConfig(), mntp_weight=0.0)
+    with torch.no_grad():
+        out = msg(model.lm, batch)["msg"]
+    nll, count = span_nll(ctx_for(model, ""), [example], "magnet")
+    assert count == int(out.num_targets) and nll == pytest.approx(float(out.loss_sum), rel=1e-5)
+
+
+def test_infilling_task(model, data_dir):
+    result = run_task("infilling", model, data_dir, "generate=2")["datasets"]
+    assert set(result) == {"roc", "wiki"}
+    roc = result["roc"]
+    assert roc["examples"] == 4 and roc["magnet"]["span_tokens"] == roc["causal"]["span_tokens"] > 0
+    assert roc["samples"][0]["gold"].startswith("She followed her grandmother")  # ROC: the middle sentence
+    assert roc["magnet"]["perplexity"] == pytest.approx(np.exp(roc["magnet"]["loss"]))
+
+
+def test_repetition_task_and_scores(model, data_dir):
+    # first text: 10 words, 4 of 9 bigrams, 5 of 8 trigrams, 5 of 7 4-grams unique, 2 equal sentences; the second
+    # (3 words, 1 sentence) repeats nothing and has no 4-gram, so Rep-4 averages the first alone
+    assert repetition_scores(["a b a b a. a b a b a.", "x y z"]) == {
+        "rep_sen": pytest.approx(0.25), "rep_2": pytest.approx(5 / 9 / 2), "rep_3": pytest.approx(3 / 8 / 2),
+        "rep_4": pytest.approx(2 / 7), "mean_words": 6.5}
+    result = run_task("repetition", model, data_dir, "decoding.max_new_tokens=12", "datasets=[repetition/roc.jsonl]")
+    assert result["decoding"]["do_sample"] is False and result["decoding"]["max_new_tokens"] == 12
+    roc = result["datasets"]["roc"]
+    assert roc["continuations"] == 4 and roc["samples"][0]["prefix"] == "Anna wanted to learn to"
+    assert 0 <= roc["rep_2"] <= 1
+    again = run_task("repetition", model, data_dir, "decoding.max_new_tokens=12", "datasets=[repetition/roc.jsonl]")
+    assert again["datasets"]["roc"]["samples"] == roc["samples"]  # greedy: reproducible
+
+
+def test_intrinsic_tasks_do_not_depend_on_the_batch_size(model, data_dir):
+    a = run_task("perplexity", model, data_dir, "max_batches=3", batch_size=4)
+    b = run_task("perplexity", model, data_dir, "max_batches=2", batch_size=6)
+    assert a["samples"] == b["samples"] == 12
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["perplexity"] == pytest.approx(np.exp(a["loss"]))
+    mlm = run_task("mlm", model, data_dir, "max_batches=2", "ratio=0.4")
+    mntp = run_task("mntp", model, data_dir, "max_batches=2", "ratio=0.4")
+    assert mlm["ratio"] == 0.4 and 0 < mntp["targets"] <= mlm["targets"]  # MNTP never predicts a document start
+
+
+def test_embedding_tasks(model, data_dir):
+    sts = run_task("sts", model, data_dir)
+    assert set(sts["datasets"]) == {"stsb", "sickr", "mteb-sts12"}
+    assert sts["datasets"]["stsb"]["pairs"] == 24 and -100 <= sts["average"] <= 100
+    clustering = run_task("clustering", model, data_dir, "pooling=weighted_mean")
+    assert clustering["datasets"]["mteb-topics"]["sets"] == 2 and 0 <= clustering["average"] <= 100
+
+
+def test_probing_task_reads_mntp_models_one_position_earlier(model, data_dir):
+    same = run_task("probing", model, data_dir, "max_epochs=2")
+    assert set(same["tasks"]) == {"pos", "chunk", "ner"} and same["reads_previous"] is False
+    assert "f1" in same["tasks"]["ner"] and "f1" not in same["tasks"]["pos"]
+    mntp_model = dataclasses.replace(model, reads_previous=True)
+    shifted = run_task("probing", mntp_model, data_dir, "max_epochs=2")
+    assert shifted["reads_previous"] is True
+
+
+@pytest.mark.parametrize("name", ["classification", "token_classification", "qa", "retrieval"])
+def test_finetune_sweep_picks_the_lr_on_validation(model, data_dir, name):
+    datasets = ["datasets=[sst2, mnli]"] if name == "classification" else []  # mnli: no dev file, train is split
+    result = run_task(name, model, data_dir, *TINY_SWEEP, *datasets)
+    for dataset in result["datasets"].values():
+        runs = dataset["runs"]
+        assert len(runs) == 4 and {r["steps"] for r in runs} == {2}
+        mean_val = {lr: np.mean([r["validation"] for r in runs if r["lr"] == lr]) for lr in (1e-3, 1e-4)}
+        assert dataset["best_lr"] == max(mean_val, key=mean_val.get)
+        test = [r["test"] for r in runs if r["lr"] == dataset["best_lr"]]
+        assert dataset["test"]["mean"] == pytest.approx(np.mean(test)) and dataset["test"]["n"] == 2
+    assert result["attention"] == "bidirectional"
+
+
+def test_sweep_helpers():
+    train, val = split_train(list(range(40)))
+    assert len(val) == 2 and sorted(train + val) == list(range(40))
+    assert split_train(list(range(40))) == (train, val)  # seeded
+    assert [round(linear_warmup_decay(s, 10, 0.1), 3) for s in (0, 1, 5, 9)] == [1.0, 1.0, 0.556, 0.111]
+
+
+def test_qa_answer_decoding(model):
+    task = ExtractiveQA(ctx_for(model, ""), FinetuneOptions())
+    task.opts.max_answer_tokens = 2
+    text = "Where?\nIn Paris today"
+    offsets = [(0, 0), (0, 6), (7, 9), (10, 15), (16, 21), (0, 0)]
+    q = Question([1, 5, 6, 7, 8, 2], offsets, 2, text, ["Paris"], 3, 3)
+    start = torch.tensor([0.0, 9.0, 1.0, 5.0, 0.0, -9.0])
+    end = torch.tensor([0.0, 9.0, 0.0, 4.0, 6.0, -9.0])
+    # "Paris today" (3..4) scores 11 > "Paris" 9; the question token (1) is outside the context
+    start[1] = end[1] = float("-inf")
+    assert task.answer(q, start, end) == "Paris today"
+    start[0], end[0] = 10.0, 10.0  # no-answer position beats every span
+    assert task.answer(q, start, end) == ""
