@@ -77,7 +77,7 @@ def test_evaluate_then_report_on_a_smoke_run(tmp_path):
     assert results["results"]["repetition"]["datasets"]["roc"]["continuations"] == 4
 
     text = report([run_dir], str(tmp_path / "report"))
-    assert "| clm50-mlm40 | clm -> mlm | tiny | 6 | 0.50 | 0.4000 |" in text
+    assert "| clm50-mlm40 | clm -> mlm | tiny | 6 | 0.50 | 0.4 |" in text
     assert "## LLM2Vec" in text and "## Every evaluated number" in text
     assert "## Should We Still Pretrain" not in text  # no fine-tuning numbers yet: no empty table
     assert os.path.isfile(tmp_path / "report" / "magnet.md")

@@ -76,6 +76,9 @@ def tokenize(ctx: EvalContext, rows: list[Row]) -> list[Example]:
         inside = [i for i, o in enumerate(token_owner(offsets, [span])) if o == 0]
         if not inside:
             raise DataError(f"{row.where}: the missing span is empty")
+        if inside[0] + offset == 0:
+            raise DataError(f"{row.where}: no left context and no BOS token, so nothing predicts the span's first "
+                            f"token; give a left context")
         out.append(Example(wrap(ctx.model.tokenizer, ids), inside[0] + offset, inside[-1] + 1 + offset, row.where))
     return out
 

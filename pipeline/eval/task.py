@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.eval.data import find_files
@@ -39,4 +39,4 @@ class Task:
     description: str
     options: type  # dataclass of the task's settings
     run: Callable[[EvalContext, Any], dict]
-    headline: Callable[[dict], dict[str, float]] = field(default=lambda result: {})
+    headline: Callable[[dict], dict[str, float]]

@@ -3,7 +3,7 @@ sub-token; entity F1 (conlleval / seqeval rules) for BIO tags, word accuracy oth
 
 ``DATA_DIR/token_classification/<dataset>/`` holds ``train.txt``, ``dev.txt`` (optional) and ``test.txt``; the tag is
 column ``tag_column`` (default: the last, CoNLL-2003's NER). Sentences longer than ``max_length`` tokens are left
-out of every split and counted.
+out of every split (the result's ``sizes`` shows how many remain).
 """
 
 from __future__ import annotations

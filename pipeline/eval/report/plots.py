@@ -28,7 +28,7 @@ def _grid(n: int, title: str):
 
 
 def _save(fig, path: str) -> str:
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.96))  # room for the suptitle
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path

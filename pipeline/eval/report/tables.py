@@ -10,9 +10,7 @@ VARIANT_HEADERS = ("run", "phases", "scale", "steps", "CLM share", "mask ratio")
 
 
 def fmt(value: float | None) -> str:
-    if value is None:
-        return "–"
-    return f"{value:.4f}" if abs(value) < 1 else f"{value:.2f}"
+    return "–" if value is None else f"{value:.4g}"
 
 
 def _variant_cells(run: RunSummary) -> list[str]:
