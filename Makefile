@@ -43,6 +43,7 @@ bench: setup
 	$(BIN)/python bench/bench_build_shards.py
 	$(BIN)/python bench/bench_target_head.py
 	$(BIN)/python bench/bench_trainer.py --shape tiny
+	$(BIN)/python bench/bench_magnet.py
 
 clean-runs:
 	rm -rf runs
