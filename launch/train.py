@@ -34,9 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # DeepSpeed still calls the torch.distributed collectives that torch 2.13 renamed; one warning per call
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
+    import torch.distributed as dist
+
     from pipeline.train.loop import train
 
     train(exp, ds)
+    # join the process group's threads before interpreter teardown; left to it, a rank of a finished run now and
+    # then aborts at exit ("terminate called without an active exception") and the launcher reports a failure
+    dist.destroy_process_group()
     return 0
 
 
