@@ -8,14 +8,13 @@ reloaded. Each launch costs ~15 s of process start-up, so launches are few.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import launch_training, logged_steps
 
 from pipeline.config import ConfigError
 from pipeline.data.build import BuildConfig, run_job
@@ -38,33 +37,16 @@ COMMON = ["train.steps=20", "train.micro_batch=2", "train.grad_accum=2", "train.
           "data.seq_len=64", "data.build_if_missing=false"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(run_dir: str, shards: str, init: str, *overrides: str, nproc: int = 2, env: dict | None = None,
            check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-           os.path.join(REPO, "launch", "train.py"), "--config", os.path.join(REPO, "ds_configs", "zero3.json")]
-    for item in (*COMMON, f"run_dir={run_dir}", f"data.shards={shards}", f"model.init={init}", *overrides):
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})})
-    if check and proc.returncode != 0:
-        raise AssertionError(f"training failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
+    """The default experiment with this module's settings, on ``shards`` from the checkpoint ``init``."""
+    return launch_training(run_dir, None, *COMMON, f"data.shards={shards}", f"model.init={init}", *overrides,
+                           nproc=nproc, env=env, check=check)
 
 
 def losses(run_dir: str) -> dict[int, float]:
     """Step -> loss; a step logged twice (replayed after a resume) keeps its last value."""
-    out = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            rec = json.loads(line)
-            out[rec["step"]] = rec["loss/clm"]
-    return out
+    return {step: rec["loss/clm"] for step, rec in logged_steps(run_dir).items()}
 
 
 @pytest.fixture(scope="module")
