@@ -103,9 +103,13 @@ def losses(run_dir: str) -> dict[int, float]:
 
 
 def finished(cluster: Cluster, job: int, run_dir: str, timeout: float = 600) -> tuple[dict[str, str], str]:
+    """The job's final record and its output; for a job that did not complete, the daemons' lines about it too."""
     (record,) = cluster.wait_finished(job, timeout)
     with open(f"{run_dir}.out") as f:
-        return record, f.read()
+        log = f.read()
+    if record["JobState"] != "COMPLETED":
+        log += f"\n--- Reason={record.get('Reason')}; the SLURM daemons on job {job}:\n{cluster.daemon_log(job)}"
+    return record, log
 
 
 @pytest.fixture(scope="module")

@@ -101,24 +101,23 @@ class Cluster:
                   timeout)
         return self.jobs(job_id)
 
+    def daemon_log(self, job_id: int) -> str:
+        """The slurmctld and slurmd log lines about a job: why it failed when its own output says nothing."""
+        pattern = re.compile(rf"\b{job_id}\b")
+        log_dir = os.path.join(self.directory, "log")
+        lines = []
+        for name in sorted(os.listdir(log_dir)):
+            with open(os.path.join(log_dir, name), errors="replace") as f:
+                lines += [f"{name}: {line.rstrip()}" for line in f if pattern.search(line)]
+        return "\n".join(lines)
+
     def signal(self, job_id: int, signal: str, batch: bool = True) -> None:
         """``scancel [--batch] --signal=SIG``: with ``batch`` only the batch shell gets it, as with --signal=B:."""
         self.command("scancel", *(["--batch"] if batch else []), f"--signal={signal}", str(job_id))
 
-    def release_if_held(self, job_id: int) -> None:
-        """A requeued job waits for its BeginTime (cred_expire and more); start it now instead. Only for a job
-        that had ended before the requeue: one requeued while running would be refused ("Job credential
-        revoked") and end FAILED."""
-        if self.job(job_id)["JobState"] != "PENDING":
-            return
-        try:
-            self.command("scontrol", "update", f"jobid={job_id}", "StartTime=now")
-        except RuntimeError:
-            if self.job(job_id)["JobState"] == "PENDING":
-                raise  # else it has just started
-
     def requeue(self, job_id: int) -> None:
-        """``scontrol requeue`` a finished job, then start it without waiting for its BeginTime."""
+        """``scontrol requeue`` a finished job. SLURM starts it at its BeginTime (about cred_expire = 10 s later):
+        forcing ``StartTime=now`` raced slurmd's revocation of the job's old credential (a launch in the second
+        the job ended is refused, "Job credential revoked", and the job ends FAILED without running)."""
         self.command("scontrol", "requeue", str(job_id))
         self.wait(f"job {job_id} to be pending", lambda: self.job(job_id)["JobState"] == "PENDING", 30)
-        self.release_if_held(job_id)
