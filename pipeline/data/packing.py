@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from itertools import takewhile
 
 import numpy as np
@@ -16,48 +17,58 @@ class Packer:
     Long documents are split across samples; each sample records its document pieces as [start, end) segments, so a
     segment that starts at 0 may continue the previous sample's last document. At the end of the file, ``finish``
     drops the remainder or pads it with ``pad_id`` (padding lies outside every segment).
+
+    Each document is converted to int32 once, on arrival, and samples are cut from those arrays: converting the
+    tokenizer's Python ints is most of packing's cost, and a Python-list buffer paid it again on every slice.
     """
 
     def __init__(self, seq_len: int, pad_id: int, bos_id: int | None, eos_id: int | None, remainder: str):
         if remainder not in REMAINDER_POLICIES:
             raise ValueError(f"remainder must be one of {REMAINDER_POLICIES}, got {remainder!r}")
         self.seq_len, self.pad_id, self.bos_id, self.eos_id, self.remainder = seq_len, pad_id, bos_id, eos_id, remainder
-        self._buf: list[int] = []
-        self._pos = 0  # read pointer into _buf; compacted lazily so long documents stay O(n)
-        self._starts: deque[int] = deque()  # absolute _buf positions where a document begins
+        self._pieces: deque[np.ndarray] = deque()  # buffered tokens, in stream order
+        self._buffered = 0  # tokens in _pieces
+        self._pos = 0  # stream position of the first buffered token
+        self._starts: deque[int] = deque()  # stream positions where a document begins
 
-    def add(self, doc_ids: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-        self._starts.append(len(self._buf))
-        if self.bos_id is not None:
-            self._buf.append(self.bos_id)
-        self._buf.extend(doc_ids)
-        if self.eos_id is not None:
-            self._buf.append(self.eos_id)
+    def add(self, doc_ids: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        bos, eos = int(self.bos_id is not None), int(self.eos_id is not None)
+        doc = np.empty(bos + len(doc_ids) + eos, dtype=np.int32)
+        doc[bos : len(doc) - eos] = doc_ids
+        if bos:
+            doc[0] = self.bos_id
+        if eos:
+            doc[-1] = self.eos_id
+        self._starts.append(self._pos + self._buffered)
+        self._pieces.append(doc)
+        self._buffered += len(doc)
         out = []
-        while len(self._buf) - self._pos >= self.seq_len:
+        while self._buffered >= self.seq_len:
             out.append(self._emit(self.seq_len))
-        if self._pos > (1 << 20):
-            self._compact()
         return out
 
     def finish(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        n = len(self._buf) - self._pos
-        out = [self._emit(n)] if n and self.remainder == "pad" else []
-        self._buf, self._pos, self._starts = [], 0, deque()
+        out = [self._emit(self._buffered)] if self._buffered and self.remainder == "pad" else []
+        self._pieces, self._buffered, self._pos, self._starts = deque(), 0, 0, deque()
         return out
 
     def _emit(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.empty(self.seq_len, dtype=np.int32)
+        ids[n:] = self.pad_id
+        filled = 0
+        while filled < n:
+            piece = self._pieces[0]
+            take = min(n - filled, len(piece))
+            ids[filled : filled + take] = piece[:take]
+            if take == len(piece):
+                self._pieces.popleft()
+            else:
+                self._pieces[0] = piece[take:]
+            filled += take
         lo, hi = self._pos, self._pos + n
-        ids = np.full(self.seq_len, self.pad_id, dtype=np.int32)
-        ids[:n] = self._buf[lo:hi]
         while self._starts and self._starts[0] <= lo:
             self._starts.popleft()
         bounds = [0, *(s - lo for s in takewhile(lambda s: s < hi, self._starts)), n]
         segments = np.array(list(zip(bounds[:-1], bounds[1:])), dtype=np.int32).reshape(-1, 2)
-        self._pos = hi
+        self._pos, self._buffered = hi, self._buffered - n
         return ids, segments
-
-    def _compact(self) -> None:
-        del self._buf[: self._pos]
-        self._starts = deque(s - self._pos for s in self._starts)
-        self._pos = 0
