@@ -244,6 +244,19 @@ def test_too_many_bad_records_fail_after_committing_earlier_files(corpus, tokeni
     assert dir_bytes(out) == dir_bytes(reference)
 
 
+@pytest.mark.parametrize("option,message", [
+    ({"seed": -1}, "--seed must be in [0, 2**64), got -1"),
+    ({"seq_len": 0}, "--seq-len must be in [1, "),
+    ({"span_min": 9, "span_max": 8}, "need 1 <= --span-min <= --span-max, got 9..8"),
+    ({"job_index": 2, "num_jobs": 2}, "--job-index must be in [0, 2) for --num-jobs 2, got 2"),
+])
+def test_bad_options_are_refused_before_any_work(corpus, tokenizer, tmp_path, option, message):
+    with pytest.raises(BuildError) as e:
+        run_job(config(corpus, tokenizer, tmp_path / "out", **option))
+    assert message in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_tokenizer(corpus, tmp_path, capsys):
     rc = build_shards.main(["--input", corpus[0], "--tokenizer", str(tmp_path / "nope"), "--output",
                             str(tmp_path / "out")])

@@ -35,10 +35,11 @@ def test_packing_round_trips_the_token_stream(remainder):
         assert all(ids[s] == BOS for s in segs[1:, 0])
 
 
-def _sample(seed=0, seq_len=512):
+def _sample(seed=0, seq_len=512, plan_seed=11, file_index=3, sample_index=7, span_fraction=0.15):
     packer = Packer(seq_len, PAD, BOS, EOS, "pad")
     ids, segs = [s for d in _docs(40, seed) for s in packer.add(d)][1]
-    return make_sample(ids, segs, 3, 7, PlanSettings(seed=11, special_ids=SPECIAL))
+    return make_sample(ids, segs, file_index, sample_index,
+                       PlanSettings(seed=plan_seed, special_ids=SPECIAL, span_fraction=span_fraction))
 
 
 def test_mask_ratio_exact_subsets_and_no_specials():
@@ -72,10 +73,16 @@ def test_replacement_policies():
         apply_mask_plan(ids, rank, draw, 0.5, "90-5-5", MASK, pool)
 
 
-def test_plan_is_deterministic_per_sample_identity():
-    a, b = _sample(), _sample()
-    assert np.array_equal(a.mask_rank, b.mask_rank) and np.array_equal(a.spans, b.spans)
-    assert not np.array_equal(a.mask_draw, _sample(seed=1).mask_draw)
+def test_plan_depends_on_the_sample_identity_and_not_on_span_settings():
+    a = _sample()
+    assert all(np.array_equal(getattr(a, f), getattr(_sample(), f)) for f in ("mask_rank", "mask_draw", "spans"))
+    for other in (_sample(plan_seed=12), _sample(file_index=4), _sample(sample_index=8)):
+        assert not np.array_equal(a.mask_draw, other.mask_draw)
+        assert not np.array_equal(a.mask_rank, other.mask_rank)
+        assert not np.array_equal(a.spans, other.spans)
+    wider = _sample(span_fraction=0.3)  # spans draw after the plan: their settings never change it
+    assert np.array_equal(a.mask_rank, wider.mask_rank) and np.array_equal(a.mask_draw, wider.mask_draw)
+    assert len(wider.spans) > len(a.spans)
 
 
 def test_spans_in_one_document_with_context_before():

@@ -80,6 +80,7 @@ class BuildConfig:
     def validate(self) -> None:
         checks = [
             (1 <= self.seq_len <= MAX_SEQ_LEN, f"--seq-len must be in [1, {MAX_SEQ_LEN}], got {self.seq_len}"),
+            (0 <= self.seed < 1 << 64, f"--seed must be in [0, 2**64), got {self.seed}"),
             (self.num_jobs >= 1, f"--num-jobs must be >= 1, got {self.num_jobs}"),
             (0 <= self.job_index < self.num_jobs,
              f"--job-index must be in [0, {self.num_jobs}) for --num-jobs {self.num_jobs}, got {self.job_index}"),

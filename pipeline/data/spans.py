@@ -27,25 +27,32 @@ def sample_spans(segments: np.ndarray, rng: np.random.Generator, min_len: int, m
     target = int(round(fraction * total))
     if target == 0 or not any(n - 1 >= min_len for n in lengths):
         return np.zeros((0, 2), dtype=np.int32)
-    # Candidates are drawn in one vectorised batch: a length and a uniformly random start token each; a
-    # candidate is kept when it fits its document piece and neither overlaps nor touches an earlier span.
-    tries = 8 * (target // min_len + 1)
-    cand_len = rng.integers(min_len, max_len + 1, size=tries).tolist()
-    offsets = rng.integers(0, total, size=tries).tolist()
+    # Each candidate is one raw 64-bit draw (numpy keeps raw output across versions): the low half picks a length,
+    # the high half a uniformly random start token (modulo bias < total / 2**32). It is kept when it fits its
+    # document piece and neither overlaps nor touches an earlier span.
+    width = max_len - min_len + 1
     cum = list(accumulate(lengths, initial=0))
-    taken = bytearray(max(e for _, e in pieces) + 2)
+    taken = bytearray(pieces[-1][1] + 2)  # segments are in order: the last one ends last
     spans: list[tuple[int, int]] = []
-    covered = 0
-    for n, offset in zip(cand_len, offsets):
-        k = bisect_right(cum, offset) - 1
-        lo, hi = pieces[k]
-        s = lo + offset - cum[k]
-        n = min(n, max(min_len, target - covered))
-        if s <= lo or s + n > hi or any(taken[s - 1 : s + n + 1]):
-            continue
-        taken[s : s + n] = b"\x01" * n
-        spans.append((s, s + n))
-        covered += n
-        if covered >= target:
-            break
-    return np.array(sorted(spans), dtype=np.int32).reshape(-1, 2)
+    covered = drawn = 0
+    limit = 8 * (target // min_len + 1)
+    while covered < target and drawn < limit:  # a sample usually needs ~20 draws: fetch them 32 at a time
+        batch = rng.bit_generator.random_raw(min(32, limit - drawn)).tolist()
+        drawn += len(batch)
+        for r in batch:
+            offset = (r >> 32) % total
+            k = bisect_right(cum, offset) - 1
+            lo, hi = pieces[k]
+            s = lo + offset - cum[k]
+            n = min_len + (r & 0xFFFFFFFF) % width
+            if n > target - covered:  # shorten the last span towards the target (inline: min/max cost 20 %)
+                n = max(target - covered, min_len)
+            if s <= lo or s + n > hi or taken.find(1, s - 1, s + n + 1) != -1:
+                continue
+            taken[s : s + n] = b"\x01" * n
+            spans.append((s, s + n))
+            covered += n
+            if covered >= target:
+                break
+    spans.sort()
+    return np.array(spans, dtype=np.int32).reshape(-1, 2)
