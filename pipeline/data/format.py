@@ -91,27 +91,6 @@ class Sample:
                 raise ValueError(f"sample {self.key}: span [{s}, {e}) crosses a document boundary or padding")
 
 
-_NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
-
-
-def _npy_bytes(arr: np.ndarray) -> bytes:
-    """``np.save`` bytes of a C-contiguous array. The header is cached per (dtype, shape): building it costs more
-    than the data for arrays of this size, and data prep writes five per sample."""
-    key = (arr.dtype.str, arr.shape)
-    header = _NPY_HEADERS.get(key)
-    if header is None:
-        buf = io.BytesIO()
-        np.save(buf, np.zeros(arr.shape, arr.dtype), allow_pickle=False)
-        header = _NPY_HEADERS[key] = buf.getvalue()[: len(buf.getvalue()) - arr.nbytes]
-    return header + arr.tobytes()
-
-
-def sample_members(sample: Sample) -> list[tuple[str, bytes]]:
-    """The (member name, bytes) pairs of one sample, in a fixed order (optional members last, when present)."""
-    return [(f"{sample.key}.{name}.npy", _npy_bytes(np.ascontiguousarray(getattr(sample, name), dtype=dtype)))
-            for name, dtype in sample.fields().items()]
-
-
 def _header_template() -> bytes:
     info = tarfile.TarInfo("")
     info.mtime = TAR_MTIME
@@ -123,22 +102,46 @@ def _header_template() -> bytes:
 
 
 _HEADER_TEMPLATE = _header_template()
-_TEMPLATE_SUM = sum(_HEADER_TEMPLATE) - sum(_HEADER_TEMPLATE[124:136])  # without the size field
+_ZEROS = bytes(tarfile.BLOCKSIZE)
+_MEMBER_PREFIXES: dict[tuple[int, str, str, tuple[int, ...]], tuple[bytes, int, int]] = {}
 
 
-def member_bytes(name: str, data: bytes) -> bytes:
-    """One tar member (ustar header, data, zero padding to the 512-byte block), byte-identical to
-    ``TarFile.addfile`` with the fixed metadata above; built directly because tarfile's pure-Python header code
-    cost more than tokenizing in data prep."""
-    raw = name.encode()
-    if len(raw) > 100:
-        raise ValueError(f"tar member name {name!r} is longer than 100 bytes")
-    size = b"%011o\0" % len(data)
-    header = bytearray(_HEADER_TEMPLATE)
-    header[: len(raw)] = raw  # the template's name field is all zeros
-    header[124:136] = size
-    header[148:155] = b"%06o\0" % (_TEMPLATE_SUM + sum(raw) + sum(size))
-    return bytes(header) + data + bytes(-len(data) % tarfile.BLOCKSIZE)
+def _member_prefix(key_len: int, field: str, arr: np.ndarray) -> tuple[bytes, int, int]:
+    """For member ``KEY.field.npy`` holding ``arr``: (its ustar header, the key's bytes left zero, followed by the
+    ``np.save`` header; the ustar checksum without the key; the zero padding after the data). Cached, as only the
+    key changes from sample to sample: building these headers cost more than the data for arrays of this size."""
+    cache_key = (key_len, field, arr.dtype.str, arr.shape)
+    entry = _MEMBER_PREFIXES.get(cache_key)
+    if entry is None:
+        buf = io.BytesIO()
+        np.save(buf, np.zeros(arr.shape, arr.dtype), allow_pickle=False)
+        npy_header = buf.getvalue()[: len(buf.getvalue()) - arr.nbytes]
+        suffix = f".{field}.npy".encode()
+        if key_len + len(suffix) > 100:
+            raise ValueError(f"tar member names of {key_len}-byte keys and field {field!r} exceed 100 bytes")
+        size = len(npy_header) + arr.nbytes
+        header = bytearray(_HEADER_TEMPLATE)  # its name field is all zeros
+        header[key_len : key_len + len(suffix)] = suffix
+        header[124:136] = b"%011o\0" % size
+        entry = _MEMBER_PREFIXES[cache_key] = (bytes(header) + npy_header, sum(header), -size % tarfile.BLOCKSIZE)
+    return entry
+
+
+def append_sample_tar(sample: Sample, out: bytearray) -> None:
+    """Append the tar members of one sample (``.npy`` files in a fixed order, optional members last) to ``out``:
+    byte-identical to ``TarFile.addfile`` of ``np.save``'s bytes with the fixed metadata above, built directly
+    because tarfile's pure-Python header code and the intermediate copies cost more than tokenizing in data prep."""
+    key = sample.key.encode()
+    key_sum = sum(key)
+    for field, dtype in sample.fields().items():
+        arr = np.ascontiguousarray(getattr(sample, field), dtype=dtype)
+        prefix, checksum, padding = _member_prefix(len(key), field, arr)
+        start = len(out)
+        out += prefix
+        out[start : start + len(key)] = key
+        out[start + 148 : start + 155] = b"%06o\0" % (checksum + key_sum)
+        out += arr.reshape(-1).view(np.uint8).data
+        out += _ZEROS[:padding]
 
 
 def tar_end(size: int) -> bytes:
