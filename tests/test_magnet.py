@@ -102,10 +102,15 @@ def test_eager_and_sdpa_agree(models, tokenizer, texts, mode):
 def test_span_tokens_never_leak(models, tokenizer, texts, impl):
     model = models[impl]
     batch = packed_text_batch(tokenizer, texts)
-    row = int((batch.span_ids >= 0).sum(-1).argmax())
-    spans = batch.span_ids[row]
-    doc = batch.doc_ids[row]
-    first = int((spans >= 0).nonzero()[0])
+
+    def first_span(r: int) -> int:
+        return int((batch.span_ids[r] >= 0).nonzero()[0])
+
+    # the row with the most span tokens among those where another document shares the first span's row
+    row = max((r for r in range(len(batch.span_ids)) if (batch.span_ids[r] >= 0).any()
+               and (batch.doc_ids[r] != batch.doc_ids[r, first_span(r)]).any()),
+              key=lambda r: int((batch.span_ids[r] >= 0).sum()))
+    spans, doc, first = batch.span_ids[row], batch.doc_ids[row], first_span(row)
     # the changed span's document: later span tokens of that document see the change, nothing else does
     doc_k = doc[first]
     later_spans = (spans >= 0) & (doc == doc_k) & (torch.arange(len(spans)) >= first)
