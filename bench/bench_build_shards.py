@@ -72,14 +72,12 @@ def bare(paths: list[str], tokenizer: str, procs: int) -> int:
 
 
 def build(paths: list[str], tokenizer: str, procs: int, out: str, seq_len: int) -> int:
-    shutil.rmtree(out, ignore_errors=True)
     summary = run_job(BuildConfig(inputs=tuple(paths), tokenizer=tokenizer, output=out, seq_len=seq_len,
                                   workers=procs, progress=False))
     return summary.tokens
 
 
 def hf_datasets(paths: list[str], tokenizer: str, procs: int, out: str, backend: str) -> int:
-    shutil.rmtree(out, ignore_errors=True)
     tok = load_tokenizer(tokenizer)
     encode = tok.encode_batch if backend == "same" else (
         lambda texts: tok.hf(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"])
@@ -120,6 +118,8 @@ def main() -> None:
         tokens: dict[str, int] = {}
         for r in range(a.repeats):
             for name, run in variants.items():
+                for output in ("shards", "ds"):  # the previous repeat's output; deleting it is not part of a run
+                    shutil.rmtree(os.path.join(work, output), ignore_errors=True)
                 t0, c0 = time.perf_counter(), cpu_seconds()
                 tokens[name] = run()
                 wall[name].append(time.perf_counter() - t0)
