@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import free_port, packed_text_batch, tiny_llama, unit_text_batch
+from helpers import free_port, loss_and_grads, packed_text_batch, tiny_llama, unit_text_batch
 from shard_corpus import TOKENIZER, documents
 
 from pipeline.data.units import split_units
@@ -111,20 +111,13 @@ def test_bad_input_is_named(tokenizer):
 SCALE = 2.0  # identical views (no dropout) at LLM2Vec's 20 would leave a vanishing loss and gradient
 
 
-def _loss_and_grads(objective: SimCSE, model, batch) -> tuple[float, int, dict[str, torch.Tensor]]:
-    out = objective(model, batch)
-    out.loss_sum.backward()
-    return out.loss_sum.item(), int(out.num_targets), {n: p.grad.clone() for n, p in model.named_parameters()
-                                                      if p.grad is not None}
-
-
 def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tokenizer = load_tokenizer(TOKENIZER)
     part = texts[:split] if rank == 0 else texts[split:]
-    result = _loss_and_grads(SimCSE(tokenizer, scale=SCALE), tiny_llama(tokenizer).eval(),
+    result = loss_and_grads(SimCSE(tokenizer, scale=SCALE), tiny_llama(tokenizer).eval(),
                              unit_text_batch(tokenizer, part))
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -136,7 +129,7 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tokenizer, tmp_path):
     texts = sentences(7)
     mp.spawn(_rank, args=(2, free_port(), texts, 3, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    loss, count, grads = _loss_and_grads(SimCSE(tokenizer, scale=SCALE), tiny_llama(tokenizer).eval(),
+    loss, count, grads = loss_and_grads(SimCSE(tokenizer, scale=SCALE), tiny_llama(tokenizer).eval(),
                                          unit_text_batch(tokenizer, texts))
     assert [r[1] for r in ranks] == [3, 4] and count == 7
     assert sum(r[0] for r in ranks) == pytest.approx(loss, rel=1e-5)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import free_port, packed_text_batch, tiny_llama, unit_text_batch
+from helpers import free_port, loss_and_grads, packed_text_batch, tiny_llama, unit_text_batch
 from shard_corpus import TOKENIZER, documents
 
 from pipeline.model.attention import attention_inputs
@@ -178,13 +178,6 @@ def test_bad_input_is_named(tokenizer):
         make_objective("sscl", augment="swap")
 
 
-def _loss_and_grads(objective: SSCL, model, batch) -> tuple[float, int, dict[str, torch.Tensor]]:
-    out = objective(model, batch)
-    out.loss_sum.backward()
-    return out.loss_sum.item(), int(out.num_targets), {n: p.grad.clone() for n, p in model.named_parameters()
-                                                      if p.grad is not None}
-
-
 def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -194,7 +187,7 @@ def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_di
     model = attached(objective, tiny_llama(tokenizer)).eval()
     part = unit_text_batch(tokenizer, texts[:split]) if rank == 0 else unit_text_batch(tokenizer, texts[split:],
                                                                                        first_index=split)
-    torch.save(_loss_and_grads(objective, model, part),
+    torch.save(loss_and_grads(objective, model, part),
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -207,7 +200,7 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tokenizer, tmp_path):
     objective = SSCL(tokenizer, augment="swap", edit_ratio=0.3)
     model = attached(objective, tiny_llama(tokenizer)).eval()
     whole = unit_text_batch(tokenizer, texts)
-    loss, count, grads = _loss_and_grads(objective, model, whole)
+    loss, count, grads = loss_and_grads(objective, model, whole)
     assert sum(r[1] for r in ranks) == count == 7
     assert sum(r[0] for r in ranks) == pytest.approx(loss, rel=1e-5)
     assert HEAD + ".0.weight" in grads and set(ranks[0][2]) == set(ranks[1][2]) == set(grads)
