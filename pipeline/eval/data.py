@@ -64,7 +64,8 @@ def _table_rows(path: str) -> Iterator[Row]:
             yield Row(dict(zip(header, values)), f"{path}:{line}")
 
 
-def _jsonl_rows(path: str) -> Iterator[Row]:
+def jsonl_records(path: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of a .jsonl file; a bad line is a DataError naming it."""
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -76,7 +77,12 @@ def _jsonl_rows(path: str) -> Iterator[Row]:
                                 ) from e
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
-            yield Row(record, f"{path}:{line_no}")
+            yield line_no, record
+
+
+def _jsonl_rows(path: str) -> Iterator[Row]:
+    for line_no, record in jsonl_records(path):
+        yield Row(record, f"{path}:{line_no}")
 
 
 def _json_rows(path: str) -> Iterator[Row]:

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 from dataclasses import dataclass, field
 
 from pipeline.data.manifest import read_json
+from pipeline.eval.data import jsonl_records
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import OBJECTIVES, MaskedObjective
 
@@ -65,17 +65,10 @@ def read_history(path: str) -> dict[str, dict[int, float]]:
     history: dict[str, dict[int, float]] = {}
     if not os.path.isfile(path):
         return history
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
-            for key, value in record.items():
-                if key.startswith("loss/"):
-                    history.setdefault(key, {})[int(record["step"])] = float(value)
+    for _, record in jsonl_records(path):
+        for key, value in record.items():
+            if key.startswith("loss/"):
+                history.setdefault(key, {})[int(record["step"])] = float(value)
     return history
 
 
