@@ -35,11 +35,19 @@ def build_model(spec: str, vocab_size: int, *, dtype: torch.dtype = torch.float3
         hint = f"no such directory {spec!r}" if ("/" in spec or spec.startswith(".")) else f"unknown preset {spec!r}"
         raise ValueError(f"{hint}; the model must be one of the presets {', '.join(PRESETS)} "
                          "or a local HF checkpoint directory (Llama or Mistral architecture)")
-    config = load_checkpoint_config(path)
+    config = project_masks(load_checkpoint_config(path))
     check_tokenizer_compatible(config, path, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     config.use_cache = False
     return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
                                                 attn_implementation=attn_implementation, local_files_only=True)
+
+
+def project_masks(config: PretrainedConfig) -> PretrainedConfig:
+    """HF's causal default back on a loaded config. A bidirectional export says ``is_causal: false`` (so plain
+    transformers runs it bidirectionally), which would also turn the project's causal requests (``is_causal=True``
+    and no mask, ``pipeline.model.attention``) bidirectional; in the project its own masks decide."""
+    config.is_causal = True
+    return config
 
 
 def load_checkpoint_config(path: Path) -> PretrainedConfig:

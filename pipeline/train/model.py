@@ -10,6 +10,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
+from pipeline.export.record import EncoderRecord, write_record
 from pipeline.model.build import build_model, check_checkpoint_shape
 from pipeline.train.experiment import ExperimentConfig
 
@@ -72,22 +73,24 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     return lm, model, optimizer
 
 
-def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str) -> str:
-    """Write an HF ``save_pretrained`` directory (weights, config, tokenizer) from an engine-module state dict."""
+def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: EncoderRecord) -> str:
+    """Write an HF ``save_pretrained`` directory (weights, config with the training ``record``, tokenizer) from an
+    engine-module state dict."""
     sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in state_dict.items()}
     os.makedirs(out, exist_ok=True)
     lm.config.use_cache = True
     lm.save_pretrained(out, state_dict=sd, safe_serialization=True)
+    write_record(out, record)
     tokenizer.save(out)
     return out
 
 
-def export_hf(engine, lm: PreTrainedModel, tokenizer, out: str) -> str:
+def export_hf(engine, lm: PreTrainedModel, tokenizer, out: str, record: EncoderRecord) -> str:
     """Collective under ZeRO-3: every rank takes part in the 16-bit gather; rank 0 writes."""
     stage3 = engine.zero_optimization_stage() == 3
     sd = engine._zero3_consolidated_16bit_state_dict() if stage3 else engine.module.state_dict()
     if dist.get_rank() == 0:
-        save_hf(lm, sd, tokenizer, out)
+        save_hf(lm, sd, tokenizer, out, record)
         print(f"exported HF model to {out}", flush=True)
     dist.barrier()
     return out
