@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
 from pipeline.export.record import EncoderRecord, write_record
-from pipeline.model.build import build_model, check_checkpoint_shape
+from pipeline.model.build import build_model, check_checkpoint_shape, check_sliding_window
 from pipeline.train.experiment import ExperimentConfig
 
 PREFIX = "lm."
@@ -55,6 +55,7 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
                      attn_implementation=exp.model.attn_implementation, pad_token_id=info.pad_id,
                      bos_token_id=info.bos_id, eos_token_id=info.eos_id)
+    check_sliding_window(lm.config, exp.model.init, exp.data.seq_len)
     lm.train()  # from_pretrained returns the model in eval mode: dropout (SimCSE's positives) would be off
     lm.config.use_cache = False
     lm.config.attention_dropout = exp.model.attention_dropout
