@@ -158,3 +158,18 @@ def test_sentence_transformers_refuses_what_it_cannot_express():
         check_expressible(EncoderRecord(pooling="weighted_mean", layout="text"))
     with pytest.raises(ValueError, match="not data prep's BOS/EOS; export with --layout special"):
         check_expressible(EncoderRecord(pooling="last", layout="bos_eos"))
+
+
+def test_an_export_without_a_record_reads_its_runs_experiment_or_is_a_plain_decoder(tokenizer, tmp_path):
+    """Exports written before records existed: inside their run, the run's experiment.json; alone, a plain decoder."""
+    hf = export(tokenizer, str(tmp_path / "run" / "hf"), MNTP)
+    config = json.load(open(os.path.join(hf, "config.json")))
+    del config["decoder_encoders"], config["is_causal"]
+    json.dump(config, open(os.path.join(hf, "config.json"), "w"))
+    json.dump({"phases": [{"objectives": [{"name": "mntp", "mask_token": "<mask>"}]}]},
+              open(tmp_path / "run" / "experiment.json", "w"))
+    in_run = load_model(hf)
+    assert (in_run.attention, in_run.reads_previous, in_run.record.mask_token) == ("bidirectional", True, "<mask>")
+    alone = shutil.copytree(hf, str(tmp_path / "alone"))
+    plain = load_model(alone)
+    assert plain.record == EncoderRecord() and plain.attention == "causal" and plain.record.layout == "special"
