@@ -93,13 +93,13 @@ def test_encode_matches_a_hand_forward_and_ignores_padding(model, attention):
     single = np.concatenate([encode(model, [t], instruction, "mean", batch_size=1, attention=attention)
                              for t in texts])
     np.testing.assert_allclose(batched, single, atol=1e-5)
-    tok = model.tokenizer  # a plain HF directory: the tokenizer's own layout (BOS only), instruction + text as one
+    tok = model.tokenizer  # layout bos_eos: BOS, instruction + text tokenized as one string, EOS
     (ids,) = tok.encode_batch([instruction + texts[0]])
     skip = len(tok.encode_batch([instruction])[0])
     with torch.no_grad():
-        out = model.lm.model(input_ids=torch.tensor([[tok.bos_id, *ids]]),
+        out = model.lm.model(input_ids=torch.tensor([[tok.bos_id, *ids, tok.eos_id]]),
                              is_causal=attention == "causal").last_hidden_state[0]
-    np.testing.assert_allclose(batched[0], out[1 + skip:].mean(0).numpy(), atol=1e-5)
+    np.testing.assert_allclose(batched[0], out[1 + skip:1 + len(ids)].mean(0).numpy(), atol=1e-5)
 
 
 def test_mteb_runs_the_encoder_through_its_own_evaluation(model):

@@ -172,4 +172,16 @@ def test_an_export_without_a_record_reads_its_runs_experiment_or_is_a_plain_deco
     assert (in_run.attention, in_run.reads_previous, in_run.record.mask_token) == ("bidirectional", True, "<mask>")
     alone = shutil.copytree(hf, str(tmp_path / "alone"))
     plain = load_model(alone)
-    assert plain.record == EncoderRecord() and plain.attention == "causal" and plain.record.layout == "special"
+    assert plain.record == EncoderRecord() and plain.attention == "causal" and plain.record.layout == "bos_eos"
+
+
+def test_a_bad_record_names_the_file_and_field(tokenizer, tmp_path):
+    from pipeline.eval.model import ModelError
+
+    hf = export(tokenizer, str(tmp_path / "hf"), MNTP)
+    config = json.load(open(os.path.join(hf, "config.json")))
+    config["decoder_encoders"]["attention"] = "sideways"
+    json.dump(config, open(os.path.join(hf, "config.json"), "w"))
+    with pytest.raises(ModelError, match=r"hf/config.json: decoder_encoders.attention: 'sideways' is not one of "
+                                         r"causal, bidirectional; re-export the model"):
+        load_model(hf)

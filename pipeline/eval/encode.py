@@ -5,9 +5,9 @@ as sentence-transformers and LLM2Vec do, and the instruction's own token count m
 instruction conditions the text's states but is left out of pooling (LLM2Vec's ``skip_instruction``). ``layout``
 picks head and tail:
 
-- ``bos_eos``: BOS and EOS, as data prep writes every document and unit (the default of runs trained here);
+- ``bos_eos``: BOS and EOS, as data prep writes every document and unit (the default);
 - ``special``: what the tokenizer itself adds (``tokenizer(text)``: BOS for Llama, nothing for Qwen2), LLM2Vec's and
-  sentence-transformers' layout (the default of an HF directory not trained here);
+  sentence-transformers' layout;
 - ``text``: the text tokens alone.
 
 Pooling (special tokens are never pooled, except by ``last``):
@@ -49,7 +49,10 @@ def special_tokens(tokenizer: Tokenizer, layout: str) -> tuple[list[int], list[i
             [tokenizer.eos_id] if tokenizer.eos_id is not None else [])
     bare = tokenizer.hf(PROBE, add_special_tokens=False)["input_ids"]
     full = tokenizer.hf(PROBE)["input_ids"]
-    start = next(i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare)
+    start = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+    if start is None:
+        raise ValueError(f"tokenizer {tokenizer.path}: its own special tokens change the text's tokens, so layout "
+                         f"'special' cannot find the text in them; use layout 'bos_eos' or 'text'")
     return full[:start], full[start + len(bare):]
 
 

@@ -5,7 +5,7 @@ A run directory is evaluated through its ``hf/`` export, or, when training has n
 complete checkpoint exported once by ``launch/export_hf.py`` into ``RUN/eval/hf-stepNNNNNNNN`` (reused after).
 How to read the model comes from the export's own ``config.json`` (``pipeline.export.record``), so a copied export
 reads the same as the run's; an export written before records existed falls back to its run's ``experiment.json``,
-and an HF directory with neither is a plain decoder (``causal``, the tokenizer's own special tokens):
+and an HF directory with neither is a plain decoder (``causal``, ``EncoderRecord()``'s defaults):
 
 - ``attention`` for embeddings, probing and fine-tuning inputs: ``bidirectional`` when the last phase trained any
   non-causal objective (MLM, MNTP, MAGNET, SimCSE, SSCL), else ``causal`` (overridable);
@@ -64,8 +64,8 @@ class EvalModel:
 
     def describe(self) -> dict:
         return {"hf_dir": self.hf_dir, "run_dir": self.run_dir, "step": self.step, "attention": self.attention,
-                "reads_previous": self.reads_previous, "record": self.record.as_dict(), "tokenizer": self.tokenizer.path,
-                "parameters": sum(p.numel() for p in self.lm.parameters())}
+                "reads_previous": self.reads_previous, "record": self.record.as_dict(),
+                "tokenizer": self.tokenizer.path, "parameters": sum(p.numel() for p in self.lm.parameters())}
 
 
 def export_checkpoint(run_dir: str, step: int) -> str:
@@ -115,7 +115,10 @@ def load_model(path: str, *, attention: str = "auto", tokenizer: str | None = No
                          f"into it, or pass --tokenizer DIR") from e
     lm = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=DTYPES[dtype],
                                               attn_implementation=attn_implementation)
-    record = read_record(lm.config)
+    try:
+        record = read_record(lm.config)
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{hf_dir}/config.json: {e}; re-export the model with launch/export_hf.py") from e
     if record is None:  # an export without a record: its run's experiment, else a plain decoder
         record = (from_experiment(read_json(os.path.join(run_dir, "experiment.json"), "run directory"), tok)
                   if run_dir else EncoderRecord())

@@ -39,7 +39,7 @@ class EncoderRecord:
     reads_previous: bool = False  # MNTP-trained: token i is read (and predicted) at position i - 1
     mask_token: str | None = None  # the token MLM/MNTP masked with, as written in the vocabulary
     pooling: str = "mean"  # default pooling of encode() and of the sentence-transformers export
-    layout: str = "special"  # default layout of encode() (LAYOUTS)
+    layout: str = "bos_eos"  # default layout of encode() (LAYOUTS)
     instruction: str | None = None  # default instruction (SSCL trains with one), left out of pooling
     objectives: tuple[str, ...] = ()  # per phase, e.g. ("clm", "mlm"); empty for a model not trained here
 
