@@ -53,19 +53,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     exp = read_json(os.path.join(args.run, "experiment.json"), "not a run directory of launch/train.py")
     model_config = read_json(os.path.join(args.run, "model_config.json"), "not a run directory of launch/train.py")
-    sd = get_fp32_state_dict_from_zero_checkpoint(checkpoint.checkpoint_root(args.run), tag=checkpoint.tag_for(step))
-    config = AutoConfig.for_model(**model_config)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tokenizer = load_tokenizer(exp["data"]["tokenizer"])
     record = replace(from_experiment(exp, tokenizer), **{k: v for k, v in (("pooling", args.pooling),
                                                                            ("layout", args.layout)) if v})
     if args.sentence_transformers:
-        try:
+        try:  # before reading the weights
             check_expressible(record)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    sd = get_fp32_state_dict_from_zero_checkpoint(checkpoint.checkpoint_root(args.run), tag=checkpoint.tag_for(step))
+    config = AutoConfig.for_model(**model_config)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
     save_hf(lm, {k: v.to(dtype) for k, v in sd.items()}, tokenizer, args.output, record)
     if args.sentence_transformers:
         write_sentence_transformers(args.output, record)

@@ -116,8 +116,12 @@ def check_mntp_export(run: str, tmp_path) -> None:
     for row, r in enumerate(rows):
         np.testing.assert_allclose(plain[row, :len(r)], ours[row, :len(r)], atol=1e-5)
     st_dir = str(tmp_path / "mntp-st")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", run, "--output",
-                           st_dir, "--sentence-transformers", "--layout", "text"], capture_output=True, text=True)
+    cmd = [sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", run, "--output", st_dir,
+           "--sentence-transformers"]
+    refused = subprocess.run(cmd, capture_output=True, text=True)  # mean pooling over bos_eos: not expressible
+    assert refused.returncode == 2 and "export with --layout text, or --pooling last" in refused.stderr
+    assert not os.path.exists(st_dir)
+    proc = subprocess.run([*cmd, "--layout", "text"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from sentence_transformers import SentenceTransformer
 
