@@ -102,7 +102,7 @@ def test_encode_matches_a_hand_forward_and_ignores_padding(model, attention):
     np.testing.assert_allclose(batched[0], out[1 + skip:1 + len(ids)].mean(0).numpy(), atol=1e-5)
 
 
-def test_mteb_runs_the_encoder_through_its_own_evaluation(model):
+def test_mteb_runs_the_encoder_through_its_own_evaluation(model, hf_dir):
     """mteb.evaluate on a local STS task (mteb's own mock task class holding the shipped STS-B file; no hub): the
     score is Spearman x100 of the cosine similarity of encode()'s embeddings, with the instruction MTEB's prompt
     lookup picks for the task type."""
@@ -134,6 +134,8 @@ def test_mteb_runs_the_encoder_through_its_own_evaluation(model):
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     assert len(rows) == 24 and score["cosine_spearman"] == pytest.approx(spearman(cos, pairs["score"]), abs=1e-6)
     assert task_result.get_score() == pytest.approx(score["main_score"])
+    by_path = MTEBEncoder(hf_dir, None, device="cpu")  # MTEB's (model_name, revision, device=...) form
+    assert by_path.mteb_model_meta.embed_dim == model.lm.config.hidden_size and by_path.model.hf_dir == hf_dir
 
 
 def test_tokenize_words_maps_each_word_to_its_tokens(model):

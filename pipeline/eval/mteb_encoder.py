@@ -18,9 +18,11 @@ from pipeline.eval.model import EvalModel, load_model
 
 
 class MTEBEncoder(AbsEncoder):
-    def __init__(self, model: EvalModel | str, pooling: str | None = None, instruction: str | None = None,
-                 instructions: dict[str, str] | None = None, attention: str | None = None, layout: str | None = None,
-                 max_length: int = 512, **load_kwargs):
+    def __init__(self, model: EvalModel | str, revision: str | None = None, *, pooling: str | None = None,
+                 instruction: str | None = None, instructions: dict[str, str] | None = None,
+                 attention: str | None = None, layout: str | None = None, max_length: int = 512, **load_kwargs):
+        """MTEB's ``(model_name, revision, device=...)`` signature: ``model`` is a run or HF directory (or a loaded
+        ``EvalModel``); ``revision`` is unused (local directories have none); ``load_kwargs`` go to ``load_model``."""
         self.model = load_model(model, **load_kwargs) if isinstance(model, str) else model
         self.pooling, self.layout, self.attention, self.max_length = pooling, layout, attention, max_length
         self.instruction = instruction
