@@ -4,6 +4,8 @@
         [--set TASK.KEY=VALUE ...] [--attention auto|causal|bidirectional] [--device cpu|cuda] [--batch-size N]
 
 Without --out, a run directory's results go to RUN_DIR/eval/results.json, where launch/report.py reads them.
+A task that fails does not lose the others: the finished tasks' results are written, and each failed task is named
+with its error (exit status 1; 2 when nothing finished, and then nothing is written).
 ``--list`` prints the tasks. Data layouts, options and metrics: docs/evaluation.md.
 """
 
@@ -60,13 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, ModelError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for name, why in results["failed"].items():
+        print(f"error: task {name} failed: {why['error']} (raised at {why['where']})", file=sys.stderr)
+    if not results["results"]:
+        print(f"error: no task finished; {out} was not written", file=sys.stderr)
+        return 2
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
     for key, value in results["headline"].items():
         print(f"{key:32} {value:.4g}")
-    print(f"wrote {out}")
-    return 0
+    finished = ", ".join(results["results"])
+    print(f"wrote {out} ({finished}" + (f"; failed: {', '.join(results['failed'])})" if results["failed"] else ")"))
+    return 1 if results["failed"] else 0
 
 
 def _cuda() -> bool:

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.plan import GPUS, PREP_TOKENS_PER_CORE_S
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="preset: tiny, 210m, 610m, 1b, 7b")
+    p.add_argument("--model", required=True, help="preset: tiny, 210m, 610m, 1b, 7b, 8b")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--gpu", required=True, choices=sorted(GPUS))

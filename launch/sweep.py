@@ -1,10 +1,11 @@
 """Expand an experiment grid into run directories and submit them:
-``python launch/sweep.py GRID [--smoke] [--only PATTERN] [--out runs] [--set KEY=VALUE] [--submit | --local]``.
+``python launch/sweep.py GRID [--smoke] [--only PATTERN] [--out runs] [--set KEY=VALUE] [--write | --submit | --local]``.
 
-Prints the grid as a table (run, model, steps, tokens, phases, start run, state), then writes OUT/RUN/experiment.yaml
-and OUT/RUN/job.sbatch for every selected run that has not finished. ``--submit`` sbatches them (finished and queued
-runs are skipped; unfinished ones resume from their newest checkpoint; a run that continues another one waits for
-its job); ``--local`` trains them one after another on this machine. See docs/experiments.md.
+Prints the grid as a table (run, model, steps, tokens, phases, start run, state) and writes nothing. ``--write``
+also writes OUT/RUN/experiment.yaml and OUT/RUN/job.sbatch for every selected run that has not finished;
+``--submit`` writes them and sbatches them (finished and queued runs are skipped; unfinished ones resume from their
+newest checkpoint; a run that continues another one waits for its job); ``--local`` writes them and trains them
+one after another on this machine. See docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the grid's resources)")
     p.add_argument("--time", help="SLURM time limit of one job, e.g. 24:00:00 (the run requeues itself)")
     action = p.add_mutually_exclusive_group()
+    action.add_argument("--write", action="store_true", help="write the run directories and job files, submit nothing")
     action.add_argument("--submit", action="store_true", help="sbatch the unfinished runs")
     action.add_argument("--local", action="store_true", help="train the unfinished runs here, one after another")
     args = p.parse_args(argv)
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         states = run_states(everything, queued_jobs([v.name for v in everything]) if args.submit else {})
         print(table(selected, states))
         todo = in_order([v for v in selected if states[v.name].kind != "finished"], everything, states)
-        for v in todo:
+        writing = args.write or args.submit or args.local
+        for v in todo if writing else ():
             if states[v.name].kind != "queued":
                 write_run(grid, v, states[v.name])
         if args.submit or args.local:
@@ -79,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"\n{len(selected)} runs: {sum(states[v.name].kind == 'finished' for v in selected)} finished, "
-          f"{len(todo)} to do; run directories under {args.out}/")
+    done = sum(states[v.name].kind == "finished" for v in selected)
+    print(f"\n{len(selected)} runs: {done} finished, {len(todo)} to do; " + (
+        f"run directories under {args.out}/" if writing else "nothing written (--write, --submit or --local to act)"))
     try:
         if args.submit:
             jobs = {name: s.job for name, s in states.items() if s.kind == "queued"}

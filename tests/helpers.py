@@ -91,6 +91,31 @@ def unit_text_batch(tokenizer, texts: list[str], seq_len: int = 32, seed: int = 
     return collate(samples)
 
 
+# Run in a fresh interpreter by ``plain_transformers_hidden``: transformers alone, the project made unimportable.
+PLAIN_LOAD = """
+import json, sys
+sys.modules["pipeline"] = None  # an editable install would otherwise make the project importable
+import torch
+from transformers import AutoModel
+model = AutoModel.from_pretrained(sys.argv[1]).eval()
+ids, mask = json.loads(sys.argv[2])
+with torch.no_grad():
+    out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state
+print(json.dumps({"hidden": out.tolist(), "class": type(model).__name__}))
+"""
+
+
+def plain_transformers_hidden(hf_dir: str, ids: list[list[int]], mask: list[list[int]]) -> tuple[np.ndarray, str]:
+    """(last hidden states, model class) of ``AutoModel.from_pretrained(hf_dir)`` in a fresh process that has
+    transformers but not the project (no PYTHONPATH, cwd outside the repository, ``pipeline`` unimportable)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", PLAIN_LOAD, hf_dir, json.dumps([ids, mask])], capture_output=True,
+                          text=True, env=env, cwd=os.path.dirname(os.path.abspath(hf_dir)), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return np.asarray(out["hidden"], dtype=np.float32), out["class"]
+
+
 def free_port() -> int:
     """A free TCP port on localhost, for a torch.distributed rendezvous."""
     with socket.socket() as s:

@@ -81,6 +81,25 @@ def test_token_stream_roundtrip(built, corpus, tokenizer):
     assert summary.tokens == sum(int((s.segments[:, 1] - s.segments[:, 0]).sum()) for s in samples.values())
 
 
+def test_throughput_leaves_out_tokenizer_loading(corpus, tokenizer, tmp_path, monkeypatch, capsys):
+    """A slow tokenizer load (here 1 s) is reported apart and not divided into the docs/s and tokens/s."""
+    import time
+
+    from pipeline.data import build
+
+    def slow_load(path):
+        time.sleep(1.0)
+        return load_tokenizer(path)
+
+    monkeypatch.setattr(build, "load_tokenizer", slow_load)
+    start = time.monotonic()
+    summary = run_job(config(corpus, tokenizer, tmp_path / "shards"))
+    wall = time.monotonic() - start
+    assert summary.tokenizer_s >= 1.0 and summary.elapsed_s <= wall - 1.0
+    assert f"{summary.tokens / summary.elapsed_s:.0f} tokens/s" in summary.lines()[-1]
+    assert "s loading the tokenizer, not counted)" in capsys.readouterr().err
+
+
 def test_no_bos_and_dropped_remainder(corpus, tokenizer, tmp_path):
     run_job(config(corpus[:1], tokenizer, tmp_path / "out", bos=False, remainder="drop"))
     tok = load_tokenizer(tokenizer)

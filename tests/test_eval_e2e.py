@@ -82,8 +82,24 @@ def test_evaluate_then_report_on_a_smoke_run(tmp_path):
     assert "## Should We Still Pretrain" not in text  # no fine-tuning numbers yet: no empty table
     assert os.path.isfile(tmp_path / "report" / "magnet.md")
 
+    # a failing task loses nothing: the finished task's results are written, the failure is named, no traceback
+    bad_file = tmp_path / "bad.tsv"
+    bad_file.write_text("a\tb\nx\ty\nz\tw\n")
+    out = str(tmp_path / "partial.json")
+    partial = cli("evaluate.py", "--model", run_dir, "--tasks", "sts,perplexity", "--data-dir", data_dir,
+                  "--no-progress", "--set", "perplexity.max_batches=1", "--set", f"sts.datasets=[{bad_file}]",
+                  "--out", out)
+    assert partial.returncode == 1 and "Traceback" not in partial.stderr, partial.stderr[-3000:]
+    assert f"error: task sts failed: DataError: {bad_file}" in partial.stderr
+    assert "(perplexity; failed: sts)" in partial.stdout
+    with open(out) as f:
+        written = json.load(f)
+    assert set(written["results"]) == {"perplexity"} and "ppl" in written["headline"]
+    assert "first sentence" in written["failed"]["sts"]["error"] and "data.py" in written["failed"]["sts"]["where"]
     bad = cli("evaluate.py", "--model", run_dir, "--tasks", "sts", "--data-dir", str(tmp_path / "none"))
-    assert bad.returncode == 2 and "no such directory" in bad.stderr
+    assert bad.returncode == 2 and "no such directory" in bad.stderr and "was not written" in bad.stderr
+    with open(os.path.join(run_dir, "eval", "results.json")) as f:
+        assert json.load(f)["results"].keys() == set(FAST_TASKS)  # the earlier results were not overwritten
 
 
 @pytest.mark.slow

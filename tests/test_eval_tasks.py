@@ -14,7 +14,7 @@ import torch
 from pipeline.data.batch import Batch
 from pipeline.data.build import BuildConfig, run_job
 from pipeline.data.format import UNMASKABLE
-from pipeline.eval import SentenceEncoder, encode, load_model
+from pipeline.eval import encode, load_model
 from pipeline.eval.encode import pool
 from pipeline.eval.finetune.qa import ExtractiveQA, Question
 from pipeline.eval.finetune.sweep import FinetuneOptions, linear_warmup_decay, split_train
@@ -93,24 +93,49 @@ def test_encode_matches_a_hand_forward_and_ignores_padding(model, attention):
     single = np.concatenate([encode(model, [t], instruction, "mean", batch_size=1, attention=attention)
                              for t in texts])
     np.testing.assert_allclose(batched, single, atol=1e-5)
-    tok = model.tokenizer
-    head = [tok.bos_id, *tok.encode_batch([instruction])[0]]
-    text = tok.encode_batch([texts[0]])[0]
+    tok = model.tokenizer  # layout bos_eos: BOS, instruction + text tokenized as one string, EOS
+    (ids,) = tok.encode_batch([instruction + texts[0]])
+    skip = len(tok.encode_batch([instruction])[0])
     with torch.no_grad():
-        out = model.lm.model(input_ids=torch.tensor([head + text + [tok.eos_id]]),
+        out = model.lm.model(input_ids=torch.tensor([[tok.bos_id, *ids, tok.eos_id]]),
                              is_causal=attention == "causal").last_hidden_state[0]
-    np.testing.assert_allclose(batched[0], out[len(head):len(head) + len(text)].mean(0).numpy(), atol=1e-5)
+    np.testing.assert_allclose(batched[0], out[1 + skip:1 + len(ids)].mean(0).numpy(), atol=1e-5)
 
 
-def test_sentence_encoder_is_sentence_transformers_compatible(model):
-    st = SentenceEncoder(model, pooling="last", instructions={"STSBenchmark": "Retrieve semantically similar text:"})
-    emb = st.encode(["one", "two", "three"], batch_size=2, normalize_embeddings=True, task_name="STSBenchmark",
-                    prompt_type="query")
-    assert isinstance(emb, np.ndarray) and emb.shape == (3, model.lm.config.hidden_size)
-    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
-    raw = encode(model, ["one"], "Retrieve semantically similar text:", "last")
-    np.testing.assert_allclose(emb[0], raw[0] / np.linalg.norm(raw[0]), atol=1e-5)
-    assert st.encode("one").shape == (model.lm.config.hidden_size,)
+def test_mteb_runs_the_encoder_through_its_own_evaluation(model, hf_dir):
+    """mteb.evaluate on a local STS task (mteb's own mock task class holding the shipped STS-B file; no hub): the
+    score is Spearman x100 of the cosine similarity of encode()'s embeddings, with the instruction MTEB's prompt
+    lookup picks for the task type."""
+    import mteb
+    from datasets import Dataset, DatasetDict
+    from mteb.mocks.mock_tasks.sts import MockSTSTask
+
+    from pipeline.eval.data import read_rows
+    from pipeline.eval.metrics import spearman
+    from pipeline.eval.mteb_encoder import MTEBEncoder
+
+    rows = read_rows(os.path.join(FIXTURES, "sts", "stsb.tsv"), "test")
+    pairs = {c: [r.get((c,), c) for r in rows] for c in ("sentence1", "sentence2")}
+    pairs["score"] = [float(r.get(("score",), "score")) / 5 for r in rows]
+
+    class LocalSTS(MockSTSTask):
+        def load_data(self, **kwargs):
+            self.dataset = DatasetDict({"test": Dataset.from_dict(pairs)})
+            self.data_loaded = True
+
+    instruction = "Retrieve semantically similar text: "
+    encoder = MTEBEncoder(model, instructions={"STS": instruction})
+    task = LocalSTS()
+    assert encoder.get_prompt_name(task.metadata, None) == "STS"
+    result = mteb.evaluate(encoder, task, cache=None, show_progress_bar=False)
+    (task_result,) = result.task_results
+    score = task_result.scores["test"][0]
+    a, b = (encode(model, pairs[c], instruction) for c in ("sentence1", "sentence2"))
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    assert len(rows) == 24 and score["cosine_spearman"] == pytest.approx(spearman(cos, pairs["score"]), abs=1e-6)
+    assert task_result.get_score() == pytest.approx(score["main_score"])
+    by_path = MTEBEncoder(hf_dir, None, device="cpu")  # MTEB's (model_name, revision, device=...) form
+    assert by_path.mteb_model_meta.embed_dim == model.lm.config.hidden_size and by_path.model.hf_dir == hf_dir
 
 
 def test_tokenize_words_maps_each_word_to_its_tokens(model):
@@ -194,7 +219,7 @@ def test_probing_task_reads_mntp_models_one_position_earlier(model, data_dir):
     same = run_task("probing", model, data_dir, "max_epochs=2")
     assert set(same["tasks"]) == {"pos", "chunk", "ner"} and same["reads_previous"] is False
     assert "f1" in same["tasks"]["ner"] and "f1" not in same["tasks"]["pos"]
-    mntp_model = dataclasses.replace(model, reads_previous=True)
+    mntp_model = dataclasses.replace(model, record=dataclasses.replace(model.record, reads_previous=True))
     shifted = run_task("probing", mntp_model, data_dir, "max_epochs=2")
     assert shifted["reads_previous"] is True
 

@@ -164,9 +164,14 @@ def test_a_started_run_keeps_its_experiment(tmp_path):
 def test_sweep_cli_prints_the_table_and_writes_the_runs(tmp_path):
     path = write_grid(tmp_path)
     out = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "sweep.py"), path, "--out", str(out),
-                           "--set", "data.shards=/data/x", "--only", "pre-*"], capture_output=True, text=True)
+    cmd = [sys.executable, os.path.join(REPO, "launch", "sweep.py"), path, "--out", str(out), "--set",
+           "data.shards=/data/x", "--only", "pre-*"]
+    dry = subprocess.run(cmd, capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    assert not out.exists() and "nothing written (--write, --submit or --local to act)" in dry.stdout
+    proc = subprocess.run([*cmd, "--write"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[:4] == dry.stdout.splitlines()[:4]  # the same table
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["run", "model", "steps", "tokens", "phases", "starts", "from", "state"]
     assert lines[2].split() == ["pre-210m-clm50", "210m", "1000", "4.1M", "clm", "500", "->", "mlm40", "500", "-",

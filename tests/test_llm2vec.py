@@ -6,13 +6,22 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import subprocess
+import sys
 
+import numpy as np
 import pytest
-from helpers import REPO, launch_training, logged_steps
+import torch
+from helpers import REPO, launch_training, logged_steps, plain_transformers_hidden
 from shard_corpus import HOLDOUT, TOKENIZER, documents, write_jsonl_zst
+from transformers import AutoConfig
 
 from pipeline.data.build import BuildConfig, run_job
 from pipeline.data.manifest import load_index
+from pipeline.eval import encode, load_model
+from pipeline.eval.forward import hidden_states, pad_id, pad_rows
+from pipeline.export.record import EncoderRecord, read_record
 from pipeline.objectives import SimCSE, make_objective
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.experiment import load_experiment
@@ -71,15 +80,53 @@ def test_smoke_recipe_mntp_then_simcse_on_two_zero3_ranks(data, tmp_path):
                     "data.build_if_missing=false")
     steps = logged_steps(mntp)
     assert sorted(steps) == list(range(1, 9)) and all(math.isfinite(s["loss/mntp"]) for s in steps.values())
-    assert os.path.isfile(os.path.join(mntp, "hf", "config.json"))
+    check_mntp_export(mntp, tmp_path)
     simcse = str(tmp_path / "simcse")
     launch_training(simcse, os.path.join(EXPERIMENTS, "simcse-smoke.yaml"), f"data.shards={units}",
                     f"data.unit_shards={units}", f"model.init={os.path.join(mntp, 'hf')}")
     steps = logged_steps(simcse)
+    assert read_record(AutoConfig.from_pretrained(os.path.join(simcse, "hf"))) == EncoderRecord(
+        attention="bidirectional", reads_previous=True, mask_token="<mask>", pooling="mean", layout="bos_eos",
+        objectives=("mntp", "simcse"))  # what the MNTP start export recorded carries over
     assert sorted(steps) == list(range(1, 9))
     losses = [steps[s]["loss/simcse"] for s in range(1, 9)]
     assert all(0 < loss < math.log(16) + 1 for loss in losses)  # 16 units a step over both ranks
     assert sum(losses[-3:]) / 3 < losses[0]  # it learns to tell the units apart
+
+
+def check_mntp_export(run: str, tmp_path) -> None:
+    """The trained MNTP export records its training, and a moved copy loads bidirectional with transformers alone
+    (fresh process, project not importable) with the project's hidden states; launch/export_hf.py writes the
+    sentence-transformers export of the same run, which embeds as encode() does."""
+    hf = os.path.join(run, "hf")
+    record = read_record(AutoConfig.from_pretrained(hf))
+    assert record == EncoderRecord(attention="bidirectional", reads_previous=True, mask_token="<mask>",
+                                   pooling="mean", layout="bos_eos", objectives=("mntp",))
+    moved = str(tmp_path / "moved" / "mntp-encoder")
+    shutil.copytree(hf, moved)
+    model = load_model(moved)
+    assert (model.attention, model.reads_previous, model.run_dir) == ("bidirectional", True, None)
+    texts = ["The king is dead.", "Long live the king, and all his court and the realm."]
+    rows = [[model.tokenizer.bos_id, *ids, model.tokenizer.eos_id] for ids in model.tokenizer.encode_batch(texts)]
+    ids, doc_ids = pad_rows(rows, pad_id(model.tokenizer))
+    mask = (doc_ids >= 0).long()
+    plain, _ = plain_transformers_hidden(moved, ids.tolist(), mask.tolist())
+    with torch.no_grad():
+        ours = hidden_states(model.lm, ids, doc_ids, model.attention).numpy()
+    for row, r in enumerate(rows):
+        np.testing.assert_allclose(plain[row, :len(r)], ours[row, :len(r)], atol=1e-5)
+    st_dir = str(tmp_path / "mntp-st")
+    cmd = [sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", run, "--output", st_dir,
+           "--sentence-transformers"]
+    refused = subprocess.run(cmd, capture_output=True, text=True)  # mean pooling over bos_eos: not expressible
+    assert refused.returncode == 2 and "export with --layout text, or --pooling last" in refused.stderr
+    assert not os.path.exists(st_dir)
+    proc = subprocess.run([*cmd, "--layout", "text"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from sentence_transformers import SentenceTransformer
+
+    np.testing.assert_allclose(SentenceTransformer(st_dir, device="cpu").encode(texts),
+                               encode(load_model(st_dir), texts), atol=1e-5)
 
 
 def test_bad_input_is_refused_by_the_trainer(data, tmp_path):

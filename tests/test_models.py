@@ -41,6 +41,7 @@ def test_tiny_architecture():
     ("610m", 128256, 607_874_688),
     ("1b", 128256, 1_187_856_576),
     ("7b", 32000, 6_738_415_616 - 32000 * 4096),  # Llama-2-7B's published 6,738,415,616 includes its LM head
+    ("8b", 128256, 8_030_261_248 - 128256 * 4096),  # Llama-3-8B's published 8,030,261,248 likewise
 ])
 def test_preset_parameter_counts_on_meta(name, vocab, expected):
     with torch.device("meta"):
@@ -52,6 +53,11 @@ def test_preset_parameter_counts_on_meta(name, vocab, expected):
     counts = param_counts(model.config)
     assert total == counts.total == expected + vocab * preset.hidden_size
     assert counts.embedding + counts.body == expected
+    head_dim = preset.hidden_size // preset.num_heads
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (preset.num_kv_heads * head_dim, preset.hidden_size)
+    assert model.config.rope_parameters["rope_theta"] == preset.rope_theta
+    if name == "8b":  # Llama-3-8B: grouped-query attention, 4 query heads per KV head
+        assert (preset.num_kv_heads, head_dim, model.config.max_position_embeddings) == (8, 128, 8192)
 
 
 def test_flops_per_token_matches_torch_flop_counter():
@@ -70,7 +76,7 @@ def test_flops_per_token_matches_torch_flop_counter():
 
 
 def test_unknown_preset_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown preset 'huge'.*tiny, 210m, 610m, 1b, 7b"):
+    with pytest.raises(ValueError, match="unknown preset 'huge'.*tiny, 210m, 610m, 1b, 7b, 8b"):
         build_model("huge", 64)
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         get_preset("huge")
@@ -83,7 +89,7 @@ def test_bad_checkpoint_directories(tmp_path):
         build_model(str(tmp_path), 64)
     BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                intermediate_size=64).save_pretrained(tmp_path / "bert")
-    with pytest.raises(ValueError, match="model_type 'bert' is not supported; supported architectures: llama, mistral"):
+    with pytest.raises(ValueError, match="model_type 'bert' is not supported; supported architectures: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text"):
         build_model(str(tmp_path / "bert"), 64)
 
 

@@ -8,6 +8,7 @@ reloaded. Each launch costs ~15 s of process start-up, so launches are few.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -149,6 +150,8 @@ def test_hf_export_reloads_with_the_trained_weights(baseline, shards, init_dir, 
     subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", baseline,
                     "--output", offline], check=True, capture_output=True, cwd=REPO)
     assert torch.equal(_logits(offline, ids), exported)  # 16-bit gather in training == offline fp32 export
+    records = [json.load(open(os.path.join(d, "config.json")))["decoder_encoders"] for d in (offline, baseline + "/hf")]
+    assert records[0] == records[1] and records[0]["attention"] == "causal"  # both routes record the same training
     _, reference = reference_losses(shards, init_dir, baseline)
     with torch.no_grad():
         ref = reference.eval()(input_ids=ids).logits
@@ -162,6 +165,12 @@ def test_export_without_checkpoint_says_so(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", str(tmp_path),
                            "--output", str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
+
+
+def test_run_dir_names_the_run():
+    assert (load_experiment(None).name, load_experiment(None).run_dir) == ("sample-tiny-clm", "runs/sample-tiny-clm")
+    assert load_experiment(None, ["run_dir=/tmp/runs/mntp-try2/"]).name == "mntp-try2"
+    assert load_experiment(None, ["name=x", "run_dir=/tmp/y"]).name == "x"  # an explicit name wins
 
 
 def test_ds_config_auto_fields_and_conflicts():

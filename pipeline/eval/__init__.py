@@ -2,11 +2,12 @@
 the ablation report (``launch/report.py``). See docs/evaluation.md.
 
 - ``load_model(path)``: a run directory or HF directory, with its tokenizer and how its training says to read it;
-- ``encode(model, texts, instruction=None, pooling="mean")`` and ``SentenceEncoder`` (sentence-transformers / MTEB);
+- ``encode(model, texts, instruction=None, pooling=None, layout=None)`` (defaults: the model's training record);
+  ``pipeline.eval.mteb_encoder.MTEBEncoder`` for MTEB 2.x (imports mteb, so not imported here);
 - ``registry.TASKS``: every task by name, one module per family.
 """
 
-from pipeline.eval.encode import SentenceEncoder, encode
+from pipeline.eval.encode import encode
 from pipeline.eval.model import EvalModel, load_model
 
-__all__ = ["EvalModel", "SentenceEncoder", "encode", "load_model"]
+__all__ = ["EvalModel", "encode", "load_model"]

@@ -25,8 +25,9 @@ EXTS = (".tsv", ".csv", ".txt", ".jsonl", ".json")
 @dataclass
 class EmbeddingOptions:
     datasets: list[str] = field(default_factory=list)  # files or HF names; default: all of DATA_DIR/<task>
-    pooling: Literal["mean", "last", "weighted_mean"] = "mean"
-    instruction: str | None = None  # e.g. LLM2Vec's "Retrieve semantically similar text:"; left out of pooling
+    pooling: Literal["mean", "last", "weighted_mean"] | None = None  # None: the model's recorded pooling
+    layout: Literal["bos_eos", "special", "text"] | None = None  # None: the model's recorded layout
+    instruction: str | None = None  # None: the model's recorded one ("" for none); left out of pooling
     attention: Literal["causal", "bidirectional"] | None = None  # None: the model's
     max_length: int = 512
     max_examples: int = 0  # 0: all
@@ -34,8 +35,12 @@ class EmbeddingOptions:
 
 
 def _embed(ctx: EvalContext, texts: list[str], opts: EmbeddingOptions) -> np.ndarray:
-    return encode(ctx.model, texts, opts.instruction, opts.pooling, ctx.batch_size, opts.attention, opts.max_length,
-                  ctx.progress)
+    """Each distinct text is encoded once (STS files repeat sentences across pairs)."""
+    distinct = list(dict.fromkeys(texts))
+    emb = encode(ctx.model, distinct, opts.instruction, opts.pooling, ctx.batch_size, opts.attention,
+                 opts.max_length, ctx.progress, opts.layout)
+    where = {t: i for i, t in enumerate(distinct)}
+    return emb[[where[t] for t in texts]]
 
 
 def _float(row: Row, value, what: str) -> float:
@@ -119,7 +124,8 @@ def _run(family: str, per_file):
         results = {dataset_name(s): per_file(ctx, s, opts) for s in ctx.sources(family, opts.datasets, EXTS)}
         metric = "spearman" if family == "sts" else "v_measure"
         return {"datasets": results, "average": float(np.mean([r[metric] for r in results.values()])),
-                "pooling": opts.pooling, "instruction": opts.instruction,
+                "pooling": opts.pooling or ctx.model.record.pooling, "layout": opts.layout or ctx.model.record.layout,
+                "instruction": ctx.model.record.instruction if opts.instruction is None else opts.instruction,
                 "attention": opts.attention or ctx.model.attention}
     return run
 

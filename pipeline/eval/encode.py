@@ -1,15 +1,24 @@
 """Sentence embeddings from any checkpoint of the project or HF directory (LLM2Vec's ``encode()``, MTEB's model).
 
-A text is read as ``BOS, instruction tokens, text tokens, EOS`` (the instruction and the text tokenized apart, so
-the boundary is exact; SSCL trains on the same layout). The instruction conditions the text's states but is left
-out of pooling, as LLM2Vec's ``skip_instruction``:
+A text is read as ``head, instruction + text, tail``. The instruction and the text are tokenized as one string,
+as sentence-transformers and LLM2Vec do, and the instruction's own token count marks where the text starts; the
+instruction conditions the text's states but is left out of pooling (LLM2Vec's ``skip_instruction``). ``layout``
+picks head and tail:
+
+- ``bos_eos``: BOS and EOS, as data prep writes every document and unit (the default);
+- ``special``: what the tokenizer itself adds (``tokenizer(text)``: BOS for Llama, nothing for Qwen2), LLM2Vec's and
+  sentence-transformers' layout;
+- ``text``: the text tokens alone.
+
+Pooling (special tokens are never pooled, except by ``last``):
 
 - ``mean``: the mean over the text tokens (LLM2Vec's default; SimCSE pools the same tokens);
 - ``weighted_mean``: text token j of n weighted j / sum(1..n) (LLM2Vec, after SGPT: later tokens have seen more);
-- ``last``: the last token's state, the EOS when the tokenizer has one (MAGNET's SSCL embedding).
+- ``last``: the last token's state, the EOS under ``bos_eos`` (MAGNET's SSCL embedding).
 
-Attention is the model's (``EvalModel.attention``: bidirectional for bidirectionally trained runs) unless given.
-Texts are sorted by length into batches, so little padding is computed, and returned in input order.
+Defaults come from the model's training record (``EvalModel.record``, docs/export.md); attention is the model's
+(``EvalModel.attention``) unless given. Texts are sorted by length into batches, so little padding is computed,
+and returned in input order.
 """
 
 from __future__ import annotations
@@ -21,25 +30,46 @@ import torch
 from tqdm import tqdm
 
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
-from pipeline.eval.model import EvalModel, load_model
+from pipeline.eval.model import EvalModel
+from pipeline.export.record import LAYOUTS, POOLINGS
+from pipeline.tokenizer import Tokenizer
 
-POOLINGS = ("mean", "last", "weighted_mean")
+PROBE = "probe text"  # what ``special`` tokenizes to find the tokenizer's own special tokens
 
 
-def layout(model: EvalModel, texts: Sequence[str], instruction: str | None, max_length: int
-           ) -> list[tuple[list[int], int, int]]:
+def special_tokens(tokenizer: Tokenizer, layout: str) -> tuple[list[int], list[int]]:
+    """(ids before, ids after) the instruction and text under ``layout``; ``special`` asks the tokenizer what its
+    own call adds around a text (e.g. Llama: BOS; Qwen2: nothing)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if layout == "text":
+        return [], []
+    if layout == "bos_eos":
+        return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []), (
+            [tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    bare = tokenizer.hf(PROBE, add_special_tokens=False)["input_ids"]
+    full = tokenizer.hf(PROBE)["input_ids"]
+    start = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+    if start is None:
+        raise ValueError(f"tokenizer {tokenizer.path}: its own special tokens change the text's tokens, so layout "
+                         f"'special' cannot find the text in them; use layout 'bos_eos' or 'text'")
+    return full[:start], full[start + len(bare):]
+
+
+def rows_for(model: EvalModel, texts: Sequence[str], instruction: str | None, max_length: int, layout: str
+             ) -> list[tuple[list[int], int, int]]:
     """(ids, first text position, end of text) per text; the text is cut to fit ``max_length`` tokens."""
     tok = model.tokenizer
-    head = ([tok.bos_id] if tok.bos_id is not None else []) + (tok.encode_batch([instruction])[0] if instruction else [])
-    tail = [tok.eos_id] if tok.eos_id is not None else []
+    head, tail = special_tokens(tok, layout)
+    skip = len(tok.encode_batch([instruction])[0]) if instruction else 0
     room = max_length - len(head) - len(tail)
-    if room < 1:
-        raise ValueError(f"the instruction takes {len(head)} of the {max_length} tokens allowed; shorten it or "
-                         f"raise max_length")
+    if room <= skip:
+        raise ValueError(f"the instruction takes {len(head) + skip} of the {max_length} tokens allowed; shorten it "
+                         f"or raise max_length")
     rows = []
-    for ids in tok.encode_batch(list(texts)):
+    for ids in tok.encode_batch([(instruction or "") + t for t in texts]):
         ids = ids[:room]
-        rows.append((head + ids + tail, len(head), len(head) + len(ids)))
+        rows.append((head + ids + tail, len(head) + min(skip, len(ids)), len(head) + len(ids)))
     return rows
 
 
@@ -57,14 +87,17 @@ def pool(hidden: torch.Tensor, rows: Sequence[tuple[list[int], int, int]], pooli
 
 
 @torch.no_grad()
-def encode(model: EvalModel, texts: Sequence[str], instruction: str | None = None, pooling: str = "mean",
-           batch_size: int = 32, attention: str | None = None, max_length: int = 512, progress: bool = False
-           ) -> np.ndarray:
-    """float32 [len(texts), hidden] embeddings; ``attention`` defaults to the model's (``model.attention``)."""
+def encode(model: EvalModel, texts: Sequence[str], instruction: str | None = None, pooling: str | None = None,
+           batch_size: int = 32, attention: str | None = None, max_length: int = 512, progress: bool = False,
+           layout: str | None = None) -> np.ndarray:
+    """float32 [len(texts), hidden] embeddings; ``instruction`` (``""``: none), ``pooling``, ``layout`` and
+    ``attention`` default to the model's (its training record, ``model.record``; ``attention``: ``model.attention``)."""
+    instruction = model.record.instruction if instruction is None else instruction
+    pooling = pooling or model.record.pooling
     if pooling not in POOLINGS:
         raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}")
     texts = list(texts)
-    rows = layout(model, texts, instruction, min(max_length, model.max_length))
+    rows = rows_for(model, texts, instruction, min(max_length, model.max_length), layout or model.record.layout)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
     out = np.zeros((len(rows), model.lm.config.hidden_size), dtype=np.float32)
     pad = pad_id(model.tokenizer)
@@ -75,31 +108,3 @@ def encode(model: EvalModel, texts: Sequence[str], instruction: str | None = Non
         hidden = hidden_states(model.lm, ids, doc_ids, attention or model.attention)
         out[chunk] = pool(hidden, batch, pooling).float().cpu().numpy()
     return out
-
-
-class SentenceEncoder:
-    """A sentence-transformers-compatible model (``.encode(sentences, batch_size=..., **kw) -> np.ndarray``), so
-    MTEB can evaluate any checkpoint: ``mteb.MTEB(tasks=[...]).run(SentenceEncoder("runs/x"))``.
-
-    The instruction is, in order: the call's ``prompt``, ``instructions[task_name]`` (MTEB passes ``task_name``),
-    the default ``instruction``. Other keyword arguments MTEB or sentence-transformers pass are accepted and ignored.
-    """
-
-    def __init__(self, model: EvalModel | str, pooling: str = "mean", instruction: str | None = None,
-                 instructions: dict[str, str] | None = None, attention: str | None = None, max_length: int = 512,
-                 **load_kwargs):
-        self.model = load_model(model, **load_kwargs) if isinstance(model, str) else model
-        self.pooling, self.instruction, self.instructions = pooling, instruction, dict(instructions or {})
-        self.attention, self.max_length = attention, max_length
-
-    def encode(self, sentences: str | Sequence[str], batch_size: int = 32, show_progress_bar: bool = False,
-               normalize_embeddings: bool = False, prompt: str | None = None, task_name: str | None = None,
-               convert_to_tensor: bool = False, **_ignored) -> np.ndarray | torch.Tensor:
-        single = isinstance(sentences, str)
-        instruction = prompt or self.instructions.get(task_name or "", self.instruction)
-        emb = encode(self.model, [sentences] if single else list(sentences), instruction, self.pooling, batch_size,
-                     self.attention, self.max_length, show_progress_bar)
-        if normalize_embeddings:
-            emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
-        emb = emb[0] if single else emb
-        return torch.from_numpy(emb) if convert_to_tensor else emb

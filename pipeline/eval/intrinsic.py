@@ -33,16 +33,7 @@ class HeldOutOptions:
 class MaskedHeldOutOptions(HeldOutOptions):
     ratio: float = 0.3
     policy: Literal["80-10-10", "mask"] = "80-10-10"
-    mask_token: str | None = None  # None: the run's own mask_token setting, else the tokenizer's mask token
-
-
-def run_mask_token(experiment: dict | None) -> str | None:
-    """The ``mask_token`` the run trained its masked objectives with (e.g. "_" for Llama), if any."""
-    for phase in (experiment or {}).get("phases", []):
-        for spec in phase.get("objectives", []):
-            if spec.get("mask_token"):
-                return spec["mask_token"]
-    return None
+    mask_token: str | None = None  # None: the model's recorded mask token, else the tokenizer's mask token
 
 
 @torch.no_grad()
@@ -75,7 +66,7 @@ def perplexity(ctx: EvalContext, opts: HeldOutOptions) -> dict:
 
 def masked(name: str):
     def run(ctx: EvalContext, opts: MaskedHeldOutOptions) -> dict:
-        config = MaskingConfig(opts.ratio, opts.policy, opts.mask_token or run_mask_token(ctx.model.experiment))
+        config = MaskingConfig(opts.ratio, opts.policy, opts.mask_token or ctx.model.record.mask_token)
         objective = make_objective(name, tokenizer=ctx.model.tokenizer, masking=config,
                                    document_masking=opts.document_masking)
         return {**score(ctx, objective, opts), "ratio": opts.ratio, "policy": opts.policy}

@@ -2,14 +2,16 @@
 what its training says about how to read it.
 
 A run directory is evaluated through its ``hf/`` export, or, when training has not exported one, through its newest
-complete checkpoint exported once by ``launch/export_hf.py`` into ``RUN/eval/hf-stepNNNNNNNN`` (reused after). Its
-``experiment.json`` decides two things, each overridable:
+complete checkpoint exported once by ``launch/export_hf.py`` into ``RUN/eval/hf-stepNNNNNNNN`` (reused after).
+How to read the model comes from the export's own ``config.json`` (``pipeline.export.record``), so a copied export
+reads the same as the run's; an export written before records existed falls back to its run's ``experiment.json``,
+and an HF directory with neither is a plain decoder (``causal``, ``EncoderRecord()``'s defaults):
 
 - ``attention`` for embeddings, probing and fine-tuning inputs: ``bidirectional`` when the last phase trained any
-  non-causal objective (MLM, MNTP, MAGNET, SimCSE, SSCL), else ``causal``. An HF directory without a run is a plain
-  decoder: ``causal``.
+  non-causal objective (MLM, MNTP, MAGNET, SimCSE, SSCL), else ``causal`` (overridable);
 - ``reads_previous``: MNTP-trained models (any phase with ``mntp`` or ``magnet``) predict token i from position i-1,
-  so word probes read the states one position earlier (LLM2Vec's ``retroactive_labels: next_token``).
+  so word probes read the states one position earlier (LLM2Vec's ``retroactive_labels: next_token``);
+- the mask token, and the default pooling, layout and instruction of ``encode``.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pipeline.data.manifest import read_json
-from pipeline.objectives import OBJECTIVES
+from pipeline.export.record import EncoderRecord, from_experiment, read_record
+from pipeline.model.build import project_masks
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 from pipeline.train import checkpoint
 from pipeline.train.experiment import REPO
 
 ATTENTIONS = ("auto", "causal", "bidirectional")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-MNTP_OBJECTIVES = ("mntp", "magnet")
 
 
 class ModelError(ValueError):
@@ -43,10 +45,14 @@ class EvalModel:
     tokenizer: Tokenizer
     hf_dir: str
     run_dir: str | None  # the training run it came from, when known
-    experiment: dict | None  # that run's experiment.json
     step: int | None  # the checkpoint step exported, when known
-    attention: str  # "causal" | "bidirectional": how encoders read text
-    reads_previous: bool  # MNTP-trained: token i is read from position i - 1
+    record: EncoderRecord  # how its training says to read it
+    attention: str  # "causal" | "bidirectional": how encoders read text (the record's unless overridden)
+
+    @property
+    def reads_previous(self) -> bool:
+        """MNTP-trained: token i is read from position i - 1."""
+        return self.record.reads_previous
 
     @property
     def device(self) -> torch.device:
@@ -58,24 +64,8 @@ class EvalModel:
 
     def describe(self) -> dict:
         return {"hf_dir": self.hf_dir, "run_dir": self.run_dir, "step": self.step, "attention": self.attention,
-                "reads_previous": self.reads_previous, "tokenizer": self.tokenizer.path,
-                "parameters": sum(p.numel() for p in self.lm.parameters())}
-
-
-def _objective_names(experiment: dict, last_phase_only: bool) -> list[str]:
-    phases = experiment.get("phases", [])[-1:] if last_phase_only else experiment.get("phases", [])
-    return [o["name"] for p in phases for o in p.get("objectives", [])]
-
-
-def trained_attention(experiment: dict | None) -> str:
-    if experiment is None:
-        return "causal"
-    modes = {OBJECTIVES[n].attention_mode for n in _objective_names(experiment, True) if n in OBJECTIVES}
-    return "bidirectional" if modes - {"causal"} else "causal"
-
-
-def trained_reads_previous(experiment: dict | None) -> bool:
-    return experiment is not None and any(n in MNTP_OBJECTIVES for n in _objective_names(experiment, False))
+                "reads_previous": self.reads_previous, "record": self.record.as_dict(),
+                "tokenizer": self.tokenizer.path, "parameters": sum(p.numel() for p in self.lm.parameters())}
 
 
 def export_checkpoint(run_dir: str, step: int) -> str:
@@ -123,13 +113,19 @@ def load_model(path: str, *, attention: str = "auto", tokenizer: str | None = No
     except ValueError as e:
         raise ModelError(f"{hf_dir}: the model has no usable tokenizer ({e}); copy the training tokenizer's files "
                          f"into it, or pass --tokenizer DIR") from e
-    experiment = read_json(os.path.join(run_dir, "experiment.json"), "run directory") if run_dir else None
     lm = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=DTYPES[dtype],
                                               attn_implementation=attn_implementation)
+    try:
+        record = read_record(lm.config)
+    except (TypeError, ValueError) as e:
+        raise ModelError(f"{hf_dir}/config.json: {e}; re-export the model with launch/export_hf.py") from e
+    if record is None:  # an export without a record: its run's experiment, else a plain decoder
+        record = (from_experiment(read_json(os.path.join(run_dir, "experiment.json"), "run directory"), tok)
+                  if run_dir else EncoderRecord())
+    project_masks(lm.config)
     if tok.info.vocab_size > lm.config.vocab_size:
         raise ModelError(f"{hf_dir}: the tokenizer has {tok.info.vocab_size} ids but the model only "
                          f"{lm.config.vocab_size}; pass the tokenizer the model was trained with (--tokenizer)")
     lm.to(device).eval()
-    return EvalModel(lm=lm, tokenizer=tok, hf_dir=hf_dir, run_dir=run_dir, experiment=experiment, step=step,
-                     attention=trained_attention(experiment) if attention == "auto" else attention,
-                     reads_previous=trained_reads_previous(experiment))
+    return EvalModel(lm=lm, tokenizer=tok, hf_dir=hf_dir, run_dir=run_dir, step=step, record=record,
+                     attention=record.attention if attention == "auto" else attention)

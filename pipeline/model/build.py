@@ -1,4 +1,8 @@
-"""Build the model: a preset trained from scratch, or a local HF Llama/Mistral checkpoint for continued pretraining.
+"""Build the model: a preset trained from scratch, or a local HF decoder checkpoint for continued pretraining.
+
+Checkpoint families (``ARCHITECTURES``): Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2 and Gemma 3 (text). Each runs
+the project's attention masks through its HF ``model.model(...)`` forward unchanged (tests/test_families.py); their
+sliding-window layers are the one thing those masks do not express (``check_sliding_window``).
 
 Both routes go through ``AutoModelForCausalLM.from_config`` / ``from_pretrained``: under ZeRO-3 (while the trainer
 keeps a ``transformers.integrations.HfDeepSpeedConfig`` alive) transformers wraps construction in
@@ -15,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from pipeline.model.presets import PRESETS, get_preset
 
-ARCHITECTURES = ("llama", "mistral")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
 def build_model(spec: str, vocab_size: int, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
@@ -34,12 +38,20 @@ def build_model(spec: str, vocab_size: int, *, dtype: torch.dtype = torch.float3
     if not path.is_dir():
         hint = f"no such directory {spec!r}" if ("/" in spec or spec.startswith(".")) else f"unknown preset {spec!r}"
         raise ValueError(f"{hint}; the model must be one of the presets {', '.join(PRESETS)} "
-                         "or a local HF checkpoint directory (Llama or Mistral architecture)")
-    config = load_checkpoint_config(path)
+                         f"or a local HF checkpoint directory (model_type {', '.join(ARCHITECTURES)})")
+    config = project_masks(load_checkpoint_config(path))
     check_tokenizer_compatible(config, path, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     config.use_cache = False
     return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
                                                 attn_implementation=attn_implementation, local_files_only=True)
+
+
+def project_masks(config: PretrainedConfig) -> PretrainedConfig:
+    """HF's causal default back on a loaded config. A bidirectional export says ``is_causal: false`` (so plain
+    transformers runs it bidirectionally), which would also turn the project's causal requests (``is_causal=True``
+    and no mask, ``pipeline.model.attention``) bidirectional; in the project its own masks decide."""
+    config.is_causal = True
+    return config
 
 
 def load_checkpoint_config(path: Path) -> PretrainedConfig:
@@ -51,6 +63,21 @@ def load_checkpoint_config(path: Path) -> PretrainedConfig:
         raise ValueError(f"{path}/config.json: model_type {config.model_type!r} is not supported; "
                          f"supported architectures: {', '.join(ARCHITECTURES)}")
     return config
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The window of the checkpoint's sliding-window attention layers, None when it has none in use."""
+    window = getattr(config, "sliding_window", None)
+    return window if window and getattr(config, "use_sliding_window", True) else None
+
+
+def check_sliding_window(config: PretrainedConfig, spec: str, seq_len: int) -> None:
+    """The project's masks have no sliding window: refuse sequences longer than the checkpoint's window, over
+    which its sliding-window layers would attend further than they were trained to."""
+    window = sliding_window(config)
+    if window is not None and seq_len > window:
+        raise ValueError(f"{spec}/config.json: sliding_window {window} is shorter than data.seq_len {seq_len}; the "
+                         f"project's attention masks have no sliding window, so set data.seq_len <= {window}")
 
 
 def check_checkpoint_shape(spec: str, preset: str) -> None:

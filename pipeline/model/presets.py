@@ -1,8 +1,8 @@
-"""Named model shapes: the Llama-style architectures of the MLM-vs-CLM study plus a tiny one for tests.
+"""Named model shapes: the Llama-style architectures of the MLM-vs-CLM study, Llama-3-8B's, and a tiny one for tests.
 
-Every preset shares the block design of that study (no biases, RMSNorm, SwiGLU, RoPE theta 10 000, untied
-embeddings); only the sizes differ. The vocabulary is not part of a preset: it comes from the data's tokenizer.
-See docs/models.md for where each shape comes from and its parameter count.
+Every preset shares the block design of that study (no biases, RMSNorm, SwiGLU, untied embeddings); the sizes,
+RoPE theta (10 000; Llama-3: 500 000) and context differ. The vocabulary is not part of a preset: it comes from
+the data's tokenizer. See docs/models.md for where each shape comes from and its parameter count.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class ModelPreset:
     num_heads: int
     num_kv_heads: int
     max_seq_len: int = 2048
+    rope_theta: float = 10000.0
 
     def to_config(self, vocab_size: int, **special_ids: int | None) -> LlamaConfig:
         """The HF config of this shape; ``special_ids`` are ``pad_token_id``, ``bos_token_id``, ``eos_token_id``."""
@@ -34,7 +35,7 @@ class ModelPreset:
             max_position_embeddings=self.max_seq_len,
             hidden_act="silu",
             rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             attention_bias=False,
             mlp_bias=False,
             tie_word_embeddings=False,
@@ -50,6 +51,9 @@ PRESETS: dict[str, ModelPreset] = {
     # The paper's appendix table as recapped (28 layers, FFN 5120), not the reverted EuroBERT commit (26, 4096).
     "1b": ModelPreset(num_layers=28, hidden_size=1728, ffn_size=5120, num_heads=18, num_kv_heads=6),
     "7b": ModelPreset(num_layers=32, hidden_size=4096, ffn_size=11008, num_heads=32, num_kv_heads=32),
+    # Llama-3-8B: grouped-query attention (8 KV heads), FFN 14336, RoPE theta 500 000, context 8192
+    "8b": ModelPreset(num_layers=32, hidden_size=4096, ffn_size=14336, num_heads=32, num_kv_heads=8, max_seq_len=8192,
+                      rope_theta=500000.0),
 }
 
 

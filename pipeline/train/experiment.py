@@ -32,7 +32,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    init: str = "tiny"  # a preset name (tiny, 210m, 610m, 1b, 7b) or a local HF checkpoint directory
+    init: str = "tiny"  # a preset name (tiny, 210m, 610m, 1b, 7b, 8b) or a local HF checkpoint directory
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     activation_checkpointing: bool = False
@@ -108,9 +108,12 @@ class CheckpointConfig:
     resume: bool = True  # continue from the newest complete checkpoint in run_dir
 
 
+DEFAULT_NAME = "sample-tiny-clm"  # the embedded default experiment's run
+
+
 @dataclass
 class ExperimentConfig:
-    name: str = "sample-tiny-clm"
+    name: str = ""  # default: the run directory's name when run_dir is set, else sample-tiny-clm
     run_dir: str = ""  # default runs/<name>
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -120,6 +123,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> None:
+        self.name = self.name or (os.path.basename(os.path.normpath(self.run_dir)) if self.run_dir else DEFAULT_NAME)
         self.run_dir = self.run_dir or os.path.join("runs", self.name)
         for phase in self.phases:  # defaults are built without from_dict, so validate (and name) them here
             phase.validate()

@@ -14,6 +14,7 @@ import yaml
 from pipeline.config import ConfigError, to_dict
 from pipeline.data.loader import ShardLoader, check_compatible, check_source
 from pipeline.data.manifest import DatasetIndex, load_index, write_json_atomic
+from pipeline.export.record import from_experiment
 from pipeline.model.flops import flops_per_token
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train import checkpoint
@@ -214,7 +215,8 @@ def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
     summary = {"steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(time.time() - t_start, 1),
                "run_dir": exp.run_dir}
     if step == exp.train.steps and exp.train.export_hf:
-        summary["hf_export"] = export_hf(engine, lm, tokenizer, os.path.join(exp.run_dir, "hf"))
+        summary["hf_export"] = export_hf(engine, lm, tokenizer, os.path.join(exp.run_dir, "hf"),
+                                         from_experiment(to_dict(exp), tokenizer))
     metrics.close(summary)
     for loader in loaders.values():
         loader.close()

@@ -10,7 +10,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
-from pipeline.model.build import build_model, check_checkpoint_shape
+from pipeline.export.record import EncoderRecord, write_record
+from pipeline.model.build import build_model, check_checkpoint_shape, check_sliding_window
 from pipeline.train.experiment import ExperimentConfig
 
 PREFIX = "lm."
@@ -54,6 +55,7 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
                      attn_implementation=exp.model.attn_implementation, pad_token_id=info.pad_id,
                      bos_token_id=info.bos_id, eos_token_id=info.eos_id)
+    check_sliding_window(lm.config, exp.model.init, exp.data.seq_len)
     lm.train()  # from_pretrained returns the model in eval mode: dropout (SimCSE's positives) would be off
     lm.config.use_cache = False
     lm.config.attention_dropout = exp.model.attention_dropout
@@ -72,22 +74,24 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     return lm, model, optimizer
 
 
-def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str) -> str:
-    """Write an HF ``save_pretrained`` directory (weights, config, tokenizer) from an engine-module state dict."""
+def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: EncoderRecord) -> str:
+    """Write an HF ``save_pretrained`` directory (weights, config with the training ``record``, tokenizer) from an
+    engine-module state dict."""
     sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in state_dict.items()}
     os.makedirs(out, exist_ok=True)
     lm.config.use_cache = True
     lm.save_pretrained(out, state_dict=sd, safe_serialization=True)
+    write_record(out, record)
     tokenizer.save(out)
     return out
 
 
-def export_hf(engine, lm: PreTrainedModel, tokenizer, out: str) -> str:
+def export_hf(engine, lm: PreTrainedModel, tokenizer, out: str, record: EncoderRecord) -> str:
     """Collective under ZeRO-3: every rank takes part in the 16-bit gather; rank 0 writes."""
     stage3 = engine.zero_optimization_stage() == 3
     sd = engine._zero3_consolidated_16bit_state_dict() if stage3 else engine.module.state_dict()
     if dist.get_rank() == 0:
-        save_hf(lm, sd, tokenizer, out)
+        save_hf(lm, sd, tokenizer, out, record)
         print(f"exported HF model to {out}", flush=True)
     dist.barrier()
     return out

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pipeline.eval.data import DataError, Row
-from pipeline.eval.encode import layout, pool
+from pipeline.eval.encode import pool, rows_for
 from pipeline.eval.finetune.sweep import FinetuneOptions, FinetuneTask, batch_rows, run_family
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
 from pipeline.eval.task import Task
@@ -61,7 +61,7 @@ class SequenceClassification(FinetuneTask):
                             f"classifier needs at least two")
         ids = label_ids(rows, self.labels)
         max_length = min(self.opts.max_length, self.ctx.model.max_length)
-        return {split: list(zip(layout(self.ctx.model, [render(r) for r in split_rows], None, max_length), ids[split]))
+        return {split: list(zip(rows_for(self.ctx.model, [render(r) for r in split_rows], None, max_length, "bos_eos"), ids[split]))
                 for split, split_rows in rows.items()}
 
     def head(self, hidden_size: int) -> nn.Module:

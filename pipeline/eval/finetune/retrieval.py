@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pipeline.eval.data import DataError, Row
-from pipeline.eval.encode import layout, pool
+from pipeline.eval.encode import pool, rows_for
 from pipeline.eval.finetune.sweep import FinetuneOptions, FinetuneTask, batch_rows, run_family
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
 from pipeline.eval.metrics import ndcg_at_k
@@ -47,7 +47,7 @@ class Retrieval(FinetuneTask):
     metric = "ndcg@10"
 
     def encode_texts(self, texts: list[str]) -> list:
-        return layout(self.ctx.model, texts, None, min(self.opts.max_length, self.ctx.model.max_length))
+        return rows_for(self.ctx.model, texts, None, min(self.opts.max_length, self.ctx.model.max_length), "bos_eos")
 
     def prepare(self, rows: dict[str, list[Row]]) -> dict:
         pairs = {split: [(str(r.get(QUERY, "query")), str(r.get(DOCUMENT, "document")), r) for r in split_rows]

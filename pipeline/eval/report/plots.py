@@ -1,5 +1,8 @@
 """PNG plots of the ablation: loss curves per objective across variants, and each evaluated number against the
-CLM share and against the masking ratio. Each figure says so when it has nothing to show, instead of being absent."""
+CLM share and against the masking ratio. Each figure says so when it has nothing to show, instead of being absent.
+
+A line joins only runs that differ in the plotted setting alone: same model scale, same non-CLM objectives, same
+other setting (``series``); its legend names what varies between the lines. Perplexities are drawn on a log axis."""
 
 from __future__ import annotations
 
@@ -61,11 +64,34 @@ def loss_curves(runs: list[RunSummary], path: str) -> str:
     return _save(fig, path)
 
 
+def log_scale(key: str) -> bool:
+    """Perplexities (``ppl``, ``infill_ppl_*``) span orders of magnitude across runs: a log axis."""
+    return "ppl" in key.split("/")[0]
+
+
+def series(points: list[tuple[float, float, RunSummary]], axis: str) -> dict[str, list[tuple[float, float]]]:
+    """The lines of one panel: label -> points sorted by x. Runs share a line only when they differ in ``axis``
+    alone (scale, non-CLM objectives and the other setting equal); the label names what varies between lines."""
+    other = "mask_ratio" if axis == "clm_share" else "clm_share"
+
+    def key(r: RunSummary) -> tuple:
+        return (("model", r.variant.scale), ("objectives", "+".join(sorted(r.variant.objectives - {"clm"})) or "clm"),
+                (other.replace("_", " "), getattr(r.variant, other)))
+
+    keys = {key(r) for _, _, r in points}
+    varies = [i for i in range(3) if len({k[i][1] for k in keys}) > 1]
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for x, y, r in points:
+        k = key(r)
+        label = ", ".join(f"{k[i][0]} = {k[i][1] if k[i][1] is not None else 'none'}" for i in varies) or "all runs"
+        lines.setdefault(label, []).append((x, y))
+    return {label: sorted(line) for label, line in sorted(lines.items())}
+
+
 def metric_against(runs: list[RunSummary], path: str, axis: str) -> str:
     """One panel per headline number against ``axis`` ("clm_share" or "mask_ratio"); each point is a run, labelled,
-    and runs with the same other setting are joined by a line."""
+    and runs that differ in ``axis`` alone are joined by a line (``series``)."""
     label = {"clm_share": "CLM share of the steps", "mask_ratio": "masking ratio"}[axis]
-    other = "mask_ratio" if axis == "clm_share" else "clm_share"
     placed = [r for r in runs if getattr(r.variant, axis) is not None]
     found = {k for r in placed for k in r.headline}
     keys = ([k for k in FIRST if k in found] + sorted(found - set(FIRST)))[:MAX_PANELS]
@@ -75,10 +101,10 @@ def metric_against(runs: list[RunSummary], path: str, axis: str) -> str:
     fig, axes = _grid(len(keys), f"Evaluation metrics against the {label}")
     for ax, key in zip(axes, keys):
         points = [(getattr(r.variant, axis), r.headline[key], r) for r in placed if key in r.headline]
-        for group in sorted({getattr(r.variant, other) for _, _, r in points}, key=lambda g: (g is None, g)):
-            line = sorted((x, y) for x, y, r in points if getattr(r.variant, other) == group)
-            ax.plot([x for x, _ in line], [y for _, y in line], marker="o",
-                    label=f"{other.replace('_', ' ')} = {group if group is not None else 'none'}")
+        for name, line in series(points, axis).items():
+            ax.plot([x for x, _ in line], [y for _, y in line], marker="o", label=name)
+        if log_scale(key):
+            ax.set_yscale("log")
         for x, y, r in points:
             ax.annotate(r.variant.name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.set_title(key)

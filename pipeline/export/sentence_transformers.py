@@ -1,0 +1,67 @@
+"""Make an HF export a sentence-transformers model directory: ``SentenceTransformer(DIR)`` then embeds text as
+``pipeline.eval.encode`` does with the export's recorded pooling, layout and instruction.
+
+The files are sentence-transformers' own (6.x): ``modules.json`` (the directory's transformer, then pooling),
+``sentence_bert_config.json`` (whether the tokenizer adds its special tokens), ``1_Pooling/config.json`` and
+``config_sentence_transformers.json`` (the instruction as the default prompt, cosine similarity). The model is
+the directory's config and weights, loaded by ``AutoModel``, so a bidirectional export runs bidirectionally
+(``is_causal: false``, ``pipeline.export.record``).
+
+sentence-transformers tokenizes ``prompt + text`` as one string and leaves the prompt's own tokens out of pooling
+(``include_prompt: false``), as ``encode`` does. Its mean pooling covers every other token, special tokens too, so
+it equals ``encode``'s only when the layout adds none (``text``); its last-token pooling equals ``encode``'s
+``last`` under the tokenizer's own layout. Other combinations are refused with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from pipeline.export.record import EncoderRecord
+
+ST_POOLING = {"mean": "mean", "last": "lasttoken"}
+TRANSFORMER = "sentence_transformers.base.modules.transformer.Transformer"
+POOLING = "sentence_transformers.sentence_transformer.modules.pooling.Pooling"
+
+
+def check_expressible(record: EncoderRecord) -> None:
+    """Raise unless sentence-transformers' modules reproduce ``encode`` under ``record``."""
+    if record.pooling not in ST_POOLING:
+        raise ValueError(f"pooling {record.pooling!r} has no sentence-transformers equivalent; export with "
+                         f"--pooling mean or --pooling last")
+    if record.pooling == "mean" and record.layout != "text":
+        raise ValueError(f"sentence-transformers' mean pooling includes special tokens, so it equals encode()'s mean "
+                         f"only under layout 'text' (the recorded layout is {record.layout!r}); export with "
+                         f"--layout text, or --pooling last")
+    if record.pooling == "last" and record.layout == "bos_eos":
+        raise ValueError("sentence-transformers adds the tokenizer's own special tokens, not data prep's BOS/EOS; "
+                         "export with --layout special (or text)")
+
+
+def _write(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def write_sentence_transformers(hf_dir: str, record: EncoderRecord) -> None:
+    """Add the sentence-transformers files to the HF export ``hf_dir`` (its config.json holds ``record``)."""
+    check_expressible(record)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hidden = json.load(f)["hidden_size"]
+    _write(os.path.join(hf_dir, "modules.json"), [
+        {"idx": 0, "name": "0", "path": "", "type": TRANSFORMER},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": POOLING}])
+    _write(os.path.join(hf_dir, "sentence_bert_config.json"), {
+        "transformer_task": "feature-extraction",
+        "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+        "module_output_name": "token_embeddings",
+        "processing_kwargs": {"text": {"add_special_tokens": record.layout != "text"}}})
+    _write(os.path.join(hf_dir, "1_Pooling", "config.json"), {
+        "embedding_dimension": hidden, "pooling_mode": ST_POOLING[record.pooling], "include_prompt": False})
+    prompts = {"instruction": record.instruction} if record.instruction else {}
+    _write(os.path.join(hf_dir, "config_sentence_transformers.json"), {
+        "model_type": "SentenceTransformer", "prompts": prompts,
+        "default_prompt_name": "instruction" if prompts else None, "similarity_fn_name": "cosine"})

@@ -1,0 +1,187 @@
+"""An export stays an encoder: its config.json records how it was trained, plain transformers (in a fresh process,
+without the project) runs it as trained, ``load_model`` reads the record of a copy moved anywhere, and the
+sentence-transformers export embeds as ``encode`` does, through the real sentence-transformers package."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers import plain_transformers_hidden, tiny_llama
+from shard_corpus import TOKENIZER
+
+from pipeline.eval import encode, load_model
+from pipeline.eval.encode import special_tokens
+from pipeline.eval.forward import hidden_states, pad_id, pad_rows
+from pipeline.export.record import EncoderRecord, from_experiment, read_record
+from pipeline.export.sentence_transformers import check_expressible, write_sentence_transformers
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train.experiment import REPO, load_experiment
+from pipeline.train.model import save_hf
+
+TEXTS = ["The river rises in the hills.", "A much longer sentence about the hills, the river and the sea beyond.",
+         "Short."]
+MNTP = EncoderRecord(attention="bidirectional", reads_previous=True, mask_token="<mask>", layout="bos_eos",
+                     objectives=("mntp",))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TOKENIZER)
+
+
+def export(tokenizer, out: str, record: EncoderRecord) -> str:
+    lm = tiny_llama(tokenizer, seed=3)
+    return save_hf(lm, lm.state_dict(), tokenizer, out, record)
+
+
+def padded(tokenizer, texts=TEXTS) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Right-padded BOS text EOS rows: (ids, 0/1 mask, row lengths)."""
+    rows = [[tokenizer.bos_id, *ids, tokenizer.eos_id] for ids in tokenizer.encode_batch(texts)]
+    width = max(map(len, rows))
+    return ([r + [pad_id(tokenizer)] * (width - len(r)) for r in rows],
+            [[1] * len(r) + [0] * (width - len(r)) for r in rows], [len(r) for r in rows])
+
+
+def project_hidden(hf_dir: str, ids: list[list[int]], lengths: list[int], attention: str = "auto") -> np.ndarray:
+    model = load_model(hf_dir, attention=attention)
+    input_ids, doc_ids = pad_rows([r[:n] for r, n in zip(ids, lengths)], pad_id(model.tokenizer))
+    with torch.no_grad():
+        return hidden_states(model.lm, input_ids, doc_ids, model.attention).numpy()
+
+
+def test_records_of_the_shipped_experiments(tokenizer):
+    def record(path, *overrides):
+        from pipeline.config import to_dict
+
+        return from_experiment(to_dict(load_experiment(os.path.join(REPO, "experiments", path), list(overrides))),
+                               tokenizer)
+
+    mntp = record("llm2vec/mntp.yaml")
+    assert mntp == EncoderRecord(attention="bidirectional", reads_previous=True, mask_token="_", pooling="mean",
+                                 layout="bos_eos", objectives=("mntp",))
+    assert record("llm2vec/mntp-smoke.yaml").mask_token == "<mask>"
+    clm = from_experiment({"phases": [{"objectives": [{"name": "clm"}]}]}, tokenizer)
+    assert (clm.attention, clm.reads_previous, clm.mask_token) == ("causal", False, None)
+    switch = from_experiment({"phases": [{"objectives": [{"name": "clm"}]},
+                                         {"objectives": [{"name": "mlm", "ratio": 0.4}]}]}, tokenizer)
+    assert (switch.attention, switch.reads_previous, switch.mask_token) == ("bidirectional", False, "<mask>")
+    assert switch.objectives == ("clm", "mlm")
+
+
+def test_simcse_after_mntp_keeps_the_start_exports_record(tokenizer, tmp_path):
+    start = export(tokenizer, str(tmp_path / "mntp"), MNTP)
+    simcse = from_experiment({"model": {"init": start}, "phases": [{"objectives": [{"name": "simcse"}]}]}, tokenizer)
+    assert (simcse.attention, simcse.reads_previous, simcse.mask_token) == ("bidirectional", True, "<mask>")
+    assert simcse.objectives == ("mntp", "simcse") and simcse.pooling == "mean"
+
+
+def test_bidirectional_export_loads_bidirectional_in_plain_transformers_anywhere(tokenizer, tmp_path):
+    hf = export(tokenizer, str(tmp_path / "run" / "hf"), MNTP)
+    config = json.load(open(os.path.join(hf, "config.json")))
+    assert config["is_causal"] is False and read_record(config) == MNTP
+    moved = str(tmp_path / "elsewhere" / "copy")
+    shutil.copytree(hf, moved)
+    shutil.rmtree(hf)
+    ids, mask, lengths = padded(tokenizer)
+    plain, cls = plain_transformers_hidden(moved, ids, mask)
+    assert cls == "LlamaModel"
+    ours = project_hidden(moved, ids, lengths)
+    for row, n in enumerate(lengths):
+        np.testing.assert_allclose(plain[row, :n], ours[row, :n], atol=1e-5)
+    # bidirectional: the first token's state depends on the last token
+    changed = [r[:] for r in ids]
+    changed[0][lengths[0] - 2] = changed[0][1]
+    again, _ = plain_transformers_hidden(moved, changed, mask)
+    assert np.abs(again[0, 0] - plain[0, 0]).max() > 1e-4
+    # the project's own causal reading of the same export is still causal (it passes its masks itself)
+    causal = project_hidden(moved, ids, lengths, attention="causal")
+    assert np.abs(causal[0, 0] - ours[0, 0]).max() > 1e-4
+    model = load_model(moved)
+    assert (model.attention, model.reads_previous, model.run_dir, model.record.mask_token) == (
+        "bidirectional", True, None, "<mask>")
+
+
+def test_causal_export_stays_causal(tokenizer, tmp_path):
+    hf = export(tokenizer, str(tmp_path / "clm"), EncoderRecord(layout="bos_eos", objectives=("clm",)))
+    assert json.load(open(os.path.join(hf, "config.json")))["is_causal"] is True
+    ids, mask, lengths = padded(tokenizer)
+    plain, _ = plain_transformers_hidden(hf, ids, mask)
+    ours = project_hidden(hf, ids, lengths)
+    for row, n in enumerate(lengths):
+        np.testing.assert_allclose(plain[row, :n], ours[row, :n], atol=1e-5)
+    assert load_model(hf).attention == "causal"
+
+
+def test_layouts(tokenizer, tmp_path):
+    assert special_tokens(tokenizer, "bos_eos") == ([tokenizer.bos_id], [tokenizer.eos_id])
+    assert special_tokens(tokenizer, "special") == ([tokenizer.bos_id], [])  # the sample tokenizer adds BOS only
+    assert special_tokens(tokenizer, "text") == ([], [])
+    with pytest.raises(ValueError, match="layout 'raw' is not one of bos_eos, special, text"):
+        special_tokens(tokenizer, "raw")
+    model = load_model(export(tokenizer, str(tmp_path / "hf"), MNTP))
+    (text,) = tokenizer.encode_batch([TEXTS[0]])
+    for layout, ids in (("bos_eos", [tokenizer.bos_id, *text, tokenizer.eos_id]), ("special", [tokenizer.bos_id, *text]),
+                        ("text", text)):
+        start = 0 if layout == "text" else 1
+        with torch.no_grad():
+            hidden = model.lm.model(input_ids=torch.tensor([ids]), is_causal=False).last_hidden_state[0]
+        np.testing.assert_allclose(encode(model, TEXTS[:1], layout=layout)[0],
+                                   hidden[start:start + len(text)].mean(0).numpy(), atol=1e-5)
+    assert encode(model, TEXTS[:1]).tolist() == encode(model, TEXTS[:1], layout="bos_eos").tolist()  # recorded
+
+
+@pytest.mark.parametrize("pooling, layout", [("mean", "text"), ("last", "special"), ("last", "text")])
+def test_sentence_transformers_export_embeds_as_encode(tokenizer, tmp_path, pooling, layout):
+    from sentence_transformers import SentenceTransformer
+
+    record = EncoderRecord(attention="bidirectional", pooling=pooling, layout=layout,
+                           instruction="Represent the sentence: ")
+    hf = export(tokenizer, str(tmp_path / "st"), record)
+    write_sentence_transformers(hf, record)
+    st = SentenceTransformer(hf, device="cpu")
+    model = load_model(hf)
+    with_prompt = st.encode(TEXTS, batch_size=2)  # the recorded instruction is the default prompt
+    np.testing.assert_allclose(with_prompt, encode(model, TEXTS), atol=1e-5)
+    np.testing.assert_allclose(st.encode(TEXTS, prompt=""), encode(model, TEXTS, instruction=""), atol=1e-5)
+    assert np.abs(with_prompt - st.encode(TEXTS, prompt="")).max() > 1e-4  # the prompt conditions the text
+
+
+def test_sentence_transformers_refuses_what_it_cannot_express():
+    with pytest.raises(ValueError, match="equals encode\\(\\)'s mean only under layout 'text'.*--layout text"):
+        check_expressible(EncoderRecord(pooling="mean", layout="bos_eos"))
+    with pytest.raises(ValueError, match="pooling 'weighted_mean' has no sentence-transformers equivalent"):
+        check_expressible(EncoderRecord(pooling="weighted_mean", layout="text"))
+    with pytest.raises(ValueError, match="not data prep's BOS/EOS; export with --layout special"):
+        check_expressible(EncoderRecord(pooling="last", layout="bos_eos"))
+
+
+def test_an_export_without_a_record_reads_its_runs_experiment_or_is_a_plain_decoder(tokenizer, tmp_path):
+    """Exports written before records existed: inside their run, the run's experiment.json; alone, a plain decoder."""
+    hf = export(tokenizer, str(tmp_path / "run" / "hf"), MNTP)
+    config = json.load(open(os.path.join(hf, "config.json")))
+    del config["decoder_encoders"], config["is_causal"]
+    json.dump(config, open(os.path.join(hf, "config.json"), "w"))
+    json.dump({"phases": [{"objectives": [{"name": "mntp", "mask_token": "<mask>"}]}]},
+              open(tmp_path / "run" / "experiment.json", "w"))
+    in_run = load_model(hf)
+    assert (in_run.attention, in_run.reads_previous, in_run.record.mask_token) == ("bidirectional", True, "<mask>")
+    alone = shutil.copytree(hf, str(tmp_path / "alone"))
+    plain = load_model(alone)
+    assert plain.record == EncoderRecord() and plain.attention == "causal" and plain.record.layout == "bos_eos"
+
+
+def test_a_bad_record_names_the_file_and_field(tokenizer, tmp_path):
+    from pipeline.eval.model import ModelError
+
+    hf = export(tokenizer, str(tmp_path / "hf"), MNTP)
+    config = json.load(open(os.path.join(hf, "config.json")))
+    config["decoder_encoders"]["attention"] = "sideways"
+    json.dump(config, open(os.path.join(hf, "config.json"), "w"))
+    with pytest.raises(ModelError, match=r"hf/config.json: decoder_encoders.attention: 'sideways' is not one of "
+                                         r"causal, bidirectional; re-export the model"):
+        load_model(hf)
