@@ -49,8 +49,9 @@ def shards(tmp_path_factory, smollm2) -> tuple[str, str]:
 
 
 def greedy(model_dir: str, prompt: str = PROMPT, tokens: int = 24) -> str:
+    """Greedy continuation read as a decoder: a bidirectional export says ``is_causal: false`` (docs/export.md)."""
     tok = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, is_causal=True).eval()
     ids = torch.tensor([tok.encode_batch([prompt])[0]])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_id)
