@@ -40,6 +40,7 @@ from pipeline.data.packing import REMAINDER_POLICIES, Packer
 from pipeline.data.shards import ShardWriter
 from pipeline.data.sources import RecordStats, expand_inputs, input_size, read_records
 from pipeline.data.units import UNIT_MODES, split_units, unit_sample
+from pipeline.lock import DirLock, LockHeld
 from pipeline.tokenizer import load_tokenizer
 
 ENCODE_BATCH_DOCS = 512
@@ -455,6 +456,19 @@ def run_job(cfg: BuildConfig) -> JobSummary:
             raise BuildError(f"tokenizer {cfg.tokenizer} has no {name.upper()} token; pass --no-{name}")
     settings = _settings(cfg, tok.info.as_dict(), _pad_id(tok), inputs)
     os.makedirs(cfg.output, exist_ok=True)
+    lock = DirLock(os.path.join(cfg.output, f".lock-job-{cfg.job_index:05d}"), f"job {cfg.job_index} of {cfg.output}")
+    try:
+        lock.acquire()
+    except LockHeld as e:  # a second job with this index would delete the first one's work directory
+        raise BuildError(f"{e}; each --job-index runs once at a time") from e
+    try:
+        return _build(cfg, tok, inputs, settings, start)
+    finally:
+        lock.release()
+
+
+def _build(cfg: BuildConfig, tok, inputs: list[str], settings: dict, start: float) -> JobSummary:
+    """The job under its lock."""
     manifest = _ensure_manifest(cfg, settings, os.path.abspath(cfg.tokenizer))
     job = _load_job(cfg, manifest["fingerprint"])
     summary = JobSummary(cfg.job_index, cfg.num_jobs)
