@@ -98,10 +98,11 @@ def save(engine, run_dir: str, step: int, client_state: dict, extra_files: dict[
 
 
 def _disk_full(e: BaseException, root: str) -> bool:
-    """torch.save reports a full disk as a RuntimeError without errno ("file write failed")."""
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC or "No space left" in str(e):
+    """torch.save reports a full disk as a RuntimeError without errno ("file write failed", "unexpected pos"), so
+    a save that failed on a disk with less than 1 MiB left counts as a full disk too."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return True
-    return "write failed" in str(e) and shutil.disk_usage(root).free < 1 << 20
+    return shutil.disk_usage(root).free < 1 << 20
 
 
 def prune(run_dir: str, keep_last: int, keep_every: int) -> None:

@@ -7,6 +7,7 @@ it prints the message of the rank that failed first, read from that rank's log.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import os
@@ -36,20 +37,26 @@ def _chain(exc: BaseException):
         exc = exc.__cause__ or exc.__context__
 
 
-def log_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, "logs", f"error-rank{rank}.log")
+def log_dirs(run_dir: str) -> tuple[str, str]:
+    """``RUN/logs``, and where logs go when it cannot be written (a full disk, an unwritable run_dir)."""
+    fallback = os.path.join(tempfile.gettempdir(), "train-errors", os.path.abspath(run_dir).strip("/").replace("/", "_"))
+    return os.path.join(run_dir, "logs"), fallback
 
 
 def _write_log(exc: BaseException, run_dir: str, rank: int) -> str:
     text = one_line(exc) + "\n\n" + "".join(traceback.format_exception(exc))
-    for path in (log_path(run_dir, rank), os.path.join(tempfile.gettempdir(), f"train-error-rank{rank}.log")):
+    for directory in log_dirs(run_dir):
+        path = os.path.join(directory, f"error-rank{rank}.log")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
             return path
         except OSError:
-            continue
+            with contextlib.suppress(OSError):  # a full disk may leave an empty file behind
+                os.remove(path)
     return "(not written: no writable location)"
 
 
@@ -61,8 +68,8 @@ def _first_other_failure(run_dir: str, since: float, wait_s: float) -> tuple[str
     """(message, log path) of the earliest other rank's error log written since ``since``."""
     deadline = time.time() + wait_s
     while True:
-        logs = [p for p in glob.glob(log_path(run_dir, "*")) if not p.endswith("rank0.log")
-                and os.path.getmtime(p) >= since]
+        logs = [p for d in log_dirs(run_dir) for p in glob.glob(os.path.join(d, "error-rank*.log"))
+                if not p.endswith("rank0.log") and os.path.getmtime(p) >= since]
         if logs:
             first = min(logs, key=os.path.getmtime)
             with open(first) as f:

@@ -199,10 +199,10 @@ def train(exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopReq
             save()
         if stopping:
             if rank == 0:
-                why = f" by {stop.reason}" if stop.reason else ""
+                why = f" on {stop.reason}" if stop.reason else ""
                 saved = "checkpointed" if last_saved == step else f"not checkpointed: the newest step was bad; " \
                                                                    f"the last good checkpoint is {last_good()}"
-                print(f"stopped at step {step}{why} ({saved}); start the same command again to resume", flush=True)
+                print(f"stopped at step {step} ({saved}){why}; start the same command again to resume", flush=True)
             break
 
     if last_saved != step and guard.healthy:

@@ -2,8 +2,8 @@
 
 Which process gets what (docs/training.md, "Failure modes"):
 
-- SIGUSR1/SIGTERM/SIGINT to a rank: during start-up the rank exits at once (nothing is trained yet, and every
-  start-up step is safe to redo); once training runs, every rank checkpoints at the next step boundary and exits.
+- SIGUSR1/SIGTERM/SIGINT to a rank: during start-up the rank exits at once with status 0 (nothing is trained yet,
+  and every start-up step is safe to redo); once training runs, every rank checkpoints at the next step boundary and exits.
 - The launcher (``deepspeed``, its per-node ``deepspeed.launcher.launch``, or ``torchrun``) forwards SIGTERM/SIGINT
   to the ranks, or dies of the signal without forwarding it (``deepspeed`` itself ends on SIGTERM/SIGUSR1 and leaves
   its ranks running). So every rank also watches its launcher: when it is gone, the rank stops as if signalled.
@@ -68,7 +68,7 @@ class StopRequest:
         return self.reason is not None
 
     def _handle(self, signum, frame) -> None:
-        self._stop(signal.Signals(signum).name, 128 + signum)
+        self._stop(signal.Signals(signum).name)
         # the request stands; repeats (launch/slurm/train.sbatch resends USR1) are ignored, since Python restores
         # default handlers at exit and a late USR1 would then kill a rank that stopped cleanly
         signal.signal(signum, signal.SIG_IGN)
@@ -78,17 +78,19 @@ class StopRequest:
             time.sleep(poll_s)
             for pid, parent in chain:
                 if _parent_of(pid) != parent:
-                    self._stop(f"the launcher's exit (pid {parent})", 143)
+                    self._stop(f"the launcher's exit (pid {parent})")
                     return
 
-    def _stop(self, why: str, startup_rc: int) -> None:
+    def _stop(self, why: str) -> None:
+        """Exit 0 in start-up, as a stop with a checkpoint does: launch/slurm/train.sbatch requeues a run whose
+        ranks stopped cleanly."""
         if self._training:
             self.reason = self.reason or why
             return
         if self.rank == 0:
-            print(f"stopped during start-up by {why}; nothing was trained in this start: run the same command "
+            print(f"stopped during start-up on {why}; nothing was trained in this start: run the same command "
                   f"again to continue", file=sys.stderr, flush=True)
-        os._exit(startup_rc)
+        os._exit(0)
 
     def training_started(self) -> None:
         self._training = True
