@@ -317,7 +317,7 @@ def _start(run_dir: str, shards: str, *overrides: str) -> tuple[subprocess.Popen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=["SIGTERM", "SIGUSR1", "Ctrl-C"])
 def test_signal_to_the_deepspeed_command_checkpoints_every_rank(shards, tmp_path, sig):
     """SIGTERM/SIGUSR1 to the ``deepspeed`` process (it dies without forwarding them), Ctrl-C to the whole
     foreground group: every rank stops at one step with a checkpoint; then a resume on 1 rank is refused."""
@@ -334,7 +334,7 @@ def test_signal_to_the_deepspeed_command_checkpoints_every_rank(shards, tmp_path
     proc.wait()
     out = open(log).read()
     (stopped,) = checkpoint.complete_steps(run_dir)
-    assert f"stopped at step {stopped} (checkpointed) on " in out, out[-3000:]
+    assert f"stopped at step {stopped} (checkpointed) on " in out, out[-3000:]  # the reason is named
     assert sorted(logged_steps(run_dir)) == list(range(1, stopped + 1))
     if sig == signal.SIGTERM:
         refused = run_train(run_dir, shards, "train.steps=400", "checkpoint.every=1000", nproc=1)

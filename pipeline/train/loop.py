@@ -194,12 +194,13 @@ def train(exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopReq
                     "perf/mem_gib": memory_gib(), "progress/tokens_seen": tokens_seen, "progress/phase": phase_idx}
         metrics.log(step, scalars, phase.name)
         guard.check(step, losses, grad_norm, last_good)
-        stopping = stop.agreed(device) or step == exp.train.stop_at_step
+        signalled = stop.agreed(device)
+        stopping = signalled or step == exp.train.stop_at_step
         if guard.healthy and (step % exp.checkpoint.every == 0 or stopping or step == exp.train.steps):
             save()
         if stopping:
             if rank == 0:
-                why = f" on {stop.reason}" if stop.reason else ""
+                why = f" on {stop.reason or 'the stop request of another rank'}" if signalled else ""
                 saved = "checkpointed" if last_saved == step else f"not checkpointed: the newest step was bad; " \
                                                                    f"the last good checkpoint is {last_good()}"
                 print(f"stopped at step {step} ({saved}){why}; start the same command again to resume", flush=True)
