@@ -456,29 +456,36 @@ def run_job(cfg: BuildConfig) -> JobSummary:
             raise BuildError(f"tokenizer {cfg.tokenizer} has no {name.upper()} token; pass --no-{name}")
     settings = _settings(cfg, tok.info.as_dict(), _pad_id(tok), inputs)
     os.makedirs(cfg.output, exist_ok=True)
+    manifest = _ensure_manifest(cfg, settings, os.path.abspath(cfg.tokenizer))
+    if _load_job(cfg, manifest["fingerprint"])["complete"]:
+        return _already_complete(cfg, manifest)
     lock = DirLock(os.path.join(cfg.output, f".lock-job-{cfg.job_index:05d}"), f"job {cfg.job_index} of {cfg.output}")
     try:
         lock.acquire()
     except LockHeld as e:  # a second job with this index would delete the first one's work directory
         raise BuildError(f"{e}; each --job-index runs once at a time") from e
     try:
-        return _build(cfg, tok, inputs, settings, start)
+        job = _load_job(cfg, manifest["fingerprint"])  # again: the previous holder may have finished meanwhile
+        if job["complete"]:
+            return _already_complete(cfg, manifest)
+        return _build(cfg, tok, inputs, manifest, job, start)
     finally:
         lock.release()
 
 
-def _build(cfg: BuildConfig, tok, inputs: list[str], settings: dict, start: float) -> JobSummary:
-    """The job under its lock."""
-    manifest = _ensure_manifest(cfg, settings, os.path.abspath(cfg.tokenizer))
-    job = _load_job(cfg, manifest["fingerprint"])
+def _already_complete(cfg: BuildConfig, manifest: dict) -> JobSummary:
+    """A finished job run again writes nothing (but ``index.json`` when it is missing)."""
     summary = JobSummary(cfg.job_index, cfg.num_jobs)
-    if job["complete"]:
-        summary.already_complete = True
-        summary.index_written = _maybe_write_index(cfg.output, manifest)
-        _log(f"job {cfg.job_index} of {cfg.num_jobs} is already complete ({len(job['shards'])} shards in "
-             f"{cfg.output}); nothing to do")
-        return summary
+    summary.already_complete = True
+    summary.index_written = _maybe_write_index(cfg.output, manifest)
+    shards = len(_load_job(cfg, manifest["fingerprint"])["shards"])
+    _log(f"job {cfg.job_index} of {cfg.num_jobs} is already complete ({shards} shards in {cfg.output}); nothing to do")
+    return summary
 
+
+def _build(cfg: BuildConfig, tok, inputs: list[str], manifest: dict, job: dict, start: float) -> JobSummary:
+    """The job, under its lock."""
+    summary = JobSummary(cfg.job_index, cfg.num_jobs)
     _remove_stale(cfg, job)
     # Unique per run: workers orphaned by a killed run may still finish a file, into their own (deleted) directory.
     work_dir = os.path.join(cfg.output, f"{_work_dir_prefix(cfg)}{os.getpid()}")
