@@ -122,13 +122,24 @@ def test_experiment_is_checked_before_deepspeed_and_reported_once(shards, tmp_pa
 
 # ---------------------------------------------------------------- one run per directory
 
+def plain_python(run_dir: str, shards: str, *overrides: str) -> subprocess.CompletedProcess:
+    """``python launch/train.py ...`` without a launcher (no RANK/WORLD_SIZE in the environment)."""
+    cmd = [sys.executable, os.path.join(REPO, "launch", "train.py"), "--config",
+           os.path.join(REPO, "ds_configs", "zero3.json"), "--set", f"run_dir={run_dir}",
+           *[a for o in [*TINY, f"data.shards={shards}", *overrides] for a in ("--set", o)]]
+    env = {k: v for k, v in cpu_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+
+
 def test_second_run_on_a_run_directory_is_refused_with_the_holder(shards, tmp_path):
+    """Also the plain ``python launch/train.py``: one rank, set up without a launcher (no mpi4py error)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     with DirLock(str(run_dir / RUN_LOCK), "held by the test"):  # stands in for a running first run
-        proc = run_train(str(run_dir), shards)
+        proc = plain_python(str(run_dir), shards)
     line = one_error(proc, "error")
     assert f"run directory {run_dir} is in use by host " in line and f"pid {os.getpid()} " in line
+    assert "no launcher (RANK/WORLD_SIZE unset): training on one rank" in proc.stderr
     assert not os.path.exists(run_dir / "experiment.json")
 
 
@@ -214,7 +225,7 @@ def test_divergence_guard_counts_bad_steps_in_a_row():
     assert not guard.healthy
     guard.check(2, {"clm": float("nan")}, 1.0, lambda: "ckpt")  # one bad step: not yet
     guard.count({"clm": 5.0}, float("inf"), engine_skipped=1)
-    with pytest.raises(Diverged, match=r"2 bad steps in a row .* up to step 3: loss clm=5 , grad norm inf; .* last "
+    with pytest.raises(Diverged, match=r"2 bad steps in a row .* up to step 3: loss clm=5, grad norm inf; .* last "
                                        r"good checkpoint is ckpt"):
         guard.check(3, {"clm": 5.0}, float("inf"), lambda: "ckpt")
     guard.count({"clm": 4.0}, 1.0, engine_skipped=1)  # the counter did not move: a good step resets the streak
@@ -262,22 +273,17 @@ def test_full_disk_during_shard_write_names_the_path_and_keeps_committed_shards(
         verify_shard_hash(ShardInfo(path=path, **entry))
 
 
-# ---------------------------------------------------------------- a single process without a launcher
+# ---------------------------------------------------------------- training cases (real ZeRO-3 runs)
 
-def test_plain_python_runs_one_rank(shards, tmp_path):
+@pytest.mark.slow
+def test_plain_python_trains_one_rank(shards, tmp_path):
     run_dir = str(tmp_path / "run")
-    cmd = [sys.executable, os.path.join(REPO, "launch", "train.py"), "--config",
-           os.path.join(REPO, "ds_configs", "zero3.json"), "--set", f"run_dir={run_dir}",
-           *[a for o in [*TINY, f"data.shards={shards}", "train.steps=2", "train.export_hf=false"] for a in ("--set", o)]]
-    env = {k: v for k, v in cpu_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    proc = plain_python(run_dir, shards, "train.steps=2", "train.export_hf=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no launcher (RANK/WORLD_SIZE unset): training on one rank" in proc.stderr
     assert "mpi4py" not in proc.stderr
     assert sorted(logged_steps(run_dir)) == [1, 2]
 
-
-# ---------------------------------------------------------------- training cases (2 ZeRO-3 ranks)
 
 @pytest.mark.slow
 def test_divergence_stops_without_export_and_keeps_the_good_checkpoint(shards, tmp_path):
