@@ -40,7 +40,7 @@ from pipeline.train import checkpoint
 from pipeline.train.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
 from pipeline.train.guard import Diverged, DivergenceGuard
 from pipeline.train.metrics import MetricsLogger
-from pipeline.train.preflight import RUN_LOCK
+from pipeline.train.preflight import RUN_LOCK, preflight
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 INPUT = os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")
@@ -118,6 +118,31 @@ def test_experiment_is_checked_before_deepspeed_and_reported_once(shards, tmp_pa
     assert line.startswith("config error: phases[1].objectives[0].mask_token: '<mask_>' is not a single token of ")
     assert "e.g. phases[1].objectives[0].mask_token='<mask>'" in line
     assert "DeepSpeed info" not in proc.stdout and not os.path.exists(tmp_path / "run" / "tensorboard")
+
+
+@pytest.mark.parametrize("case", ["tokenizer", "run_dir", "no shards", "other tokenizer", "too few samples",
+                                  "model.init"])
+def test_preflight_names_the_file_and_the_fix(shards, tmp_path, case):
+    """The checks every rank runs before DeepSpeed (in process here; the launched tests above show them reported)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    other = make_shard_dir(tmp_path, seq_len=64)
+    override, message = {
+        "tokenizer": (f"data.tokenizer={tmp_path}/nope", rf"tokenizer {tmp_path}/nope does not exist"),
+        "run_dir": (f"run_dir={afile}/run", rf"run_dir: {afile}/run is not writable .*set run_dir to a directory"),
+        "no shards": (f"data.shards={tmp_path}/none", rf"data.shards: {tmp_path}/none is not a shard directory; "
+                                                      r"build it with data_prep/build_shards.py"),
+        "other tokenizer": (f"data.shards={other}", rf"{other}: shards were built with tokenizer fingerprint "
+                                                    r"'test-tokenizer'"),
+        "too few samples": ("train.micro_batch=20000", rf"data.shards: {shards} holds \d+ samples, fewer than one "
+                                                       r"global batch of 40000"),
+        "model.init": (f"model.init={tmp_path}/start", rf"model.init: no such directory '{tmp_path}/start'"),
+    }[case]
+    exp = load_experiment(None, [*TINY, f"run_dir={tmp_path}/ok", f"data.shards={shards}", override])
+    with pytest.raises((ConfigError, ValueError, FileNotFoundError), match=message):
+        preflight(exp, rank=0, world=2)
+    assert not os.path.exists(os.path.join(exp.run_dir, RUN_LOCK)) or not open(os.path.join(exp.run_dir,
+                                                                                            RUN_LOCK)).read()
 
 
 # ---------------------------------------------------------------- one run per directory
