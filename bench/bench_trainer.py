@@ -107,11 +107,12 @@ def run(args: argparse.Namespace) -> None:
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
     from pipeline.train.experiment import load_experiment
-    from pipeline.train.loop import StopRequest, train_step
+    from pipeline.train.loop import train_step
     from pipeline.train.metrics import MetricsLogger
     from pipeline.train.model import build_train_model
     from pipeline.train.phases import build_objectives
     from pipeline.train.schedule import lr_multiplier
+    from pipeline.train.signals import StopRequest
 
     deepspeed.utils.logger.setLevel("WARNING")
     deepspeed.init_distributed(dist_backend="gloo")
@@ -157,7 +158,8 @@ def run(args: argparse.Namespace) -> None:
     fixed = [b.input_ids for b in ShardLoader(index, shape.micro_batch, args.grad_accum, rank, world,
                                               exp.train.seed).next_global_step()]  # ours' first step's batch
     metrics = MetricsLogger(exp.run_dir, rank == 0, exp.train.log_every)
-    stop = StopRequest()
+    stop = StopRequest(rank)
+    stop.training_started()
     cpu = torch.device("cpu")
 
     def bare_step() -> dict[str, float]:

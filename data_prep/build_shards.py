@@ -14,6 +14,7 @@ Re-running is safe: a finished job does nothing, a killed one redoes only what i
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -98,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         run_job(cfg)
     except (BuildError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        print(f"error: no space left on device: {e.filename or cfg.output}; the shards this job committed are "
+              f"intact: free space and run the same command again to continue", file=sys.stderr)
         return 1
     return 0
 

@@ -7,6 +7,7 @@ Dataclasses may define ``validate(self)`` for cross-field checks (raise :class:`
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -143,3 +144,45 @@ def load_yaml(path: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of config sections")
     return data
+
+
+_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")
+
+
+def in_range(value: float, spec: str) -> bool:
+    """``spec`` is ``">= a"``, ``"> a"`` or an interval such as ``"(0, 1]"``; non-finite values are never in range."""
+    if not math.isfinite(value):
+        return False
+    if spec.startswith(">="):
+        return value >= float(spec[2:])
+    if spec.startswith(">"):
+        return value > float(spec[1:])
+    m = _INTERVAL.match(spec)
+    if m is None:
+        raise ValueError(f"bad range spec {spec!r}")
+    lo, hi = float(m[2]), float(m[3])
+    return (lo <= value if m[1] == "[" else lo < value) and (value <= hi if m[4] == "]" else value < hi)
+
+
+def check_ranges(obj: Any, prefix: str = "") -> None:
+    """Walk a config tree and check each dataclass's numeric fields against its ``RANGES`` class attribute
+    ({field: spec of :func:`in_range`}; a tuple field's items each); the error names the dotted key, list items
+    by index (``phases[1].objectives[0].ratio``), in one line."""
+    ranges = getattr(type(obj), "RANGES", {})
+    for f in dataclasses.fields(obj):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            check_ranges(value, key + ".")
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):
+                check_ranges(item, f"{key}[{i}].")
+        elif f.name in ranges:
+            spec = ranges[f.name]
+            for v in value if isinstance(value, tuple) else (value,):
+                if not in_range(v, spec):
+                    shown = f"{value!r}" if not isinstance(value, tuple) else f"{list(value)!r}"
+                    raise ConfigError(f"{key}: {shown} is out of range; it must be {_describe(spec)}")
+
+
+def _describe(spec: str) -> str:
+    return spec if spec[0] in "<>" else f"in {spec}"

@@ -134,6 +134,8 @@ def test_resume_is_bit_identical_and_survives_kill_during_checkpoint(baseline, s
     assert checkpoint.latest_complete(run_dir) == STEPS
     ours, base = losses(run_dir), losses(baseline)
     assert [ours[s] for s in range(11, STEPS + 1)] == [base[s] for s in range(11, STEPS + 1)]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:  # steps 11-20 ran twice (the kill), logged once
+        assert [json.loads(line)["step"] for line in f] == list(range(1, STEPS + 1))
 
 
 def _logits(model_dir: str, ids: torch.Tensor) -> torch.Tensor:

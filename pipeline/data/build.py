@@ -40,6 +40,7 @@ from pipeline.data.packing import REMAINDER_POLICIES, Packer
 from pipeline.data.shards import ShardWriter
 from pipeline.data.sources import RecordStats, expand_inputs, input_size, read_records
 from pipeline.data.units import UNIT_MODES, split_units, unit_sample
+from pipeline.lock import DirLock, LockHeld
 from pipeline.tokenizer import load_tokenizer
 
 ENCODE_BATCH_DOCS = 512
@@ -459,15 +460,36 @@ def run_job(cfg: BuildConfig) -> JobSummary:
     settings = _settings(cfg, tok.info.as_dict(), _pad_id(tok), inputs)
     os.makedirs(cfg.output, exist_ok=True)
     manifest = _ensure_manifest(cfg, settings, os.path.abspath(cfg.tokenizer))
-    job = _load_job(cfg, manifest["fingerprint"])
-    summary = JobSummary(cfg.job_index, cfg.num_jobs, tokenizer_s=start - loading)
-    if job["complete"]:
-        summary.already_complete = True
-        summary.index_written = _maybe_write_index(cfg.output, manifest)
-        _log(f"job {cfg.job_index} of {cfg.num_jobs} is already complete ({len(job['shards'])} shards in "
-             f"{cfg.output}); nothing to do")
-        return summary
+    if _load_job(cfg, manifest["fingerprint"])["complete"]:
+        return _already_complete(cfg, manifest, start - loading)
+    lock = DirLock(os.path.join(cfg.output, f".lock-job-{cfg.job_index:05d}"), f"job {cfg.job_index} of {cfg.output}")
+    try:
+        lock.acquire()
+    except LockHeld as e:  # a second job with this index would delete the first one's work directory
+        raise BuildError(f"{e}; each --job-index runs once at a time") from e
+    try:
+        job = _load_job(cfg, manifest["fingerprint"])  # again: the previous holder may have finished meanwhile
+        if job["complete"]:
+            return _already_complete(cfg, manifest, start - loading)
+        return _build(cfg, tok, inputs, manifest, job, start, start - loading)
+    finally:
+        lock.release()
 
+
+def _already_complete(cfg: BuildConfig, manifest: dict, tokenizer_s: float) -> JobSummary:
+    """A finished job run again writes nothing (but ``index.json`` when it is missing)."""
+    summary = JobSummary(cfg.job_index, cfg.num_jobs, tokenizer_s=tokenizer_s)
+    summary.already_complete = True
+    summary.index_written = _maybe_write_index(cfg.output, manifest)
+    shards = len(_load_job(cfg, manifest["fingerprint"])["shards"])
+    _log(f"job {cfg.job_index} of {cfg.num_jobs} is already complete ({shards} shards in {cfg.output}); nothing to do")
+    return summary
+
+
+def _build(cfg: BuildConfig, tok, inputs: list[str], manifest: dict, job: dict, start: float,
+           tokenizer_s: float) -> JobSummary:
+    """The job, under its lock."""
+    summary = JobSummary(cfg.job_index, cfg.num_jobs, tokenizer_s=tokenizer_s)
     _remove_stale(cfg, job)
     # Unique per run: workers orphaned by a killed run may still finish a file, into their own (deleted) directory.
     work_dir = os.path.join(cfg.output, f"{_work_dir_prefix(cfg)}{os.getpid()}")

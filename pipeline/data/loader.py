@@ -8,6 +8,7 @@ order in which torch's DataLoader collects them, so the stream does not depend o
 from __future__ import annotations
 
 import itertools
+import os
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -17,9 +18,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.batch import Batch, collate
 from pipeline.data.format import UNMASKABLE, Sample
-from pipeline.data.manifest import DatasetIndex
+from pipeline.data.manifest import DatasetIndex, ShardInfo
 from pipeline.data.order import EvalPlan, TrainPlan
-from pipeline.data.shards import ShardReader
+from pipeline.data.shards import ShardReader, sha256_file
 
 STATE_KEYS = ("fingerprint", "seed", "epoch", "samples_in_epoch", "samples_consumed", "global_batch")
 
@@ -48,21 +49,59 @@ def check_source(index: DatasetIndex, source: str, setting: str, readers: list[s
                          f"{', '.join(readers)} reads packed samples; point {setting} at shards built without --units")
 
 
+_SHARD_FIX = ("copy the shard again from where it was built, or rebuild the shard directory with "
+              "data_prep/build_shards.py; data_prep/inspect_shards.py DIR checks every shard")
+
+
+class ShardCorrupt(ValueError):
+    pass
+
+
+def check_shard_sizes(index: DatasetIndex) -> None:
+    """Every shard of ``index`` exists with the size its manifest records: one stat each, so it runs at start-up
+    (a truncated copy or a missing file stops the run before training, not hours into it)."""
+    for info in index.shards:
+        try:
+            size = os.path.getsize(info.path)
+        except FileNotFoundError:
+            raise ShardCorrupt(f"{info.path}: listed in the manifests of {index.directory} but missing; "
+                               f"{_SHARD_FIX}") from None
+        if size != info.bytes:
+            raise ShardCorrupt(f"{info.path}: {size} bytes, the manifest records {info.bytes} (truncated or "
+                               f"overwritten); {_SHARD_FIX}")
+
+
+def verify_shard_hash(info: ShardInfo) -> None:
+    """The shard's sha256 against its manifest: a flipped byte would otherwise train on changed data."""
+    found = sha256_file(info.path)
+    if found != info.sha256:
+        raise ShardCorrupt(f"{info.path}: sha256 mismatch: the manifest records {info.sha256}, the file has {found} "
+                           f"(changed after it was written: a disk or copy error); {_SHARD_FIX}")
+
+
 class _SampleReader:
     """Global sample id -> Sample. Keeps at most ``max_open`` shard readers (index + file handle), least recently
-    used first out, so a corpus of many thousand shards stays within file-descriptor limits."""
+    used first out, so a corpus of many thousand shards stays within file-descriptor limits. With ``verify`` each
+    shard's sha256 is checked when this process first opens it, and every sample's token ids against the
+    tokenizer's vocabulary."""
 
-    def __init__(self, index: DatasetIndex, max_open: int):
+    def __init__(self, index: DatasetIndex, max_open: int, verify: bool = True):
         self.index = index
         self.starts = np.cumsum([0] + [s.samples for s in index.shards])
         self.max_open = max_open
+        self.verify = verify
+        self.vocab_size = index.tokenizer.get("vocab_size")
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
         self._validated: set[int] = set()
+        self._hashed: set[int] = set()
 
     def _reader(self, shard: int) -> ShardReader:
         reader = self._open.pop(shard, None)
         if reader is None:
             info = self.index.shards[shard]
+            if self.verify and shard not in self._hashed:
+                verify_shard_hash(info)
+                self._hashed.add(shard)
             reader = ShardReader(info.path)
             if len(reader) != info.samples:
                 raise ValueError(f"{info.path}: its index holds {len(reader)} samples, the job manifest says "
@@ -83,7 +122,19 @@ class _SampleReader:
                 raise ValueError(f"{reader.path}: {e}; check it with data_prep/inspect_shards.py and rebuild "
                                  f"the shard") from e
             self._validated.add(shard)
+        if self.verify and self.vocab_size:
+            self._check_ids(sample, reader.path, sample_id - int(self.starts[shard]))
         return sample
+
+    def _check_ids(self, sample: Sample, path: str, i: int) -> None:
+        for name in ("input_ids", "paraphrase"):
+            ids = getattr(sample, name)
+            if ids is not None and len(ids) and (ids.min() < 0 or ids.max() >= self.vocab_size):
+                bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+                raise ShardCorrupt(f"{path}: sample {i} (key {sample.key}) has token id {bad} in {name}, outside "
+                                   f"the tokenizer's vocabulary of {self.vocab_size} (written with another tokenizer than its "
+                                   f"manifest records?); rebuild the shards with data_prep/build_shards.py and the "
+                                   f"experiment's tokenizer")
 
     def filler(self) -> Sample:
         """A row of pure padding (key ""): no document, never a target, attends only to itself."""
@@ -105,15 +156,15 @@ class _SampleReader:
 class _MicroBatches(IterableDataset):
     """The micro-batches of a plan; DataLoader worker w of W makes every W-th one, starting at w."""
 
-    def __init__(self, index: DatasetIndex, plan: TrainPlan | EvalPlan, max_open_shards: int):
-        self.index, self.plan, self.max_open_shards = index, plan, max_open_shards
+    def __init__(self, index: DatasetIndex, plan: TrainPlan | EvalPlan, max_open_shards: int, verify: bool):
+        self.index, self.plan, self.max_open_shards, self.verify = index, plan, max_open_shards, verify
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         total = self.plan.num_batches
         js = itertools.count(worker, workers) if total is None else range(worker, total, workers)
-        reader = _SampleReader(self.index, self.max_open_shards)
+        reader = _SampleReader(self.index, self.max_open_shards, self.verify)
         try:
             for j in js:
                 yield reader.batch(self.plan.sample_ids(j))
@@ -142,12 +193,13 @@ class ShardLoader:
     whole optimizer steps (model and optimizer only change at step boundaries, so a resume replays the micro-batches
     of an unfinished step). The state is global, so it loads into a loader with another ``dp_world``,
     ``micro_batch``, ``grad_accum`` or ``num_workers`` as long as its global batch divides the samples consumed in
-    the epoch.
+    the epoch. ``verify`` checks each shard's sha256 when a process first opens it and every sample's token ids
+    (its cost: BENCHMARKS.md).
     """
 
     def __init__(self, index: DatasetIndex, micro_batch: int, grad_accum: int = 1, dp_rank: int = 0,
                  dp_world: int = 1, seed: int = 0, num_workers: int = 0, pin_memory: bool = False,
-                 prefetch_factor: int = 2, max_open_shards: int = 64):
+                 prefetch_factor: int = 2, max_open_shards: int = 64, verify: bool = True):
         if micro_batch < 1 or grad_accum < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
             raise ValueError(f"need micro_batch >= 1, grad_accum >= 1 and 0 <= dp_rank < dp_world, got "
                              f"micro_batch={micro_batch} grad_accum={grad_accum} dp_rank={dp_rank} dp_world={dp_world}")
@@ -155,7 +207,7 @@ class ShardLoader:
             raise ValueError(f"seed and num_workers must be >= 0, got seed={seed} num_workers={num_workers}")
         self.index = index
         self.num_workers, self.pin_memory = num_workers, pin_memory
-        self.prefetch_factor, self.max_open_shards = prefetch_factor, max_open_shards
+        self.prefetch_factor, self.max_open_shards, self.verify = prefetch_factor, max_open_shards, verify
         self._plan = TrainPlan(index.num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world)
         if self.batches_per_epoch == 0:
             raise ValueError(f"{index.directory} holds {index.num_samples} samples, fewer than one global batch of "
@@ -186,7 +238,7 @@ class ShardLoader:
 
     def _next(self) -> Batch:
         if self._iterator is None:
-            dataset = _MicroBatches(self.index, self._plan, self.max_open_shards)
+            dataset = _MicroBatches(self.index, self._plan, self.max_open_shards, self.verify)
             self._iterator = iter(_data_loader(dataset, self.num_workers, self.pin_memory, self.prefetch_factor))
         batch = next(self._iterator)
         self._micro_consumed += 1
@@ -241,7 +293,7 @@ class ShardLoader:
 
 
 def iter_eval(index: DatasetIndex, micro_batch: int, dp_rank: int = 0, dp_world: int = 1, num_workers: int = 0,
-              max_open_shards: int = 64) -> Iterator[Batch]:
+              max_open_shards: int = 64, verify: bool = True) -> Iterator[Batch]:
     """Every sample exactly once, in stored order, split over ranks. Every rank gets the same number of
     micro-batches of ``micro_batch`` rows, so ZeRO-3's collective forward never waits on a rank that ran out; the
     last round is filled up with padding rows (key "", ``doc_ids`` all -1), which no objective takes targets from.
@@ -251,4 +303,4 @@ def iter_eval(index: DatasetIndex, micro_batch: int, dp_rank: int = 0, dp_world:
         raise ValueError(f"need micro_batch >= 1 and 0 <= dp_rank < dp_world, got micro_batch={micro_batch} "
                          f"dp_rank={dp_rank} dp_world={dp_world}")
     plan = EvalPlan(index.num_samples, micro_batch, dp_rank, dp_world)
-    yield from _data_loader(_MicroBatches(index, plan, max_open_shards), num_workers, False, 2)
+    yield from _data_loader(_MicroBatches(index, plan, max_open_shards, verify), num_workers, False, 2)

@@ -44,7 +44,10 @@ class ShardWriter:
         self.num_tokens = 0
 
     def _flush(self) -> None:
-        self._f.write(self._buf)
+        try:
+            self._f.write(self._buf)
+        except OSError as e:  # a write error has no file name: a full disk would not say which one
+            raise OSError(e.errno, e.strerror, self.tmp) from e
         self._sha.update(self._buf)
         self._buf.clear()
 

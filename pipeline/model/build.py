@@ -34,6 +34,15 @@ def build_model(spec: str, vocab_size: int, *, dtype: torch.dtype = torch.float3
         config = get_preset(spec).to_config(vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
                                             eos_token_id=eos_token_id)
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    config = start_checkpoint_config(spec, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    config.use_cache = False
+    return AutoModelForCausalLM.from_pretrained(Path(spec), config=config, dtype=dtype,
+                                                attn_implementation=attn_implementation, local_files_only=True)
+
+
+def start_checkpoint_config(spec: str, vocab_size: int, *, bos_token_id: int | None = None,
+                            eos_token_id: int | None = None) -> PretrainedConfig:
+    """The config of the HF checkpoint directory ``spec`` (not a preset), checked against the data tokenizer."""
     path = Path(spec)
     if not path.is_dir():
         hint = f"no such directory {spec!r}" if ("/" in spec or spec.startswith(".")) else f"unknown preset {spec!r}"
@@ -41,9 +50,7 @@ def build_model(spec: str, vocab_size: int, *, dtype: torch.dtype = torch.float3
                          f"or a local HF checkpoint directory (model_type {', '.join(ARCHITECTURES)})")
     config = project_masks(load_checkpoint_config(path))
     check_tokenizer_compatible(config, path, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    config.use_cache = False
-    return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
-                                                attn_implementation=attn_implementation, local_files_only=True)
+    return config
 
 
 def project_masks(config: PretrainedConfig) -> PretrainedConfig:

@@ -13,6 +13,7 @@ every rank loads its new partition from there.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import random
 import re
@@ -71,8 +72,16 @@ def save(engine, run_dir: str, step: int, client_state: dict, extra_files: dict[
     root, tag = checkpoint_root(run_dir), tag_for(step)
     path = os.path.join(root, tag)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    engine.save_checkpoint(root, tag=tag, client_state=client_state)
-    torch.save(rng_state(), os.path.join(path, f"rng-rank{rank}.pt"))
+    try:
+        engine.save_checkpoint(root, tag=tag, client_state=client_state)
+        torch.save(rng_state(), os.path.join(path, f"rng-rank{rank}.pt"))
+    except (OSError, RuntimeError) as e:
+        if not _disk_full(e, root):
+            raise
+        previous = latest_complete(run_dir)
+        kept = f"the checkpoint of step {previous} is intact" if previous is not None else "no earlier checkpoint"
+        raise OSError(errno.ENOSPC, f"no space left on device: {path} (checkpoint of step {step}); {kept}: free "
+                                    f"space and start the same command again") from e
     if os.environ.get("PIPELINE_FAULT") == f"kill-before-marker:{step}":  # fault injection for the tests
         os.kill(os.getpid(), signal.SIGKILL)
     if dist.is_initialized():
@@ -86,6 +95,14 @@ def save(engine, run_dir: str, step: int, client_state: dict, extra_files: dict[
     if dist.is_initialized():
         dist.barrier()
     return path
+
+
+def _disk_full(e: BaseException, root: str) -> bool:
+    """torch.save reports a full disk as a RuntimeError without errno ("file write failed", "unexpected pos"), so
+    a save that failed on a disk with less than 1 MiB left counts as a full disk too."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    return shutil.disk_usage(root).free < 1 << 20
 
 
 def prune(run_dir: str, keep_last: int, keep_every: int) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pipeline.config import ConfigError, apply_overrides, from_dict, load_yaml
+from pipeline.config import ConfigError, apply_overrides, check_ranges, from_dict, load_yaml
 from pipeline.model.presets import PRESETS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,10 +24,8 @@ class DataConfig:
     build_if_missing: bool = True  # rank 0 builds the shards from build_inputs when the directory has none
     unit_shards: str = ""  # sentence-unit shards (build_shards.py --units) for contrastive objectives
     unit_micro_batch: int = 0  # sentence units per rank per micro-step (0: train.micro_batch)
-
-    def validate(self) -> None:
-        if self.seq_len < 8:
-            raise ConfigError(f"data.seq_len must be >= 8, got {self.seq_len}")
+    verify_shards: bool = True  # sha256 of each shard on first open, token ids against the vocabulary
+    RANGES: ClassVar[dict[str, str]] = {"seq_len": ">= 8", "num_workers": ">= 0", "unit_micro_batch": ">= 0"}
 
 
 @dataclass
@@ -38,6 +36,7 @@ class ModelConfig:
     activation_checkpointing: bool = False
     attention_dropout: float = 0.0  # dropout on attention probabilities (SimCSE's positives need > 0, e.g. 0.3)
     shape: str = ""  # a preset whose shape the checkpoint in `init` must have (continued pretraining); "": unchecked
+    RANGES: ClassVar[dict[str, str]] = {"attention_dropout": "[0, 1)"}
 
     def validate(self) -> None:
         if self.shape and self.shape not in PRESETS:
@@ -52,12 +51,7 @@ class ObjectiveSpec:
     policy: Literal["80-10-10", "mask"] = "80-10-10"  # replacement of masked tokens: BERT's split, or all [MASK]
     mask_token: str | None = None  # None: the tokenizer's mask token; or an ordinary token such as "_" (LLM2Vec)
     options: dict = field(default_factory=dict)  # the objective's own settings (see docs/training.md)
-
-    def validate(self) -> None:
-        if self.weight <= 0:
-            raise ConfigError(f"objective {self.name}: weight must be > 0, got {self.weight}")
-        if not 0.0 < self.ratio <= 1.0:
-            raise ConfigError(f"objective {self.name}: ratio must be in (0, 1], got {self.ratio}")
+    RANGES: ClassVar[dict[str, str]] = {"weight": "> 0", "ratio": "(0, 1]"}
 
 
 @dataclass
@@ -66,12 +60,11 @@ class PhaseSpec:
     share: float = 1.0  # fraction of train.steps; shares of all phases sum to 1
     name: str = ""
     document_masking: bool = True  # attend only within the document inside packed samples
+    RANGES: ClassVar[dict[str, str]] = {"share": "(0, 1]"}
 
     def validate(self) -> None:
         if not self.objectives:
             raise ConfigError(f"phase {self.name!r}: needs at least one objective")
-        if not 0.0 < self.share <= 1.0:
-            raise ConfigError(f"phase {self.name!r}: share must be in (0, 1], got {self.share}")
         self.name = self.name or "+".join(o.name for o in self.objectives)
 
 
@@ -86,6 +79,9 @@ class OptimConfig:
     warmup_steps: int = 30
     decay_steps: int = 60  # wsd: length of the final linear decay
     min_lr_ratio: float = 0.0  # lr at the end of the decay, as a fraction of lr
+    RANGES: ClassVar[dict[str, str]] = {"lr": "> 0", "betas": "[0, 1)", "eps": "> 0", "weight_decay": ">= 0",
+                                        "grad_clip": ">= 0", "warmup_steps": ">= 0", "decay_steps": ">= 0",
+                                        "min_lr_ratio": "[0, 1]"}
 
 
 @dataclass
@@ -98,6 +94,10 @@ class TrainConfig:
     peak_tflops: float = 0.0  # per device, for MFU; 0 = look up the GPU, none on CPU
     export_hf: bool = True  # write an HF directory at the end
     stop_at_step: int = 0  # checkpoint and exit after this global step (0: run to train.steps); e.g. to fit a time slot
+    max_bad_steps: int = 3  # stop after this many steps in a row with a skipped update or a non-finite loss
+    RANGES: ClassVar[dict[str, str]] = {"steps": ">= 1", "micro_batch": ">= 1", "grad_accum": ">= 1", "seed": ">= 0",
+                                        "log_every": ">= 1", "peak_tflops": ">= 0", "stop_at_step": ">= 0",
+                                        "max_bad_steps": ">= 1"}
 
 
 @dataclass
@@ -106,6 +106,8 @@ class CheckpointConfig:
     keep_last: int = 2
     keep_every: int = 0  # also keep every N-th step for good (0: none)
     resume: bool = True  # continue from the newest complete checkpoint in run_dir
+    allow_global_batch_change: bool = False  # resume on a world size that changes the global batch
+    RANGES: ClassVar[dict[str, str]] = {"every": ">= 1", "keep_last": ">= 1", "keep_every": ">= 0"}
 
 
 DEFAULT_NAME = "sample-tiny-clm"  # the embedded default experiment's run
@@ -125,6 +127,7 @@ class ExperimentConfig:
     def validate(self) -> None:
         self.name = self.name or (os.path.basename(os.path.normpath(self.run_dir)) if self.run_dir else DEFAULT_NAME)
         self.run_dir = self.run_dir or os.path.join("runs", self.name)
+        check_ranges(self)
         for phase in self.phases:  # defaults are built without from_dict, so validate (and name) them here
             phase.validate()
         if not math.isclose(sum(p.share for p in self.phases), 1.0, abs_tol=1e-6):

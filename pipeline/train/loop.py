@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import deepspeed
@@ -16,40 +15,21 @@ from pipeline.data.loader import ShardLoader, check_compatible, check_source
 from pipeline.data.manifest import DatasetIndex, load_index, write_json_atomic
 from pipeline.export.record import from_experiment
 from pipeline.model.flops import flops_per_token
-from pipeline.tokenizer import load_tokenizer
 from pipeline.train import checkpoint
 from pipeline.train.ds_config import resolve_ds_config
 from pipeline.train.experiment import ExperimentConfig
+from pipeline.train.guard import DivergenceGuard
 from pipeline.train.metrics import MetricsLogger, device_peak_tflops, memory_gib
 from pipeline.train.model import build_train_model, export_hf
-from pipeline.train.phases import WeightedObjective, build_objectives
+from pipeline.train.phases import WeightedObjective, data_sources
+from pipeline.train.preflight import Prepared
 from pipeline.train.schedule import lr_multiplier
 from pipeline.train.shards import ensure_shards
+from pipeline.train.signals import StopRequest
 
 # The loop's own collectives (target counts, logged sums, the stop flag) use small tensors on the training device,
 # since NCCL refuses CPU tensors.
 DIST_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
-
-
-class StopRequest:
-    """SIGUSR1/SIGTERM (SLURM's warning before the time limit, or a requeue) ask for a checkpoint and a clean exit."""
-
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-        # the request stands; repeats (launch/slurm/train.sbatch resends USR1) are ignored, since Python restores
-        # default handlers at exit and a late USR1 would then kill a rank that stopped cleanly
-        signal.signal(signum, signal.SIG_IGN)
-
-    def agreed(self, device: torch.device) -> bool:
-        """All ranks must stop at the same step: a signal may reach them at different times."""
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def _device() -> torch.device:
@@ -115,12 +95,11 @@ def _open_loaders(exp: ExperimentConfig, objectives, tokenizer, index: DatasetIn
                   pin: bool) -> dict[str, ShardLoader]:
     """A loader per data source any phase reads: the packed shards, and the sentence units when asked for."""
     t, d = exp.train, exp.data
-    readers = {src: sorted({o.name for phase in objectives for o in phase if o.objective.source == src})
-               for src in ("packed", "units")}
+    readers = data_sources(objectives)
     if readers["packed"]:
         check_source(index, "packed", "data.shards", readers["packed"])
     loaders = {"packed": ShardLoader(index, t.micro_batch, t.grad_accum, rank, world, t.seed, d.num_workers,
-                                     pin_memory=pin)}
+                                     pin_memory=pin, verify=d.verify_shards)}
     if readers["units"]:
         if not d.unit_shards:
             raise ConfigError("an objective reads sentence units (e.g. simcse, sscl) but data.unit_shards is empty; "
@@ -129,20 +108,26 @@ def _open_loaders(exp: ExperimentConfig, objectives, tokenizer, index: DatasetIn
         check_compatible(units, tokenizer.info.fingerprint, units.seq_len)
         check_source(units, "units", "data.unit_shards", readers["units"])
         loaders["units"] = ShardLoader(units, d.unit_micro_batch or t.micro_batch, t.grad_accum, rank, world,
-                                       t.seed, d.num_workers, pin_memory=pin)
+                                       t.seed, d.num_workers, pin_memory=pin, verify=d.verify_shards)
     return loaders
 
 
-def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
+def start_distributed() -> tuple[torch.device, int, int]:
+    """(device, rank, world size) once torch.distributed runs: the rendezvous only, no engine yet."""
     device = _device()
     deepspeed.init_distributed(dist_backend=DIST_BACKENDS[device.type])
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def train(exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopRequest, device: torch.device) -> dict:
+    """Train after :func:`pipeline.train.preflight.preflight`; ``stop`` ends start-up at once, training at a
+    checkpoint."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(exp.train.seed)
 
-    tokenizer = load_tokenizer(exp.data.tokenizer)
+    tokenizer, objectives = prepared.tokenizer, prepared.objectives
     index = ensure_shards(exp.data, tokenizer, rank)
     check_compatible(index, tokenizer.info.fingerprint, exp.data.seq_len)
-    objectives = [build_objectives(p, tokenizer) for p in exp.phases]
 
     bf16 = exp.model.dtype == "bf16" or (exp.model.dtype == "auto" and device.type == "cuda")
     ds = resolve_ds_config(ds_raw, exp, world, bf16)
@@ -168,8 +153,8 @@ def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
         if rank == 0:
             print(f"resumed from {checkpoint.tag_for(step)} ({tokens_seen:,} tokens seen)")
 
-    metrics = MetricsLogger(exp.run_dir, rank == 0, exp.train.log_every)
-    stop = StopRequest()
+    metrics = MetricsLogger(exp.run_dir, rank == 0, exp.train.log_every, start_step=step)
+    guard = DivergenceGuard(exp.train.max_bad_steps, skipped_before=engine.skipped_steps)
     flops_tok = flops_per_token(lm.config, exp.data.seq_len)
     peak = device_peak_tflops(exp.train.peak_tflops)
     last_saved = step
@@ -183,6 +168,11 @@ def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
                         exp.checkpoint.keep_every)
         last_saved = step
 
+    def last_good() -> str | None:
+        good = checkpoint.latest_complete(exp.run_dir)
+        return None if good is None else os.path.join(checkpoint.checkpoint_root(exp.run_dir), checkpoint.tag_for(good))
+
+    stop.training_started()
     t_start = time.time()
     while step < exp.train.steps:
         t0 = time.time()
@@ -196,25 +186,32 @@ def train(exp: ExperimentConfig, ds_raw: dict) -> dict:
         step_tokens = world * sum(int((b.doc_ids >= 0).sum()) for bs in batches.values() for b in bs)
         tokens_seen += step_tokens
         dt = time.time() - t0
+        grad_norm = float(engine.get_global_grad_norm() or 0.0)
+        guard.count(losses, grad_norm, engine.skipped_steps)
         scalars = {f"loss/{n}": v for n, v in losses.items()} | {f"acc/{n}": v for n, v in accuracy.items()}
-        scalars |= {"optim/lr": lr, "optim/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+        scalars |= {"optim/lr": lr, "optim/grad_norm": grad_norm, "optim/skipped_steps": engine.skipped_steps,
                     "perf/tokens_per_s": step_tokens / dt, "perf/data_wait": t_data / dt,
                     "perf/mfu": flops_tok * step_tokens / dt / (world * peak * 1e12) if peak else 0.0,
                     "perf/mem_gib": memory_gib(), "progress/tokens_seen": tokens_seen, "progress/phase": phase_idx}
         metrics.log(step, scalars, phase.name)
-        stopping = stop.agreed(device) or step == exp.train.stop_at_step
-        if step % exp.checkpoint.every == 0 or stopping or step == exp.train.steps:
+        guard.check(step, losses, grad_norm, last_good)
+        signalled = stop.agreed(device)
+        stopping = signalled or step == exp.train.stop_at_step
+        if guard.healthy and (step % exp.checkpoint.every == 0 or stopping or step == exp.train.steps):
             save()
         if stopping:
             if rank == 0:
-                print(f"stopped at step {step} (checkpointed); start the same command again to resume")
+                why = f" on {stop.reason or 'the stop request of another rank'}" if signalled else ""
+                saved = "checkpointed" if last_saved == step else f"not checkpointed: the newest step was bad; " \
+                                                                   f"the last good checkpoint is {last_good()}"
+                print(f"stopped at step {step} ({saved}){why}; start the same command again to resume", flush=True)
             break
 
-    if last_saved != step:
+    if last_saved != step and guard.healthy:
         save()
     summary = {"steps": step, "tokens_seen": tokens_seen, "elapsed_s": round(time.time() - t_start, 1),
                "run_dir": exp.run_dir}
-    if step == exp.train.steps and exp.train.export_hf:
+    if step == exp.train.steps and exp.train.export_hf and guard.healthy:
         summary["hf_export"] = export_hf(engine, lm, tokenizer, os.path.join(exp.run_dir, "hf"),
                                          from_experiment(to_dict(exp), tokenizer))
     metrics.close(summary)

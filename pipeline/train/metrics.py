@@ -30,11 +30,15 @@ def memory_gib() -> float:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str, enabled: bool, log_every: int):
+    """``start_step``: the step training continues from; lines of later steps (logged before the checkpoint the
+    run resumes from was overtaken by a kill) are dropped, so a replayed step is in ``metrics.jsonl`` once."""
+
+    def __init__(self, run_dir: str, enabled: bool, log_every: int, start_step: int = 0):
         self.enabled, self.log_every = enabled, log_every
         self.writer = None
         self.history_path = os.path.join(run_dir, "metrics.jsonl")
         if enabled:
+            _drop_after(self.history_path, start_step)
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
@@ -51,8 +55,9 @@ class MetricsLogger:
         if step % self.log_every == 0 or step == 1:
             losses = " ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in scalars.items() if k.startswith("loss/"))
             mfu = f" mfu={scalars['perf/mfu']:.1%}" if scalars.get("perf/mfu") else ""
+            skipped = f" skipped={scalars['optim/skipped_steps']}" if scalars.get("optim/skipped_steps") else ""
             print(f"step {step:>6} [{phase}] {losses} lr={scalars['optim/lr']:.2e} "
-                  f"gnorm={scalars['optim/grad_norm']:.3f} tok/s={scalars['perf/tokens_per_s']:,.0f}{mfu} "
+                  f"gnorm={scalars['optim/grad_norm']:.3f}{skipped} tok/s={scalars['perf/tokens_per_s']:,.0f}{mfu} "
                   f"data_wait={scalars['perf/data_wait']:.1%} mem={scalars['perf/mem_gib']:.2f}GiB", flush=True)
 
     def close(self, summary: dict) -> None:
@@ -63,6 +68,29 @@ class MetricsLogger:
         summary["loss_plot"] = plot_losses(self.history_path, os.path.join(os.path.dirname(self.history_path),
                                                                            "loss.png"))
         print("summary: " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
+
+
+def _drop_after(path: str, step: int) -> None:
+    """Rewrite ``path`` (atomically) without the records of steps after ``step``."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if _step_of(line) <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+def _step_of(line: str) -> float:
+    """A record's step; a line torn by a kill counts as after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return float("inf")
 
 
 def plot_losses(history_path: str, out: str) -> str:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from pipeline.config import ConfigError
 from pipeline.objectives import OBJECTIVES, MaskedObjective, MaskingConfig, Objective, make_objective
+from pipeline.objectives.base import resolve_mask_id
 from pipeline.train.experiment import PhaseSpec
 
 
@@ -16,15 +18,44 @@ class WeightedObjective:
     objective: Objective
 
 
-def build_objectives(phase: PhaseSpec, tokenizer) -> list[WeightedObjective]:
+# tried in order when a mask token is missing: one of them usually is a single token of the vocabulary
+MASK_TOKEN_CANDIDATES = ("<mask>", "[MASK]", "_", "▁_", "<unk>")
+
+
+def suggest_mask_token(tokenizer, wanted: str | None) -> str:
+    """A token that exists in ``tokenizer``: the closest to ``wanted``, else a usual mask stand-in."""
+    vocab = tokenizer.hf.get_vocab()
+    close = difflib.get_close_matches(wanted, list(vocab), n=1) if wanted else []
+    found = close or [t for t in MASK_TOKEN_CANDIDATES if t in vocab]
+    return found[0] if found else tokenizer.hf.convert_ids_to_tokens(int(tokenizer.regular_ids()[0]))
+
+
+def build_objectives(phase: PhaseSpec, tokenizer, key: str = "phase") -> list[WeightedObjective]:
+    """``key`` names the phase in errors (``phases[1]``)."""
     out = []
-    for spec in phase.objectives:
+    for j, spec in enumerate(phase.objectives):
+        where = f"{key}.objectives[{j}]"
         masked = issubclass(OBJECTIVES[spec.name], MaskedObjective)
+        if masked:
+            try:
+                resolve_mask_id(tokenizer, spec.mask_token)
+            except ValueError:
+                what = (f"{spec.mask_token!r} is not a single token of" if spec.mask_token is not None
+                        else "null uses the mask token of, but there is none in")
+                raise ConfigError(f"{where}.mask_token: {what} tokenizer {tokenizer.path}; set it to a token of its "
+                                  f"vocabulary, e.g. {where}.mask_token={suggest_mask_token(tokenizer, spec.mask_token)!r}"
+                                  ) from None
         masking = MaskingConfig(spec.ratio, spec.policy, spec.mask_token) if masked else None
         try:
             obj = make_objective(spec.name, tokenizer=tokenizer, masking=masking,
                                  document_masking=phase.document_masking, **spec.options)
         except TypeError as e:  # an option the objective does not take
-            raise ConfigError(f"phase {phase.name!r}, objective {spec.name}: bad options {spec.options} ({e})") from e
+            raise ConfigError(f"{where}.options: bad options {spec.options} for {spec.name} ({e})") from e
         out.append(WeightedObjective(spec.name, spec.weight, obj))
     return out
+
+
+def data_sources(objectives: list[list[WeightedObjective]]) -> dict[str, list[str]]:
+    """Source ("packed", "units") -> the objectives of any phase that read it."""
+    return {src: sorted({o.name for phase in objectives for o in phase if o.objective.source == src})
+            for src in ("packed", "units")}

@@ -1,0 +1,105 @@
+"""Stopping a run: signals and a launcher that went away.
+
+Which process gets what (docs/training.md, "Failure modes"):
+
+- SIGUSR1/SIGTERM/SIGINT to a rank: during start-up the rank exits at once with status 0 (nothing is trained yet,
+  and every start-up step is safe to redo); once training runs, every rank checkpoints at the next step boundary and exits.
+- The launcher (``deepspeed``, its per-node ``deepspeed.launcher.launch``, or ``torchrun``) forwards SIGTERM/SIGINT
+  to the ranks, or dies of the signal without forwarding it (``deepspeed`` itself ends on SIGTERM/SIGUSR1 and leaves
+  its ranks running). So every rank also watches its launcher: when it is gone, the rank stops as if signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+DS_NODE_LAUNCHER = "deepspeed.launcher.launch"  # the ``deepspeed`` command's per-node child, the ranks' parent
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid from /proc (Linux); None when ``pid`` is gone or /proc is unavailable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def launcher_chain() -> list[tuple[int, int]]:
+    """(pid, its parent) pairs to watch: this rank's parent, and when that is DeepSpeed's per-node launcher, the
+    ``deepspeed`` command above it too. A pair whose pid got another parent means that parent died."""
+    chain = [(os.getpid(), os.getppid())]
+    if DS_NODE_LAUNCHER in _cmdline(os.getppid()):
+        grand = _parent_of(os.getppid())
+        if grand is not None:
+            chain.append((os.getppid(), grand))
+    return [(pid, parent) for pid, parent in chain if parent > 1]
+
+
+class StopRequest:
+    """Created first thing in a rank (this module imports nothing heavy, so a signal early in start-up is handled
+    too); :meth:`training_started` switches from "exit now" to "checkpoint, then exit"."""
+
+    def __init__(self, rank: int, poll_s: float = 1.0):
+        self.rank = rank
+        self.reason: str | None = None
+        self._training = False
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+        chain = launcher_chain()
+        if chain:
+            threading.Thread(target=self._watch, args=(chain, poll_s), daemon=True, name="launcher-watch").start()
+
+    @property
+    def requested(self) -> bool:
+        return self.reason is not None
+
+    def _handle(self, signum, frame) -> None:
+        self._stop(signal.Signals(signum).name)
+        # the request stands; repeats (launch/slurm/train.sbatch resends USR1) are ignored, since Python restores
+        # default handlers at exit and a late USR1 would then kill a rank that stopped cleanly
+        signal.signal(signum, signal.SIG_IGN)
+
+    def _watch(self, chain: list[tuple[int, int]], poll_s: float) -> None:
+        while True:
+            time.sleep(poll_s)
+            for pid, parent in chain:
+                if _parent_of(pid) != parent:
+                    self._stop(f"the launcher's exit (pid {parent})")
+                    return
+
+    def _stop(self, why: str) -> None:
+        """Exit 0 in start-up, as a stop with a checkpoint does: launch/slurm/train.sbatch requeues a run whose
+        ranks stopped cleanly."""
+        if self._training:
+            self.reason = self.reason or why
+            return
+        if self.rank == 0:
+            print(f"stopped during start-up on {why}; nothing was trained in this start: run the same command "
+                  f"again to continue", file=sys.stderr, flush=True)
+        os._exit(0)
+
+    def training_started(self) -> None:
+        self._training = True
+
+    def agreed(self, device) -> bool:
+        """All ranks must stop at the same step: a signal may reach them at different times."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

@@ -1,0 +1,414 @@
+"""The crash matrix: every way a long run used to fail silently, each with the command a user would run.
+
+Config, lock and shard cases stop before training (cheap); the cases that need training steps (divergence,
+signals, a full disk during a checkpoint, a corrupt shard met in training, a resume on another world size) launch
+real 2-rank ZeRO-3 runs under the ``deepspeed`` command and are marked slow. docs/training.md, "Failure modes",
+describes each case from the user's side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import typing
+
+import numpy as np
+import psutil
+import pytest
+from helpers import REPO, cpu_env, launch_training, logged_steps, make_shard_dir, train_command
+
+from pipeline.config import ConfigError
+from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.loader import ShardCorrupt, ShardLoader, check_shard_sizes, verify_shard_hash
+from pipeline.data.manifest import (
+    MANIFEST,
+    ShardInfo,
+    job_manifest_name,
+    load_index,
+    settings_fingerprint,
+    write_json_atomic,
+)
+from pipeline.data.order import TrainPlan
+from pipeline.lock import DirLock
+from pipeline.train import checkpoint
+from pipeline.train.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
+from pipeline.train.guard import Diverged, DivergenceGuard
+from pipeline.train.metrics import MetricsLogger
+from pipeline.train.preflight import RUN_LOCK, preflight
+
+TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
+INPUT = os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")
+TINY = ["train.steps=40", "train.micro_batch=2", "train.log_every=1", "optim.warmup_steps=0", "optim.decay_steps=0",
+        "data.seq_len=64", "data.build_if_missing=false", "train.export_hf=true"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("data") / "shards")
+    run_job(BuildConfig(inputs=(INPUT,), tokenizer=TOKENIZER, output=out, seq_len=64, samples_per_shard=256,
+                        progress=False))
+    return out
+
+
+def run_train(run_dir: str, shards: str, *overrides: str, nproc: int = 2, launcher: str = "deepspeed",
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    return launch_training(run_dir, None, *TINY, f"data.shards={shards}", *overrides, nproc=nproc, env=env,
+                           check=False, launcher=launcher)
+
+
+def one_error(proc: subprocess.CompletedProcess, prefix: str) -> str:
+    """The run failed with exactly one ``prefix:`` line and no traceback of ours; returns the line."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{prefix}:")]
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert len(lines) == 1, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    return lines[0]
+
+
+# ---------------------------------------------------------------- config values that destroy or crash
+
+def _numeric_fields(cls, prefix=""):
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        inner = typing.get_args(tp)
+        if dataclasses.is_dataclass(tp):
+            yield from _numeric_fields(tp, f"{prefix}{f.name}.")
+        elif typing.get_origin(tp) is list and inner and dataclasses.is_dataclass(inner[0]):
+            yield from _numeric_fields(inner[0], f"{prefix}{f.name}[].")
+        elif tp in (int, float) or (inner and set(inner) <= {int, float}):
+            yield cls, f.name, f"{prefix}{f.name}"
+
+
+def test_every_numeric_config_field_has_a_range():
+    missing = [key for cls, name, key in _numeric_fields(ExperimentConfig) if name not in getattr(cls, "RANGES", {})]
+    assert not missing
+
+
+@pytest.mark.parametrize("override,message", [
+    ("checkpoint.keep_last=0", "checkpoint.keep_last: 0 is out of range; it must be >= 1"),
+    ("checkpoint.every=0", "checkpoint.every: 0 is out of range; it must be >= 1"),
+    ("train.steps=0", "train.steps: 0 is out of range; it must be >= 1"),
+    ("optim.lr=-0.001", "optim.lr: -0.001 is out of range; it must be > 0"),
+    ("optim.betas=[0.9, 1.0]", r"optim.betas: \[0.9, 1.0\] is out of range; it must be in \[0, 1\)"),
+    ("phases=[{objectives: [{name: mlm, ratio: 1.5}]}]", r"phases\[0\].objectives\[0\].ratio: 1.5 is out of range"),
+])
+def test_config_range_errors_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_experiment(None, ["optim.warmup_steps=0", "optim.decay_steps=0", override])
+
+
+def test_config_error_is_one_line_from_rank_0_before_deepspeed(tmp_path):
+    proc = launch_training(str(tmp_path / "run"), None, "checkpoint.keep_last=0", check=False, launcher="deepspeed")
+    assert one_error(proc, "config error") == "config error: checkpoint.keep_last: 0 is out of range; it must be >= 1"
+    assert proc.returncode == 2
+
+
+def test_experiment_is_checked_before_deepspeed_and_reported_once(shards, tmp_path):
+    """A missing mask token names its key and a token that exists; the run directory's lock names its holder."""
+    mlm = "phases=[{share: 0.5, objectives: [{name: clm}]}, {share: 0.5, objectives: [{name: mlm, mask_token: '<mask_>'}]}]"
+    proc = run_train(str(tmp_path / "run"), shards, mlm)
+    line = one_error(proc, "config error")
+    assert line.startswith("config error: phases[1].objectives[0].mask_token: '<mask_>' is not a single token of ")
+    assert "e.g. phases[1].objectives[0].mask_token='<mask>'" in line
+    assert "DeepSpeed info" not in proc.stdout and not os.path.exists(tmp_path / "run" / "tensorboard")
+
+
+@pytest.mark.parametrize("case", ["tokenizer", "run_dir", "no shards", "other tokenizer", "too few samples",
+                                  "model.init"])
+def test_preflight_names_the_file_and_the_fix(shards, tmp_path, case):
+    """The checks every rank runs before DeepSpeed (in process here; the launched tests above show them reported)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    other = make_shard_dir(tmp_path, seq_len=64)
+    override, message = {
+        "tokenizer": (f"data.tokenizer={tmp_path}/nope", rf"tokenizer {tmp_path}/nope does not exist"),
+        "run_dir": (f"run_dir={afile}/run", rf"run_dir: {afile}/run is not writable .*set run_dir to a directory"),
+        "no shards": (f"data.shards={tmp_path}/none", rf"data.shards: {tmp_path}/none is not a shard directory; "
+                                                      r"build it with data_prep/build_shards.py"),
+        "other tokenizer": (f"data.shards={other}", rf"{other}: shards were built with tokenizer fingerprint "
+                                                    r"'test-tokenizer'"),
+        "too few samples": ("train.micro_batch=20000", rf"data.shards: {shards} holds \d+ samples, fewer than one "
+                                                       r"global batch of 40000"),
+        "model.init": (f"model.init={tmp_path}/start", rf"model.init: no such directory '{tmp_path}/start'"),
+    }[case]
+    exp = load_experiment(None, [*TINY, f"run_dir={tmp_path}/ok", f"data.shards={shards}", override])
+    with pytest.raises((ConfigError, ValueError, FileNotFoundError), match=message):
+        preflight(exp, rank=0, world=2)
+    assert not os.path.exists(os.path.join(exp.run_dir, RUN_LOCK)) or not open(os.path.join(exp.run_dir,
+                                                                                            RUN_LOCK)).read()
+
+
+# ---------------------------------------------------------------- one run per directory
+
+def plain_python(run_dir: str, shards: str, *overrides: str) -> subprocess.CompletedProcess:
+    """``python launch/train.py ...`` without a launcher (no RANK/WORLD_SIZE in the environment)."""
+    cmd = [sys.executable, os.path.join(REPO, "launch", "train.py"), "--config",
+           os.path.join(REPO, "ds_configs", "zero3.json"), "--set", f"run_dir={run_dir}",
+           *[a for o in [*TINY, f"data.shards={shards}", *overrides] for a in ("--set", o)]]
+    env = {k: v for k, v in cpu_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+
+
+def test_second_run_on_a_run_directory_is_refused_with_the_holder(shards, tmp_path):
+    """Also the plain ``python launch/train.py``: one rank, set up without a launcher (no mpi4py error)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with DirLock(str(run_dir / RUN_LOCK), "held by the test"):  # stands in for a running first run
+        proc = plain_python(str(run_dir), shards)
+    line = one_error(proc, "error")
+    assert f"run directory {run_dir} is in use by host " in line and f"pid {os.getpid()} " in line
+    assert "no launcher (RANK/WORLD_SIZE unset): training on one rank" in proc.stderr
+    assert not os.path.exists(run_dir / "experiment.json")
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over_and_named(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = str(tmp_path / "lock")
+    with open(path, "w") as f:  # what a holder killed with SIGKILL leaves: its record, no flock
+        json.dump({"host": os.uname().nodename, "pid": dead.pid, "time": time.time(), "command": "train.py"}, f)
+    with DirLock(path, "run directory x") as lock:
+        assert lock.stale["pid"] == dead.pid
+    with DirLock(path, "run directory x") as lock:
+        assert lock.stale is None  # a released lock leaves no record behind
+
+
+def test_second_build_job_with_the_same_index_is_refused(tmp_path):
+    out = tmp_path / "shards"
+    out.mkdir()
+    cmd = [sys.executable, os.path.join(REPO, "data_prep", "build_shards.py"), "--input", INPUT, "--tokenizer",
+           TOKENIZER, "--output", str(out), "--num-jobs", "2", "--job-index", "1", "--no-progress"]
+    with DirLock(str(out / ".lock-job-00001"), "held by the test"):
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 1
+    assert f"error: job 1 of {out} is in use by host " in proc.stderr and f"pid {os.getpid()} " in proc.stderr
+    assert not [n for n in os.listdir(out) if n.startswith(".work-")]
+
+
+# ---------------------------------------------------------------- corrupt shards
+
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def test_flipped_byte_is_a_hash_mismatch_naming_the_shard(tmp_path):
+    index = load_index(make_shard_dir(tmp_path))
+    bad = index.shards[1]
+    _flip_byte(bad.path, bad.bytes // 2)
+    check_shard_sizes(index)  # same size: only the hash sees it
+    with pytest.raises(ShardCorrupt, match=rf"{bad.path}: sha256 mismatch: the manifest records {bad.sha256}, the "
+                                           r"file has [0-9a-f]{64} .*rebuild the shard directory"):
+        loader = ShardLoader(index, micro_batch=37)
+        loader.next_global_step()
+
+
+def test_truncated_or_missing_shard_fails_the_size_check(tmp_path):
+    index = load_index(make_shard_dir(tmp_path))
+    with open(index.shards[0].path, "r+b") as f:
+        f.truncate(index.shards[0].bytes - 512)
+    with pytest.raises(ShardCorrupt, match=rf"{index.shards[0].path}: {index.shards[0].bytes - 512} bytes, the "
+                                           rf"manifest records {index.shards[0].bytes}"):
+        check_shard_sizes(index)
+    os.remove(index.shards[0].path)
+    with pytest.raises(ShardCorrupt, match="listed in the manifests of .* but missing"):
+        check_shard_sizes(index)
+    verify_shard_hash(index.shards[1])  # the others are fine
+
+
+def test_token_id_outside_the_vocabulary_names_shard_and_sample(tmp_path):
+    directory = make_shard_dir(tmp_path, vocab=64)
+    manifest = json.load(open(os.path.join(directory, MANIFEST)))
+    manifest["settings"]["tokenizer"]["vocab_size"] = 40  # a tokenizer smaller than the ids in the shards
+    manifest["fingerprint"] = settings_fingerprint(manifest["settings"])
+    write_json_atomic(os.path.join(directory, MANIFEST), manifest)
+    job = json.load(open(os.path.join(directory, job_manifest_name(0))))
+    write_json_atomic(os.path.join(directory, job_manifest_name(0)), job | {"fingerprint": manifest["fingerprint"]})
+    with pytest.raises(ShardCorrupt, match=r"shard-00000-\d+\.tar: sample \d+ \(key \w+\) has token id \d+ in "
+                                           r"input_ids, outside the tokenizer's vocabulary of 40"):
+        ShardLoader(load_index(directory), micro_batch=37).next_global_step()
+    assert ShardLoader(load_index(directory), micro_batch=37, verify=False).next_global_step()
+
+
+# ---------------------------------------------------------------- divergence, metrics
+
+def test_divergence_guard_counts_bad_steps_in_a_row():
+    guard = DivergenceGuard(max_bad_steps=2)
+    guard.count({"clm": 5.0}, 1.0, engine_skipped=0)
+    assert guard.healthy
+    guard.count({"clm": float("nan")}, 1.0, engine_skipped=0)
+    assert not guard.healthy
+    guard.check(2, {"clm": float("nan")}, 1.0, lambda: "ckpt")  # one bad step: not yet
+    guard.count({"clm": 5.0}, float("inf"), engine_skipped=1)
+    with pytest.raises(Diverged, match=r"2 bad steps in a row .* up to step 3: loss clm=5, grad norm inf; .* last "
+                                       r"good checkpoint is ckpt"):
+        guard.check(3, {"clm": 5.0}, float("inf"), lambda: "ckpt")
+    guard.count({"clm": 4.0}, 1.0, engine_skipped=1)  # the counter did not move: a good step resets the streak
+    assert guard.healthy
+
+
+def test_resumed_metrics_drop_the_replayed_steps(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "phase": "clm"}) + "\n" for s in range(1, 8)) + '{"step": 8, "ph')
+    MetricsLogger(str(tmp_path), True, 10, start_step=5).writer.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+# ---------------------------------------------------------------- full disk
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A directory on a tmpfs of a few MB (needs root for mount; skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+
+    def mount_size(size: str) -> str:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        return str(mount)
+
+    yield mount_size
+    subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_full_disk_during_shard_write_names_the_path_and_keeps_committed_shards(small_disk):
+    out = os.path.join(small_disk("45m"), "shards")  # one input file of four fits (~31 MiB of shards)
+    cmd = [sys.executable, os.path.join(REPO, "data_prep", "build_shards.py"), "--input", INPUT, "--tokenizer",
+           TOKENIZER, "--output", out, "--seq-len", "64", "--samples-per-shard", "256", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"error: no space left on device: {out}/" in proc.stderr and "Traceback" not in proc.stderr
+    job = json.load(open(os.path.join(out, job_manifest_name(0))))
+    assert not job["complete"] and job["shards"]  # some files were committed before the disk filled up
+    for entry in job["shards"]:
+        path = os.path.join(out, entry["name"])
+        assert os.path.getsize(path) == entry["bytes"]
+        verify_shard_hash(ShardInfo(path=path, **entry))
+
+
+# ---------------------------------------------------------------- training cases (real ZeRO-3 runs)
+
+@pytest.mark.slow
+def test_plain_python_trains_one_rank(shards, tmp_path):
+    run_dir = str(tmp_path / "run")
+    proc = plain_python(run_dir, shards, "train.steps=2", "train.export_hf=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no launcher (RANK/WORLD_SIZE unset): training on one rank" in proc.stderr
+    assert "mpi4py" not in proc.stderr
+    assert sorted(logged_steps(run_dir)) == [1, 2]
+
+
+@pytest.mark.slow
+def test_divergence_stops_without_export_and_keeps_the_good_checkpoint(shards, tmp_path):
+    run_dir = str(tmp_path / "run")
+    proc = run_train(run_dir, shards, "optim.lr=1e6", "optim.schedule=constant", "checkpoint.every=1",
+                     "train.max_bad_steps=3")
+    line = one_error(proc, "diverged")
+    assert proc.returncode == 3
+    steps = logged_steps(run_dir)
+    last = max(steps)
+    assert f"3 bad steps in a row (skipped updates or non-finite loss) up to step {last}" in line
+    good = checkpoint.complete_steps(run_dir)
+    assert good and max(good) == last - 3  # nothing saved while the steps were bad
+    assert f"the last good checkpoint is {checkpoint.checkpoint_root(run_dir)}/{checkpoint.tag_for(max(good))}" in line
+    assert steps[last]["optim/skipped_steps"] >= 1 or steps[last]["loss/clm"] != steps[last]["loss/clm"]
+    assert not os.path.exists(os.path.join(run_dir, "hf"))
+    assert os.path.exists(os.path.join(run_dir, "logs", "error-rank0.log"))
+
+
+def _wait_for_step(run_dir: str, proc: subprocess.Popen, step: int, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    path = os.path.join(run_dir, "metrics.jsonl")
+    while time.time() < deadline:
+        assert proc.poll() is None, "training ended early"
+        if os.path.exists(path) and any(json.loads(x)["step"] >= step for x in open(path) if x.strip()):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def _start(run_dir: str, shards: str, *overrides: str) -> tuple[subprocess.Popen, str]:
+    log = os.path.join(os.path.dirname(run_dir), "out.log")
+    cmd = train_command(run_dir, None, *TINY, f"data.shards={shards}", *overrides, launcher="deepspeed")
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=cpu_env(),
+                                start_new_session=True), log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=["SIGTERM", "SIGUSR1", "Ctrl-C"])
+def test_signal_to_the_deepspeed_command_checkpoints_every_rank(shards, tmp_path, sig):
+    """SIGTERM/SIGUSR1 to the ``deepspeed`` process (it dies without forwarding them), Ctrl-C to the whole
+    foreground group: every rank stops at one step with a checkpoint; then a resume on 1 rank is refused."""
+    run_dir = str(tmp_path / "run")
+    proc, log = _start(run_dir, shards, "train.steps=400", "checkpoint.every=1000")
+    _wait_for_step(run_dir, proc, 2)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)
+    else:
+        os.kill(proc.pid, sig)
+    _, alive = psutil.wait_procs(tree, timeout=300)
+    assert not alive
+    proc.wait()
+    out = open(log).read()
+    (stopped,) = checkpoint.complete_steps(run_dir)
+    assert f"stopped at step {stopped} (checkpointed) on " in out, out[-3000:]  # the reason is named
+    assert sorted(logged_steps(run_dir)) == list(range(1, stopped + 1))
+    if sig == signal.SIGTERM:
+        refused = run_train(run_dir, shards, "train.steps=400", "checkpoint.every=1000", nproc=1)
+        line = one_error(refused, "config error")
+        assert "checkpoint.allow_global_batch_change: " in line and "set train.grad_accum=2 to keep it" in line
+
+
+@pytest.mark.slow
+def test_signal_during_start_up_stops_every_rank(shards, tmp_path):
+    run_dir = str(tmp_path / "run")
+    proc, log = _start(run_dir, shards)
+    deadline = time.time() + 120
+    while len(psutil.Process(proc.pid).children(recursive=True)) < 3 and time.time() < deadline:
+        time.sleep(0.2)  # the per-node launcher and both ranks exist
+    time.sleep(2)
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, alive = psutil.wait_procs(tree, timeout=120)
+    assert not alive
+    assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl")) or not logged_steps(run_dir)
+    proc.wait()
+    assert "stopped during start-up on " in open(log).read()
+
+
+@pytest.mark.slow
+def test_corrupt_shard_met_in_training_is_one_message(shards, tmp_path):
+    copy = str(tmp_path / "shards")
+    shutil.copytree(shards, copy)
+    index = load_index(copy)
+    first = int(TrainPlan(index.num_samples, 0, 2, 1, 0, 2).sample_ids(0)[0])  # rank 0's first sample (seed 0)
+    bad = index.shards[int(np.searchsorted(np.cumsum([s.samples for s in index.shards]), first, side="right"))]
+    _flip_byte(bad.path, bad.bytes // 3)
+    proc = run_train(str(tmp_path / "run"), copy)
+    line = one_error(proc, "error")
+    assert f"error: {bad.path}: sha256 mismatch: the manifest records {bad.sha256}" in line
+    assert "(traceback: " in proc.stderr
+
+
+@pytest.mark.slow
+def test_full_disk_during_checkpoint_keeps_the_previous_one(shards, tmp_path, small_disk):
+    run_dir = os.path.join(small_disk("20m"), "run")  # one checkpoint (~13 MiB) fits, not two
+    proc = run_train(run_dir, shards, "checkpoint.every=1", "checkpoint.keep_last=1", "train.export_hf=false")
+    line = one_error(proc, "error")
+    good = checkpoint.complete_steps(run_dir)
+    assert f"error: no space left on device: {checkpoint.checkpoint_root(run_dir)}/step" in line
+    assert good and f"the checkpoint of step {good[-1]} is intact" in line
