@@ -205,4 +205,7 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tokenizer, tmp_path):
     assert sum(r[0] for r in ranks) == pytest.approx(loss, rel=1e-5)
     assert HEAD + ".0.weight" in grads and set(ranks[0][2]) == set(ranks[1][2]) == set(grads)
     for name, grad in grads.items():
-        torch.testing.assert_close(ranks[0][2][name] + ranks[1][2][name], grad, atol=1e-6, rtol=1e-4)
+        # fp32 sums in another order (the embedding's gradient adds up every position of a token): the absolute
+        # tolerance scales with the gradient's size (up to ~30 here, where 1e-6 flat failed on 3 of 512k elements)
+        torch.testing.assert_close(ranks[0][2][name] + ranks[1][2][name], grad, rtol=1e-4,
+                                   atol=1e-6 * max(1.0, float(grad.abs().max())))
