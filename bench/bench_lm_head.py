@@ -5,26 +5,27 @@ the next one): the full head is ``target_loss`` with the model's ``nn.Linear`` (
 cross-entropy), the chunked head is ``target_loss`` with a ``ChunkedLMHead`` sharing that weight
 (``pipeline/model/lm_head.py``). Repetitions are interleaved. Peak memory is the process's peak resident set
 during the step above its resident set just before (``/proc/self/status`` VmHWM, reset through
-``/proc/self/clear_refs``), so it counts everything the step allocates, body included. Run:
+``/proc/self/clear_refs``, freed heap pages returned first with ``malloc_trim``), so it counts everything the
+step allocates, body included. Run:
 ``python bench/bench_lm_head.py``; the last line is the headline ratio (goal: memory <= 0.25x, time <= 1.05x).
 """
 
 from __future__ import annotations
 
-import argparse
+import ctypes
 import gc
 import statistics
 import time
 
 import torch
-from bench_target_head import synthetic_batch
-from transformers import AutoModelForCausalLM
+from bench_target_head import head_bench_parser, small_model, synthetic_batch
 
 from pipeline.model.attention import attention_inputs
 from pipeline.model.lm_head import DEFAULT_CHUNK, ChunkedLMHead
-from pipeline.model.presets import PRESETS, ModelPreset
 from pipeline.objectives import CLM
 from pipeline.objectives.base import target_loss
+
+LIBC = ctypes.CDLL("libc.so.6")
 
 
 def _status_kib(field: str) -> int:
@@ -36,6 +37,7 @@ def step(model, head, objective: CLM, batch) -> tuple[float, float]:
     """(seconds, peak extra MiB) of one forward + backward with ``head`` as the LM head."""
     model.zero_grad(set_to_none=True)
     gc.collect()
+    LIBC.malloc_trim(0)  # give freed heap pages back, so memory the other head freed is not reused unseen
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident set to the current one
     before = _status_kib("VmRSS")
@@ -48,23 +50,10 @@ def step(model, head, objective: CLM, batch) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=2048)
+    parser = head_bench_parser(__doc__, seq_len=2048, reps=3)
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="rows per chunk of the chunked head")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps a shared machine's noise low)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    tiny = PRESETS["tiny"]
-    shape = ModelPreset(num_layers=args.layers, hidden_size=args.hidden, ffn_size=4 * args.hidden,
-                        num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads, max_seq_len=args.seq_len)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(shape.to_config(args.vocab), attn_implementation="sdpa")
+    model = small_model(args)
     chunked = ChunkedLMHead(args.hidden, args.vocab, bias=False, device="meta")
     chunked.weight, chunked.chunk_size = model.lm_head.weight, args.chunk  # the same parameter
     heads = {"full": model.lm_head, "chunked": chunked}
