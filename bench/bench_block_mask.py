@@ -1,6 +1,6 @@
 """The cost of building a FlexAttention block mask per micro-batch against a 210m forward on the same batch (CPU).
 
-On packed rows (documents of 64..4096 tokens, document masking, MAGNET spans on ~15 % of the tokens) it times,
+On packed rows (documents of 64..2048 tokens, document masking, MAGNET spans on ~15 % of the tokens) it times,
 interleaved: ``flex_block_mask`` for the causal, bidirectional and MAGNET modes (what ``attention_inputs`` builds
 once per micro-batch for FlexAttention), the dense bool mask SDPA gets, and the decoder body's forward under
 SDPA with that dense mask (no grad: the cheapest forward, so the ratio is an upper bound). The last line is the
@@ -23,13 +23,13 @@ MODES = ("causal", "bidirectional", "magnet")
 
 
 def packed_rows(batch: int, seq_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(doc ids, span ids) [B, L]: documents of 64..4096 tokens cut at the row end; spans of 8..32 tokens."""
+    """(doc ids, span ids) [B, L]: documents of 64..L tokens, the last cut at the row end; spans of 8..32 tokens."""
     doc_ids = torch.empty(batch, seq_len, dtype=torch.int32)
     span_ids = torch.full((batch, seq_len), -1, dtype=torch.int32)
     for row in range(batch):
         start, doc, span = 0, 0, 0
         while start < seq_len:
-            end = min(seq_len, start + int(torch.randint(64, 4097, (), generator=generator)))
+            end = min(seq_len, start + int(torch.randint(64, seq_len + 1, (), generator=generator)))
             doc_ids[row, start:end] = doc
             for s in range(start + 16, end - 40, 200):  # ~15 % of the tokens in spans
                 span_ids[row, s:s + int(torch.randint(8, 33, (), generator=generator))] = span
@@ -48,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="210m")
     parser.add_argument("--vocab", type=int, default=32000, help="only the input embedding's size")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps a shared machine's noise low)")
