@@ -34,7 +34,8 @@ TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 STEPS = 20
 COMMON = ["train.steps=20", "train.micro_batch=2", "train.grad_accum=2", "train.log_every=5",
           "optim.warmup_steps=4", "optim.decay_steps=6", "optim.lr=0.002", "checkpoint.every=10",
-          "data.seq_len=64", "data.build_if_missing=false"]
+          "data.seq_len=64", "data.build_if_missing=false",
+          "model.lm_head_chunk=32"]  # ~126 targets a micro-batch: the chunked head's recomputing path under ZeRO-3
 
 
 def launch(run_dir: str, shards: str, init: str, *overrides: str, nproc: int = 2, env: dict | None = None,
@@ -79,7 +80,8 @@ def baseline(tmp_path_factory, shards, init_dir) -> str:
 
 
 def reference_losses(shards: str, init_dir: str, run_dir: str) -> tuple[list[float], torch.nn.Module]:
-    """The same training in one process with plain PyTorch: AdamW, LambdaLR, clip-by-norm, no DeepSpeed."""
+    """The same training in one process with plain PyTorch: AdamW, LambdaLR, clip-by-norm, no DeepSpeed, and the
+    unchunked LM head."""
     exp = load_experiment(None, [*COMMON, f"model.init={init_dir}", f"data.shards={shards}"])
     tok = load_tokenizer(TOKENIZER)
     lm = build_model(init_dir, tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
