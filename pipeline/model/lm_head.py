@@ -1,15 +1,18 @@
-"""A memory-bounded LM head loss: linear + cross-entropy over chunks of target rows, recomputed in backward.
+"""A memory-bounded LM head loss: linear + cross-entropy over chunks of target rows, gradients made per chunk.
 
 The unchunked head materialises fp32 logits for every target (8 x 2048 CLM targets x 128 256 words x 4 bytes
-= 8.4 GB, twice that with their gradient). Here the forward keeps only each row's log-sum-exp: per chunk of
-``chunk_size`` rows it computes the logits, their log-sum-exp, the label's logit and whether the label is the
-arg-max, then drops them. The backward recomputes each chunk's logits, turns them into the softmax gradient and
-accumulates the input and weight gradients, so the extra memory is O(chunk x vocab) (the approach of Cut
-Cross-Entropy; Liger-Kernel's fused linear cross-entropy computes the gradients in the forward instead).
+= 8.4 GB, twice that with their gradient). Here, per chunk of ``chunk_size`` rows, the forward computes the
+logits, the loss and whether the label is the arg-max and, while the chunk's logits are live, their softmax
+gradient and from it the chunk's input gradient and its share of the weight gradient; then the logits are
+dropped. The backward only scales the two stored gradients by the incoming one. This is Liger-Kernel's fused
+linear cross-entropy: the extra memory is O(chunk x vocab) plus the two gradients (the size of the input and of
+the weight), and the matmuls are the plain head's three. Recomputing each chunk's logits in the backward instead
+(Cut Cross-Entropy) holds no weight-sized gradient between forward and backward but adds a fourth matmul: 1.31x
+the plain head's step on CPU (BENCHMARKS.md), against the goal of 1.05x.
 
 Matmuls run in the weight's dtype (bf16 on GPU) like ``nn.Linear``; logits, softmax and loss are fp32, and the
 weight gradient is accumulated over chunks in fp32. Under ZeRO-3 the head runs as the ``lm_head`` module's
-forward, so DeepSpeed gathers its weight for the forward and again for the backward, as for the plain head.
+forward, so DeepSpeed gathers its weight for it as for the plain head.
 """
 
 from __future__ import annotations
@@ -25,42 +28,44 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (hidden @ weight.T).float()
 
 
+def _chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, grads: bool):
+    """(loss sum, correct count, d loss / d hidden, d loss / d weight), the gradients None unless ``grads``."""
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if grads else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
+    for start in range(0, len(labels), chunk_size):
+        rows = slice(start, start + chunk_size)
+        logits = _chunk_logits(hidden[rows], weight)
+        lse = logits.logsumexp(-1)
+        label_logit = logits.gather(-1, labels[rows, None]).squeeze(-1)
+        loss += (lse - label_logit).sum()
+        # a label is right when its logit is the largest (amax: CPU argmax costs ~30x more)
+        correct += (label_logit >= logits.amax(-1)).sum()
+        if grads:  # d loss / d logits = softmax - onehot(label), in the logits' buffer
+            grad_logits = logits.sub_(lse[:, None]).exp_()
+            grad_logits[torch.arange(len(grad_logits), device=labels.device), labels[rows]] -= 1.0
+            grad_logits = grad_logits.to(weight.dtype)
+            grad_hidden[rows] = grad_logits @ weight
+            if grad_weight.dtype == weight.dtype:
+                grad_weight.addmm_(grad_logits.T, hidden[rows])
+            else:
+                grad_weight += (grad_logits.T @ hidden[rows]).float()
+    return loss, correct, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
-        lse = torch.empty(len(labels), dtype=torch.float32, device=hidden.device)
-        label_logit = torch.empty_like(lse)
-        correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
-        for start in range(0, len(labels), chunk_size):
-            rows = slice(start, start + chunk_size)
-            logits = _chunk_logits(hidden[rows], weight)
-            lse[rows] = logits.logsumexp(-1)
-            label_logit[rows] = logits.gather(-1, labels[rows, None]).squeeze(-1)
-            # a label is right when its logit is the largest (amax: CPU argmax costs ~30x more)
-            correct += (label_logit[rows] >= logits.amax(-1)).sum()
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_size = chunk_size
+        loss, correct, grad_hidden, grad_weight = _chunked(hidden, weight, labels, chunk_size, grads=True)
+        ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.mark_non_differentiable(correct)
-        return (lse - label_logit).sum(), correct
+        return loss, correct
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, _grad_correct):
-        hidden, weight, labels, lse = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        rows_all = torch.arange(len(labels), device=labels.device)
-        for start in range(0, len(labels), ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            # d loss / d logits = softmax - onehot(label), scaled by the incoming gradient
-            grad_logits = (_chunk_logits(hidden[rows], weight) - lse[rows, None]).exp_()
-            grad_logits[rows_all[:len(grad_logits)], labels[rows]] -= 1.0
-            grad_logits = (grad_logits * grad_loss).to(weight.dtype)
-            if grad_hidden is not None:
-                grad_hidden[rows] = grad_logits @ weight
-            if grad_weight is not None:
-                grad_weight += (grad_logits.T @ hidden[rows]).float()
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,13 +80,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """(fp32 sum of cross-entropy of ``hidden @ weight.T`` against ``labels``, number of rows whose label has the
     largest logit), ``chunk_size`` rows at a time. ``hidden`` [N, H], ``weight`` [V, H], ``labels`` [N].
 
-    Up to ``chunk_size`` rows the logits are one chunk anyway, so they are kept for the backward (as the plain
-    head does) rather than recomputed: within the same memory bound, and no slower than the plain head."""
+    Up to ``chunk_size`` rows the logits are one chunk anyway: they go through the plain head's autograd path,
+    within the same memory bound. Without gradients (evaluation) no gradient is made."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if len(labels) <= chunk_size:
         return cross_entropy(_chunk_logits(hidden, weight), labels)
-    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size)
+    return _chunked(hidden, weight, labels, chunk_size, grads=False)[:2]
 
 
 class ChunkedLMHead(nn.Linear):
