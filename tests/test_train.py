@@ -35,7 +35,7 @@ STEPS = 20
 COMMON = ["train.steps=20", "train.micro_batch=2", "train.grad_accum=2", "train.log_every=5",
           "optim.warmup_steps=4", "optim.decay_steps=6", "optim.lr=0.002", "checkpoint.every=10",
           "data.seq_len=64", "data.build_if_missing=false",
-          "model.lm_head_chunk=32"]  # ~126 targets a micro-batch: the chunked head's recomputing path under ZeRO-3
+          "model.lm_head_chunk=32"]  # ~126 targets a micro-batch: the chunked head's multi-chunk path under ZeRO-3
 
 
 def launch(run_dir: str, shards: str, init: str, *overrides: str, nproc: int = 2, env: dict | None = None,
