@@ -31,6 +31,29 @@ def synthetic_batch(batch: int, seq_len: int, vocab: int, generator: torch.Gener
                  span_ids=torch.full((batch, seq_len), -1, dtype=torch.int32), keys=[""] * batch)
 
 
+def head_bench_parser(doc: str, seq_len: int, reps: int) -> argparse.ArgumentParser:
+    """The options the LM-head benchmarks share: a small Llama with a large vocabulary, so the head dominates."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps a shared machine's noise low)")
+    return parser
+
+
+def small_model(args: argparse.Namespace):
+    """The model of ``head_bench_parser``'s options (the tiny preset's heads), seeded; sets the torch threads."""
+    torch.set_num_threads(args.threads)
+    tiny = PRESETS["tiny"]
+    shape = ModelPreset(num_layers=args.layers, hidden_size=args.hidden, ffn_size=4 * args.hidden,
+                        num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads, max_seq_len=args.seq_len)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(shape.to_config(args.vocab), attn_implementation="sdpa")
+
+
 def full_head_step(model, objective: MLM, batch: Batch) -> torch.Tensor:
     targets = objective.targets(batch)
     attention = attention_inputs(objective.attention_mode, batch.doc_ids,
@@ -44,23 +67,10 @@ def target_head_step(model, objective: MLM, batch: Batch) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser = head_bench_parser(__doc__, seq_len=128, reps=7)
     parser.add_argument("--ratio", type=float, default=0.3)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps a shared machine's noise low)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    tiny = PRESETS["tiny"]
-    shape = ModelPreset(num_layers=args.layers, hidden_size=args.hidden, ffn_size=4 * args.hidden,
-                        num_heads=tiny.num_heads, num_kv_heads=tiny.num_kv_heads, max_seq_len=args.seq_len)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(shape.to_config(args.vocab), attn_implementation="sdpa")
+    model = small_model(args)
     objective = MLM(Masking(args.ratio, "80-10-10", mask_id=0, random_pool=torch.arange(1, args.vocab)))
     batch = synthetic_batch(args.batch, args.seq_len, args.vocab, torch.Generator().manual_seed(0))
 

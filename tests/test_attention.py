@@ -1,12 +1,26 @@
-"""The attention-mask builder: hand-written masks, and what a real tiny Llama sees under each mode."""
+"""The attention-mask builder: hand-written masks, and what a real tiny Llama sees under each mode and each
+attention implementation (eager, SDPA, and FlexAttention's forward, which torch runs on CPU)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import AutoModelForCausalLM
 
-from pipeline.model.attention import RULES, attention_inputs, dense_allowed
+from pipeline.model.attention import (
+    FLEX,
+    RULES,
+    attention_inputs,
+    dense_allowed,
+    flex_block_mask,
+    resolve_implementation,
+    skipped_blocks,
+)
 from pipeline.model.build import build_model
+from pipeline.model.presets import get_preset
 
 VOCAB = 64
 IMPLEMENTATIONS = ("eager", "sdpa")
@@ -179,5 +193,143 @@ def test_bad_arguments():
     doc_ids = torch.zeros(1, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match="unknown attention mode 'sideways'.*causal, bidirectional"):
         attention_inputs("sideways", doc_ids)
-    with pytest.raises(ValueError, match="flash_attention_2.*eager, sdpa"):
+    with pytest.raises(ValueError, match="flash_attention_2.*eager, sdpa, pipeline_flex"):
         attention_inputs("causal", doc_ids, attn_implementation="flash_attention_2")
+    with pytest.raises(ValueError, match="model.attn_implementation: 'flash'.*auto, sdpa, eager, flex"):
+        resolve_implementation("flash", cuda=True)
+
+
+# FlexAttention: the BlockMask from the same `allowed` rule, against SDPA on the dense mask. Rows are 300 tokens,
+# so with 128-token blocks a row has 3 x 3 blocks and document masking leaves whole blocks out.
+FLEX_LEN = 300
+LAYOUTS = {  # name: (doc_ids of row 0, doc_ids of row 1) as (start, document) runs; -1 = padding
+    "one doc": ([(0, 0)], [(0, 0)]),
+    "many docs": ([(0, 0), (40, 1), (170, 2), (260, 3)], [(0, 0), (129, 1), (200, 2)]),
+    "doc crossing the row end": ([(0, 0), (280, 1)], [(0, 0), (150, 1)]),  # the last document is cut at the end
+    "padding": ([(0, 0), (100, 1), (230, -1)], [(0, 0), (20, -1)]),
+}
+
+
+def layout_batch(layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids, doc ids, MAGNET span ids: two spans in each document of 30+ tokens) for a named layout."""
+    doc_ids = torch.empty(2, FLEX_LEN, dtype=torch.int32)
+    for row, runs in enumerate(LAYOUTS[layout]):
+        for i, (start, doc) in enumerate(runs):
+            doc_ids[row, start:runs[i + 1][0] if i + 1 < len(runs) else FLEX_LEN] = doc
+    span_ids = torch.full_like(doc_ids, -1)
+    for row in range(2):
+        for doc in doc_ids[row].unique().tolist():
+            where = (doc_ids[row] == doc).nonzero().flatten()
+            if doc >= 0 and len(where) >= 30:
+                start = int(where[0])
+                span_ids[row, start + 5:start + 10] = 2 * doc
+                span_ids[row, start + 20:start + 28] = 2 * doc + 1
+    input_ids = torch.randint(4, VOCAB, (2, FLEX_LEN), generator=torch.Generator().manual_seed(5))
+    return input_ids.masked_fill(doc_ids < 0, 0), doc_ids, span_ids
+
+
+@pytest.fixture(scope="module")
+def flex_models() -> dict[tuple[int, int], dict[str, torch.nn.Module]]:
+    """(heads, KV heads) -> the same random model under SDPA and under FLEX: multi-head, GQA (also with a head
+    count that is not a power of two, like the 1b preset's 18 / 6) and multi-query."""
+    built = {}
+    for heads, kv_heads in ((4, 4), (4, 2), (6, 2), (4, 1)):
+        shape = replace(get_preset("tiny"), hidden_size=16 * heads, num_heads=heads, num_kv_heads=kv_heads)
+        torch.manual_seed(0)
+        pair = {impl: AutoModelForCausalLM.from_config(shape.to_config(VOCAB), attn_implementation=impl).eval()
+                for impl in ("sdpa", FLEX)}
+        pair[FLEX].load_state_dict(pair["sdpa"].state_dict())
+        built[heads, kv_heads] = pair
+    return built
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (4, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("mode", list(RULES))
+def test_flex_forward_equals_dense_sdpa(flex_models, mode, layout, heads):
+    """The block mask passed straight to the FLEX model (also where the builder would pass is_causal) against the
+    dense bool mask under SDPA: the same rule, so the same hidden states."""
+    input_ids, doc_ids, span_ids = layout_batch(layout)
+    models = flex_models[heads]
+    for document_masking in (True, False):
+        block = flex_block_mask(mode, doc_ids, span_ids, document_masking)
+        dense = dense_allowed(mode, doc_ids, span_ids, document_masking)
+        with torch.no_grad():
+            flex = models[FLEX].model(input_ids=input_ids, attention_mask=block).last_hidden_state
+            sdpa = models["sdpa"].model(input_ids=input_ids, attention_mask=dense).last_hidden_state
+        torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", list(RULES))
+def test_compiled_flex_kernel_equals_dense_sdpa(mode):
+    """The mask_mod traces into the compiled FlexAttention kernel (inductor's CPU kernel here, Triton on CUDA):
+    every mode's rule compiles and gives SDPA's output on the dense mask, with GQA and padding (~5 s a mode)."""
+    _, doc_ids, span_ids = layout_batch("padding")
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, heads, FLEX_LEN, 16, generator=g) for heads in (4, 2, 2))
+    out = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=flex_block_mask(mode, doc_ids, span_ids),
+                                                       enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_allowed(mode, doc_ids, span_ids),
+                                                           enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_block_sparsity_counts_the_blocks_the_rule_rules_out():
+    _, doc_ids, span_ids = layout_batch("many docs")
+    for mode in RULES:
+        block = flex_block_mask(mode, doc_ids, span_ids)
+        dense = dense_allowed(mode, doc_ids, span_ids)[:, :, :, :, None]  # [B, 1, L, L, 1]
+        padded = torch.nn.functional.pad(dense, (0, 0, 0, 84, 0, 84))  # 300 -> 3 blocks of 128
+        blocks = padded.view(2, 1, 3, 128, 3, 128).any(5).any(3)  # [B, 1, q block, k block]: any allowed pair
+        assert skipped_blocks(block) == pytest.approx(1 - blocks.float().mean().item())
+        assert skipped_blocks(block) > 0, mode  # four documents in 300 tokens: blocks are skipped in every mode
+
+
+def test_flex_attention_inputs():
+    _, doc_ids, span_ids = layout_batch("many docs")
+    kwargs = attention_inputs("magnet", doc_ids, span_ids, attn_implementation=FLEX)
+    assert isinstance(kwargs["attention_mask"], BlockMask) and kwargs["attention_mask"].shape == (2, 1, 300, 300)
+    single = torch.zeros(2, 16, dtype=torch.int32)  # no mask needed: SDPA's flash path, not a dense block mask
+    assert attention_inputs("causal", single, attn_implementation=FLEX) == {"is_causal": True}
+    assert attention_inputs("bidirectional", single, attn_implementation=FLEX) == {"is_causal": False}
+
+
+def test_resolve_implementation():
+    assert resolve_implementation("auto", cuda=True) == FLEX
+    assert resolve_implementation("auto", cuda=False) == "sdpa"  # torch 2.13 has no FlexAttention backward on CPU
+    assert resolve_implementation("flex", cuda=False) == FLEX
+    assert [resolve_implementation(s, cuda=True) for s in ("sdpa", "eager")] == ["sdpa", "eager"]
+
+
+def test_flex_model_without_block_mask_is_sdpa(flex_models):
+    """A FLEX model takes HF's SDPA path for everything that is not a block mask (no mask, 2D padding masks)."""
+    models = flex_models[4, 2]
+    input_ids = torch.randint(4, VOCAB, (2, 10), generator=torch.Generator().manual_seed(6))
+    padding = torch.ones(2, 10, dtype=torch.long)
+    padding[1, 7:] = 0
+    with torch.no_grad():
+        for kwargs in ({}, {"is_causal": False}, {"attention_mask": padding}):
+            flex = models[FLEX].model(input_ids=input_ids, **kwargs).last_hidden_state
+            sdpa = models["sdpa"].model(input_ids=input_ids, **kwargs).last_hidden_state
+            assert torch.equal(flex, sdpa), kwargs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="torch 2.13 has no FlexAttention backward on CPU (NotImplementedError); needs CUDA")
+@pytest.mark.parametrize("mode", list(RULES))
+def test_flex_backward_equals_dense_sdpa_on_cuda(mode):
+    """Gradients of every parameter through the compiled FlexAttention kernel equal SDPA's on the dense mask."""
+    input_ids, doc_ids, span_ids = (t.cuda() for t in layout_batch("many docs"))
+    shape = replace(get_preset("tiny"), num_heads=4, num_kv_heads=2)
+    torch.manual_seed(0)
+    models = {impl: AutoModelForCausalLM.from_config(shape.to_config(VOCAB), attn_implementation=impl).cuda()
+              for impl in ("sdpa", FLEX)}
+    models[FLEX].load_state_dict(models["sdpa"].state_dict())
+    masks = {"sdpa": dense_allowed(mode, doc_ids, span_ids), FLEX: flex_block_mask(mode, doc_ids, span_ids)}
+    grads = {}
+    for impl, model in models.items():
+        model.model(input_ids=input_ids, attention_mask=masks[impl]).last_hidden_state.square().mean().backward()
+        grads[impl] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[FLEX].keys() == grads["sdpa"].keys() and grads["sdpa"]
+    for name, grad in grads["sdpa"].items():
+        torch.testing.assert_close(grads[FLEX][name], grad, atol=1e-4, rtol=1e-3, msg=name)

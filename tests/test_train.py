@@ -35,7 +35,8 @@ TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 STEPS = 20
 COMMON = ["train.steps=20", "train.micro_batch=2", "train.grad_accum=2", "train.log_every=5",
           "optim.warmup_steps=4", "optim.decay_steps=6", "optim.lr=0.002", "checkpoint.every=10",
-          "data.seq_len=64", "data.build_if_missing=false"]
+          "data.seq_len=64", "data.build_if_missing=false",
+          "model.lm_head_chunk=32"]  # ~126 targets a micro-batch: the chunked head's multi-chunk path under ZeRO-3
 
 
 def launch(run_dir: str, shards: str, init: str, *overrides: str, nproc: int = 2, env: dict | None = None,
@@ -80,7 +81,8 @@ def baseline(tmp_path_factory, shards, init_dir) -> str:
 
 
 def reference_losses(shards: str, init_dir: str, run_dir: str) -> tuple[list[float], torch.nn.Module]:
-    """The same training in one process with plain PyTorch: AdamW, LambdaLR, clip-by-norm, no DeepSpeed."""
+    """The same training in one process with plain PyTorch: AdamW, LambdaLR, clip-by-norm, no DeepSpeed, and the
+    unchunked LM head."""
     exp = load_experiment(None, [*COMMON, f"model.init={init_dir}", f"data.shards={shards}"])
     tok = load_tokenizer(TOKENIZER)
     lm = build_model(init_dir, tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
@@ -136,6 +138,16 @@ def test_resume_is_bit_identical_and_survives_kill_during_checkpoint(baseline, s
     assert [ours[s] for s in range(11, STEPS + 1)] == [base[s] for s in range(11, STEPS + 1)]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:  # steps 11-20 ran twice (the kill), logged once
         assert [json.loads(line)["step"] for line in f] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow  # compiling in both ranks adds ~2.5 min on 2 cores; tests/test_compile.py is the fast check
+def test_compiled_body_under_zero3_gives_the_eager_losses(baseline, shards, init_dir, tmp_path):
+    """model.compile with ZeRO-3's gather hooks around the compiled layers: the first steps equal the baseline's."""
+    run_dir = str(tmp_path / "compiled")
+    launch(run_dir, shards, init_dir, "model.compile=true", "train.stop_at_step=3")
+    ours, base = losses(run_dir), losses(baseline)
+    for step in (1, 2, 3):
+        assert abs(ours[step] - base[step]) <= 1e-4 * abs(base[step]), (step, ours[step], base[step])
 
 
 def _logits(model_dir: str, ids: torch.Tensor) -> torch.Tensor:

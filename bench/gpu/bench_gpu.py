@@ -1,18 +1,24 @@
-"""Tokens/s and MFU of the 210m and 1b presets for each objective on one GPU, in one run of a few minutes.
+"""Tokens/s, MFU and peak memory of the 210m and 1b presets per objective and attention path on one GPU, in one run.
 
 For each preset it builds one DeepSpeed engine the way the trainer does (``build_train_model``, the repository's
-ZeRO-3 JSON, bf16, torch AdamW) and times ``pipeline.train.loop.train_step`` for each objective in turn: CLM,
-MLM at 30 %, MNTP at 20 % and, when the objectives registry has it, MAGNET (MNTP at 20 % + MSG under the
-context/span mask, one forward). Batches come from the real ``ShardLoader`` over shards that data prep builds
-from a synthetic corpus (random words of a word-level tokenizer with a Llama-3-sized vocabulary, documents of
-64..4096 tokens packed at seq 2048 with document masking). A few warm-up steps, then timed steps; the MFU counts
-the FLOPs the objective needs (``flops_per_token`` with the LM head on its targets only) against the device's
-dense bf16 peak. It also reports MAGNET's step time over the causal (CLM) step time.
+ZeRO-3 JSON, bf16, the trainer's default AdamW and chunked LM head) and times ``pipeline.train.loop.train_step``
+for CLM, MLM at 30 %, MNTP at 20 % and MAGNET (MNTP at 20 % + MSG under the context/span mask, one forward), each
+with dense-mask SDPA and with FlexAttention block masks (the attention implementation is switched on the same
+model), and CLM also with the unchunked LM head. Batches come from the real ``ShardLoader`` over shards that data
+prep builds from a synthetic corpus (random words of a word-level tokenizer with a Llama-3-sized vocabulary,
+documents of 64..4096 tokens packed at seq 2048 with document masking, so every objective needs a mask). A few
+warm-up steps (FlexAttention compiles its kernels there), then timed steps; the MFU counts the FLOPs the objective
+needs (``flops_per_token`` with the LM head on its targets only) against the device's dense bf16 peak. Flex rows
+also give the share of attention tiles the block mask skips and the time to build it per micro-batch. Last, one
+AdamW step over the 1b preset's parameters in ZeRO-3's flat fp32 layout with each kernel (torch foreach, torch
+fused, DeepSpeed FusedAdam), which decides ``optim.fused: auto``.
 
-    bench/gpu/run.sh OUT_DIR                      # the lent GPU: results.json and results.md in OUT_DIR
-    python bench/gpu/bench_gpu.py --dry-run --out DIR   # CPU check: tiny preset, seq 64, 2 steps, fp32
+    bench/gpu/run.sh OUT_DIR                      # the lent GPU: results.json and results.md in OUT_DIR (<= 8 min)
+    python bench/gpu/bench_gpu.py --dry-run --out DIR   # CPU check: tiny preset, seq 64, 1 step, fp32
 
-Results are rewritten after every measurement, so a run cut short still leaves what it measured.
+Results are rewritten after every measurement, so a run cut short still leaves what it measured; rows that would
+start after ``--budget-s`` seconds are marked skipped, so the run ends within the budget plus one row. On CPU the
+flex rows are marked as not measurable (torch 2.13 has no FlexAttention backward there).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +44,10 @@ sys.path.insert(0, REPO)
 SPECIALS = ("<pad>", "<s>", "</s>", "<mask>", "<unk>")
 # (objective, masking ratio); MAGNET's MNTP masks 20 % of the context, as docs/magnet.md recommends
 OBJECTIVES = (("clm", None), ("mlm", 0.3), ("mntp", 0.2), ("magnet", 0.2))
+# (objective, attention, LM head) per row: every objective with both attention paths, CLM also with the full head
+VARIANTS = tuple((o, a, "chunked") for o, _ in OBJECTIVES for a in ("sdpa", "flex")) + (("clm", "sdpa", "full"),)
+NO_FLEX_ON_CPU = "not measurable on CPU (torch 2.13 has no FlexAttention backward)"
+OVER_BUDGET = "skipped (over --budget-s)"
 # Micro batches at seq 2048 with a 128k vocabulary that leave room on an 80 GB H100 (no activation checkpointing)
 MICRO_BATCH = {"tiny": 2, "210m": 8, "610m": 4, "1b": 4, "7b": 1}
 
@@ -51,24 +62,36 @@ class Settings:
     steps: int
     bf16: bool
     workers: int
+    budget_s: float
 
 
-FULL = Settings(presets=("210m", "1b"), micro_batches=(MICRO_BATCH["210m"], MICRO_BATCH["1b"]), seq_len=2048, vocab=128256, warmup=3, steps=8,
-                bf16=True, workers=2)
-DRY_RUN = Settings(presets=("tiny",), micro_batches=(MICRO_BATCH["tiny"],), seq_len=64, vocab=512, warmup=1, steps=1, bf16=False,
-                   workers=0)
+FULL = Settings(presets=("210m", "1b"), micro_batches=(MICRO_BATCH["210m"], MICRO_BATCH["1b"]), seq_len=2048,
+                vocab=128256, warmup=3, steps=6, bf16=True, workers=2, budget_s=420)
+DRY_RUN = Settings(presets=("tiny",), micro_batches=(MICRO_BATCH["tiny"],), seq_len=64, vocab=512, warmup=1, steps=1,
+                   bf16=False, workers=0, budget_s=600)
 
 
 @dataclass
 class Row:
     preset: str
     objective: str
+    attention: str  # "sdpa" (dense bool mask) or "flex" (block mask)
+    head: str  # "chunked" (the trainer's default) or "full" (fp32 logits of every target)
     micro_batch: int
     step_s: float = 0.0  # median over the timed steps
     tokens_per_s: float = 0.0
     targets_per_token: float = 0.0
     mfu: float | None = None  # None without a known peak (CPU)
     peak_mem_gib: float | None = None
+    skipped_blocks: float | None = None  # flex: share of attention tiles the block mask skips
+    mask_ms: float | None = None  # flex: building the block mask of one micro-batch
+    error: str = ""
+
+
+@dataclass
+class OptimizerRow:
+    kind: str  # optim.fused value
+    step_ms: float = 0.0
     error: str = ""
 
 
@@ -108,49 +131,79 @@ def make_corpus(path: str, vocab: int, tokens: int, seed: int = 0) -> str:
     return path
 
 
-def write_results(out: str, meta: dict, rows: list[Row]) -> None:
-    ratios = magnet_vs_causal(rows)
+def write_results(out: str, meta: dict, rows: list[Row], optimizers: list[OptimizerRow]) -> None:
+    ratios = summary_ratios(rows)
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({**meta, "rows": [asdict(r) for r in rows], "magnet_vs_causal_step_time": ratios}, f, indent=1)
+        json.dump({**meta, "rows": [asdict(r) for r in rows], "optimizers": [asdict(o) for o in optimizers],
+                   **ratios}, f, indent=1)
     lines = [f"# GPU benchmark: {meta['device']}", "",
              f"seq {meta['seq_len']}, vocab {meta['vocab']}, {meta['dtype']}, {meta['ds_config']}, "
              f"{meta['warmup']} warm-up + {meta['steps']} timed steps (median step time); "
              + (f"MFU against {meta['peak_tflops']:g} TFLOPs (dense bf16), LM-head FLOPs on targets only."
                 if meta["peak_tflops"] else "no MFU (no known peak)."), "",
-             "| preset | objective | micro batch | step (s) | tokens/s | targets/token | MFU | peak mem (GiB) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| preset | objective | attention | LM head | micro batch | step (s) | tokens/s | targets/token | MFU "
+             "| peak mem (GiB) | skipped tiles | block mask (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        cells = [r.preset, r.objective, r.attention, r.head, str(r.micro_batch)]
         if r.error:
-            lines.append(f"| {r.preset} | {r.objective} | {r.micro_batch} | {r.error} | | | | |")
+            lines.append("| " + " | ".join(cells + [r.error] + [""] * 6) + " |")
             continue
-        mfu = f"{r.mfu:.1%}" if r.mfu is not None else "-"
-        mem = f"{r.peak_mem_gib:.1f}" if r.peak_mem_gib is not None else "-"
-        lines.append(f"| {r.preset} | {r.objective} | {r.micro_batch} | {r.step_s:.3f} | {r.tokens_per_s:,.0f} | "
-                     f"{r.targets_per_token:.2f} | {mfu} | {mem} |")
-    lines += [""] + [f"MAGNET / causal step time, {preset}: {ratio:.2f}x" for preset, ratio in ratios.items()]
+        cells += [f"{r.step_s:.3f}", f"{r.tokens_per_s:,.0f}", f"{r.targets_per_token:.2f}",
+                  f"{r.mfu:.1%}" if r.mfu is not None else "-",
+                  f"{r.peak_mem_gib:.1f}" if r.peak_mem_gib is not None else "-",
+                  f"{r.skipped_blocks:.0%}" if r.skipped_blocks is not None else "-",
+                  f"{r.mask_ms:.1f}" if r.mask_ms is not None else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [""] + [f"MAGNET / causal step time, {key}: {v:.2f}x" for key, v in ratios["magnet_vs_causal"].items()]
+    lines += [f"flex / SDPA tokens/s, {key}: {v:.2f}x" for key, v in ratios["flex_vs_sdpa"].items()]
+    lines += [f"chunked / full LM head, {key}: step time {v['step_time']:.2f}x, peak memory {v['peak_memory']:.2f}x"
+              for key, v in ratios["chunked_vs_full_head"].items()]
+    if optimizers:
+        lines += ["", f"AdamW step over {meta['optimizer_params']:,} parameters (ZeRO-3 flat fp32 groups):", "",
+                  "| optim.fused | step (ms) |", "|---|---|"]
+        lines += [f"| {o.kind} | {o.error or f'{o.step_ms:.1f}'} |" for o in optimizers]
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
-def magnet_vs_causal(rows: list[Row]) -> dict[str, float]:
-    steps = {(r.preset, r.objective): r.step_s for r in rows if not r.error}
-    return {p: steps[p, "magnet"] / steps[p, "clm"] for p, o in steps if o == "magnet" and (p, "clm") in steps}
+def summary_ratios(rows: list[Row]) -> dict[str, dict]:
+    """The goals' ratios from the measured rows: MAGNET over CLM step time (per preset and attention), flex over
+    SDPA tokens/s (per preset and objective), chunked over full LM head (per preset)."""
+    ok = {(r.preset, r.objective, r.attention, r.head): r for r in rows if r.step_s > 0}
+    magnet, flex, head = {}, {}, {}
+    for (preset, objective, attention, kind), r in ok.items():
+        if kind != "chunked":
+            continue
+        causal = ok.get((preset, "clm", attention, "chunked"))
+        if objective == "magnet" and causal:
+            magnet[f"{preset} {attention}"] = r.step_s / causal.step_s
+        sdpa = ok.get((preset, objective, "sdpa", "chunked"))
+        if attention == "flex" and sdpa:
+            flex[f"{preset} {objective}"] = r.tokens_per_s / sdpa.tokens_per_s
+        full = ok.get((preset, objective, attention, "full"))
+        if full:
+            head[f"{preset} {objective} {attention}"] = {
+                "step_time": r.step_s / full.step_s,
+                "peak_memory": r.peak_mem_gib / full.peak_mem_gib if r.peak_mem_gib and full.peak_mem_gib else 0.0}
+    return {"magnet_vs_causal": magnet, "flex_vs_sdpa": flex, "chunked_vs_full_head": head}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for results.json and results.md")
-    parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny preset, seq 64, 2 steps, fp32")
+    parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny preset, seq 64, 1 step, fp32")
     parser.add_argument("--presets", nargs="+", choices=sorted(MICRO_BATCH), help="model presets (default 210m 1b)")
     parser.add_argument("--micro-batches", type=int, nargs="+", help=f"one per preset (default {MICRO_BATCH})")
-    parser.add_argument("--steps", type=int, help="timed steps per objective (default 8)")
+    parser.add_argument("--steps", type=int, help="timed steps per row (default 6)")
+    parser.add_argument("--budget-s", type=float, help="start no row after this many seconds (default 420)")
     parser.add_argument("--ds-config", default=os.path.join(REPO, "ds_configs", "zero3.json"))
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (0: look it up)")
     args = parser.parse_args()
     settings = DRY_RUN if args.dry_run else FULL
     presets = tuple(args.presets or settings.presets)
     chosen = {"presets": presets, "micro_batches": tuple(args.micro_batches or (MICRO_BATCH[p] for p in presets)),
-              "steps": args.steps or settings.steps}
+              "steps": args.steps or settings.steps, "budget_s": args.budget_s or settings.budget_s}
     settings = Settings(**{**asdict(settings), **chosen})
     if len(settings.micro_batches) != len(settings.presets):
         parser.error(f"--micro-batches needs one value per preset {settings.presets}")
@@ -182,7 +235,7 @@ def run(settings: Settings, args: argparse.Namespace) -> None:
 
 
 def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, work: str) -> None:
-    """Data, then per preset one engine and a row per objective; results rewritten after every row."""
+    """Data, the optimizers, then per preset one engine and a row per variant; results rewritten after every row."""
     import deepspeed
     import torch
 
@@ -190,7 +243,6 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
     from pipeline.data.loader import ShardLoader
     from pipeline.data.manifest import load_index
     from pipeline.model.flops import flops_per_token
-    from pipeline.objectives import OBJECTIVES as REGISTRY
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
     from pipeline.train.experiment import load_experiment
@@ -210,48 +262,57 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
     index = load_index(shards)
     print(f"data: {index.num_samples} samples of {settings.seq_len} tokens ({time.time() - started:.0f} s)", flush=True)
 
-    objectives = [(n, r) for n, r in OBJECTIVES if n in REGISTRY]
-    skipped = [n for n, _ in OBJECTIVES if n not in REGISTRY]
-    if skipped:
-        print(f"skipped (not in the objectives registry): {', '.join(skipped)}", flush=True)
-    phase = "[{objectives: [" + ", ".join(f"{{name: {n}" + (f", ratio: {r}}}" if r else "}") for n, r in objectives) + "]}]"
+    phase = "[{objectives: [" + ", ".join(f"{{name: {n}" + (f", ratio: {r}}}" if r else "}") for n, r in OBJECTIVES) + "]}]"
     peak = device_peak_tflops(args.peak_tflops)
+    ds_raw = load_ds_config(args.ds_config)
     meta = {"device": torch.cuda.get_device_name() if cuda else "CPU (dry run)", "seq_len": settings.seq_len,
             "vocab": settings.vocab, "dtype": "bf16" if settings.bf16 else "fp32",
             "ds_config": os.path.relpath(args.ds_config, REPO), "warmup": settings.warmup, "steps": settings.steps,
             "peak_tflops": peak or None}
+    optimizers, meta["optimizer_params"] = measure_optimizers(settings, ds_raw, device, started)
     rows: list[Row] = []
     for preset, micro in zip(settings.presets, settings.micro_batches):
         exp = load_experiment(None, [f"run_dir={os.path.join(work, 'run')}", f"data.shards={shards}",
                                      f"data.tokenizer={tokenizer_dir}", f"data.seq_len={settings.seq_len}",
                                      f"model.init={preset}", f"model.dtype={'bf16' if settings.bf16 else 'fp32'}",
-                                     f"train.micro_batch={micro}", "train.steps=1000", f"phases={phase}"])
-        built = build_objectives(exp.phases[0], tokenizer)
-        ds = resolve_ds_config(load_ds_config(args.ds_config), exp, 1, settings.bf16)
-        t0 = time.time()
+                                     "model.attn_implementation=sdpa", f"train.micro_batch={micro}",
+                                     "train.steps=1000", f"phases={phase}"])
+        built = {o.name: o for o in build_objectives(exp.phases[0], tokenizer)}
+        ds = resolve_ds_config(ds_raw, exp, 1, settings.bf16)
+        preset_rows = [Row(preset, o, a, h, micro) for o, a, h in VARIANTS]
+        rows += preset_rows
         engine = loader = None
         try:
-            lm, module, optimizer = build_train_model(exp, ds, tokenizer, settings.bf16, [o.objective for o in built])
+            if time.time() - started > settings.budget_s:
+                raise TimeoutError(OVER_BUDGET)
+            t0 = time.time()
+            lm, module, optimizer = build_train_model(exp, ds, tokenizer, settings.bf16,
+                                                      [o.objective for o in built.values()])
             engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds)
             print(f"{preset}: engine built in {time.time() - t0:.0f} s", flush=True)
             loader = ShardLoader(index, micro, 1, 0, 1, exp.train.seed, settings.workers, pin_memory=cuda)
-            for wobj in built:
-                row = Row(preset, wobj.name, micro)
-                rows.append(row)
-                try:
-                    measure(row, engine, wobj, loader, device, settings)
-                    row.mfu = (row.tokens_per_s * flops_per_token(lm.config, settings.seq_len, row.targets_per_token)
-                               / (peak * 1e12)) if peak else None
-                except Exception as e:  # (a row's failure, e.g. out of memory, is its result)
-                    row.error = _failure(e, cuda)
-                print(f"{preset} {wobj.name}: " + (row.error or f"{row.step_s:.3f} s/step, {row.tokens_per_s:,.0f} "
-                      f"tokens/s" + (f", MFU {row.mfu:.1%}" if row.mfu is not None else "")), flush=True)
-                write_results(out, meta, rows)
-        except Exception as e:  # (the engine did not build: every objective of the preset failed)
-            error = _failure(e, cuda)
-            done = {r.objective for r in rows if r.preset == preset}
-            rows += [Row(preset, o.name, micro, error=error) for o in built if o.name not in done]
-            write_results(out, meta, rows)
+            for row in preset_rows:
+                if row.attention == "flex" and not cuda:
+                    row.error = NO_FLEX_ON_CPU
+                elif time.time() - started > settings.budget_s:
+                    row.error = OVER_BUDGET
+                else:
+                    try:
+                        with variant(lm, row):
+                            measure(row, engine, built[row.objective], loader, device, settings)
+                        row.mfu = (row.tokens_per_s * flops_per_token(lm.config, settings.seq_len,
+                                                                      row.targets_per_token) / (peak * 1e12)) if peak else None
+                    except Exception as e:  # (a row's failure, e.g. out of memory, is its result)
+                        row.error = _failure(e, cuda)
+                print(f"{preset} {row.objective} {row.attention} {row.head}: " + (row.error or (
+                      f"{row.step_s:.3f} s/step, {row.tokens_per_s:,.0f} tokens/s"
+                      + (f", MFU {row.mfu:.1%}" if row.mfu is not None else ""))), flush=True)
+                write_results(out, meta, rows, optimizers)
+        except Exception as e:  # (the engine did not build: every row of the preset failed)
+            error = str(e) if isinstance(e, TimeoutError) else _failure(e, cuda)
+            for row in preset_rows:
+                row.error = row.error or error
+            write_results(out, meta, rows, optimizers)
         finally:
             if loader is not None:
                 loader.close()
@@ -261,7 +322,25 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
+    write_results(out, meta, rows, optimizers)
     print(f"done in {time.time() - started:.0f} s; wrote {out}/results.md and results.json", flush=True)
+
+
+@contextmanager
+def variant(lm, row: Row):
+    """Run ``row`` on the engine's model: its attention implementation and LM head, restored afterwards."""
+    from torch import nn
+
+    from pipeline.model.attention import FLEX
+    from pipeline.model.lm_head import ChunkedLMHead
+
+    impl, head_class = lm.config._attn_implementation, type(lm.lm_head)
+    lm.config._attn_implementation = FLEX if row.attention == "flex" else "sdpa"
+    lm.lm_head.__class__ = ChunkedLMHead if row.head == "chunked" else nn.Linear
+    try:
+        yield
+    finally:
+        lm.config._attn_implementation, lm.lm_head.__class__ = impl, head_class
 
 
 def _failure(e: Exception, cuda: bool) -> str:
@@ -279,12 +358,13 @@ def measure(row: Row, engine, wobj, loader, device, settings: Settings) -> None:
     import torch
     import torch.distributed as dist
 
+    from pipeline.model.attention import FLEX, attention_inputs, skipped_blocks
     from pipeline.train.loop import train_step
 
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, tokens, targets = [], 0, 0
+    times, tokens, targets, skipped, mask_s = [], 0, 0, [], []
     for i in range(settings.warmup + settings.steps):
         start = time.perf_counter()
         batches = [b.to(device, non_blocking=True) for b in loader.next_global_step()]
@@ -296,10 +376,71 @@ def measure(row: Row, engine, wobj, loader, device, settings: Settings) -> None:
             tokens += sum(int((b.doc_ids >= 0).sum()) for b in batches)
             counts = [wobj.objective.num_targets(b) for b in batches]
             targets += sum(sum(c.values()) if isinstance(c, dict) else c for c in counts)
+            if row.attention == "flex":  # the block mask this step built, again, timed on its own
+                b, mode = batches[0], wobj.objective.attention_mode
+                t0 = time.perf_counter()
+                mask = attention_inputs(mode, b.doc_ids, b.span_ids, document_masking=wobj.objective.document_masking,
+                                        attn_implementation=FLEX).get("attention_mask")
+                if cuda:
+                    torch.cuda.synchronize()
+                mask_s.append(time.perf_counter() - t0)
+                skipped += [skipped_blocks(mask)] if mask is not None else []
     row.step_s = statistics.median(times)
     row.tokens_per_s = tokens / sum(times)
     row.targets_per_token = targets / max(tokens, 1)
     row.peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    row.skipped_blocks = statistics.mean(skipped) if skipped else None
+    row.mask_ms = statistics.median(mask_s) * 1e3 if mask_s else None
+
+
+def measure_optimizers(settings: Settings, ds_raw: dict, device, started: float) -> tuple[list[OptimizerRow], int]:
+    """One AdamW step per kernel over the largest preset's parameters, laid out as ZeRO-3 keeps them (flat fp32
+    groups of at most ``sub_group_size`` elements, gradients alongside)."""
+    import torch
+
+    from pipeline.model.build import build_model
+    from pipeline.train.experiment import OptimConfig
+    from pipeline.train.model import build_optimizer
+
+    cuda = device.type == "cuda"
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in build_model(settings.presets[-1], settings.vocab).parameters())
+    group = int(float(ds_raw.get("zero_optimization", {}).get("sub_group_size", 1e9)))
+    rows = []
+    for kind in ("none", "torch", "deepspeed"):
+        row = OptimizerRow(kind)
+        rows.append(row)
+        if kind != "none" and not cuda:
+            row.error = "CUDA only"
+            continue
+        if time.time() - started > settings.budget_s:
+            row.error = OVER_BUDGET
+            continue
+        params = []
+        try:
+            params = [torch.zeros(min(group, numel - s), device=device, requires_grad=True)
+                      for s in range(0, numel, group)]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            optimizer = build_optimizer([{"params": params, "weight_decay": 0.1}], OptimConfig(fused=kind), cuda)
+            times = []  # the first two steps allocate the states (and build the kernels)
+            for _ in range(2 + settings.steps):
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                optimizer.step()
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            row.step_ms = statistics.median(times[2:]) * 1e3
+        except Exception as e:  # (DeepSpeed's FusedAdam builds a CUDA extension on first use; it may not build)
+            row.error = _failure(e, cuda)
+        print(f"AdamW {kind}: {row.error or f'{row.step_ms:.1f} ms/step'}", flush=True)
+        params = optimizer = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows, numel
 
 
 if __name__ == "__main__":

@@ -11,15 +11,20 @@ The result is what the HF model's forward needs, in the form each attention impl
 - ``eager``: a 4D float additive mask [B, 1, L, L] in the model dtype (eager adds a bool mask as 0/1: silently
   wrong);
 - ``sdpa``: a 4D bool mask [B, 1, L, L], one per sample and shared by all heads (a quarter of a float mask's
-  memory; on GPU it runs SDPA's memory-efficient kernel).
-
-Flex attention is not offered: HF's flex path segfaults on CPU with torch 2.13, so it cannot be tested here; a
-``BlockMask`` from ``allowed`` would be its one extra branch.
+  memory; on GPU it runs SDPA's memory-efficient kernel and computes every masked-out block);
+- ``FLEX`` (``pipeline_flex``, registered below with transformers' ``AttentionInterface``, so any HF decoder that
+  dispatches through it takes it): a FlexAttention ``BlockMask`` whose ``mask_mod`` evaluates ``allowed`` on the
+  gathered facts of one (query, key) pair, so blocks that ``allowed`` rules out entirely are skipped. One per
+  micro-batch, shared by all layers. Anything that is not a ``BlockMask`` (no mask, a 2D padding mask) runs HF's
+  own SDPA, so a ``FLEX`` model is an SDPA model that also takes block masks.
 
 When a batch has no padding and document masking changes nothing (document masking off, or one document per row),
 causal and bidirectional need no mask at all: the builder then passes ``is_causal`` explicitly (so SDPA can use
 its flash kernels). It never returns an empty result: HF SDPA turns causal when it gets neither a mask nor
 ``is_causal=False``.
+
+torch 2.13 runs FlexAttention's forward on CPU (eager: an unfused reference that materialises the scores;
+compiled: an inductor C++ kernel) but has no backward there, so training on CPU keeps SDPA (``resolve_implementation``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,10 @@ RULES: dict[str, Rule] = {"causal": _causal, "bidirectional": _bidirectional, "m
                           "magnet_own_span": _magnet_own_span}
 # Modes that, without padding or document boundaries, are exactly HF's own causal / bidirectional attention.
 _PLAIN_IS_CAUSAL = {"causal": True, "bidirectional": False}
-IMPLEMENTATIONS = ("eager", "sdpa")
+FLEX = "pipeline_flex"  # the HF attention implementation registered below
+IMPLEMENTATIONS = ("eager", "sdpa", FLEX)
+SETTINGS = ("auto", "sdpa", "eager", "flex")  # model.attn_implementation
+BLOCK_SIZE = 128  # FlexAttention's tile: the granularity at which masked-out blocks are skipped
 
 
 def allowed(mode: str, q: Tokens, k: Tokens, document_masking: bool) -> torch.Tensor:
@@ -100,6 +112,32 @@ def dense_allowed(mode: str, doc_ids: torch.Tensor, span_ids: torch.Tensor | Non
     return allowed(mode, view(2), view(3), document_masking)
 
 
+def flex_block_mask(mode: str, doc_ids: torch.Tensor, span_ids: torch.Tensor | None = None,
+                    document_masking: bool = True, block_size: int = BLOCK_SIZE) -> BlockMask:
+    """The ``BlockMask`` of ``allowed`` for a batch of ``doc_ids`` [B, L]: its ``mask_mod`` gathers the facts of
+    query ``q_idx`` and key ``kv_idx`` of sample ``b`` and evaluates the same rule as ``dense_allowed``."""
+    if mode not in RULES:
+        raise ValueError(f"unknown attention mode {mode!r}; known modes: {', '.join(RULES)}")
+
+    def facts(b: torch.Tensor, i: torch.Tensor) -> Tokens:
+        return Tokens(pos=i, doc=doc_ids[b, i], span=None if span_ids is None else span_ids[b, i])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return allowed(mode, facts(b, q_idx), facts(b, kv_idx), document_masking)
+
+    batch, length = doc_ids.shape
+    return create_block_mask(mask_mod, batch, None, length, length, device=doc_ids.device, BLOCK_SIZE=block_size)
+
+
+def skipped_blocks(block_mask: BlockMask) -> float:
+    """Fraction of the (query block, key block) tiles FlexAttention skips: none of their pairs is allowed. (torch's
+    ``BlockMask.sparsity`` divides by the unpadded L x L area instead, which understates it when L % 128 != 0.)"""
+    computed = block_mask.kv_num_blocks.sum() + (0 if block_mask.full_kv_num_blocks is None
+                                                 else block_mask.full_kv_num_blocks.sum())
+    batch, q_blocks = block_mask.kv_num_blocks.shape[0], block_mask.kv_num_blocks.shape[-1]
+    return 1.0 - float(computed) / (batch * q_blocks * block_mask.kv_indices.shape[-1])
+
+
 def _needs_mask(mode: str, doc_ids: torch.Tensor, document_masking: bool) -> bool:
     if mode not in _PLAIN_IS_CAUSAL:
         return True
@@ -123,8 +161,52 @@ def attention_inputs(mode: str, doc_ids: torch.Tensor, span_ids: torch.Tensor | 
                          f"use one of {', '.join(IMPLEMENTATIONS)}")
     if not _needs_mask(mode, doc_ids, document_masking):
         return {"is_causal": _PLAIN_IS_CAUSAL[mode]}
+    if attn_implementation == FLEX:
+        return {"attention_mask": flex_block_mask(mode, doc_ids, span_ids, document_masking)}
     ok = dense_allowed(mode, doc_ids, span_ids, document_masking)
     if attn_implementation == "sdpa":
         return {"attention_mask": ok}
     return {"attention_mask": torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(
         ~ok, torch.finfo(dtype).min)}
+
+
+def resolve_implementation(setting: str, cuda: bool) -> str:
+    """The HF attention implementation for ``model.attn_implementation``: ``auto`` is FlexAttention on CUDA (block
+    masks for batches that need a mask, SDPA's flash path for those that do not) and SDPA on CPU."""
+    if setting not in SETTINGS:
+        raise ValueError(f"model.attn_implementation: {setting!r} is not one of {', '.join(SETTINGS)}")
+    if setting == "auto":
+        return FLEX if cuda else "sdpa"
+    return FLEX if setting == "flex" else setting
+
+
+_compiled_flex = None
+
+
+def _flex(query: torch.Tensor):
+    """Compiled FlexAttention on CUDA (the fused kernel; compiled once, on first use), eager elsewhere and inside
+    an already compiling region (``model.compile``), where the surrounding graph compiles it."""
+    global _compiled_flex
+    if not query.is_cuda or torch.compiler.is_compiling():
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def flex_or_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """HF attention function: FlexAttention for a ``BlockMask``, HF's SDPA for anything else."""
+    if not isinstance(attention_mask, BlockMask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout > 0:
+        raise ValueError("FlexAttention has no attention dropout; set model.attn_implementation: sdpa for "
+                         "model.attention_dropout > 0")
+    out = _flex(query)(query, key, value, block_mask=attention_mask, scale=scaling,
+                       enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(FLEX, flex_or_sdpa_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(FLEX, sdpa_mask)  # 2D padding masks and no mask: exactly as for sdpa

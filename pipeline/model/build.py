@@ -61,6 +61,14 @@ def project_masks(config: PretrainedConfig) -> PretrainedConfig:
     return config
 
 
+def compile_body(model: PreTrainedModel) -> None:
+    """``torch.compile`` each decoder layer's forward in place (regional compilation: the layers share one compiled
+    graph, so compile time does not grow with depth). The layers' own hooks (ZeRO-3's gathers) stay outside the
+    compiled code; the embedding, final norm and LM head stay eager."""
+    for layer in model.model.layers:
+        layer.forward = torch.compile(layer.forward)
+
+
 def load_checkpoint_config(path: Path) -> PretrainedConfig:
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not an HF checkpoint: it has no config.json (expected a save_pretrained "

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from pipeline.data.batch import Batch
 from pipeline.data.masking import POLICIES, apply_mask_plan
 from pipeline.model.attention import attention_inputs
+from pipeline.model.lm_head import ChunkedLMHead, cross_entropy
 from pipeline.tokenizer import Tokenizer
 
 
@@ -102,13 +102,14 @@ def next_token_targets(input_ids: torch.Tensor, labels_from: torch.Tensor, doc_i
 
 
 def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets) -> ObjectiveOutput:
-    """LM head and cross-entropy on the source positions only (fp32 logits)."""
+    """LM head and cross-entropy on the source positions only (fp32 logits); a ``ChunkedLMHead`` (the trainer's,
+    ``model.lm_head_chunk``) computes them a chunk of targets at a time."""
     labels = targets.labels[targets.source]
-    logits = lm_head(hidden[targets.source]).float()
-    with torch.no_grad():  # a label is right when its logit is the largest: amax, as CPU argmax costs ~30x more
-        correct = (logits.gather(-1, labels[:, None]).squeeze(-1) >= logits.amax(-1)).sum()
-    return ObjectiveOutput(loss_sum=F.cross_entropy(logits, labels, reduction="sum"),
-                           num_targets=targets.source.sum(), num_correct=correct)
+    if isinstance(lm_head, ChunkedLMHead):
+        loss_sum, correct = lm_head(hidden[targets.source], labels)
+    else:
+        loss_sum, correct = cross_entropy(lm_head(hidden[targets.source]).float(), labels)
+    return ObjectiveOutput(loss_sum=loss_sum, num_targets=targets.source.sum(), num_correct=correct)
 
 
 class Objective(ABC):

@@ -32,11 +32,14 @@ class DataConfig:
 class ModelConfig:
     init: str = "tiny"  # a preset name (tiny, 210m, 610m, 1b, 7b, 8b) or a local HF checkpoint directory
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    # auto: FlexAttention block masks on CUDA where a batch needs a mask, SDPA on CPU (no flex backward there)
+    attn_implementation: Literal["auto", "sdpa", "eager", "flex"] = "auto"
+    compile: bool = False  # torch.compile each decoder layer's forward
+    lm_head_chunk: int = 1024  # target rows per chunk of the LM head loss (0: unchunked fp32 logits of all targets)
     activation_checkpointing: bool = False
     attention_dropout: float = 0.0  # dropout on attention probabilities (SimCSE's positives need > 0, e.g. 0.3)
     shape: str = ""  # a preset whose shape the checkpoint in `init` must have (continued pretraining); "": unchecked
-    RANGES: ClassVar[dict[str, str]] = {"attention_dropout": "[0, 1)"}
+    RANGES: ClassVar[dict[str, str]] = {"attention_dropout": "[0, 1)", "lm_head_chunk": ">= 0"}
 
     def validate(self) -> None:
         if self.shape and self.shape not in PRESETS:
@@ -79,6 +82,9 @@ class OptimConfig:
     warmup_steps: int = 30
     decay_steps: int = 60  # wsd: length of the final linear decay
     min_lr_ratio: float = 0.0  # lr at the end of the decay, as a fraction of lr
+    # AdamW kernel when the DeepSpeed JSON has no optimizer section: auto = torch's fused AdamW on CUDA, torch's
+    # default (foreach) AdamW on CPU; torch / deepspeed = torch's fused / DeepSpeed's FusedAdam (CUDA only)
+    fused: Literal["auto", "torch", "deepspeed", "none"] = "auto"
     RANGES: ClassVar[dict[str, str]] = {"lr": "> 0", "betas": "[0, 1)", "eps": "> 0", "weight_decay": ">= 0",
                                         "grad_clip": ">= 0", "warmup_steps": ">= 0", "decay_steps": ">= 0",
                                         "min_lr_ratio": "[0, 1]"}

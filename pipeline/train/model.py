@@ -10,9 +10,12 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
+from pipeline.config import ConfigError
 from pipeline.export.record import EncoderRecord, write_record
-from pipeline.model.build import build_model, check_checkpoint_shape, check_sliding_window
-from pipeline.train.experiment import ExperimentConfig
+from pipeline.model.attention import FLEX, resolve_implementation
+from pipeline.model.build import build_model, check_checkpoint_shape, check_sliding_window, compile_body
+from pipeline.model.lm_head import chunk_lm_head
+from pipeline.train.experiment import ExperimentConfig, ModelConfig, OptimConfig
 
 PREFIX = "lm."
 
@@ -42,10 +45,40 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def attn_implementation(config: ModelConfig, cuda: bool) -> str:
+    """The HF attention implementation to train with; FlexAttention needs CUDA (no backward on CPU) and has no
+    attention dropout, so ``auto`` then falls back to SDPA and an explicit ``flex`` is an error."""
+    impl = resolve_implementation(config.attn_implementation, cuda)
+    explicit = config.attn_implementation == "flex"
+    if impl == FLEX and not cuda:
+        raise ConfigError("model.attn_implementation: flex trains on CUDA only (torch 2.13 has no FlexAttention "
+                          "backward on CPU); use auto or sdpa")
+    if impl == FLEX and config.attention_dropout > 0:
+        if explicit:
+            raise ConfigError(f"model.attn_implementation: flex has no attention dropout, but model.attention_dropout "
+                              f"is {config.attention_dropout}; use auto or sdpa")
+        return "sdpa"
+    return impl
+
+
+def build_optimizer(groups: list[dict], o: OptimConfig, cuda: bool) -> torch.optim.Optimizer:
+    """AdamW for the DeepSpeed engine: ``optim.fused`` picks the kernel (auto: torch's fused AdamW on CUDA, the
+    default foreach AdamW on CPU)."""
+    kind = o.fused if o.fused != "auto" else ("torch" if cuda else "none")
+    if kind != "none" and not cuda:
+        raise ConfigError(f"optim.fused: {kind} needs CUDA; use auto or none on CPU")
+    if kind == "deepspeed":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, lr=o.lr, betas=o.betas, eps=o.eps, adam_w_mode=True)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True if kind == "torch" else None)
+
+
 def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=()):
     """(HF model, engine module, client optimizer or None when the DeepSpeed config builds its own). Objectives
     attach their trainable heads to the model first, so the engine partitions and optimises them too."""
     stage3 = ds.get("zero_optimization", {}).get("stage") == 3
+    cuda = torch.cuda.is_available()
     # Alive during construction, HfDeepSpeedConfig makes from_config/from_pretrained build the model partitioned
     # under zero.Init while keeping HF's weight init; kept on the module so the weak reference stays valid.
     hf_ds = HfDeepSpeedConfig(ds) if stage3 else None
@@ -53,7 +86,7 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     if exp.model.shape:
         check_checkpoint_shape(exp.model.init, exp.model.shape)
     lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
-                     attn_implementation=exp.model.attn_implementation, pad_token_id=info.pad_id,
+                     attn_implementation=attn_implementation(exp.model, cuda), pad_token_id=info.pad_id,
                      bos_token_id=info.bos_id, eos_token_id=info.eos_id)
     check_sliding_window(lm.config, exp.model.init, exp.data.seq_len)
     lm.train()  # from_pretrained returns the model in eval mode: dropout (SimCSE's positives) would be off
@@ -64,13 +97,16 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
             module.attention_dropout = exp.model.attention_dropout
     for objective in objectives:
         objective.attach(lm)
+    if exp.model.lm_head_chunk:
+        chunk_lm_head(lm, exp.model.lm_head_chunk)
     if exp.model.activation_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if exp.model.compile:
+        compile_body(lm)
     model = TrainModule(lm)
     model._hf_ds_config = hf_ds
-    o = exp.optim
-    optimizer = None if "optimizer" in ds else torch.optim.AdamW(
-        _param_groups(model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    optimizer = None if "optimizer" in ds else build_optimizer(
+        _param_groups(model, exp.optim.weight_decay), exp.optim, cuda)
     return lm, model, optimizer
 
 

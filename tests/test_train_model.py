@@ -1,0 +1,44 @@
+"""The trainer's speed settings: which attention implementation and AdamW kernel a config gets, and their errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError
+from pipeline.model.attention import FLEX
+from pipeline.train.experiment import ModelConfig, OptimConfig, load_experiment
+from pipeline.train.model import attn_implementation, build_optimizer
+
+
+def test_attention_implementation_per_device_and_dropout():
+    assert attn_implementation(ModelConfig(), cuda=False) == "sdpa"  # the CPU default path is unchanged
+    assert attn_implementation(ModelConfig(), cuda=True) == FLEX
+    assert attn_implementation(ModelConfig(attention_dropout=0.3), cuda=True) == "sdpa"  # SimCSE: flex has none
+    assert attn_implementation(ModelConfig(attn_implementation="eager"), cuda=True) == "eager"
+    with pytest.raises(ConfigError, match="model.attn_implementation: flex trains on CUDA only.*auto or sdpa"):
+        attn_implementation(ModelConfig(attn_implementation="flex"), cuda=False)
+    with pytest.raises(ConfigError, match="flex has no attention dropout.*model.attention_dropout is 0.3"):
+        attn_implementation(ModelConfig(attn_implementation="flex", attention_dropout=0.3), cuda=True)
+
+
+def test_adamw_kernel_choice():
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.1}]
+    cpu = build_optimizer(groups, OptimConfig(), cuda=False)
+    assert type(cpu) is torch.optim.AdamW and not cpu.defaults["fused"]  # unchanged on CPU
+    assert cpu.defaults["lr"] == OptimConfig().lr and cpu.defaults["betas"] == OptimConfig().betas
+    assert build_optimizer(groups, OptimConfig(), cuda=True).defaults["fused"] is True
+    for kind in ("torch", "deepspeed"):
+        with pytest.raises(ConfigError, match=f"optim.fused: {kind} needs CUDA"):
+            build_optimizer(groups, OptimConfig(fused=kind), cuda=False)
+
+
+def test_speed_fields_are_validated():
+    exp = load_experiment(None, ["model.attn_implementation=flex", "model.compile=true", "model.lm_head_chunk=256",
+                                 "optim.fused=deepspeed"])
+    assert (exp.model.attn_implementation, exp.model.compile, exp.model.lm_head_chunk, exp.optim.fused) == (
+        "flex", True, 256, "deepspeed")
+    with pytest.raises(ConfigError, match=r"model.lm_head_chunk: -1 is out of range; it must be >= 0"):
+        load_experiment(None, ["model.lm_head_chunk=-1"])
+    with pytest.raises(ConfigError, match="model.attn_implementation"):
+        load_experiment(None, ["model.attn_implementation=flash"])
