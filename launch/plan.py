@@ -1,6 +1,6 @@
 """Plan a run before asking for a cluster:
 ``python launch/plan.py --model 7b --nodes 4 --gpus-per-node 8 --gpu h100 [--zero 3] [--offload] [--seq-len N]
-[--micro-batch N] [--tokens-per-step N] [--steps N] [--corpus-tokens N] [--grid GRID]``.
+[--micro-batch N] [--lm-head-chunk N] [--tokens-per-step N] [--steps N] [--corpus-tokens N] [--grid GRID]``.
 
 Prints the memory per GPU (model states as DeepSpeed's estimators count them, activations, a runtime reserve), the
 step time and tokens per day at a stated MFU, the days for the whole run or a grid of runs, and the data prep's
@@ -28,6 +28,7 @@ def _count(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.plan import GPUS, PREP_TOKENS_PER_CORE_S
+    from pipeline.train.experiment import ModelConfig
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="preset: tiny, 210m, 610m, 1b, 7b, 8b")
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=_count, default=42000, help="optimizer steps of the run (default 42000)")
     p.add_argument("--targets", type=float, default=1.0,
                    help="share of tokens through the LM head: 1 for CLM (default), the masking ratio for MLM")
+    p.add_argument("--lm-head-chunk", type=int, default=ModelConfig.lm_head_chunk,
+                   help=f"target rows per chunk of the LM head loss (model.lm_head_chunk, default "
+                        f"{ModelConfig.lm_head_chunk}); 0: the unchunked head")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing (model.activation_checkpointing)")
     p.add_argument("--vocab", type=int, default=128256, help="vocabulary size (default: Llama-3's 128256)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation to assume (default 0.4)")
@@ -87,7 +91,7 @@ def report(args) -> str:
     n, params, largest = cluster.gpus, param_counts(config).total, largest_layer_params(config)
     states = model_states(params, largest, args.zero, args.offload, args.nodes, args.gpus_per_node)
     tokens = args.micro_batch * args.seq_len
-    acts = activation_bytes(config, tokens, args.targets, args.checkpointing)
+    acts = activation_bytes(config, tokens, args.targets, args.checkpointing, args.lm_head_chunk)
     accum = math.ceil(args.tokens_per_step / (tokens * n))
     step_tokens = accum * tokens * n
     total = states.gpu + sum(acts.values()) + args.reserve_gib * GIB

@@ -13,7 +13,10 @@ Activations are what autograd keeps for the backward pass of one micro-batch of 
 bytes (h hidden, kv = KV heads x head dim, f FFN), plus 6 h for the final norm; measured with saved-tensor hooks in
 tests. With activation checkpointing a layer keeps only its input (2 h) and one layer is recomputed at a time. The
 LM head runs on target tokens only: 10 B per target and vocabulary entry at its peak (bf16 logits, their fp32
-copy and the fp32 log-softmax kept for the backward).
+copy and the fp32 log-softmax kept for the backward). The trainer's chunked head (``model.lm_head_chunk``,
+``pipeline/model/lm_head.py``) holds that for one chunk of targets at a time, plus the weight gradient it makes in
+the forward (an fp32 accumulator and its bf16 copy: 6 B per vocabulary entry and hidden unit) and the targets'
+bf16 input gradient (2 h per target).
 """
 
 from __future__ import annotations
@@ -113,12 +116,22 @@ def layer_activation_bytes(config: PretrainedConfig) -> int:
     return 20 * h + 4 * config.num_key_value_heads * head_dim + 8 * f + 4 * heads + 8
 
 
-def activation_bytes(config: PretrainedConfig, tokens: int, head_fraction: float, checkpointing: bool) -> dict:
+def lm_head_bytes(config: PretrainedConfig, targets: float, chunk: int) -> float:
+    """Peak bytes of the LM head loss over ``targets`` rows; ``chunk`` is ``model.lm_head_chunk`` (0: unchunked).
+    Up to one chunk of targets the trainer runs the plain head."""
+    v, h = config.vocab_size, config.hidden_size
+    if chunk == 0 or targets <= chunk:
+        return targets * v * 10
+    return chunk * v * 10 + 6 * v * h + 2 * targets * h
+
+
+def activation_bytes(config: PretrainedConfig, tokens: int, head_fraction: float, checkpointing: bool,
+                     head_chunk: int = 0) -> dict:
     """Activation memory of one micro-batch of ``tokens`` tokens, by part."""
     layer = layer_activation_bytes(config)
     h, layers = config.hidden_size, config.num_hidden_layers
     body = tokens * (layers * 2 * h + layer) if checkpointing else tokens * layers * layer
-    return {"layers": body + tokens * 6 * h, "lm_head": head_fraction * tokens * config.vocab_size * 10}
+    return {"layers": body + tokens * 6 * h, "lm_head": lm_head_bytes(config, head_fraction * tokens, head_chunk)}
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from pipeline.plan import (
     data_prep,
     largest_layer_params,
     layer_activation_bytes,
+    lm_head_bytes,
     model_states,
 )
 
@@ -110,6 +111,29 @@ def test_activation_formula_equals_what_autograd_keeps(hidden, ffn, heads, kv_he
     assert per_layer == layer_activation_bytes(config(2)) * ids.numel()
     body = activation_bytes(config(2), ids.numel(), 1.0, checkpointing=False)["layers"]
     assert body == pytest.approx(_saved_bytes(config(2), ids), rel=0.05)  # plus embedding output and RoPE tables
+
+
+def test_lm_head_bytes_follow_the_trainers_head():
+    """Unchunked (or one chunk of targets): 10 B per target and vocabulary entry. Chunked: one chunk of that, plus
+    what the chunked head keeps for the backward, measured here: the weight's and the targets' gradients only."""
+    from pipeline.model.lm_head import linear_cross_entropy
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=32)
+    assert lm_head_bytes(config, 100, 0) == lm_head_bytes(config, 100, 128) == 100 * 1000 * 10
+    chunked = lm_head_bytes(config, 100, 16)
+    assert chunked < lm_head_bytes(config, 100, 0)
+    hidden = torch.randn(100, 32, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(1000, 32, dtype=torch.bfloat16, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        linear_cross_entropy(hidden, weight, torch.randint(0, 1000, (100,)), chunk_size=16)
+    assert sum(saved.values()) == 2 * 1000 * 32 + 2 * 100 * 32  # bf16 gradients of the weight and the targets
+    assert chunked - 16 * 1000 * 10 >= sum(saved.values())  # the formula covers them (and the fp32 accumulator)
 
 
 @pytest.mark.parametrize("seq_len", [2048, 4096])
