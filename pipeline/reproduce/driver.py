@@ -4,7 +4,7 @@ launch/report.py and the results page. Every step is skipped when its output exi
 
 Outputs: runs under OUT (runs/reproduce or runs/reproduce-quick), and under RESULTS/MODE (docs/results/full or
 docs/results/quick) the small records: each run's experiment.json, metrics.jsonl and eval results, the logs, the
-report plots, ``timings.json`` (seconds per stage and the measured seconds per training step of each run); the
+report plots, ``timings.json`` (seconds per stage, median seconds per training step of each run); the
 tables go into docs/results.md between its ``<!-- BEGIN MODE STUDY -->`` markers.
 """
 
@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from pipeline.data.manifest import MANIFEST
 from pipeline.reproduce.data import extract
 from pipeline.reproduce.results import replace_block, study_markdown
 from pipeline.reproduce.studies import SMOLLM2, STUDIES, Study
@@ -57,9 +58,9 @@ class Driver:
             extract(os.path.join(REPO, DOWNLOADS), os.path.join(REPO, REAL))
         if not os.path.isfile(os.path.join(REPO, SMOLLM2, "config.json")):
             self._run("import_smollm2", ["launch/import_gguf.py", "--output", SMOLLM2])
-        if not os.path.isfile(os.path.join(REPO, UNIT_SHARDS, "manifest.json")):
+        if not os.path.isfile(os.path.join(REPO, UNIT_SHARDS, MANIFEST)):
             self._run("unit_shards", ["data_prep/build_shards.py", "--input", f"{REAL}/text/reviews.jsonl",
-                                      "--units", "sentence", "--max-unit-tokens", "64", "--seq-len", "64",
+                                      "--units", "sentence", "--max-unit-tokens", "64", "--no-progress",
                                       "--tokenizer", SMOLLM2, "--output", UNIT_SHARDS])
 
     def train(self, study: Study) -> None:
@@ -130,14 +131,17 @@ class Driver:
         with open(self.page, "w") as f:
             f.write(text)
 
-    def throughput(self) -> dict[str, float]:
-        """Median training tokens per second of every run (metrics.jsonl): seconds per step = tokens per step / this."""
+    def step_seconds(self) -> dict[str, float]:
+        """Median seconds per training step of every run, from its metrics.jsonl (the step's tokens over its
+        tokens/s): the measurement behind the budget in docs/results.md."""
         out = {}
         for path in sorted(glob.glob(os.path.join(self.out, "*", "metrics.jsonl"))):
             with open(path) as f:
-                rates = sorted(r["perf/tokens_per_s"] for r in map(json.loads, f) if r.get("perf/tokens_per_s"))
-            if rates:
-                out[os.path.basename(os.path.dirname(path))] = round(rates[len(rates) // 2], 1)
+                records = [r for r in map(json.loads, f) if r.get("perf/tokens_per_s")]
+            seen = [0] + [r["progress/tokens_seen"] for r in records]
+            times = sorted((b - a) / r["perf/tokens_per_s"] for a, b, r in zip(seen, seen[1:], records) if b > a)
+            if times:
+                out[os.path.basename(os.path.dirname(path))] = round(times[len(times) // 2], 2)
         return out
 
     def run(self) -> None:
@@ -149,5 +153,5 @@ class Driver:
             self.report(study)
         self.timings["total"] = round(time.time() - t0, 1)
         with open(os.path.join(self.results, "timings.json"), "w") as f:
-            json.dump({"stages_s": self.timings, "tokens_per_s_median": self.throughput()}, f, indent=1)
+            json.dump({"stages_s": self.timings, "step_seconds_median": self.step_seconds()}, f, indent=1)
         print(f"wrote {self.page} and {self.results}/ in {self.timings['total']:.0f} s")

@@ -55,7 +55,7 @@ STUDIES = (
           paper={"causal, mean pooling (untrained)": {"sts/clough": LLAMA2["base"]["sts_avg"]},
                  "bidirectional + MNTP + SimCSE": {"sts/clough": LLAMA2["llm2vec"]["sts_avg"]}}),
     Study("mlm_vs_clm", "experiments/reproduce/mlm_vs_clm/grid.yaml", "classification,token_classification",
-          {"quick": _finetune("[1.0e-3]", "[0]", 20), "full": _finetune("[1.0e-4,1.0e-3]", "[0,1]", 150)},
+          {"quick": _finetune("[1.0e-3]", "[0]", 20), "full": _finetune("[1.0e-4,1.0e-3]", "[0,1]", 60)},
           rows=(("CLM", "scratch-clm"), ("MLM 40 %", "scratch-mlm40"), ("CLM 50 % -> MLM 40 %", "scratch-clm50"),
                 ("CLM (half) then MLM 40 % continued", "cpt"), ("CLM, half budget", "half-clm")),
           columns=(("MR sentiment acc", "sc_acc"), ("WSJ POS acc", "tc_f1")),
