@@ -4,8 +4,8 @@ launch/report.py and the results page. Every step is skipped when its output exi
 
 Outputs: runs under OUT (runs/reproduce or runs/reproduce-quick), and under RESULTS/MODE (docs/results/full or
 docs/results/quick) the small records: each run's experiment.json, metrics.jsonl and eval results, the logs, the
-report plots, ``timings.json`` (seconds per stage, median seconds per training step of each run); the
-tables go into docs/results.md between its ``<!-- BEGIN MODE STUDY -->`` markers.
+report plots, ``timings.json`` (seconds per stage summed over invocations, median seconds per training step of
+each run); the tables go into docs/results.md between its ``<!-- BEGIN MODE STUDY -->`` markers.
 """
 
 from __future__ import annotations
@@ -152,6 +152,13 @@ class Driver:
             self.evaluate(study)
             self.report(study)
         self.timings["total"] = round(time.time() - t0, 1)
-        with open(os.path.join(self.results, "timings.json"), "w") as f:
-            json.dump({"stages_s": self.timings, "step_seconds_median": self.step_seconds()}, f, indent=1)
-        print(f"wrote {self.page} and {self.results}/ in {self.timings['total']:.0f} s")
+        path = os.path.join(self.results, "timings.json")
+        spent = dict(self.timings)
+        if os.path.isfile(path):  # a resumed run adds to what the earlier invocations spent
+            with open(path) as f:
+                for stage, seconds in json.load(f)["stages_s"].items():
+                    spent[stage] = round(spent.get(stage, 0.0) + seconds, 1)
+        with open(path, "w") as f:
+            json.dump({"stages_s": spent, "step_seconds_median": self.step_seconds()}, f, indent=1)
+        print(f"wrote {self.page} and {self.results}/ in {self.timings['total']:.0f} s ({spent['total']:.0f} s "
+              "over all invocations)")

@@ -86,7 +86,7 @@ def study_markdown(study: Study, headlines: dict[str, list[dict]], plots: list[s
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
         if label in study.paper:
             ref = study.paper[label]
-            lines.append("| ↳ paper (Llama-2-7B / 610M) | " + " | ".join(
+            lines.append(f"| ↳ paper ({study.paper_model}) | " + " | ".join(
                 f"{ref[k]:.4g}" if k in ref else "—" for _, k in study.columns) + " |")
     lines += ["", "| claim | verdict | measured |", "|---|---|---|"]
     for claim, better, worse, key, lower in CLAIMS[study.name]:
