@@ -27,6 +27,7 @@ from pipeline.train.experiment import REPO
 REAL = "runs/real"
 DOWNLOADS = "runs/downloads"
 UNIT_SHARDS = "runs/reproduce/shards/smollm2-reviews-units-64"
+SPAN_SHARDS = "runs/reproduce/shards/smollm2-reviews-spans-128"  # packed, with MAGNET spans (trainer-built: none)
 SMOKE = "-smoke"
 
 
@@ -62,6 +63,10 @@ class Driver:
             self._run("unit_shards", ["data_prep/build_shards.py", "--input", f"{REAL}/text/reviews.jsonl",
                                       "--units", "sentence", "--max-unit-tokens", "64", "--no-progress",
                                       "--tokenizer", SMOLLM2, "--output", UNIT_SHARDS])
+        if not os.path.isfile(os.path.join(REPO, SPAN_SHARDS, MANIFEST)):
+            self._run("span_shards", ["data_prep/build_shards.py", "--input", f"{REAL}/text/reviews.jsonl",
+                                      "--seq-len", "128", "--span-fraction", "0.15", "--no-progress",
+                                      "--tokenizer", SMOLLM2, "--output", SPAN_SHARDS])
 
     def train(self, study: Study) -> None:
         self._run(f"train_{study.name}", ["launch/sweep.py", study.grid, *(["--smoke"] if self.quick else []),

@@ -35,9 +35,9 @@ class Study:
     paper_model: str = "Llama-2-7B"  # what the paper's rows measured
 
 
-def _finetune(lrs: str, seeds: str, steps: int) -> list[str]:
+def _finetune(lrs: str, seeds: str, steps: int, batch: int = 32) -> list[str]:
     return [f"{task}.{k}={v}" for task in ("classification", "token_classification")
-            for k, v in (("lrs", lrs), ("seeds", seeds), ("max_steps", steps))]
+            for k, v in (("lrs", lrs), ("seeds", seeds), ("max_steps", steps), ("batch_size", batch))]
 
 
 _MLM_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "mlm-40")][:2]))
@@ -56,7 +56,7 @@ STUDIES = (
           paper={"causal, mean pooling (untrained)": {"sts/clough": LLAMA2["base"]["sts_avg"]},
                  "bidirectional + MNTP + SimCSE": {"sts/clough": LLAMA2["llm2vec"]["sts_avg"]}}),
     Study("mlm_vs_clm", "experiments/reproduce/mlm_vs_clm/grid.yaml", "classification,token_classification",
-          {"quick": _finetune("[1.0e-3]", "[0]", 20), "full": _finetune("[1.0e-4,1.0e-3]", "[0,1]", 60)},
+          {"quick": _finetune("[1.0e-3]", "[0]", 20), "full": _finetune("[1.0e-3]", "[0,1]", 40, 16)},
           rows=(("CLM", "scratch-clm"), ("MLM 40 %", "scratch-mlm40"), ("CLM 50 % -> MLM 40 %", "scratch-clm50"),
                 ("CLM (half) then MLM 40 % continued", "cpt"), ("CLM, half budget", "half-clm")),
           columns=(("MR sentiment acc", "sc_acc"), ("WSJ POS acc", "tc_f1")),
