@@ -32,7 +32,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    init: str = "tiny"  # a preset name (tiny, 210m, 610m, 1b, 7b, 8b) or a local HF checkpoint directory
+    init: str = "tiny"  # a preset name (tiny, 20m, 210m, 610m, 1b, 7b, 8b) or a local HF checkpoint directory
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     activation_checkpointing: bool = False
