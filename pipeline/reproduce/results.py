@@ -66,7 +66,8 @@ CLAIMS = {  # study -> (claim, better row, worse row, headline key, lower is bet
                ("MAGNET repeats less than LLM2Vec (Rep-Sen)", "MAGNET", "LLM2Vec MNTP + SimCSE", "rep_sen/wiki", True),
                ("MAGNET gains as an encoder: STS above the untrained model", "MAGNET", "SmolLM2 (untrained)",
                 "sts/clough", False),
-               ("MAGNET infills better than the untrained model reads causally", "MAGNET", "SmolLM2 (untrained)",
+               ("MAGNET infills better than the untrained model (span perplexity, MAGNET attention)", "MAGNET",
+                "SmolLM2 (untrained)",
                 "infill_ppl_magnet/wiki", True)),
 }
 
