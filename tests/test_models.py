@@ -76,7 +76,7 @@ def test_flops_per_token_matches_torch_flop_counter():
 
 
 def test_unknown_preset_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown preset 'huge'.*tiny, 210m, 610m, 1b, 7b, 8b"):
+    with pytest.raises(ValueError, match="unknown preset 'huge'.*tiny, 20m, 210m, 610m, 1b, 7b, 8b"):
         build_model("huge", 64)
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         get_preset("huge")

@@ -46,6 +46,9 @@ class ModelPreset:
 
 PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(num_layers=2, hidden_size=64, ffn_size=128, num_heads=4, num_kv_heads=2, max_seq_len=256),
+    # ~20M parameters with an 8K vocabulary (14.2M in the blocks): the from-scratch size 2 CPU cores can train
+    # (make reproduce, docs/results.md)
+    "20m": ModelPreset(num_layers=6, hidden_size=384, ffn_size=1536, num_heads=6, num_kv_heads=6, max_seq_len=512),
     "210m": ModelPreset(num_layers=12, hidden_size=768, ffn_size=3072, num_heads=12, num_kv_heads=12),
     "610m": ModelPreset(num_layers=26, hidden_size=1152, ffn_size=4096, num_heads=18, num_kv_heads=6),
     # The paper's appendix table as recapped (28 layers, FFN 5120), not the reverted EuroBERT commit (26, 4096).

@@ -30,7 +30,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    init: str = "tiny"  # a preset name (tiny, 210m, 610m, 1b, 7b, 8b) or a local HF checkpoint directory
+    init: str = "tiny"  # a preset name (tiny, 20m, 210m, 610m, 1b, 7b, 8b) or a local HF checkpoint directory
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # auto: FlexAttention block masks on CUDA where a batch needs a mask, SDPA on CPU (no flex backward there)
     attn_implementation: Literal["auto", "sdpa", "eager", "flex"] = "auto"

@@ -1,0 +1,82 @@
+"""The three studies of `make reproduce`: grid, evaluation tasks and options, paper numbers and claims to check.
+
+Sizes (steps, examples, fine-tuning sweep) come in two modes: ``full`` (make reproduce, <= 2 h on 2 cores) and
+``quick`` (make reproduce-quick: the grids' -smoke twins and a few examples, <= 20 min). The budget behind the full
+sizes is in docs/results.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.eval.report.papers import LLAMA2, MLM_VS_CLM
+
+SMOLLM2 = "runs/models/smollm2-135m"
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """An untrained model evaluated as is: SmolLM2 read with causal or bidirectional attention."""
+
+    name: str
+    attention: str
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    grid: str
+    tasks: str
+    options: dict[str, list[str]]  # mode -> evaluate.py --set values
+    baselines: tuple[Baseline, ...] = ()
+    rows: tuple[tuple[str, str], ...] = ()  # (label, run or baseline name, without -smoke)
+    columns: tuple[tuple[str, str], ...] = ()  # (header, headline key)
+    paper: dict[str, dict[str, float]] = field(default_factory=dict)  # label -> headline key -> the paper's number
+    paper_model: str = "Llama-2-7B"  # what the paper's rows measured
+
+
+def _finetune(lrs: str, seeds: str, steps: int, batch: int = 32) -> list[str]:
+    return [f"{task}.{k}={v}" for task in ("classification", "token_classification")
+            for k, v in (("lrs", lrs), ("seeds", seeds), ("max_steps", steps), ("batch_size", batch))]
+
+
+_MLM_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "mlm-40")][:2]))
+_CLM_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "clm")][:2]))
+_SWITCH_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "clm-25-mlm-40")][:2]))
+
+STUDIES = (
+    Study("llm2vec", "experiments/reproduce/llm2vec/grid.yaml", "sts,clustering",
+          {"quick": ["sts.max_length=256"], "full": ["sts.max_length=512"]},
+          baselines=(Baseline("smollm2-causal", "causal"), Baseline("smollm2-bidirectional", "bidirectional")),
+          rows=(("causal, mean pooling (untrained)", "smollm2-causal"),
+                ("bidirectional, untrained", "smollm2-bidirectional"),
+                ("bidirectional + MNTP", "llm2vec-mntp"), ("bidirectional + MNTP + SimCSE", "llm2vec-simcse")),
+          columns=(("STS Clough (Spearman x100)", "sts/clough"), ("Clustering Clough topics (V x100)",
+                                                                    "clustering_avg")),
+          paper={"causal, mean pooling (untrained)": {"sts/clough": LLAMA2["base"]["sts_avg"]},
+                 "bidirectional + MNTP + SimCSE": {"sts/clough": LLAMA2["llm2vec"]["sts_avg"]}}),
+    Study("mlm_vs_clm", "experiments/reproduce/mlm_vs_clm/grid.yaml", "classification,token_classification",
+          {"quick": _finetune("[1.0e-3]", "[0]", 20), "full": _finetune("[1.0e-3]", "[0,1]", 40, 16)},
+          rows=(("CLM", "scratch-clm"), ("MLM 40 %", "scratch-mlm40"), ("CLM 50 % -> MLM 40 %", "scratch-clm50"),
+                ("CLM (half) then MLM 40 % continued", "cpt"), ("CLM, half budget", "half-clm")),
+          columns=(("MR sentiment acc", "sc_acc"), ("WSJ POS acc", "tc_f1")),
+          paper={"CLM": _CLM_PAPER, "MLM 40 %": _MLM_PAPER, "CLM 50 % -> MLM 40 %": _SWITCH_PAPER},
+          paper_model="610M, 42K steps; its switch is CLM 25 % -> MLM 40 %"),
+    Study("magnet", "experiments/reproduce/magnet/grid.yaml", "sts,repetition,infilling",
+          {"quick": ["sts.max_length=256", "repetition.max_examples=3", "repetition.decoding.max_new_tokens=32",
+                     "infilling.max_examples=8", "infilling.generate=0"],
+           "full": ["sts.max_length=512", "repetition.max_examples=16", "repetition.decoding.max_new_tokens=64",
+                    "infilling.generate=0"]},
+          baselines=(Baseline("smollm2-causal", "causal"),),
+          rows=(("SmolLM2 (untrained)", "smollm2-causal"), ("LLM2Vec MNTP", "llm2vec-mntp"),
+                ("LLM2Vec MNTP + SimCSE", "llm2vec-simcse"), ("MAGNET", "magnet-magnet")),
+          columns=(("Rep-Sen Wiki", "rep_sen/wiki"), ("Rep-4 Wiki", "rep_4/wiki"),
+                   ("Infill PPL (MAGNET attn)", "infill_ppl_magnet/wiki"),
+                   ("Infill PPL (causal)", "infill_ppl_causal/wiki"), ("STS Clough", "sts/clough")),
+          paper={label: {"rep_sen/wiki": LLAMA2[kind]["rep_sen/wiki"], "rep_4/wiki": LLAMA2[kind]["rep_4/wiki"],
+                         "sts/clough": LLAMA2[kind]["sts_avg"],
+                         **({"infill_ppl_magnet/wiki": LLAMA2[kind]["infill_ppl_magnet/wiki"]}
+                            if "infill_ppl_magnet/wiki" in LLAMA2[kind] else {})}
+                 for label, kind in (("SmolLM2 (untrained)", "base"), ("LLM2Vec MNTP + SimCSE", "llm2vec"),
+                                     ("MAGNET", "magnet"))}),
+)
