@@ -1,5 +1,6 @@
 # The two commands of the README: `make demo` (set up, then train the embedded default on CPU with 2 ZeRO-3 ranks)
-# and `make test` (set up, then run the test suite). Both create .venv on first use.
+# and `make test` (set up, download the real evaluation data (make real-data), then run the test suite). Both
+# create .venv on first use.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -45,7 +46,7 @@ reproduce-quick: setup real-model real-data
 demo: setup
 	$(CPU_ENV) PATH=$(abspath $(BIN)):$$PATH deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/zero3.json
 
-test: setup
+test: setup real-data
 	$(BIN)/python -m pytest -q -m "not slow"
 
 test-slow: setup real-model
