@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import REPO, launch_training, logged_steps
 from shard_corpus import HOLDOUT, TRAIN, documents, write_jsonl_zst
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.data.build import BuildConfig, run_job
 from pipeline.data.loader import iter_eval
@@ -49,9 +49,12 @@ def shards(tmp_path_factory, smollm2) -> tuple[str, str]:
 
 
 def greedy(model_dir: str, prompt: str = PROMPT, tokens: int = 24) -> str:
-    """Greedy continuation read as a decoder: a bidirectional export says ``is_causal: false`` (docs/export.md)."""
+    """Greedy continuation read as a decoder: a bidirectional export says ``is_causal: false`` (docs/export.md); set on
+    the config, since a directory without the field (the imported SmolLM2) would pass it on to the model class."""
     tok = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, is_causal=True).eval()
+    config = AutoConfig.from_pretrained(model_dir)
+    config.is_causal = True
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32).eval()
     ids = torch.tensor([tok.encode_batch([prompt])[0]])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_id)
