@@ -7,7 +7,8 @@
 #   tests/slurm/cluster.sh down [DIR]     cancel its jobs, stop its daemons (by their PID files only)
 #   tests/slurm/cluster.sh install        apt-get install the packages unless already there (idempotent)
 #
-# Env: NNODES=2, CPUS_PER_NODE=$(nproc) (more than the hardware drains the node), MEM_PER_NODE=2000 (MB, must be
+# Env: NNODES=2, CPUS_PER_NODE=the cores this process may use (more than the hardware drains the node; nproc
+# without OMP_NUM_THREADS, which it would report instead), MEM_PER_NODE=2000 (MB, must be
 # below the real memory), PORT_BASE=17000 (slurmctld; slurmd n_i on PORT_BASE+i), FIRST_JOB_ID=1 (clusters
 # running side by side should differ in both: train.sbatch derives MASTER_PORT from the job id).
 # Notes (docs/slurm.md): node names are added to /etc/hosts so MASTER_ADDR=n1 resolves; requeued jobs are held
@@ -16,7 +17,7 @@ set -euo pipefail
 CMD=${1:?usage: cluster.sh up|down|install [DIR]}
 DIR=${2:-/tmp/slurm-cluster}
 NNODES=${NNODES:-2}
-CPUS_PER_NODE=${CPUS_PER_NODE:-$(nproc)}
+CPUS_PER_NODE=${CPUS_PER_NODE:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 MEM_PER_NODE=${MEM_PER_NODE:-2000}
 PORT_BASE=${PORT_BASE:-17000}
 FIRST_JOB_ID=${FIRST_JOB_ID:-1}
