@@ -18,16 +18,14 @@ from shard_corpus import HOLDOUT, TOKENIZER, documents, write_jsonl_zst
 from transformers import AutoConfig
 
 from pipeline.data.build import BuildConfig, run_job
-from pipeline.data.manifest import load_index
 from pipeline.eval import encode, load_model
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
 from pipeline.export.record import EncoderRecord, read_record
 from pipeline.objectives import SimCSE, make_objective
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.experiment import load_experiment
-from pipeline.train.loop import _open_loaders
 from pipeline.train.model import build_train_model
-from pipeline.train.phases import build_objectives
+from pipeline.train.preflight import preflight
 
 EXPERIMENTS = os.path.join(REPO, "experiments", "llm2vec")
 GPUS = 8  # the full experiments' batch sizes are per GPU for 8 GPUs
@@ -130,15 +128,15 @@ def check_mntp_export(run: str, tmp_path) -> None:
 
 
 def test_bad_input_is_refused_by_the_trainer(data, tmp_path):
-    """The trainer's own steps, in process: opening the data sources (SimCSE pointed at packed shards) and building
-    the model (an MNTP export that does not exist, or a checkpoint of another architecture)."""
+    """The trainer's own steps, in process: checking the data sources before start-up (SimCSE pointed at packed
+    shards) and building the model (an MNTP export that does not exist, or a checkpoint of another architecture)."""
     packed, units = data
-    exp = experiment("simcse-smoke.yaml", f"data.shards={units}", f"data.unit_shards={packed}")
+    exp = experiment("simcse-smoke.yaml", f"data.shards={units}", f"data.unit_shards={packed}",
+                     f"run_dir={tmp_path / 'run'}", "model.init=tiny")
     tokenizer = load_tokenizer(TOKENIZER)
-    objectives = [build_objectives(p, tokenizer) for p in exp.phases]
     with pytest.raises(ValueError, match=rf"data.unit_shards {packed} holds packed samples .* but simcse reads "
                                          r"sentence units, one a sample; build unit shards with"):
-        _open_loaders(exp, objectives, tokenizer, load_index(units), rank=0, world=1, pin=False)
+        preflight(exp, rank=0, world=1)
     no_zero = {"zero_optimization": {"stage": 0}}
     missing = str(tmp_path / "no-such-mntp-run" / "hf")
     with pytest.raises(ValueError, match=rf"no such directory {missing!r}; the model must be one of the presets"):

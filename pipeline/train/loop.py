@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from pipeline.config import ConfigError, to_dict
+from pipeline.config import to_dict
 from pipeline.data.loader import ShardLoader, check_compatible, check_source
 from pipeline.data.manifest import DatasetIndex, load_index, write_json_atomic
 from pipeline.export.record import from_experiment
@@ -91,7 +91,7 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
             {n: sums[i, 1].item() / total[n] for i, n in enumerate(names)}, lr)
 
 
-def _open_loaders(exp: ExperimentConfig, objectives, tokenizer, index: DatasetIndex, rank: int, world: int,
+def _open_loaders(exp: ExperimentConfig, objectives, index: DatasetIndex, rank: int, world: int,
                   pin: bool) -> dict[str, ShardLoader]:
     """A loader per data source any phase reads: the packed shards, and the sentence units when asked for."""
     t, d = exp.train, exp.data
@@ -100,15 +100,9 @@ def _open_loaders(exp: ExperimentConfig, objectives, tokenizer, index: DatasetIn
         check_source(index, "packed", "data.shards", readers["packed"])
     loaders = {"packed": ShardLoader(index, t.micro_batch, t.grad_accum, rank, world, t.seed, d.num_workers,
                                      pin_memory=pin, verify=d.verify_shards)}
-    if readers["units"]:
-        if not d.unit_shards:
-            raise ConfigError("an objective reads sentence units (e.g. simcse, sscl) but data.unit_shards is empty; "
-                              "build them with data_prep/build_shards.py --units and set data.unit_shards")
-        units = load_index(d.unit_shards)
-        check_compatible(units, tokenizer.info.fingerprint, units.seq_len)
-        check_source(units, "units", "data.unit_shards", readers["units"])
-        loaders["units"] = ShardLoader(units, d.unit_micro_batch or t.micro_batch, t.grad_accum, rank, world,
-                                       t.seed, d.num_workers, pin_memory=pin, verify=d.verify_shards)
+    if readers["units"]:  # preflight checked them against the tokenizer and the objectives
+        loaders["units"] = ShardLoader(load_index(d.unit_shards), d.unit_micro_batch or t.micro_batch, t.grad_accum,
+                                       rank, world, t.seed, d.num_workers, pin_memory=pin, verify=d.verify_shards)
     return loaders
 
 
@@ -141,7 +135,7 @@ def train(exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopReq
         engine.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             engine.optimizer, lambda s: lr_multiplier(s, exp.train.steps, exp.optim))
     run_files = _write_run_files(exp, ds, lm, index) if rank == 0 else {}
-    loaders = _open_loaders(exp, objectives, tokenizer, index, rank, world, device.type == "cuda")
+    loaders = _open_loaders(exp, objectives, index, rank, world, device.type == "cuda")
 
     step, tokens_seen = 0, 0
     resume_step = checkpoint.latest_complete(exp.run_dir) if exp.checkpoint.resume else None
