@@ -60,6 +60,9 @@ bench: setup
 	$(BIN)/python bench/bench_target_head.py
 	$(BIN)/python bench/bench_trainer.py --shape tiny
 	$(BIN)/python bench/bench_magnet.py
+	$(BIN)/python bench/bench_lm_head.py
+	$(BIN)/python bench/bench_block_mask.py
+	$(BIN)/python bench/bench_verify.py
 
 clean-runs:
 	rm -rf runs
