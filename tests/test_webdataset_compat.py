@@ -51,7 +51,12 @@ def units(tmp_path_factory) -> DatasetIndex:
 
 
 def project_samples(index: DatasetIndex) -> list[Sample]:
-    return [sample for shard in index.shards for sample in ShardReader(shard.path)]
+    samples = []
+    for shard in index.shards:
+        reader = ShardReader(shard.path)
+        samples.extend(reader)
+        reader.close()
+    return samples
 
 
 def as_sample(key: str, members: dict[str, np.ndarray]) -> Sample:
