@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from scipy.stats import rankdata
 
 from pipeline.eval.embeddings import kmeans
 from pipeline.eval.metrics import (
@@ -13,7 +14,6 @@ from pipeline.eval.metrics import (
     entity_f1,
     mean_ci,
     ndcg_at_k,
-    rankdata,
     rep_n,
     rep_sen,
     spearman,
