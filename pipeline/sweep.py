@@ -347,8 +347,7 @@ def act(sweep: Sweep) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="launch/sweep.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("grid", help="grid file, e.g. experiments/mlm_vs_clm/grid.yaml")
     p.add_argument("--smoke", action="store_true", help="the -smoke twins (tiny model, sample corpus, CPU ranks)")
     p.add_argument("--only", action="append", default=[], metavar="PATTERN",

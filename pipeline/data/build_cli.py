@@ -37,8 +37,7 @@ def slurm_array_defaults(env: dict) -> tuple[int, int]:
 def parse_args(argv: list[str] | None = None) -> BuildConfig:
     job_index, num_jobs = slurm_array_defaults(dict(os.environ))
     d = BuildConfig(inputs=(), tokenizer="", output="")
-    p = argparse.ArgumentParser(prog="data_prep/build_shards.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("input and output")
     io.add_argument("--input", nargs="+", required=True, metavar="GLOB",
                     help=".jsonl/.jsonl.zst/.jsonl.gz/.parquet files (globs, quoted) or saved HF dataset directories")

@@ -212,8 +212,7 @@ def find_sample(index: DatasetIndex, n: int) -> tuple[str, Sample]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="data_prep/inspect_shards.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("directory", help="shard directory written by data_prep/build_shards.py")
     p.add_argument("--sample", type=int, default=0, help="global sample number to decode (shards in name order)")
     p.add_argument("--ratio", type=float, default=0.3, help="mask ratio to show and measure")

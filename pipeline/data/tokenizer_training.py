@@ -79,8 +79,7 @@ def save(model: bytes, output: str) -> Tokenizer:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; errors exit through SystemExit with their message."""
-    ap = argparse.ArgumentParser(prog="data_prep/train_tokenizer.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True, help="globs of .jsonl / .jsonl.zst / .jsonl.gz / .parquet "
                     "files or HF dataset directories")
     ap.add_argument("--vocab-size", type=int, required=True, help="total vocabulary size, special tokens included")

@@ -96,8 +96,7 @@ def _check(gguf_model, tokenizer, output: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="launch/import_gguf.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", default=None, help=f"GGUF file (default: the one shipped by {DEFAULT_PACKAGE})")
     p.add_argument("--output", required=True, help="HF directory to write")
     args = p.parse_args(argv)

@@ -164,8 +164,7 @@ def parse_count(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     d = PlannerInput(model="", nodes=1, gpus_per_node=1, gpu="h100")
-    p = argparse.ArgumentParser(prog="launch/plan.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="preset: tiny, 210m, 610m, 1b, 7b, 8b")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, required=True)
