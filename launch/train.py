@@ -14,9 +14,7 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pipeline.train.signals import StopRequest  # noqa: E402  (light: nothing heavy is imported before it works)
+from pipeline.train.signals import StopRequest  # light: nothing heavy is imported before it works
 
 
 def single_process_env(env=os.environ) -> bool:

@@ -123,13 +123,21 @@ def set_path(data: dict, key: str, value: Any) -> None:
         node[parts[-1]] = value
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """``a.b=c`` sets data["a"]["b"] = yaml(c); integer parts index lists (``phases.1.share=0.75``)."""
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """The ``--set`` items ``a.b=c`` of every command as (dotted key, yaml(c)) pairs, in order."""
+    parsed = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.steps=100")
         key, raw = item.split("=", 1)
-        set_path(data, key, yaml.safe_load(raw))
+        parsed.append((key.strip(), yaml.safe_load(raw)))
+    return parsed
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """``a.b=c`` sets data["a"]["b"] = yaml(c); integer parts index lists (``phases.1.share=0.75``)."""
+    for key, value in parse_overrides(overrides):
+        set_path(data, key, value)
     return data
 
 

@@ -1,4 +1,12 @@
-"""A sweep: a grid's runs as run directories, their state, one sbatch file each, submission in dependency order.
+"""A sweep: a grid's runs as run directories, their state, one sbatch file each, submission in dependency order,
+and its command line: ``python launch/sweep.py GRID [--smoke] [--only PATTERN] [--out runs] [--set KEY=VALUE]
+[--write | --submit | --local]`` (or ``pipeline-sweep ...``).
+
+The command prints the grid as a table (run, model, steps, tokens, phases, start run, state) and writes nothing.
+``--write`` also writes OUT/RUN/experiment.yaml and OUT/RUN/job.sbatch for every selected run that has not finished;
+``--submit`` writes them and sbatches them (finished and queued runs are skipped; unfinished ones resume from their
+newest checkpoint; a run that continues another one waits for its job); ``--local`` writes them and trains them
+one after another on this machine. See docs/experiments.md.
 
 Per run ``OUT/NAME/``: ``experiment.yaml`` (the resolved experiment the job reads; training rewrites the same
 content) and ``job.sbatch`` (launch/slurm/train.sbatch's directives with this run's name, size and log, then
@@ -10,19 +18,21 @@ ends only when the run has finished).
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import yaml
 
-from pipeline.config import ConfigError, load_yaml, to_dict
+from pipeline.config import ConfigError, load_yaml, parse_overrides, to_dict
 from pipeline.data.manifest import MANIFEST
-from pipeline.grid import SMOKE_SUFFIX, Grid, Variant
+from pipeline.grid import SMOKE_SUFFIX, Grid, Variant, load_grid
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import OBJECTIVES, MaskedObjective
 from pipeline.train import checkpoint
@@ -259,3 +269,112 @@ def run_local(grid: Grid, variant: Variant) -> None:
     if rc != 0:
         raise RuntimeError(f"{variant.name} failed (exit status {rc}, its output is above); fix it and run the same "
                            "command again: finished runs are skipped and this one resumes")
+
+
+@dataclass(frozen=True)
+class SweepRequest:
+    """What a sweep is asked to do; the fields are the command line's options."""
+
+    grid: str  # grid file
+    smoke: bool = False  # the -smoke twins
+    only: list[str] = field(default_factory=list)  # shell patterns of run names (all runs without)
+    out: str = "runs"  # parent directory of the run directories
+    overrides: list[str] = field(default_factory=list)  # --set KEY=VALUE for every run
+    nodes: int | None = None  # the grid's resources unless given
+    gpus_per_node: int | None = None
+    time: str | None = None  # SLURM time limit of one job
+    action: Literal["show", "write", "submit", "local"] = "show"
+
+
+@dataclass
+class Sweep:
+    """A request resolved against the grid and the run directories: ``todo`` holds the selected runs that have
+    not finished, each after the runs it reads."""
+
+    request: SweepRequest
+    grid: Grid
+    selected: list[Variant]
+    states: dict[str, RunState]
+    todo: list[Variant]
+
+
+def prepare(request: SweepRequest) -> Sweep:
+    """Resolve the request, print the table, and unless it only shows: write the unfinished runs' directories (a
+    queued run's are left alone) and, before submitting or training, check their inputs."""
+    grid = load_grid(request.grid)
+    base = grid.spec.smoke.resources if request.smoke else grid.spec.resources
+    given = {"nodes": request.nodes, "gpus_per_node": request.gpus_per_node, "time": request.time}
+    resources = replace(base, **{k: v for k, v in given.items() if v is not None})
+    resources.validate()
+    everything = grid.variants(smoke=request.smoke, out=os.path.abspath(request.out),
+                               overrides=dict(parse_overrides(request.overrides)), resources=resources)
+    selected = select(everything, request.only)
+    queued = queued_jobs([v.name for v in everything]) if request.action == "submit" else {}
+    states = run_states(everything, queued)
+    print(table(selected, states))
+    sweep = Sweep(request, grid, selected, states,
+                  in_order([v for v in selected if states[v.name].kind != "finished"], everything, states))
+    for v in sweep.todo if request.action != "show" else ():
+        if states[v.name].kind != "queued":
+            write_run(grid, v, states[v.name])
+    if request.action in ("submit", "local"):
+        for v in sweep.todo:
+            check_inputs(v)
+    return sweep
+
+
+def act(sweep: Sweep) -> None:
+    """Print what the sweep holds, then submit its runs in order (each after the jobs of the runs it reads) or
+    train them here one after another."""
+    request, states = sweep.request, sweep.states
+    done = sum(states[v.name].kind == "finished" for v in sweep.selected)
+    print(f"\n{len(sweep.selected)} runs: {done} finished, {len(sweep.todo)} to do; " + (
+        "nothing written (--write, --submit or --local to act)" if request.action == "show"
+        else f"run directories under {request.out}/"))
+    if request.action == "submit":
+        jobs = {name: s.job for name, s in states.items() if s.kind == "queued"}
+        for v in sweep.todo:
+            if states[v.name].kind == "queued":
+                print(f"{v.name}: already queued as job {jobs[v.name]}")
+                continue
+            after = [jobs[d] for d in v.after if d in jobs]
+            jobs[v.name] = submit(v, after)
+            print(f"{v.name}: submitted job {jobs[v.name]}" + (f" (after job {', '.join(map(str, after))})"
+                                                                if after else ""))
+    elif request.action == "local":
+        for v in sweep.todo:
+            run_local(sweep.grid, v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("grid", help="grid file, e.g. experiments/mlm_vs_clm/grid.yaml")
+    p.add_argument("--smoke", action="store_true", help="the -smoke twins (tiny model, sample corpus, CPU ranks)")
+    p.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                   help="runs whose name matches this shell pattern, e.g. 'switch-610m-*' (repeatable)")
+    p.add_argument("--out", default="runs", help="parent directory of the run directories (default: runs)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="set an experiment field in every run, e.g. data.shards=/data/shards (repeatable)")
+    p.add_argument("--nodes", type=int, help="nodes per run (default: the grid's resources)")
+    p.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the grid's resources)")
+    p.add_argument("--time", help="SLURM time limit of one job, e.g. 24:00:00 (the run requeues itself)")
+    action = p.add_mutually_exclusive_group()
+    action.add_argument("--write", dest="action", action="store_const", const="write",
+                        help="write the run directories and job files, submit nothing")
+    action.add_argument("--submit", dest="action", action="store_const", const="submit",
+                        help="sbatch the unfinished runs")
+    action.add_argument("--local", dest="action", action="store_const", const="local",
+                        help="train the unfinished runs here, one after another")
+    p.set_defaults(action="show")
+    request = SweepRequest(**vars(p.parse_args(argv)))
+    try:
+        sweep = prepare(request)
+    except (ConfigError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        act(sweep)
+    except (ConfigError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -11,6 +11,7 @@ import torch
 import zstandard
 from shard_corpus import HOLDOUT, ROOT, TOKENIZER, TRAIN, documents, split_corpus
 
+from pipeline.data import build_cli
 from pipeline.data.build import BuildConfig, BuildError, run_job
 from pipeline.data.format import UNMASKABLE, parse_key
 from pipeline.data.manifest import INDEX, MANIFEST, job_manifest_name, load_index
@@ -18,9 +19,6 @@ from pipeline.data.masking import mask_targets
 from pipeline.data.shards import ShardReader
 from pipeline.data.sources import RecordStats, read_texts
 from pipeline.tokenizer import load_tokenizer
-
-sys.path.insert(0, os.path.join(ROOT, "data_prep"))
-import build_shards  # noqa: E402
 
 SEQ_LEN = 128
 
@@ -277,7 +275,7 @@ def test_bad_options_are_refused_before_any_work(corpus, tokenizer, tmp_path, op
 
 
 def test_missing_tokenizer(corpus, tmp_path, capsys):
-    rc = build_shards.main(["--input", corpus[0], "--tokenizer", str(tmp_path / "nope"), "--output",
+    rc = build_cli.main(["--input", corpus[0], "--tokenizer", str(tmp_path / "nope"), "--output",
                             str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert rc == 1
@@ -285,8 +283,8 @@ def test_missing_tokenizer(corpus, tmp_path, capsys):
 
 
 def test_slurm_array_defaults():
-    assert build_shards.slurm_array_defaults({}) == (0, 1)
-    assert build_shards.slurm_array_defaults({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "4",
+    assert build_cli.slurm_array_defaults({}) == (0, 1)
+    assert build_cli.slurm_array_defaults({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "4",
                                               "SLURM_ARRAY_TASK_COUNT": "8"}) == (3, 8)
 
 

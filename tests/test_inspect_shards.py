@@ -2,21 +2,18 @@ import json
 import os
 import re
 import shutil
-import sys
 
 import numpy as np
 import pytest
 import torch
-from shard_corpus import ROOT, TOKENIZER, split_corpus
+from shard_corpus import TOKENIZER, split_corpus
 
+from pipeline.data import inspection
 from pipeline.data.build import BuildConfig, run_job
 from pipeline.data.format import UNMASKABLE, Sample
 from pipeline.data.manifest import job_manifest_name, load_index
 from pipeline.data.masking import mask_targets
 from pipeline.data.shards import ShardReader
-
-sys.path.insert(0, os.path.join(ROOT, "data_prep"))
-import inspect_shards  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +33,7 @@ def copy(shard_dir, tmp_path) -> str:
 
 
 def run(capsys, *args) -> tuple[int, str, str]:
-    rc = inspect_shards.main([str(a) for a in args])
+    rc = inspection.main([str(a) for a in args])
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -119,8 +116,8 @@ def test_check_plan_rejects_maskable_special_token():
     rank = np.array([UNMASKABLE, 0, 1, UNMASKABLE], dtype=np.uint16)
     segments = np.array([[0, 4]], dtype=np.int32)
     good = Sample("f000000s00000000", ids, segments, rank, np.zeros(4, np.uint32), np.zeros((0, 2), np.int32))
-    inspect_shards.check_plan(good, np.array([1, 2]))
+    inspection.check_plan(good, np.array([1, 2]))
     bad = Sample(good.key, ids, segments, np.array([2, 0, 1, UNMASKABLE], dtype=np.uint16), good.mask_draw,
                  good.spans)
-    with pytest.raises(inspect_shards.ShardProblem, match="a special token is maskable"):
-        inspect_shards.check_plan(bad, np.array([1, 2]))
+    with pytest.raises(inspection.ShardProblem, match="a special token is maskable"):
+        inspection.check_plan(bad, np.array([1, 2]))

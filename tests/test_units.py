@@ -4,14 +4,13 @@ Sample.validate and collate, and build_shards' unit mode on the sample corpus.""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 from helpers import make_shard_dir
-from shard_corpus import ROOT, TOKENIZER, documents, write_jsonl_zst
+from shard_corpus import TOKENIZER, documents, write_jsonl_zst
 
+from pipeline.data import build_cli
 from pipeline.data.batch import collate
 from pipeline.data.build import BuildConfig, BuildError, run_job
 from pipeline.data.build_sample import PlanSettings, make_sample
@@ -21,9 +20,6 @@ from pipeline.data.manifest import load_index
 from pipeline.data.shards import ShardReader, ShardWriter
 from pipeline.data.units import split_units, unit_sample
 from pipeline.tokenizer import load_tokenizer
-
-sys.path.insert(0, os.path.join(ROOT, "data_prep"))
-import build_shards as build_cli  # noqa: E402
 
 DOC = """SCENE II. A Camp near Forres.
 

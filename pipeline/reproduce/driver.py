@@ -1,6 +1,13 @@
-"""Run the studies end to end: real data, SmolLM2, unit shards, each grid through launch/sweep.py --local (finished
-runs skipped, unfinished ones resumed), launch/evaluate.py on every run and baseline without results, then
-launch/report.py and the results page. Every step is skipped when its output exists, so the same command resumes.
+"""Run the studies end to end: real data, SmolLM2 (``pipeline.model.gguf_import``), unit and span shards
+(``pipeline.data.build``), each grid's runs trained here through the sweep (``pipeline.sweep``, as
+``launch/sweep.py --local``: finished runs skipped, unfinished ones resumed), every run and baseline without results
+evaluated (``pipeline.eval.runner``), then the report (``pipeline.eval.report.write``) and the results page. Each
+step runs in this process from the repository root, its output (and its child processes', e.g. the training ranks)
+appended to a log file; every step is skipped when its output exists, so the same command resumes.
+
+The command line: ``python launch/reproduce.py [--quick] [--study NAME]... [--out DIR] [--results DIR]
+[--page FILE]`` (or ``pipeline-reproduce ...``); ``make reproduce`` / ``make reproduce-quick`` run it after
+``make real-data real-model``.
 
 Outputs: runs under OUT (runs/reproduce or runs/reproduce-quick), and under RESULTS/MODE (docs/results/full or
 docs/results/quick) the small records: each run's experiment.json, metrics.jsonl and eval results, the logs, the
@@ -10,18 +17,28 @@ each run); the tables go into docs/results.md between its ``<!-- BEGIN MODE STUD
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import glob
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable, Iterator
 
+import torch
+
+from pipeline.data.build import BuildConfig, run_job
 from pipeline.data.manifest import MANIFEST
-from pipeline.reproduce.data import extract
+from pipeline.eval.report.write import write_report
+from pipeline.eval.runner import EvalConfig, evaluate
+from pipeline.model.gguf_import import import_gguf, packaged_gguf
+from pipeline.reproduce.data import RealDataError, extract
 from pipeline.reproduce.results import replace_block, study_markdown
 from pipeline.reproduce.studies import SMOLLM2, STUDIES, Study
+from pipeline.sweep import SweepRequest, act, prepare
 from pipeline.train.experiment import REPO
 
 REAL = "runs/real"
@@ -31,46 +48,77 @@ SPAN_SHARDS = "runs/reproduce/shards/smollm2-reviews-spans-128"  # packed, with 
 SMOKE = "-smoke"
 
 
+@contextlib.contextmanager
+def _in_repo_logged_to(log: str) -> Iterator[None]:
+    """Run the body from the repository root with everything it and its child processes print appended to ``log``
+    (file descriptors 1 and 2 and sys.stdout/sys.stderr), a failure's traceback too; then restore both."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    cwd, saved = os.getcwd(), (os.dup(1), os.dup(2))
+    with open(log, "a", buffering=1) as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            os.chdir(REPO)
+            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                try:
+                    yield
+                except BaseException:
+                    traceback.print_exc()
+                    raise
+        finally:
+            os.chdir(cwd)
+            f.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
 class Driver:
     def __init__(self, quick: bool, out: str, results: str, page: str, studies: list[str]):
         self.quick, self.mode = quick, "quick" if quick else "full"
-        self.out, self.results, self.page = out, os.path.join(results, self.mode), page
+        self.out, self.results = out, os.path.abspath(os.path.join(results, self.mode))
+        self.page = os.path.abspath(page)
         self.studies = [s for s in STUDIES if s.name in studies]
         self.logs = os.path.join(self.results, "logs")
         self.timings: dict[str, float] = {}
         os.makedirs(self.logs, exist_ok=True)
 
-    def _run(self, stage: str, cmd: list[str]) -> None:
-        """Run a repository command, its output appended to logs/STAGE.log; a failure stops with the log named."""
+    def _run(self, stage: str, what: str, step: Callable[[], None]) -> None:
+        """Run a step from the repository root, its output appended to logs/STAGE.log; a failure stops with the log
+        named (relative paths of the steps are the repository's)."""
         log = os.path.join(self.logs, f"{stage}.log")
-        print(f"== {stage}: {' '.join(cmd)} (log: {log})", flush=True)
+        print(f"== {stage}: {what} (log: {log})", flush=True)
         t0 = time.time()
-        env = dict(os.environ, PYTHONPATH=REPO, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        with open(log, "a") as f:
-            rc = subprocess.run([sys.executable, *cmd], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-        self.timings[stage] = self.timings.get(stage, 0.0) + round(time.time() - t0, 1)
-        if rc != 0:
-            raise RuntimeError(f"{stage} failed (exit status {rc}); see {log}, fix it and run the same command again "
-                               "(finished steps are skipped)")
+        try:
+            with _in_repo_logged_to(log):
+                step()
+        except Exception as e:
+            raise RuntimeError(f"{stage} failed ({type(e).__name__}: {e}); see {log}, fix it and run the same "
+                               "command again (finished steps are skipped)") from e
+        finally:
+            self.timings[stage] = self.timings.get(stage, 0.0) + round(time.time() - t0, 1)
 
     def prepare(self) -> None:
         if not os.path.isfile(os.path.join(REPO, REAL, "manifest.json")):
             extract(os.path.join(REPO, DOWNLOADS), os.path.join(REPO, REAL))
         if not os.path.isfile(os.path.join(REPO, SMOLLM2, "config.json")):
-            self._run("import_smollm2", ["launch/import_gguf.py", "--output", SMOLLM2])
+            self._run("import_smollm2", f"import the packaged GGUF into {SMOLLM2}",
+                      lambda: print(f"wrote {import_gguf(packaged_gguf(), SMOLLM2)}"))
+        reviews = (f"{REAL}/text/reviews.jsonl",)
         if not os.path.isfile(os.path.join(REPO, UNIT_SHARDS, MANIFEST)):
-            self._run("unit_shards", ["data_prep/build_shards.py", "--input", f"{REAL}/text/reviews.jsonl",
-                                      "--units", "sentence", "--max-unit-tokens", "64", "--no-progress",
-                                      "--tokenizer", SMOLLM2, "--output", UNIT_SHARDS])
+            self._run("unit_shards", f"sentence units of {reviews[0]} (64 tokens) into {UNIT_SHARDS}",
+                      lambda: run_job(BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=UNIT_SHARDS, seq_len=64,
+                                                  units="sentence", progress=False)))
         if not os.path.isfile(os.path.join(REPO, SPAN_SHARDS, MANIFEST)):
-            self._run("span_shards", ["data_prep/build_shards.py", "--input", f"{REAL}/text/reviews.jsonl",
-                                      "--seq-len", "128", "--span-fraction", "0.15", "--no-progress",
-                                      "--tokenizer", SMOLLM2, "--output", SPAN_SHARDS])
+            self._run("span_shards", f"{reviews[0]} packed into 128 tokens with spans into {SPAN_SHARDS}",
+                      lambda: run_job(BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=SPAN_SHARDS, seq_len=128,
+                                                  span_fraction=0.15, progress=False)))
 
     def train(self, study: Study) -> None:
-        self._run(f"train_{study.name}", ["launch/sweep.py", study.grid, *(["--smoke"] if self.quick else []),
-                                          "--local", "--out", self.out])
+        request = SweepRequest(study.grid, smoke=self.quick, out=self.out, action="local")
+        self._run(f"train_{study.name}", f"the runs of {study.grid}" + (" (twins)" if self.quick else "")
+                  + f" trained here into {self.out}", lambda: act(prepare(request)))
 
     def run_names(self, study: Study) -> list[str]:
         """The study's run directories (names with -smoke in quick mode) that have an HF export."""
@@ -84,18 +132,34 @@ class Driver:
         return names
 
     def evaluate(self, study: Study) -> None:
-        common = ["--tasks", study.tasks, "--data-dir", REAL, "--no-progress", "--batch-size", "8",
-                  *(x for s in study.options[self.mode] for x in ("--set", s))]
         for b in study.baselines:
             out = os.path.join(self.out, "baselines", f"{b.name}-{study.name}.json")
             if not os.path.isfile(out):
-                self._run(f"eval_{study.name}", ["launch/evaluate.py", "--model", SMOLLM2, "--attention", b.attention,
-                                                 "--out", out, *common])
+                self._evaluate(study, SMOLLM2, out, b.attention)
         for name in self.run_names(study):
             out = os.path.join(self.out, name, "eval", f"{study.name}.json")
             if not os.path.isfile(out):
-                self._run(f"eval_{study.name}", ["launch/evaluate.py", "--model", os.path.join(self.out, name),
-                                                 "--out", out, *common])
+                self._evaluate(study, os.path.join(self.out, name), out)
+
+    def _evaluate(self, study: Study, model: str, out: str, attention: str = "auto") -> None:
+        """The study's tasks on ``model``, results to ``out``: written when a task finished, a failed task is an
+        error (the finished ones are kept, so a re-run skips the model)."""
+        config = EvalConfig(model=model, tasks=study.tasks.split(","), data_dir=REAL,
+                            overrides=list(study.options[self.mode]), attention=attention,
+                            device="cuda" if torch.cuda.is_available() else "cpu", batch_size=8, progress=False)
+
+        def step() -> None:
+            results = evaluate(config)
+            if results["results"]:
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                with open(out, "w") as f:
+                    json.dump(results, f, indent=1)
+                print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in results["headline"].items()))
+            if results["failed"] or not results["results"]:
+                raise RuntimeError("; ".join(f"task {name} failed: {why['error']} (raised at {why['where']})"
+                                             for name, why in results["failed"].items()) or "no task finished")
+
+        self._run(f"eval_{study.name}", f"{study.tasks} on {model} into {out}", step)
 
     def headlines(self, study: Study) -> dict[str, list[dict]]:
         found: dict[str, list[dict]] = {}
@@ -116,7 +180,8 @@ class Driver:
     def report(self, study: Study) -> None:
         target = os.path.join(self.results, study.name)
         runs = [os.path.join(self.out, n) for n in self.run_names(study)]
-        self._run(f"report_{study.name}", ["launch/report.py", *runs, "--out", target])
+        self._run(f"report_{study.name}", f"the report of {len(runs)} runs into {target}",
+                  lambda: print(write_report(runs, target)))
         for run in runs:
             keep = os.path.join(self.results, "runs", os.path.basename(run))
             os.makedirs(os.path.join(keep, "eval"), exist_ok=True)
@@ -167,3 +232,25 @@ class Driver:
             json.dump({"stages_s": spent, "step_seconds_median": self.step_seconds()}, f, indent=1)
         print(f"wrote {self.page} and {self.results}/ in {self.timings['total']:.0f} s ({spent['total']:.0f} s "
               "over all invocations)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    names = [s.name for s in STUDIES]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the grids' -smoke twins and a few examples (<= 20 min)")
+    p.add_argument("--study", action="append", choices=names, help="run only this study (repeatable; default: all)")
+    p.add_argument("--out", help="run directories (default runs/reproduce, or runs/reproduce-quick with --quick)")
+    p.add_argument("--results", default="docs/results", help="records, logs and plots go to RESULTS/full|quick")
+    p.add_argument("--page", default="docs/results.md", help="the page whose generated blocks are rewritten")
+    args = p.parse_args(argv)
+    # the studies' CPU defaults (make reproduce sets them too); the training ranks inherit them
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    out = args.out or ("runs/reproduce-quick" if args.quick else "runs/reproduce")
+    try:
+        Driver(args.quick, os.path.abspath(out), args.results, args.page, args.study or names).run()
+    except (RealDataError, RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

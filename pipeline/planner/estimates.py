@@ -1,5 +1,5 @@
-"""Cluster planning before a run: memory per GPU, step time and tokens/day at a stated MFU, days for a grid, and
-the data prep's core-hours, shard count and disk for a corpus.
+"""The cluster planner's estimates before a run: memory per GPU, step time and tokens/day at a stated MFU, days
+for a grid, and the data prep's core-hours, shard count and disk for a corpus.
 
 Model states (weights, gradients, optimizer) follow DeepSpeed's own estimators byte for byte
 (``estimate_zero3_model_states_mem_needs`` and ``estimate_zero2_model_states_mem_needs``; tests compare them),

@@ -1,0 +1,206 @@
+"""The cluster planner's report and command line:
+``python launch/plan.py --model 7b --nodes 4 --gpus-per-node 8 --gpu h100 [--zero 3] [--offload] [--seq-len N]
+[--micro-batch N] [--lm-head-chunk N] [--tokens-per-step N] [--steps N] [--corpus-tokens N] [--grid GRID]``
+(or ``pipeline-plan ...``).
+
+Prints the memory per GPU (model states as DeepSpeed's estimators count them, activations, a runtime reserve) with
+the verdict whether it fits, the step time and tokens per day at a stated MFU, the days for the whole run or a grid
+of runs, and the data prep's core-hours, shard count and disk for a corpus. How each number is made:
+pipeline/planner/estimates.py and docs/planning.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+from pipeline.grid import load_grid
+from pipeline.model.flops import param_counts
+from pipeline.model.presets import get_preset
+from pipeline.planner.estimates import (
+    GIB,
+    GPUS,
+    PREP_TOKENS_PER_CORE_S,
+    Cluster,
+    activation_bytes,
+    data_prep,
+    gpu_hours,
+    largest_layer_params,
+    model_states,
+    run_flops,
+    throughput,
+)
+from pipeline.train.experiment import ModelConfig
+
+
+@dataclass(frozen=True)
+class PlannerInput:
+    """What the planner is asked about: a model preset on a cluster, with its batch, run length and corpus."""
+
+    model: str  # preset: tiny, 210m, 610m, 1b, 7b, 8b
+    nodes: int
+    gpus_per_node: int
+    gpu: str  # a key of GPUS
+    zero: int = 3
+    offload: bool = False
+    seq_len: int = 2048
+    micro_batch: int = 12
+    tokens_per_step: int = 1152 * 2048  # the MLM-vs-CLM study's global batch
+    steps: int = 42000
+    targets: float = 1.0  # share of tokens through the LM head: 1 for CLM, the masking ratio for MLM
+    lm_head_chunk: int = ModelConfig.lm_head_chunk
+    checkpointing: bool = False
+    vocab: int = 128256  # Llama-3's
+    mfu: float = 0.4
+    reserve_gib: float = 4.0  # CUDA context, NCCL, DeepSpeed's buckets
+    grid: str | None = None  # a grid file: GPU-hours and days of each run
+    corpus_tokens: int | None = None  # data prep for a corpus of this many tokens
+    prep_rate: float = PREP_TOKENS_PER_CORE_S
+    samples_per_shard: int = 4096
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option (as the command line spells it) that is out of range."""
+        for name in ("nodes", "gpus_per_node", "seq_len", "micro_batch", "tokens_per_step", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 < self.mfu <= 1 or not 0 < self.targets <= 1:
+            raise ValueError("--mfu and --targets must be in (0, 1]")
+        if self.gpu not in GPUS:
+            raise ValueError(f"--gpu {self.gpu!r}: choose one of {sorted(GPUS)}")
+
+
+def report(plan: PlannerInput) -> str:
+    """The planner's report: memory per GPU with its verdict, throughput, and the grid and data prep when asked."""
+    config = get_preset(plan.model).to_config(plan.vocab)
+    cluster = Cluster(plan.nodes, plan.gpus_per_node, GPUS[plan.gpu])
+    n, params, largest = cluster.gpus, param_counts(config).total, largest_layer_params(config)
+    states = model_states(params, largest, plan.zero, plan.offload, plan.nodes, plan.gpus_per_node)
+    tokens = plan.micro_batch * plan.seq_len
+    acts = activation_bytes(config, tokens, plan.targets, plan.checkpointing, plan.lm_head_chunk)
+    accum = math.ceil(plan.tokens_per_step / (tokens * n))
+    step_tokens = accum * tokens * n
+    total = states.gpu + sum(acts.values()) + plan.reserve_gib * GIB
+    gib = cluster.gpu.memory_gib
+    shard = f"a 1/{n} shard" if plan.zero == 3 else "all"
+    head = "all tokens" if plan.targets == 1 else f"{plan.targets:g} of the tokens"
+    lines = [
+        f"model {plan.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, FFN "
+        f"{config.intermediate_size}, {config.num_attention_heads}/{config.num_key_value_heads} heads, vocab "
+        f"{config.vocab_size}: {params / 1e9:.2f} B parameters (largest layer {largest / 1e6:.1f} M)",
+        f"cluster: {plan.nodes} nodes x {plan.gpus_per_node} {plan.gpu} ({gib:g} GiB, {cluster.gpu.peak_tflops:g} "
+        f"TFLOP/s bf16 dense) = {n} GPUs; ZeRO-{plan.zero}" + (", offload" if plan.offload else ""),
+        "",
+        f"memory per GPU, micro-batch {plan.micro_batch} x {plan.seq_len} tokens" +
+        (", activation checkpointing" if plan.checkpointing else "") + ":",
+        *(f"  {label:<58}{value / GIB:9.2f} GiB" for label, value in (
+            (f"16-bit weights ({shard})", states.params16),
+            (f"16-bit gradients ({'all' if plan.zero == 1 else f'a 1/{n} partition'})", states.grads16),
+            (f"fp32 gradients (a 1/{n} partition)", states.grads32),
+            (f"fp32 master weights (a 1/{n} partition)", states.master32),
+            (f"Adam moments (a 1/{n} partition)", states.adam),
+            ("largest layer gathered (ZeRO-3, 4 B/param)", states.gathered)) if value),
+        f"  {'= model states (DeepSpeed estimator)':<58}{states.gpu / GIB:9.2f} GiB",
+        f"  {f'activations: {config.num_hidden_layers} layers':<58}{acts['layers'] / GIB:9.2f} GiB",
+        f"  {f'activations: LM head ({head})':<58}{acts['lm_head'] / GIB:9.2f} GiB",
+        f"  {'runtime reserve (CUDA context, NCCL, DeepSpeed buckets)':<58}{plan.reserve_gib:9.2f} GiB",
+        f"  {'= total':<58}{total / GIB:9.2f} GiB of {gib:g}: " + (
+            "fits" if total <= gib * GIB else
+            "DOES NOT FIT: try --checkpointing, a smaller --micro-batch, more GPUs or --offload"),
+        f"  CPU memory per node (DeepSpeed estimator): {states.cpu_per_node / GIB:.1f} GiB",
+        "",
+    ]
+    speed = throughput(config, plan.seq_len, plan.targets, step_tokens, cluster, plan.mfu)
+    days = plan.steps * speed.step_s / 86400
+    lines += [
+        f"throughput at {plan.mfu:.0%} MFU:",
+        f"  {speed.flops_per_token / 1e9:.2f} GFLOP per token (6 N + attention, LM head on {head})",
+        f"  {step_tokens:,} tokens per step = {n} GPUs x {plan.micro_batch} x {plan.seq_len} x {accum} accumulation"
+        + ("" if step_tokens == plan.tokens_per_step else f" (asked {plan.tokens_per_step:,}, rounded up)"),
+        f"  step {speed.step_s:.2f} s, {speed.tokens_per_day / 1e9:.2f} B tokens/day",
+        f"  {plan.steps:,} steps ({plan.steps * step_tokens / 1e9:.1f} B tokens): {days:.2f} days, "
+        f"{days * 24 * n:,.0f} GPU-hours",
+    ]
+    if plan.grid:
+        lines += ["", *grid_report(plan, cluster)]
+    if plan.corpus_tokens:
+        prep = data_prep(plan.corpus_tokens, plan.seq_len, plan.samples_per_shard, plan.prep_rate)
+        lines += [
+            "",
+            f"data prep of {plan.corpus_tokens / 1e9:g} B tokens at seq-len {plan.seq_len}:",
+            f"  {prep.samples:,} samples in {prep.shards:,} shards of {plan.samples_per_shard} samples, "
+            f"{prep.disk_bytes / 1e12:.2f} TB",
+            f"  {prep.core_hours:,.0f} core-hours at {plan.prep_rate / 1e6:.2f} M tokens per core-second "
+            f"({prep.core_hours * 60 / (64 * 16):.0f} min as a 64-task x 16-core array)",
+        ]
+    return "\n".join(lines)
+
+
+def grid_report(plan: PlannerInput, cluster: Cluster) -> list[str]:
+    """GPU-hours and days of every run of the grid ``plan.grid`` on ``cluster``, and their total."""
+    lines = [f"grid {plan.grid} at {plan.mfu:.0%} MFU on {cluster.gpus} {plan.gpu}:",
+             f"  {'run':<26}{'tokens':>10}{'GPU-hours':>12}{'days':>8}"]
+    total = 0.0
+    for v in load_grid(plan.grid).variants():
+        t = v.experiment.train
+        step_tokens = t.micro_batch * t.grad_accum * v.resources.world_size * v.experiment.data.seq_len
+        hours = gpu_hours(run_flops(v.experiment, step_tokens, plan.vocab), cluster.gpu, plan.mfu)
+        total += hours
+        lines.append(f"  {v.name:<26}{t.steps * step_tokens / 1e9:>9.1f}B{hours:>12,.0f}"
+                     f"{hours / cluster.gpus / 24:>8.2f}")
+    lines.append(f"  {'total':<26}{'':>10}{total:>12,.0f}{total / cluster.gpus / 24:>8.1f}")
+    return lines
+
+
+def parse_count(text: str) -> int:
+    """1e11, 100B, 2.36M or 2359296."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}
+    try:
+        return int(float(text[:-1]) * scale[text[-1].upper()]) if text[-1].upper() in scale else int(float(text))
+    except (ValueError, IndexError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 1e11, 100B, 2.36M)") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = PlannerInput(model="", nodes=1, gpus_per_node=1, gpu="h100")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="preset: tiny, 210m, 610m, 1b, 7b, 8b")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
+    p.add_argument("--zero", type=int, default=d.zero, choices=[1, 2, 3], help="ZeRO stage (default 3)")
+    p.add_argument("--offload", action="store_true", help="ZeRO-3: parameters and optimizer in CPU memory "
+                   "(ds_configs/zero3_offload.json); ZeRO-1/2: the optimizer")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--micro-batch", type=int, default=d.micro_batch,
+                   help=f"samples per GPU per micro-step (default {d.micro_batch})")
+    p.add_argument("--tokens-per-step", type=parse_count, default=d.tokens_per_step,
+                   help="global batch in tokens (default 1152 x 2048, the MLM-vs-CLM study's)")
+    p.add_argument("--steps", type=parse_count, default=d.steps, help=f"optimizer steps of the run (default {d.steps})")
+    p.add_argument("--targets", type=float, default=d.targets,
+                   help="share of tokens through the LM head: 1 for CLM (default), the masking ratio for MLM")
+    p.add_argument("--lm-head-chunk", type=int, default=d.lm_head_chunk,
+                   help=f"target rows per chunk of the LM head loss (model.lm_head_chunk, default "
+                        f"{d.lm_head_chunk}); 0: the unchunked head")
+    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing (model.activation_checkpointing)")
+    p.add_argument("--vocab", type=int, default=d.vocab, help=f"vocabulary size (default: Llama-3's {d.vocab})")
+    p.add_argument("--mfu", type=float, default=d.mfu, help=f"model FLOPs utilisation to assume (default {d.mfu})")
+    p.add_argument("--reserve-gib", type=float, default=d.reserve_gib,
+                   help=f"GPU memory for the CUDA context, NCCL and DeepSpeed's buckets (default {d.reserve_gib:g})")
+    p.add_argument("--grid", help="a grid file: GPU-hours and days of each run on this cluster")
+    p.add_argument("--corpus-tokens", type=parse_count, help="data prep for a corpus of this many tokens")
+    p.add_argument("--prep-rate", type=float, default=d.prep_rate,
+                   help=f"build_shards tokens per core-second (default {d.prep_rate:.3g}, BENCHMARKS.md)")
+    p.add_argument("--samples-per-shard", type=int, default=d.samples_per_shard)
+    plan = PlannerInput(**vars(p.parse_args(argv)))
+    try:
+        plan.validate()
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        print(report(plan))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
