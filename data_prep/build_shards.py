@@ -20,7 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.data.build import BuildConfig, BuildError, run_job  # noqa: E402
+from pipeline.data.build import run_job  # noqa: E402
+from pipeline.data.build_config import BuildConfig, BuildError  # noqa: E402
 from pipeline.data.sources import InputError  # noqa: E402
 from pipeline.data.units import UNIT_MODES  # noqa: E402
 

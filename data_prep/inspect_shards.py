@@ -22,9 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from pipeline.data.format import UNMASKABLE, Sample, parse_key  # noqa: E402
-from pipeline.data.manifest import INDEX, DatasetIndex, load_index, read_json  # noqa: E402
+from pipeline.data.manifest import INDEX, DatasetIndex, load_index  # noqa: E402
 from pipeline.data.masking import POLICIES, apply_mask_plan  # noqa: E402
 from pipeline.data.shards import ShardReader, sha256_file  # noqa: E402
+from pipeline.io import read_json  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 
 

@@ -13,7 +13,8 @@ from helpers import make_shard_dir
 from shard_corpus import ROOT, TOKENIZER, documents, write_jsonl_zst
 
 from pipeline.data.batch import collate
-from pipeline.data.build import BuildConfig, BuildError, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig, BuildError
 from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.data.format import Sample
 from pipeline.data.loader import ShardLoader, check_source
