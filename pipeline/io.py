@@ -4,6 +4,7 @@ atomic JSON writer.
 A reader raises ``missing`` when the file does not exist and ``error`` when it is not valid JSON/YAML or its top
 level is not ``top``; a caller passes its own classes (``ConfigError`` for experiment files, ``DataError`` for
 evaluation data) so its users see the errors they already handle. Messages read ``{path}: {what is wrong}; {fix}``.
+Writers finish a temporary file and rename it (:func:`fsync_replace`), so a killed writer leaves no half file.
 """
 
 from __future__ import annotations
@@ -71,12 +72,17 @@ def read_jsonl(path: str, error: type[Exception] = ValueError) -> Iterator[tuple
             yield line_no, record
 
 
+def fsync_replace(tmp: str, final: str) -> None:
+    """Give the finished file ``tmp`` the name ``final`` once its bytes are on disk: a reader or a killed writer
+    never sees half a file under the final name."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
 def write_json_atomic(path: str, obj: Any) -> None:
-    """Write ``obj`` to ``path`` through a fsynced temporary file (``{path}.tmp{pid}``), so a reader or a killed
-    writer never sees half a file."""
+    """Write ``obj`` to ``path`` through the temporary file ``{path}.tmp{pid}`` (:func:`fsync_replace`)."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fsync_replace(tmp, path)
