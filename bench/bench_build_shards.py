@@ -29,7 +29,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import datasets  # noqa: E402  (imported here so that its import time is not measured)
 
-from pipeline.data.build import BuildConfig, run_job  # noqa: E402
+from pipeline.data.build import run_job  # noqa: E402
+from pipeline.data.build_config import BuildConfig  # noqa: E402
 from pipeline.data.sources import RecordStats, read_texts  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 

@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from pipeline.data.build import BuildConfig, run_job
+    from pipeline.data.build import run_job
+    from pipeline.data.build_config import BuildConfig
     from pipeline.data.loader import ShardLoader
     from pipeline.data.manifest import load_index
     from pipeline.model.presets import ModelPreset

@@ -15,7 +15,8 @@ import statistics
 import tempfile
 import time
 
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import ShardLoader
 from pipeline.data.manifest import load_index
 from pipeline.data.shards import sha256_file

@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipeline.data.manifest import read_json
     from pipeline.export.record import from_experiment
     from pipeline.export.sentence_transformers import check_expressible, write_sentence_transformers
+    from pipeline.io import read_json
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train import checkpoint
     from pipeline.train.model import save_hf

@@ -15,6 +15,8 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from pipeline.io import read_yaml
+
 T = TypeVar("T")
 _YAML11_FLOAT = re.compile(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+")
 
@@ -142,16 +144,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def load_yaml(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-    except FileNotFoundError as e:
-        raise ConfigError(f"{path}: experiment file not found") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({e})") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of config sections")
-    return data
+    """An experiment (or grid) file: a mapping of config sections; every problem is a ConfigError naming ``path``."""
+    return read_yaml(path, what="experiment file", error=ConfigError, missing=ConfigError)
 
 
 _INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")

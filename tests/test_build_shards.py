@@ -12,7 +12,8 @@ import zstandard
 from shard_corpus import HOLDOUT, ROOT, TOKENIZER, TRAIN, documents, split_corpus
 
 from pipeline.data import build_cli
-from pipeline.data.build import BuildConfig, BuildError, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig, BuildError
 from pipeline.data.format import UNMASKABLE, parse_key
 from pipeline.data.manifest import INDEX, MANIFEST, job_manifest_name, load_index
 from pipeline.data.masking import mask_targets

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pipeline.data.batch import Batch
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.data.format import UNMASKABLE
 from pipeline.eval import encode, load_model
 from pipeline.eval.encode import pool

@@ -24,7 +24,8 @@ import pytest
 from helpers import REPO, cpu_env, launch_training, logged_steps, make_shard_dir, train_command
 
 from pipeline.config import ConfigError
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import ShardCorrupt, ShardLoader, check_shard_sizes, verify_shard_hash
 from pipeline.data.manifest import (
     MANIFEST,

@@ -9,7 +9,8 @@ import torch
 from shard_corpus import TOKENIZER, split_corpus
 
 from pipeline.data import inspection
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.data.format import UNMASKABLE, Sample
 from pipeline.data.manifest import job_manifest_name, load_index
 from pipeline.data.masking import mask_targets

@@ -17,7 +17,8 @@ from helpers import REPO, launch_training, logged_steps, plain_transformers_hidd
 from shard_corpus import HOLDOUT, TOKENIZER, documents, write_jsonl_zst
 from transformers import AutoConfig
 
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.eval import encode, load_model
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
 from pipeline.export.record import EncoderRecord, read_record

@@ -17,7 +17,8 @@ import pytest
 from helpers import REPO, launch_training, logged_steps
 from shard_corpus import HOLDOUT, TOKENIZER, TRAIN, documents, write_jsonl_zst
 
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.experiment import load_experiment
 from pipeline.train.phases import build_objectives

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.grid import load_grid
 from pipeline.sweep import REPO, is_finished
 from pipeline.tokenizer import load_tokenizer

@@ -15,7 +15,8 @@ from helpers import REPO, launch_training, logged_steps
 from shard_corpus import HOLDOUT, TRAIN, documents, write_jsonl_zst
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import iter_eval
 from pipeline.data.manifest import load_index
 from pipeline.model.build import build_model

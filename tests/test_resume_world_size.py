@@ -13,7 +13,8 @@ import pytest
 import test_train as tt
 import torch
 
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.model.build import build_model
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train import checkpoint

@@ -19,7 +19,8 @@ import pytest
 from shard_corpus import HOLDOUT, TOKENIZER, split_corpus
 from slurm.cluster import Cluster, missing_packages
 
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.train import checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

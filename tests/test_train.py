@@ -18,7 +18,8 @@ import torch
 from helpers import launch_training, logged_steps
 
 from pipeline.config import ConfigError
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import ShardLoader
 from pipeline.data.manifest import load_index
 from pipeline.model.build import build_model

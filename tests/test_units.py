@@ -12,7 +12,8 @@ from shard_corpus import TOKENIZER, documents, write_jsonl_zst
 
 from pipeline.data import build_cli
 from pipeline.data.batch import collate
-from pipeline.data.build import BuildConfig, BuildError, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig, BuildError
 from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.data.format import Sample
 from pipeline.data.loader import ShardLoader, check_source

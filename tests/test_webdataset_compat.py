@@ -16,7 +16,8 @@ import wids
 from shard_corpus import TOKENIZER, split_corpus
 
 from pipeline.data.batch import collate
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.data.format import FIELDS, OPTIONAL_FIELDS, Sample
 from pipeline.data.manifest import DatasetIndex, load_index
 from pipeline.data.shards import ShardReader

@@ -239,7 +239,8 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
     import deepspeed
     import torch
 
-    from pipeline.data.build import BuildConfig, run_job
+    from pipeline.data.build import run_job
+    from pipeline.data.build_config import BuildConfig
     from pipeline.data.loader import ShardLoader
     from pipeline.data.manifest import load_index
     from pipeline.model.flops import flops_per_token

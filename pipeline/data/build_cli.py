@@ -19,7 +19,8 @@ import errno
 import os
 import sys
 
-from pipeline.data.build import BuildConfig, BuildError, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig, BuildError
 from pipeline.data.sources import InputError
 from pipeline.data.units import UNIT_MODES
 

@@ -7,7 +7,9 @@
   bad-record counts), its shards with sample/token counts and sha256, and ``complete``.
 - ``index.json``: the merged shard list, written (atomically, idempotently) by whichever job finishes last.
 
-Readers call :func:`load_index`, which trusts only the job manifests, so a missing ``index.json`` costs nothing.
+Prep jobs (``build.py``) write them through :func:`ensure_manifest`, :func:`load_job`, :func:`write_job` and
+:func:`maybe_write_index`; readers call :func:`load_index`, which trusts only the job manifests, so a missing
+``index.json`` costs nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import json
 import os
 from dataclasses import dataclass
 
+from pipeline.data.build_config import BuildConfig, BuildError
 from pipeline.data.format import FORMAT_VERSION
+from pipeline.io import read_json, write_json_atomic
 
 MANIFEST = "manifest.json"
 INDEX = "index.json"
@@ -31,23 +35,87 @@ def settings_fingerprint(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def write_json_atomic(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+# ---------------------------------------------------------------- writing (the prep jobs)
 
 
-def read_json(path: str, what: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{path} not found: {what}") from e
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): {what}") from e
+def _describe(value) -> str:
+    if isinstance(value, list) and len(value) > 3:
+        return f"{len(value)} items [{value[0]!r}, ..., {value[-1]!r}]"
+    return repr(value)
+
+
+def _settings_diff(old: dict, new: dict) -> list[str]:
+    return [f"  {key}: directory has {_describe(old.get(key))}, this run has {_describe(new.get(key))}"
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
+
+
+def ensure_manifest(cfg: BuildConfig, settings: dict, tokenizer_path: str) -> dict:
+    """Create ``manifest.json`` if this is the first job, else check that it was made with the same settings."""
+    path = os.path.join(cfg.output, MANIFEST)
+    manifest = {"format": FORMAT_VERSION, "fingerprint": settings_fingerprint(settings), "settings": settings,
+                "num_jobs": cfg.num_jobs, "tokenizer_path": tokenizer_path}
+    if not os.path.exists(path):
+        tmp = f"{path}.tmp{os.getpid()}"
+        write_json_atomic(tmp, manifest)
+        try:
+            os.link(tmp, path)  # atomic create-if-absent: of two jobs starting together, one wins
+        except FileExistsError:
+            pass
+        finally:
+            os.remove(tmp)
+    existing = read_json(path, "delete the directory and rebuild it")
+    fix = f"use a new --output directory, or delete {cfg.output} to rebuild it with these settings"
+    if existing.get("format") != FORMAT_VERSION:
+        raise BuildError(f"{path}: made by shard format {existing.get('format')!r}, this is {FORMAT_VERSION!r}; {fix}")
+    diff = _settings_diff(existing["settings"], settings)
+    if diff:
+        raise BuildError(f"{path}: the shard directory was built with other settings:\n" + "\n".join(diff) +
+                         f"\n{fix}")
+    if existing["num_jobs"] != cfg.num_jobs:
+        raise BuildError(f"{path}: the shard directory was built with --num-jobs {existing['num_jobs']}, this run "
+                         f"has --num-jobs {cfg.num_jobs}; run with --num-jobs {existing['num_jobs']} or {fix}")
+    return existing
+
+
+def load_job(cfg: BuildConfig, fingerprint: str) -> dict:
+    """The job's manifest so far (a new, empty one before its first file)."""
+    path = os.path.join(cfg.output, job_manifest_name(cfg.job_index))
+    if not os.path.exists(path):
+        return {"format": FORMAT_VERSION, "fingerprint": fingerprint, "job_index": cfg.job_index,
+                "num_jobs": cfg.num_jobs, "complete": False, "files": [], "shards": []}
+    job = read_json(path, f"delete it and re-run job {cfg.job_index}")
+    if job.get("fingerprint") != fingerprint:
+        raise BuildError(f"{path} was written with other settings than {MANIFEST}; delete {cfg.output} and rebuild")
+    return job
+
+
+def write_job(cfg: BuildConfig, job: dict) -> None:
+    """Record the job's progress (atomically: a killed job restarts after its last recorded file)."""
+    write_json_atomic(os.path.join(cfg.output, job_manifest_name(cfg.job_index)), job)
+
+
+def maybe_write_index(output: str, manifest: dict) -> bool:
+    """Write ``index.json`` once every job is complete (any job may do it; the content is deterministic)."""
+    shards = []
+    for k in range(manifest["num_jobs"]):
+        path = os.path.join(output, job_manifest_name(k))
+        if not os.path.exists(path):
+            return False
+        job = read_json(path, f"delete it and re-run job {k}")
+        if not job.get("complete"):
+            return False
+        shards += job["shards"]
+    shards.sort(key=lambda s: s["name"])
+    index = {"format": FORMAT_VERSION, "fingerprint": manifest["fingerprint"], "num_jobs": manifest["num_jobs"],
+             "num_samples": sum(s["samples"] for s in shards), "num_tokens": sum(s["tokens"] for s in shards),
+             "shards": shards}
+    path = os.path.join(output, INDEX)
+    if not os.path.exists(path) or read_json(path, "delete it; the next prep job rewrites it") != index:
+        write_json_atomic(path, index)
+    return True
+
+
+# ---------------------------------------------------------------- reading (the trainer, inspect_shards)
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,7 @@ import tarfile
 import numpy as np
 
 from pipeline.data.format import Sample, append_sample_tar, index_path, read_sample, tar_end
-
-
-def fsync_replace(tmp: str, final: str) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+from pipeline.io import fsync_replace
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:

@@ -14,11 +14,12 @@ hub dataset), so every later error can name the record. Layouts (``docs/evaluati
 from __future__ import annotations
 
 import csv
-import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pipeline.io import read_json, read_jsonl
 
 TABLE_EXTS = (".tsv", ".csv", ".txt")
 RECORD_EXTS = (*TABLE_EXTS, ".jsonl", ".json")
@@ -64,33 +65,13 @@ def _table_rows(path: str) -> Iterator[Row]:
             yield Row(dict(zip(header, values)), f"{path}:{line}")
 
 
-def jsonl_records(path: str) -> Iterator[tuple[int, dict]]:
-    """(line number, object) of each non-blank line of a .jsonl file; a bad line is a DataError naming it."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({e}); a .jsonl file holds one object per line"
-                                ) from e
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
-            yield line_no, record
-
-
 def _jsonl_rows(path: str) -> Iterator[Row]:
-    for line_no, record in jsonl_records(path):
+    for line_no, record in read_jsonl(path, DataError):
         yield Row(record, f"{path}:{line_no}")
 
 
 def _json_rows(path: str) -> Iterator[Row]:
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: not valid JSON ({e})") from e
+    data = read_json(path, top=None, error=DataError)
     if isinstance(data, dict) and isinstance(data.get("data"), list):  # SQuAD: one row per question
         for a, article in enumerate(data["data"]):
             for p, paragraph in enumerate(article.get("paragraphs", [])):

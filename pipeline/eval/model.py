@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from pipeline.data.manifest import read_json
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
+from pipeline.io import read_json
 from pipeline.model.build import project_masks
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 from pipeline.train import checkpoint

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.data.manifest import MANIFEST
 from pipeline.eval.report.write import write_report
 from pipeline.eval.runner import EvalConfig, evaluate

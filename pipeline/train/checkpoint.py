@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.data.manifest import read_json, write_json_atomic
+from pipeline.io import read_json, write_json_atomic
 
 MARKER = "COMPLETE"
 UNIVERSAL = "universal"  # sub-directory of a step with its universal-format copy

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import copy
-import json
 
 from pipeline.config import ConfigError
+from pipeline.io import read_json
 from pipeline.train.experiment import ExperimentConfig
 
 
 def load_ds_config(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError as e:
-        raise ConfigError(f"{path}: DeepSpeed config not found (see ds_configs/ for examples)") from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    return read_json(path, "see ds_configs/ for examples", what="DeepSpeed config", error=ConfigError,
+                     missing=ConfigError)
 
 
 def _fill(cfg: dict, path: str, value, source: str, where: str) -> None:

@@ -12,8 +12,9 @@ import yaml
 
 from pipeline.config import to_dict
 from pipeline.data.loader import ShardLoader, check_compatible, check_source
-from pipeline.data.manifest import DatasetIndex, load_index, write_json_atomic
+from pipeline.data.manifest import DatasetIndex, load_index
 from pipeline.export.record import from_experiment
+from pipeline.io import write_json_atomic
 from pipeline.model.flops import flops_per_token
 from pipeline.train import checkpoint
 from pipeline.train.ds_config import resolve_ds_config

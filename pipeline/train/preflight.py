@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from pipeline.config import ConfigError
 from pipeline.data.loader import check_compatible, check_shard_sizes, check_source
-from pipeline.data.manifest import MANIFEST, DatasetIndex, load_index, read_json
+from pipeline.data.manifest import MANIFEST, DatasetIndex, load_index
+from pipeline.io import read_json
 from pipeline.lock import DirLock, describe
 from pipeline.model.build import check_checkpoint_shape, start_checkpoint_config
 from pipeline.model.presets import PRESETS

@@ -6,7 +6,8 @@ import os
 
 import torch.distributed as dist
 
-from pipeline.data.build import BuildConfig, run_job
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
 from pipeline.data.manifest import MANIFEST, DatasetIndex, load_index
 from pipeline.train.experiment import DataConfig
 

@@ -7,8 +7,8 @@ import glob
 import os
 from dataclasses import dataclass, field
 
-from pipeline.data.manifest import read_json
-from pipeline.eval.data import jsonl_records
+from pipeline.eval.data import DataError
+from pipeline.io import read_json, read_jsonl
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import OBJECTIVES, MaskedObjective
 
@@ -65,7 +65,7 @@ def read_history(path: str) -> dict[str, dict[int, float]]:
     history: dict[str, dict[int, float]] = {}
     if not os.path.isfile(path):
         return history
-    for _, record in jsonl_records(path):
+    for _, record in read_jsonl(path, DataError):
         for key, value in record.items():
             if key.startswith("loss/"):
                 history.setdefault(key, {})[int(record["step"])] = float(value)

@@ -1,0 +1,97 @@
+"""The options of one shard-building job (``data_prep/build_shards.py``), their checks, and the settings that
+determine the shard bytes (the manifest's fingerprinted ``settings``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.data.format import MAX_SEQ_LEN
+from pipeline.data.packing import REMAINDER_POLICIES
+from pipeline.data.sources import input_size
+from pipeline.data.units import UNIT_MODES
+
+
+class BuildError(RuntimeError):
+    """A job that must not go on (other settings in the output directory, too many bad records, ...)."""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """The options of one job (docs/data_prep.md). All but ``num_jobs``, ``job_index``, ``workers``,
+    ``max_bad_fraction`` and ``progress`` determine the shard bytes and are fixed by the directory's manifest."""
+
+    inputs: tuple[str, ...]
+    tokenizer: str
+    output: str
+    seq_len: int = 2048
+    seed: int = 0
+    text_field: str = "text"
+    num_jobs: int = 1
+    job_index: int = 0
+    workers: int = 1
+    prefix: str = "shard"
+    samples_per_shard: int = 4096
+    bos: bool = True
+    eos: bool = True
+    remainder: str = "drop"
+    span_min: int = 8
+    span_max: int = 32
+    span_fraction: float = 0.15
+    max_bad_fraction: float = 0.01
+    progress: bool = True
+    units: str = ""  # "": pack documents; "sentence", "paragraph", "record": one unit per sample of seq_len tokens
+    paraphrase_field: str = ""  # with units "record": the record field holding the text's paraphrase
+
+    def validate(self) -> None:
+        checks = [
+            (1 <= self.seq_len <= MAX_SEQ_LEN, f"--seq-len must be in [1, {MAX_SEQ_LEN}], got {self.seq_len}"),
+            (0 <= self.seed < 1 << 64, f"--seed must be in [0, 2**64), got {self.seed}"),
+            (self.num_jobs >= 1, f"--num-jobs must be >= 1, got {self.num_jobs}"),
+            (0 <= self.job_index < self.num_jobs,
+             f"--job-index must be in [0, {self.num_jobs}) for --num-jobs {self.num_jobs}, got {self.job_index}"),
+            (self.workers >= 1, f"--workers must be >= 1, got {self.workers}"),
+            (self.samples_per_shard >= 1, f"--samples-per-shard must be >= 1, got {self.samples_per_shard}"),
+            (self.remainder in REMAINDER_POLICIES, f"--remainder must be one of {REMAINDER_POLICIES}"),
+            (1 <= self.span_min <= self.span_max, f"need 1 <= --span-min <= --span-max, got "
+                                                  f"{self.span_min}..{self.span_max}"),
+            (0.0 <= self.span_fraction < 1.0, f"--span-fraction must be in [0, 1), got {self.span_fraction}"),
+            (0.0 <= self.max_bad_fraction <= 1.0,
+             f"--max-bad-fraction must be in [0, 1], got {self.max_bad_fraction}"),
+            (self.prefix and "/" not in self.prefix, f"--prefix must be a plain file name prefix, got {self.prefix!r}"),
+            (self.units in ("", *UNIT_MODES), f"--units must be one of {', '.join(UNIT_MODES)}, got {self.units!r}"),
+            (not self.paraphrase_field or self.units == "record",
+             f"--paraphrase-field needs --units record (each record is one unit, its paraphrase beside it), got "
+             f"--units {self.units or '(none: packed)'}"),
+            (not self.units or self.seq_len >= 1 + self.bos + self.eos,
+             f"--max-unit-tokens {self.seq_len} leaves no room for text between BOS and EOS"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise BuildError(message)
+
+    def shard_settings(self, tokenizer_info: dict, pad_id: int, inputs: list[str]) -> dict:
+        """Everything that determines the shard bytes (fingerprinted; a later job with other settings is
+        refused). Unit shards record their mode (and paraphrase field) instead of the packing and span settings they
+        do not use; packed shards have no ``units`` key, so their settings (and fingerprints) are those of earlier
+        versions."""
+        settings = {
+            "tokenizer": tokenizer_info,
+            "pad_id": pad_id,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "bos": self.bos,
+            "eos": self.eos,
+            "remainder": self.remainder,
+            "text_field": self.text_field,
+            "span_min": self.span_min,
+            "span_max": self.span_max,
+            "span_fraction": self.span_fraction,
+            "inputs": [{"path": p, "bytes": input_size(p)} for p in inputs],
+            "prefix": self.prefix,
+            "samples_per_shard": self.samples_per_shard,
+        }
+        if self.units:
+            for unused in ("remainder", "span_min", "span_max", "span_fraction"):
+                del settings[unused]
+            settings |= {"units": self.units, "paraphrase_field": self.paraphrase_field or None}
+        return settings

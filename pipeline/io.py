@@ -1,0 +1,88 @@
+"""The project's JSON, JSONL and YAML files: readers whose errors name the file, what is wrong and the fix, and the
+atomic JSON writer.
+
+A reader raises ``missing`` when the file does not exist and ``error`` when it is not valid JSON/YAML or its top
+level is not ``top``; a caller passes its own classes (``ConfigError`` for experiment files, ``DataError`` for
+evaluation data) so its users see the errors they already handle. Messages read ``{path}: {what is wrong}; {fix}``.
+Writers finish a temporary file and rename it (:func:`fsync_replace`), so a killed writer leaves no half file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import yaml
+
+_TOP_NAMES = {dict: "a mapping", list: "a list"}
+
+
+def _fail(error: type[Exception], path: str, problem: str, fix: str) -> Exception:
+    return error(f"{path}: {problem}" + (f"; {fix}" if fix else ""))
+
+
+def _check_top(data: Any, path: str, top: type | None, what: str, fix: str, error: type[Exception]) -> Any:
+    if top is not None and not isinstance(data, top):
+        raise _fail(error, path, f"the {what}'s top level must be {_TOP_NAMES.get(top, top.__name__)}, got "
+                                 f"{type(data).__name__}", fix)
+    return data
+
+
+def read_json(path: str, fix: str = "", *, what: str = "file", top: type | None = dict,
+              error: type[Exception] = ValueError, missing: type[Exception] = FileNotFoundError) -> Any:
+    """The JSON value in ``path`` (a mapping unless ``top`` says otherwise; None accepts any value)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError as e:
+        raise _fail(missing, path, f"{what} not found", fix) from e
+    except json.JSONDecodeError as e:
+        raise _fail(error, path, f"not valid JSON ({e})", fix) from e
+    return _check_top(data, path, top, what, fix, error)
+
+
+def read_yaml(path: str, fix: str = "", *, what: str = "file", top: type | None = dict,
+              error: type[Exception] = ValueError, missing: type[Exception] = FileNotFoundError) -> Any:
+    """The YAML value in ``path``; an empty file is an empty mapping."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError as e:
+        raise _fail(missing, path, f"{what} not found", fix) from e
+    except yaml.YAMLError as e:
+        raise _fail(error, path, f"not valid YAML ({e})", fix) from e
+    return _check_top({} if data is None else data, path, top, what, fix, error)
+
+
+def read_jsonl(path: str, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of a .jsonl file; a bad line is an ``error`` naming it."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _fail(error, f"{path}:{line_no}", f"not valid JSON ({e})",
+                            "a .jsonl file holds one object per line") from e
+            if not isinstance(record, dict):
+                raise _fail(error, f"{path}:{line_no}", f"expected a JSON object, got {type(record).__name__}", "")
+            yield line_no, record
+
+
+def fsync_replace(tmp: str, final: str) -> None:
+    """Give the finished file ``tmp`` the name ``final`` once its bytes are on disk: a reader or a killed writer
+    never sees half a file under the final name."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write ``obj`` to ``path`` through the temporary file ``{path}.tmp{pid}`` (:func:`fsync_replace`)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+    fsync_replace(tmp, path)

@@ -1,0 +1,51 @@
+"""pipeline/io.py: every reader's error names the file, what is wrong and the fix, in the caller's error class."""
+
+import os
+
+import pytest
+
+from pipeline.config import ConfigError, load_yaml
+from pipeline.io import read_json, read_jsonl, read_yaml, write_json_atomic
+
+
+def test_read_json_names_the_file_the_problem_and_the_fix(tmp_path):
+    path = tmp_path / "x.json"
+    with pytest.raises(FileNotFoundError, match=rf"{path}: file not found; rebuild it"):
+        read_json(str(path), "rebuild it")
+    path.write_text("{")
+    with pytest.raises(ValueError, match=rf"{path}: not valid JSON \(.*\); rebuild it"):
+        read_json(str(path), "rebuild it")
+    path.write_text("[1]")
+    with pytest.raises(ValueError, match=rf"{path}: the file's top level must be a mapping, got list"):
+        read_json(str(path))
+    assert read_json(str(path), top=None) == [1]
+
+
+def test_read_yaml_in_the_callers_error_class(tmp_path):
+    path = tmp_path / "exp.yaml"
+    with pytest.raises(ConfigError, match=rf"{path}: experiment file not found"):
+        load_yaml(str(path))
+    path.write_text("a: [")
+    with pytest.raises(ConfigError, match=rf"{path}: not valid YAML"):
+        load_yaml(str(path))
+    path.write_text("- a\n")
+    with pytest.raises(ConfigError, match=rf"{path}: the experiment file's top level must be a mapping, got list"):
+        load_yaml(str(path))
+    path.write_text("")
+    assert read_yaml(str(path)) == {}
+
+
+def test_read_jsonl_names_the_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"a": 1}\n\n[2]\n')
+    records = read_jsonl(str(path))
+    assert next(records) == (1, {"a": 1})
+    with pytest.raises(ValueError, match=rf"{path}:3: expected a JSON object, got list"):
+        next(records)
+
+
+def test_write_json_atomic_leaves_only_the_file(tmp_path):
+    path = tmp_path / "out.json"
+    write_json_atomic(str(path), {"b": 1, "a": [1, 2]})
+    assert read_json(str(path)) == {"a": [1, 2], "b": 1}
+    assert os.listdir(tmp_path) == ["out.json"]
