@@ -48,6 +48,8 @@ class DataRecord:
 
 
 class RunDir:
+    """The run directory at ``path``: its files' paths (properties), what it holds, and its contents typed."""
+
     def __init__(self, path: str):
         self.path = path
 
