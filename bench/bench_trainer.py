@@ -5,7 +5,7 @@ In 2 ranks of ZeRO-3 on CPU (gloo), two identically configured engines start fro
   (a) bare: ``engine(input_ids=x, labels=x).loss; engine.backward(loss); engine.step()`` on a fixed batch (this
       rank's first micro-batches), HF's own full-head loss;
   (b) ours: what the training loop does per step -- this rank's micro-batches from the real ``ShardLoader``,
-      ``pipeline.train.loop.train_step`` with the CLM objective (target-only head, document masking, global
+      ``pipeline.train.step.train_step`` with the CLM objective (target-only head, document masking, global
       target-count normalisation), then the loop's per-step bookkeeping (grad norm, stop agreement, metrics).
 
 Steps alternate between (a) and (b) so machine noise hits both alike; it prints medians, where the time goes,
@@ -105,15 +105,16 @@ def run(args: argparse.Namespace) -> None:
     from pipeline.data.loader import ShardLoader
     from pipeline.data.manifest import load_index
     from pipeline.model.presets import ModelPreset
+    from pipeline.run_dir import RunDir
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
     from pipeline.train.experiment import load_experiment
-    from pipeline.train.loop import train_step
     from pipeline.train.metrics import MetricsLogger
     from pipeline.train.model import build_train_model
     from pipeline.train.phases import build_objectives
-    from pipeline.train.schedule import lr_multiplier
+    from pipeline.train.schedule import lr_scheduler
     from pipeline.train.signals import StopRequest
+    from pipeline.train.step import train_step
 
     deepspeed.utils.logger.setLevel("WARNING")
     deepspeed.init_distributed(dist_backend="gloo")
@@ -146,10 +147,8 @@ def run(args: argparse.Namespace) -> None:
     def engine_for(use_train_module: bool):
         ds = resolve_ds_config(ds_raw, exp, world, bf16=False)
         lm, module, optimizer = build_train_model(exp, ds, tokenizer, False, [clm.objective])
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, exp.train.steps,
-                                                                                        exp.optim))
         engine, *_ = deepspeed.initialize(model=module if use_train_module else lm, optimizer=optimizer,
-                                          lr_scheduler=scheduler, config=ds)
+                                          lr_scheduler=lr_scheduler(exp.train.steps, exp.optim), config=ds)
         return TimedEngine(engine), module
 
     bare, _bare_module = engine_for(use_train_module=False)  # the module holds HfDeepSpeedConfig alive
@@ -158,7 +157,7 @@ def run(args: argparse.Namespace) -> None:
     loader = ShardLoader(index, shape.micro_batch, args.grad_accum, rank, world, exp.train.seed)
     fixed = [b.input_ids for b in ShardLoader(index, shape.micro_batch, args.grad_accum, rank, world,
                                               exp.train.seed).next_global_step()]  # ours' first step's batch
-    metrics = MetricsLogger(exp.run_dir, rank == 0, exp.train.log_every)
+    metrics = MetricsLogger(RunDir(exp.run_dir), rank == 0, exp.train.log_every)
     stop = StopRequest(rank)
     stop.training_started()
     cpu = torch.device("cpu")

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.eval.model import ModelError
     from pipeline.eval.registry import TASKS
     from pipeline.eval.runner import EvalConfig, evaluate
+    from pipeline.run_dir import RunDir
 
     if args.list:
         for task in TASKS.values():
@@ -47,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model or not args.tasks:
         p.error("--model and --tasks are required (or --list)")
-    out = args.out or (os.path.join(args.model, "eval", "results.json")
-                       if os.path.isfile(os.path.join(args.model, "experiment.json")) else None)
+    run = RunDir(args.model)
+    out = args.out or (run.eval_results() if run.exists() else None)
     if out is None:
         p.error("--out is required when --model is not a run directory")
     config = EvalConfig(model=args.model, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],

@@ -10,7 +10,6 @@ OUT/loss_curves.png, OUT/metrics_vs_clm_share.png and OUT/metrics_vs_mask_ratio.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -20,26 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output directory")
     args = p.parse_args(argv)
 
-    from pipeline.eval.report.papers import PAPERS
-    from pipeline.eval.report.plots import all_plots
-    from pipeline.eval.report.runs import load_run
-    from pipeline.eval.report.tables import paper_table, report_markdown
+    from pipeline.eval.report.write import write_report
 
     try:
-        runs = [load_run(r) for r in args.runs]
+        print(write_report(args.runs, args.out))
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
-    plots = all_plots(runs, args.out)
-    for paper in PAPERS:
-        table = paper_table(paper, runs)
-        if table:
-            with open(os.path.join(args.out, f"{paper.name}.md"), "w") as f:
-                f.write(table)
-    with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write(report_markdown(runs, plots))
-    print(f"wrote {os.path.join(args.out, 'report.md')} and {', '.join(plots)}")
     return 0
 
 

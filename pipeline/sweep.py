@@ -35,11 +35,10 @@ from pipeline.data.manifest import MANIFEST
 from pipeline.grid import SMOKE_SUFFIX, Grid, Variant, load_grid
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import OBJECTIVES, MaskedObjective
-from pipeline.train import checkpoint
+from pipeline.run_dir import RunDir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_SBATCH = os.path.join(REPO, "launch", "slurm", "train.sbatch")
-EXPERIMENT_FILE, JOB_FILE, JOBS_LOG = "experiment.yaml", "job.sbatch", "jobs.txt"
 RESIZABLE = {"train.grad_accum"}  # may change for a started run: other resources, same global batch
 
 
@@ -57,12 +56,8 @@ class RunState:
 
 def is_finished(variant: Variant) -> bool:
     """Trained to the last step and, when the run exports, its HF directory written."""
-    exp = variant.experiment
-    if checkpoint.latest_complete(exp.run_dir) != exp.train.steps:
-        return False
-    hf = os.path.join(exp.run_dir, "hf")
-    return not exp.train.export_hf or (os.path.isfile(os.path.join(hf, "config.json")) and
-                                       any(".safetensors" in f for f in os.listdir(hf)))
+    exp, run = variant.experiment, RunDir(variant.experiment.run_dir)
+    return run.latest_complete() == exp.train.steps and (not exp.train.export_hf or run.has_hf())
 
 
 def queued_jobs(names: list[str]) -> dict[str, int]:
@@ -80,7 +75,7 @@ def queued_jobs(names: list[str]) -> dict[str, int]:
 def run_states(variants: list[Variant], queued: dict[str, int]) -> dict[str, RunState]:
     states = {}
     for v in variants:
-        step = checkpoint.latest_complete(v.experiment.run_dir) or 0
+        step = RunDir(v.experiment.run_dir).latest_complete() or 0
         if is_finished(v):
             states[v.name] = RunState("finished", step)
         elif v.name in queued:
@@ -162,7 +157,7 @@ def _sbatch_directives(resources, name: str, log: str) -> list[str]:
 
 
 def job_script(grid: Grid, variant: Variant) -> str:
-    run_dir = os.path.abspath(variant.experiment.run_dir)
+    run = RunDir(os.path.abspath(variant.experiment.run_dir))
     r = variant.resources
     env = [f"export GPUS_PER_NODE={r.gpus_per_node}", f'export PYTHON="${{PYTHON:-{sys.executable}}}"']
     if not r.gpu:
@@ -172,21 +167,21 @@ def job_script(grid: Grid, variant: Variant) -> str:
         "#!/usr/bin/env bash",
         f"# {variant.name} of {grid.path} ({values}), written by launch/sweep.py.",
         "# Submit from the repository root (or with sweep.py --submit, which skips finished runs):",
-        f"#   sbatch {os.path.relpath(os.path.join(run_dir, JOB_FILE), REPO)}",
+        f"#   sbatch {os.path.relpath(run.job_file, REPO)}",
         "# The directives are launch/slurm/train.sbatch's, with this run's name, size and log file.",
-        *_sbatch_directives(r, variant.name, os.path.join(run_dir, "slurm-%j.out")),
+        *_sbatch_directives(r, variant.name, run.slurm_log),
         *env,
         f"exec bash {TRAIN_SBATCH} --config {os.path.abspath(grid.ds_config)} "
-        f"--experiment {os.path.join(run_dir, EXPERIMENT_FILE)}",
+        f"--experiment {run.experiment_yaml}",
         ""])
 
 
 def write_run(grid: Grid, variant: Variant, state: RunState) -> None:
     """Write the run's experiment.yaml and job.sbatch. A started run keeps its experiment: a grid edit that
     changes it (other than grad_accum, which follows the resources) is an error."""
-    exp = variant.experiment
-    os.makedirs(exp.run_dir, exist_ok=True)
-    path = os.path.join(exp.run_dir, EXPERIMENT_FILE)
+    exp, run = variant.experiment, RunDir(variant.experiment.run_dir)
+    os.makedirs(run.path, exist_ok=True)
+    path = run.experiment_yaml
     new = to_dict(exp)
     if state.kind != "new" and os.path.exists(path):
         old, cur = _flat(load_yaml(path)), _flat(new)
@@ -198,7 +193,7 @@ def write_run(grid: Grid, variant: Variant, state: RunState) -> None:
     with open(path, "w") as f:
         f.write(f"# {variant.name} of {grid.path}, resolved by launch/sweep.py\n")
         yaml.safe_dump(new, f, sort_keys=False)
-    with open(os.path.join(exp.run_dir, JOB_FILE), "w") as f:
+    with open(run.job_file, "w") as f:
         f.write(job_script(grid, variant))
 
 
@@ -238,14 +233,14 @@ def in_order(selected: list[Variant], everything: list[Variant], states: dict[st
 
 def submit(variant: Variant, after_jobs: list[int]) -> int:
     """sbatch the run's job file from the repository root; returns the job id (also logged in RUN/jobs.txt)."""
-    job_file = os.path.join(variant.experiment.run_dir, JOB_FILE)
+    run = RunDir(variant.experiment.run_dir)
     cmd = ["sbatch", "--parsable", *([f"--dependency=afterok:{':'.join(map(str, after_jobs))}"] if after_jobs else []),
-           job_file]
+           run.job_file]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}): {proc.stderr.strip()}")
     job = int(proc.stdout.strip().split(";")[0])
-    with open(os.path.join(variant.experiment.run_dir, JOBS_LOG), "a") as f:
+    with open(run.jobs_log, "a") as f:
         f.write(f"{job} submitted {time.strftime('%Y-%m-%d %H:%M:%S')}"
                 + (f" after {','.join(map(str, after_jobs))}" if after_jobs else "") + "\n")
     return job
@@ -259,7 +254,7 @@ def run_local(grid: Grid, variant: Variant) -> None:
                           "(--nodes 1 --gpus-per-node N)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r.gpus_per_node}",
            os.path.join(REPO, "launch", "train.py"), "--config", os.path.abspath(grid.ds_config),
-           "--experiment", os.path.join(os.path.abspath(variant.experiment.run_dir), EXPERIMENT_FILE)]
+           "--experiment", RunDir(os.path.abspath(variant.experiment.run_dir)).experiment_yaml]
     env = dict(os.environ)
     if not r.gpu:
         env.setdefault("DS_ACCELERATOR", "cpu")

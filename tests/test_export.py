@@ -21,7 +21,7 @@ from pipeline.export.record import EncoderRecord, from_experiment, read_record
 from pipeline.export.sentence_transformers import check_expressible, write_sentence_transformers
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.experiment import REPO, load_experiment
-from pipeline.train.model import save_hf
+from pipeline.train.export import save_hf
 
 TEXTS = ["The river rises in the hills.", "A much longer sentence about the hills, the river and the sea beyond.",
          "Short."]

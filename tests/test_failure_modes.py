@@ -37,11 +37,11 @@ from pipeline.data.manifest import (
 )
 from pipeline.data.order import TrainPlan
 from pipeline.lock import DirLock
-from pipeline.train import checkpoint
+from pipeline.run_dir import RunDir
 from pipeline.train.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
 from pipeline.train.guard import Diverged, DivergenceGuard
 from pipeline.train.metrics import MetricsLogger
-from pipeline.train.preflight import RUN_LOCK, preflight
+from pipeline.train.preflight import preflight
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 INPUT = os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")
@@ -142,8 +142,8 @@ def test_preflight_names_the_file_and_the_fix(shards, tmp_path, case):
     exp = load_experiment(None, [*TINY, f"run_dir={tmp_path}/ok", f"data.shards={shards}", override])
     with pytest.raises((ConfigError, ValueError, FileNotFoundError), match=message):
         preflight(exp, rank=0, world=2)
-    assert not os.path.exists(os.path.join(exp.run_dir, RUN_LOCK)) or not open(os.path.join(exp.run_dir,
-                                                                                            RUN_LOCK)).read()
+    lock = RunDir(exp.run_dir).lock
+    assert not os.path.exists(lock) or not open(lock).read()
 
 
 # ---------------------------------------------------------------- one run per directory
@@ -161,7 +161,7 @@ def test_second_run_on_a_run_directory_is_refused_with_the_holder(shards, tmp_pa
     """Also the plain ``python launch/train.py``: one rank, set up without a launcher (no mpi4py error)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    with DirLock(str(run_dir / RUN_LOCK), "held by the test"):  # stands in for a running first run
+    with DirLock(RunDir(str(run_dir)).lock, "held by the test"):  # stands in for a running first run
         proc = plain_python(str(run_dir), shards)
     line = one_error(proc, "error")
     assert f"run directory {run_dir} is in use by host " in line and f"pid {os.getpid()} " in line
@@ -261,7 +261,7 @@ def test_divergence_guard_counts_bad_steps_in_a_row():
 def test_resumed_metrics_drop_the_replayed_steps(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "phase": "clm"}) + "\n" for s in range(1, 8)) + '{"step": 8, "ph')
-    MetricsLogger(str(tmp_path), True, 10, start_step=5).writer.close()
+    MetricsLogger(RunDir(str(tmp_path)), True, 10, start_step=5).writer.close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
@@ -321,9 +321,9 @@ def test_divergence_stops_without_export_and_keeps_the_good_checkpoint(shards, t
     steps = logged_steps(run_dir)
     last = max(steps)
     assert f"3 bad steps in a row (skipped updates or non-finite loss) up to step {last}" in line
-    good = checkpoint.complete_steps(run_dir)
+    good = RunDir(run_dir).complete_steps()
     assert good and max(good) == last - 3  # nothing saved while the steps were bad
-    assert f"the last good checkpoint is {checkpoint.checkpoint_root(run_dir)}/{checkpoint.tag_for(max(good))}" in line
+    assert f"the last good checkpoint is {RunDir(run_dir).checkpoint(max(good))}" in line
     assert steps[last]["optim/skipped_steps"] >= 1 or steps[last]["loss/clm"] != steps[last]["loss/clm"]
     assert not os.path.exists(os.path.join(run_dir, "hf"))
     assert os.path.exists(os.path.join(run_dir, "logs", "error-rank0.log"))
@@ -365,7 +365,7 @@ def test_signal_to_the_deepspeed_command_checkpoints_every_rank(shards, tmp_path
     assert not alive
     proc.wait()
     out = open(log).read()
-    (stopped,) = checkpoint.complete_steps(run_dir)
+    (stopped,) = RunDir(run_dir).complete_steps()
     assert f"stopped at step {stopped} (checkpointed) on " in out, out[-3000:]  # the reason is named
     assert sorted(logged_steps(run_dir)) == list(range(1, stopped + 1))
     if sig == signal.SIGTERM:
@@ -410,6 +410,6 @@ def test_full_disk_during_checkpoint_keeps_the_previous_one(shards, tmp_path, sm
     run_dir = os.path.join(small_disk("20m"), "run")  # one checkpoint (~13 MiB) fits, not two
     proc = run_train(run_dir, shards, "checkpoint.every=1", "checkpoint.keep_last=1", "train.export_hf=false")
     line = one_error(proc, "error")
-    good = checkpoint.complete_steps(run_dir)
-    assert f"error: no space left on device: {checkpoint.checkpoint_root(run_dir)}/step" in line
+    good = RunDir(run_dir).complete_steps()
+    assert f"error: no space left on device: {RunDir(run_dir).checkpoints}/step" in line
     assert good and f"the checkpoint of step {good[-1]} is intact" in line

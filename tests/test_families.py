@@ -21,7 +21,7 @@ from pipeline.export.record import EncoderRecord
 from pipeline.model.attention import attention_inputs
 from pipeline.model.build import ARCHITECTURES, build_model, check_sliding_window
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train.model import save_hf
+from pipeline.train.export import save_hf
 
 FAMILIES = [a for a in ARCHITECTURES if a != "llama"]  # llama: every other test
 IMPLEMENTATION = {"gemma2": "eager"}  # transformers has no SDPA path for Gemma 2

@@ -15,9 +15,9 @@ import pytest
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.grid import load_grid
+from pipeline.run_dir import RunDir
 from pipeline.sweep import REPO, is_finished
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train import checkpoint
 from pipeline.train.experiment import SAMPLE_DIR
 from pipeline.train.phases import build_objectives
 
@@ -115,7 +115,7 @@ def test_two_phase_twin_switches_at_the_right_step_and_resumes_across_the_switch
     resumed = str(tmp_path / "resumed")
     first = train(exp_file, f"run_dir={resumed}", "train.stop_at_step=3")  # the last CLM step
     assert "stopped at step 3" in first.stdout
-    assert checkpoint.complete_steps(resumed) == [3]
+    assert RunDir(resumed).complete_steps() == [3]
     second = train(exp_file, f"run_dir={resumed}")
     assert "resumed from step00000003" in second.stdout
     again = metrics(resumed)

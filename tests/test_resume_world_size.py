@@ -16,8 +16,9 @@ import torch
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.model.build import build_model
+from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train import checkpoint
+from pipeline.train.checkpoint import UNIVERSAL
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +44,17 @@ def init_dir(tmp_path_factory) -> str:
 def test_resume_on_fewer_then_more_ranks_follows_the_uninterrupted_run(shards, init_dir, tmp_path):
     run_dir = str(tmp_path / "elastic")
     tt.launch(run_dir, shards, init_dir, "train.stop_at_step=10")
-    root = checkpoint.checkpoint_root(run_dir)
-    assert checkpoint.saved_world_size(os.path.join(root, checkpoint.tag_for(10))) == 2
+    run = RunDir(run_dir)
+    assert run.checkpoint_world_size(10) == 2
 
     one = tt.launch(run_dir, shards, init_dir, "train.grad_accum=4", "train.stop_at_step=15", nproc=1)
     assert "resumed from step00000010" in one.stdout
-    assert os.path.isdir(os.path.join(root, checkpoint.tag_for(10), checkpoint.UNIVERSAL))
-    assert checkpoint.saved_world_size(os.path.join(root, checkpoint.tag_for(15))) == 1
+    assert os.path.isdir(os.path.join(run.checkpoint(10), UNIVERSAL))
+    assert run.checkpoint_world_size(15) == 1
 
     two = tt.launch(run_dir, shards, init_dir)
     assert "resumed from step00000015" in two.stdout
-    assert checkpoint.latest_complete(run_dir) == tt.STEPS
+    assert run.latest_complete() == tt.STEPS
 
     ours = tt.losses(run_dir)
     ref, _ = tt.reference_losses(shards, init_dir, run_dir)

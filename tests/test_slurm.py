@@ -21,7 +21,7 @@ from slurm.cluster import Cluster, missing_packages
 
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
-from pipeline.train import checkpoint
+from pipeline.run_dir import MARKER, RunDir, tag
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREP = os.path.join(REPO, "launch", "slurm", "prep.sbatch")
@@ -131,9 +131,9 @@ def test_train_sbatch_runs_one_launcher_per_node_and_both_ranks_train(straight_r
     assert sorted(curve) == list(range(1, STEPS + 1))
     assert curve[STEPS] < curve[1] - 0.5  # it learns
     # the final checkpoint is collective: both ranks wrote their ZeRO-3 partitions and RNG state at the last step
-    assert checkpoint.complete_steps(run_dir) == [STEPS]
-    final = os.path.join(checkpoint.checkpoint_root(run_dir), checkpoint.tag_for(STEPS))
-    with open(os.path.join(final, checkpoint.MARKER)) as f:
+    assert RunDir(run_dir).complete_steps() == [STEPS]
+    final = RunDir(run_dir).checkpoint(STEPS)
+    with open(os.path.join(final, MARKER)) as f:
         assert json.load(f)["world_size"] == 2
     for rank in (0, 1):
         assert os.path.exists(os.path.join(final, f"rng-rank{rank}.pt"))
@@ -149,7 +149,7 @@ def test_usr1_checkpoints_and_exits_cleanly_then_requeue_resumes(cluster, array_
     record, log = finished(cluster, job, run_dir)
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log[-5000:]
     assert "USR1: asking the ranks to checkpoint and stop" in log
-    (stopped,) = checkpoint.complete_steps(run_dir)
+    (stopped,) = RunDir(run_dir).complete_steps()
     assert 2 <= stopped < STEPS
     assert f"stopped at step {stopped} (checkpointed)" in log
 
@@ -158,8 +158,8 @@ def test_usr1_checkpoints_and_exits_cleanly_then_requeue_resumes(cluster, array_
     record, log = finished(cluster, job, run_dir)
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log[-5000:]
     assert f"job {job} restart 1:" in log
-    assert f"resumed from {checkpoint.tag_for(stopped)}" in log
-    assert checkpoint.latest_complete(run_dir) == STEPS
+    assert f"resumed from {tag(stopped)}" in log
+    assert RunDir(run_dir).latest_complete() == STEPS
     assert losses(run_dir) == losses(straight_run[1])  # same curve as the uninterrupted run, bit for bit
 
 
@@ -184,4 +184,4 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, array_shard
     assert "USR1: asking the ranks to checkpoint and stop" in first_run and "TIME LIMIT" not in first_run
     stopped = int(re.search(r"stopped at step (\d+) \(checkpointed\)", first_run).group(1))
     assert "training step exited with status 0" in first_run and f"requeueing job {job}" in first_run
-    assert f"resumed from {checkpoint.tag_for(stopped)}" in log
+    assert f"resumed from {tag(stopped)}" in log

@@ -23,8 +23,8 @@ from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import ShardLoader
 from pipeline.data.manifest import load_index
 from pipeline.model.build import build_model
+from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train import checkpoint
 from pipeline.train.ds_config import resolve_ds_config
 from pipeline.train.experiment import SAMPLE_DIR, load_experiment
 from pipeline.train.model import TrainModule, _param_groups
@@ -125,16 +125,16 @@ def test_resume_is_bit_identical_and_survives_kill_during_checkpoint(baseline, s
     run_dir = str(tmp_path / "resumed")
     first = launch(run_dir, shards, init_dir, "train.stop_at_step=10")
     assert "stopped at step 10" in first.stdout
-    assert checkpoint.complete_steps(run_dir) == [10]
+    assert RunDir(run_dir).complete_steps() == [10]
     # resume, and die (SIGKILL on rank 0) after DeepSpeed wrote step 20 but before the completion marker
     killed = launch(run_dir, shards, init_dir, env={"PIPELINE_FAULT": "kill-before-marker:20"}, check=False)
     assert killed.returncode != 0
     assert "resumed from step00000010" in killed.stdout
-    assert os.path.isdir(os.path.join(checkpoint.checkpoint_root(run_dir), "step00000020"))
-    assert checkpoint.latest_complete(run_dir) == 10  # the half-written step 20 is not trusted
+    assert os.path.isdir(RunDir(run_dir).checkpoint(20))
+    assert RunDir(run_dir).latest_complete() == 10  # the half-written step 20 is not trusted
     final = launch(run_dir, shards, init_dir)
     assert "resumed from step00000010" in final.stdout
-    assert checkpoint.latest_complete(run_dir) == STEPS
+    assert RunDir(run_dir).latest_complete() == STEPS
     ours, base = losses(run_dir), losses(baseline)
     assert [ours[s] for s in range(11, STEPS + 1)] == [base[s] for s in range(11, STEPS + 1)]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:  # steps 11-20 ran twice (the kill), logged once

@@ -1,7 +1,7 @@
 """Tokens/s, MFU and peak memory of the 210m and 1b presets per objective and attention path on one GPU, in one run.
 
 For each preset it builds one DeepSpeed engine the way the trainer does (``build_train_model``, the repository's
-ZeRO-3 JSON, bf16, the trainer's default AdamW and chunked LM head) and times ``pipeline.train.loop.train_step``
+ZeRO-3 JSON, bf16, the trainer's default AdamW and chunked LM head) and times ``pipeline.train.step.train_step``
 for CLM, MLM at 30 %, MNTP at 20 % and MAGNET (MNTP at 20 % + MSG under the context/span mask, one forward), each
 with dense-mask SDPA and with FlexAttention block masks (the attention implementation is switched on the same
 model), and CLM also with the unchunked LM head. Batches come from the real ``ShardLoader`` over shards that data
@@ -219,7 +219,7 @@ def run(settings: Settings, args: argparse.Namespace) -> None:
     import deepspeed
     import torch
 
-    from pipeline.train.loop import DIST_BACKENDS
+    from pipeline.train.distributed import DIST_BACKENDS
 
     deepspeed.utils.logger.setLevel("WARNING")
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -360,7 +360,7 @@ def measure(row: Row, engine, wobj, loader, device, settings: Settings) -> None:
     import torch.distributed as dist
 
     from pipeline.model.attention import FLEX, attention_inputs, skipped_blocks
-    from pipeline.train.loop import train_step
+    from pipeline.train.step import train_step
 
     cuda = device.type == "cuda"
     if cuda:

@@ -1,8 +1,9 @@
 """The model under evaluation: a run directory of ``launch/train.py`` or an HF directory, with its tokenizer and
 what its training says about how to read it.
 
-A run directory is evaluated through its ``hf/`` export, or, when training has not exported one, through its newest
-complete checkpoint exported once by ``launch/export_hf.py`` into ``RUN/eval/hf-stepNNNNNNNN`` (reused after).
+A run directory (:class:`pipeline.run_dir.RunDir`) is evaluated through its ``hf/`` export, or, when training has not
+exported one, through its newest complete checkpoint exported once (:func:`pipeline.train.export.export_checkpoint`)
+into ``RUN/eval/hf-stepNNNNNNNN`` (reused after).
 How to read the model comes from the export's own ``config.json`` (``pipeline.export.record``), so a copied export
 reads the same as the run's; an export written before records existed falls back to its run's ``experiment.json``,
 and an HF directory with neither is a plain decoder (``causal``, ``EncoderRecord()``'s defaults):
@@ -17,19 +18,17 @@ and an HF directory with neither is a plain decoder (``causal``, ``EncoderRecord
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from pipeline.config import to_dict
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
-from pipeline.io import read_json
 from pipeline.model.build import project_masks
+from pipeline.run_dir import RunDir
 from pipeline.tokenizer import Tokenizer, load_tokenizer
-from pipeline.train import checkpoint
-from pipeline.train.experiment import REPO
+from pipeline.train.export import export_checkpoint
 
 ATTENTIONS = ("auto", "causal", "bidirectional")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -68,33 +67,32 @@ class EvalModel:
                 "tokenizer": self.tokenizer.path, "parameters": sum(p.numel() for p in self.lm.parameters())}
 
 
-def export_checkpoint(run_dir: str, step: int) -> str:
-    """``RUN/eval/hf-stepN``, written once by launch/export_hf.py from the step's checkpoint."""
-    out = os.path.join(run_dir, "eval", f"hf-{checkpoint.tag_for(step)}")
+def checkpoint_export(run: RunDir, step: int) -> str:
+    """``RUN/eval/hf-stepN``, exported once from the step's checkpoint."""
+    out = run.eval_export(step)
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
-    cmd = [sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", run_dir, "--step", str(step),
-           "--output", out]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise ModelError(f"{run_dir}: exporting checkpoint step {step} failed:\n{proc.stderr[-2000:]}")
+    try:
+        export_checkpoint(run, out, step)
+    except (OSError, ValueError, RuntimeError) as e:  # ExportError, a missing file, DeepSpeed's conversion
+        raise ModelError(f"{run.path}: exporting checkpoint step {step} failed: {e}") from e
     return out
 
 
 def resolve(path: str) -> tuple[str, str | None, int | None]:
     """(HF directory, run directory or None, checkpoint step or None) for a run or HF directory."""
-    if os.path.isfile(os.path.join(path, "experiment.json")):
-        steps = checkpoint.complete_steps(path)
-        if os.path.isfile(os.path.join(path, "hf", "config.json")):
-            return os.path.join(path, "hf"), path, steps[-1] if steps else None
+    run = RunDir(path)
+    if run.exists():
+        steps = run.complete_steps()
+        if run.has_hf():
+            return run.hf, path, steps[-1] if steps else None
         if not steps:
             raise ModelError(f"{path}: a run directory without an hf/ export or a complete checkpoint; train it "
                              f"(launch/train.py) or pass an HF model directory")
-        return export_checkpoint(path, steps[-1]), path, steps[-1]
+        return checkpoint_export(run, steps[-1]), path, steps[-1]
     if os.path.isfile(os.path.join(path, "config.json")):
         parent = os.path.dirname(os.path.abspath(path))
-        run = parent if os.path.isfile(os.path.join(parent, "experiment.json")) else None
-        return path, run, None
+        return path, parent if RunDir(parent).exists() else None, None
     raise ModelError(f"{path}: neither a run directory (with experiment.json) nor an HF model directory (with "
                      f"config.json); pass runs/<name> or a save_pretrained directory")
 
@@ -120,8 +118,7 @@ def load_model(path: str, *, attention: str = "auto", tokenizer: str | None = No
     except (TypeError, ValueError) as e:
         raise ModelError(f"{hf_dir}/config.json: {e}; re-export the model with launch/export_hf.py") from e
     if record is None:  # an export without a record: its run's experiment, else a plain decoder
-        record = (from_experiment(read_json(os.path.join(run_dir, "experiment.json"), "run directory"), tok)
-                  if run_dir else EncoderRecord())
+        record = from_experiment(to_dict(RunDir(run_dir).experiment()), tok) if run_dir else EncoderRecord()
     project_masks(lm.config)
     if tok.info.vocab_size > lm.config.vocab_size:
         raise ModelError(f"{hf_dir}: the tokenizer has {tok.info.vocab_size} ids but the model only "

@@ -39,6 +39,7 @@ from pipeline.model.gguf_import import import_gguf, packaged_gguf
 from pipeline.reproduce.data import RealDataError, extract
 from pipeline.reproduce.results import replace_block, study_markdown
 from pipeline.reproduce.studies import SMOLLM2, STUDIES, Study
+from pipeline.run_dir import RunDir
 from pipeline.sweep import SweepRequest, act, prepare
 from pipeline.train.experiment import REPO
 
@@ -127,7 +128,7 @@ class Driver:
         names = []
         for _, row in study.rows:
             names += sorted(os.path.basename(d) for d in glob.glob(os.path.join(self.out, row + "*"))
-                            if os.path.isdir(os.path.join(d, "hf")) and os.path.basename(d).endswith(suffix)
+                            if os.path.isdir(RunDir(d).hf) and os.path.basename(d).endswith(suffix)
                             and (os.path.basename(d).removesuffix(suffix) == row
                                  or os.path.basename(d).removesuffix(suffix).startswith(row + "-s")))
         return names
@@ -138,7 +139,7 @@ class Driver:
             if not os.path.isfile(out):
                 self._evaluate(study, SMOLLM2, out, b.attention)
         for name in self.run_names(study):
-            out = os.path.join(self.out, name, "eval", f"{study.name}.json")
+            out = RunDir(os.path.join(self.out, name)).eval_results(study.name)
             if not os.path.isfile(out):
                 self._evaluate(study, os.path.join(self.out, name), out)
 
@@ -172,7 +173,7 @@ class Driver:
         runs = {name.removesuffix(SMOKE): name for name in self.run_names(study)}
         for _, row in study.rows:
             for name in sorted(n for n in runs if n == row or n.startswith(row + "-s")):
-                path = os.path.join(self.out, runs[name], "eval", f"{study.name}.json")
+                path = RunDir(os.path.join(self.out, runs[name])).eval_results(study.name)
                 if os.path.isfile(path):
                     with open(path) as f:
                         found.setdefault(row, []).append(json.load(f)["headline"])
@@ -183,13 +184,12 @@ class Driver:
         runs = [os.path.join(self.out, n) for n in self.run_names(study)]
         self._run(f"report_{study.name}", f"the report of {len(runs)} runs into {target}",
                   lambda: print(write_report(runs, target)))
-        for run in runs:
-            keep = os.path.join(self.results, "runs", os.path.basename(run))
-            os.makedirs(os.path.join(keep, "eval"), exist_ok=True)
-            for rel in ("experiment.json", "metrics.jsonl", *(os.path.relpath(p, run) for p in
-                                                                glob.glob(os.path.join(run, "eval", "*.json")))):
-                if os.path.isfile(os.path.join(run, rel)):
-                    shutil.copyfile(os.path.join(run, rel), os.path.join(keep, rel))
+        for path in runs:
+            run, keep = RunDir(path), os.path.join(self.results, "runs", os.path.basename(path))
+            os.makedirs(RunDir(keep).eval, exist_ok=True)
+            for rel in (os.path.relpath(p, path) for p in (run.experiment_json, run.metrics, *run.all_eval_results())):
+                if os.path.isfile(os.path.join(path, rel)):
+                    shutil.copyfile(os.path.join(path, rel), os.path.join(keep, rel))
         for path in glob.glob(os.path.join(self.out, "baselines", f"*-{study.name}.json")):
             os.makedirs(os.path.join(self.results, "baselines"), exist_ok=True)
             shutil.copyfile(path, os.path.join(self.results, "baselines", os.path.basename(path)))
@@ -206,7 +206,8 @@ class Driver:
         """Median seconds per training step of every run, from its metrics.jsonl (the step's tokens over its
         tokens/s): the measurement behind the budget in docs/results.md."""
         out = {}
-        for path in sorted(glob.glob(os.path.join(self.out, "*", "metrics.jsonl"))):
+        for path in sorted(RunDir(d).metrics for d in glob.glob(os.path.join(self.out, "*"))
+                           if os.path.isfile(RunDir(d).metrics)):
             with open(path) as f:
                 records = [r for r in map(json.loads, f) if r.get("perf/tokens_per_s")]
             seen = [0] + [r["progress/tokens_seen"] for r in records]

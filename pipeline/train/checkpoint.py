@@ -1,6 +1,6 @@
 """The one checkpoint path: DeepSpeed engine state + our client state + a completion marker.
 
-Layout: ``RUN/checkpoints/step{N:08d}/`` holds DeepSpeed's files, ``rng-rank{r}.pt`` per rank, and ``COMPLETE``
+Layout (:class:`pipeline.run_dir.RunDir`): ``RUN/checkpoints/step{N:08d}/`` holds DeepSpeed's files, ``rng-rank{r}.pt`` per rank, and ``COMPLETE``
 (written by rank 0 after a barrier, once every rank has finished writing). A directory without ``COMPLETE`` is a
 half-written checkpoint and is never resumed from; DeepSpeed's ``latest`` file is not trusted.
 
@@ -16,7 +16,6 @@ import argparse
 import errno
 import os
 import random
-import re
 import shutil
 import signal
 import time
@@ -25,32 +24,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.io import read_json, write_json_atomic
+from pipeline.io import write_json_atomic
+from pipeline.run_dir import MARKER, RunDir, tag
+from pipeline.train.experiment import CheckpointConfig
 
-MARKER = "COMPLETE"
 UNIVERSAL = "universal"  # sub-directory of a step with its universal-format copy
-_TAG = re.compile(r"^step(\d{8})$")
-
-
-def tag_for(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def checkpoint_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def complete_steps(run_dir: str) -> list[int]:
-    root = checkpoint_root(run_dir)
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(m.group(1)) for d in os.listdir(root)
-                  if (m := _TAG.match(d)) and os.path.exists(os.path.join(root, d, MARKER)))
-
-
-def latest_complete(run_dir: str) -> int | None:
-    steps = complete_steps(run_dir)
-    return steps[-1] if steps else None
 
 
 def rng_state() -> dict:
@@ -66,19 +44,18 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(engine, run_dir: str, step: int, client_state: dict, extra_files: dict[str, dict], keep_last: int,
+def save(engine, run: RunDir, step: int, client_state: dict, extra_files: dict[str, dict], keep_last: int,
          keep_every: int) -> str:
     """Collective: every rank calls it. Returns the checkpoint directory."""
-    root, tag = checkpoint_root(run_dir), tag_for(step)
-    path = os.path.join(root, tag)
+    root, path = run.checkpoints, run.checkpoint(step)
     rank = dist.get_rank() if dist.is_initialized() else 0
     try:
-        engine.save_checkpoint(root, tag=tag, client_state=client_state)
+        engine.save_checkpoint(root, tag=tag(step), client_state=client_state)
         torch.save(rng_state(), os.path.join(path, f"rng-rank{rank}.pt"))
     except (OSError, RuntimeError) as e:
         if not _disk_full(e, root):
             raise
-        previous = latest_complete(run_dir)
+        previous = run.latest_complete()
         kept = f"the checkpoint of step {previous} is intact" if previous is not None else "no earlier checkpoint"
         raise OSError(errno.ENOSPC, f"no space left on device: {path} (checkpoint of step {step}); {kept}: free "
                                     f"space and start the same command again") from e
@@ -91,7 +68,7 @@ def save(engine, run_dir: str, step: int, client_state: dict, extra_files: dict[
             write_json_atomic(os.path.join(path, name), obj)
         write_json_atomic(os.path.join(path, MARKER), {"step": step, "time": time.time(),
                                                         "world_size": dist.get_world_size() if dist.is_initialized() else 1})
-        prune(run_dir, keep_last, keep_every)
+        prune(run, keep_last, keep_every)
     if dist.is_initialized():
         dist.barrier()
     return path
@@ -105,24 +82,17 @@ def _disk_full(e: BaseException, root: str) -> bool:
     return shutil.disk_usage(root).free < 1 << 20
 
 
-def prune(run_dir: str, keep_last: int, keep_every: int) -> None:
+def prune(run: RunDir, keep_last: int, keep_every: int) -> None:
     """Keep the newest ``keep_last`` complete checkpoints and every ``keep_every``-th step; drop the rest and any
     incomplete directory older than the newest complete one."""
-    root = checkpoint_root(run_dir)
-    steps = complete_steps(run_dir)
+    steps = run.complete_steps()
     keep = set(steps[-keep_last:]) if keep_last > 0 else set()
     if keep_every:
         keep |= {s for s in steps if s % keep_every == 0}
     newest = steps[-1] if steps else -1
-    for d in os.listdir(root):
-        m = _TAG.match(d)
-        if m and int(m.group(1)) not in keep and int(m.group(1)) <= newest:
-            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-
-
-def saved_world_size(path: str) -> int:
-    """The number of ranks that wrote the checkpoint directory ``path`` (from its completion marker)."""
-    return read_json(os.path.join(path, MARKER), "not a complete checkpoint").get("world_size", 1)
+    for step in run.checkpoint_steps():
+        if step not in keep and step <= newest:
+            shutil.rmtree(run.checkpoint(step), ignore_errors=True)
 
 
 def to_universal(path: str) -> str:
@@ -179,16 +149,15 @@ def _load_universal(engine, path: str):
     return load_path, client
 
 
-def load(engine, run_dir: str, step: int) -> dict:
+def load(engine, run: RunDir, step: int) -> dict:
     """Collective. Restores the engine (weights, optimizer, lr scheduler) and this rank's RNG; returns client state.
     A checkpoint written by another number of ranks goes through the universal format (see the module doc)."""
-    root, tag = checkpoint_root(run_dir), tag_for(step)
-    path = os.path.join(root, tag)
+    path = run.checkpoint(step)
     if not os.path.exists(os.path.join(path, MARKER)):
-        raise FileNotFoundError(f"{path}: no complete checkpoint at step {step}; complete ones: {complete_steps(run_dir)}")
+        raise FileNotFoundError(f"{path}: no complete checkpoint at step {step}; complete ones: {run.complete_steps()}")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if saved_world_size(path) == world:
-        load_path, client = engine.load_checkpoint(root, tag=tag, load_module_strict=True)
+    if run.checkpoint_world_size(step) == world:
+        load_path, client = engine.load_checkpoint(run.checkpoints, tag=tag(step), load_module_strict=True)
     else:
         load_path, client = _load_universal(engine, path)
     if load_path is None:
@@ -198,3 +167,32 @@ def load(engine, run_dir: str, step: int) -> dict:
     if os.path.exists(rng_file):  # absent for a rank the saved run did not have: its RNG keeps the seeded start
         set_rng_state(torch.load(rng_file, weights_only=False))
     return client
+
+
+class Checkpointer:
+    """The trainer's checkpoints: resume from the newest complete one, save at a step, and remember the last step
+    saved. ``run_files`` (the run's description) are written into every checkpoint."""
+
+    def __init__(self, engine, run: RunDir, cfg: CheckpointConfig, run_files: dict[str, dict]):
+        self.engine, self.run, self.cfg, self.run_files = engine, run, cfg, run_files
+        self.last_saved = 0
+
+    def resume(self) -> dict | None:
+        """Collective. The client state of the newest complete checkpoint, loaded into the engine; None for a fresh
+        start (or ``checkpoint.resume: false``)."""
+        step = self.run.latest_complete() if self.cfg.resume else None
+        if step is None:
+            return None
+        client = load(self.engine, self.run, step)
+        self.last_saved = client["step"]
+        return client
+
+    def save(self, step: int, client_state: dict) -> None:
+        """Collective."""
+        save(self.engine, self.run, step, client_state, self.run_files, self.cfg.keep_last, self.cfg.keep_every)
+        self.last_saved = step
+
+    def last_good(self) -> str | None:
+        """The newest complete checkpoint directory, for messages."""
+        step = self.run.latest_complete()
+        return None if step is None else self.run.checkpoint(step)

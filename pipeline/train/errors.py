@@ -16,6 +16,8 @@ import tempfile
 import time
 import traceback
 
+from pipeline.run_dir import RunDir
+
 PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "DistBackendError", "DistNetworkError",
                 "NCCL error", "Broken pipe")
 
@@ -40,7 +42,7 @@ def _chain(exc: BaseException):
 def log_dirs(run_dir: str) -> tuple[str, str]:
     """``RUN/logs``, and where logs go when it cannot be written (a full disk, an unwritable run_dir)."""
     fallback = os.path.join(tempfile.gettempdir(), "train-errors", os.path.abspath(run_dir).strip("/").replace("/", "_"))
-    return os.path.join(run_dir, "logs"), fallback
+    return RunDir(run_dir).logs, fallback
 
 
 def _write_log(exc: BaseException, run_dir: str, rank: int) -> str:
@@ -90,5 +92,5 @@ def report(exc: BaseException, run_dir: str, rank: int, started: float, prefix: 
         if other:
             message, path = other
         else:
-            message = f"another rank stopped ({message}); see {os.path.join(run_dir, 'logs')} and the launcher's output"
+            message = f"another rank stopped ({message}); see {RunDir(run_dir).logs} and the launcher's output"
     print(f"{prefix}: {message}\n(traceback: {path})", file=sys.stderr, flush=True)

@@ -6,8 +6,11 @@ import json
 import os
 import resource
 import time
+from dataclasses import dataclass
 
 import torch
+
+from pipeline.run_dir import RunDir
 
 # Dense bf16 peak TFLOPs per device, for the MFU estimate (matched as a substring of the device name).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0,
@@ -29,19 +32,33 @@ def memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+@dataclass(frozen=True)
+class Throughput:
+    """The ``perf/*`` scalars of a step: tokens per second, the share spent waiting for data, MFU (the model's
+    FLOPs per token against ``world`` devices' dense peak; 0 without a known peak) and peak memory."""
+    flops_per_token: float
+    peak_tflops: float
+    world: int
+
+    def scalars(self, tokens: int, seconds: float, data_seconds: float) -> dict[str, float]:
+        mfu = self.flops_per_token * tokens / seconds / (self.world * self.peak_tflops * 1e12) if self.peak_tflops else 0.0
+        return {"perf/tokens_per_s": tokens / seconds, "perf/data_wait": data_seconds / seconds, "perf/mfu": mfu,
+                "perf/mem_gib": memory_gib()}
+
+
 class MetricsLogger:
     """``start_step``: the step training continues from; lines of later steps (logged before the checkpoint the
     run resumes from was overtaken by a kill) are dropped, so a replayed step is in ``metrics.jsonl`` once."""
 
-    def __init__(self, run_dir: str, enabled: bool, log_every: int, start_step: int = 0):
-        self.enabled, self.log_every = enabled, log_every
+    def __init__(self, run: RunDir, enabled: bool, log_every: int, start_step: int = 0):
+        self.run, self.enabled, self.log_every = run, enabled, log_every
         self.writer = None
-        self.history_path = os.path.join(run_dir, "metrics.jsonl")
+        self.history_path = run.metrics
         if enabled:
             _drop_after(self.history_path, start_step)
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            self.writer = SummaryWriter(run.tensorboard)
         self.start = time.time()
 
     def log(self, step: int, scalars: dict[str, float], phase: str) -> None:
@@ -65,8 +82,7 @@ class MetricsLogger:
             return
         self.writer.flush()
         self.writer.close()
-        summary["loss_plot"] = plot_losses(self.history_path, os.path.join(os.path.dirname(self.history_path),
-                                                                           "loss.png"))
+        summary["loss_plot"] = plot_losses(self.history_path, self.run.loss_plot)
         print("summary: " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
 
 

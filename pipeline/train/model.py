@@ -1,30 +1,24 @@
-"""The model as the DeepSpeed engine sees it, its optimizer, and the HF export."""
+"""The model as the DeepSpeed engine sees it, and its optimizer (the HF export: :mod:`pipeline.train.export`)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.distributed as dist
 from torch import nn
-from transformers import PreTrainedModel
 from transformers.integrations import HfDeepSpeedConfig
 
 from pipeline.config import ConfigError
-from pipeline.export.record import EncoderRecord, write_record
 from pipeline.model.attention import FLEX, resolve_implementation
 from pipeline.model.build import build_model, check_checkpoint_shape, check_sliding_window, compile_body
 from pipeline.model.lm_head import chunk_lm_head
 from pipeline.train.experiment import ExperimentConfig, ModelConfig, OptimConfig
 
-PREFIX = "lm."
-
+PREFIX = "lm."  # the HF model's parameter names inside the engine module (TrainModule.lm)
 
 class TrainModule(nn.Module):
     """Runs an objective inside the engine's forward, so ZeRO-3's hooks see one forward per objective even though
     objectives call the base model and the LM head separately (the head runs on target positions only)."""
 
-    def __init__(self, lm: PreTrainedModel):
+    def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
 
@@ -108,26 +102,3 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     optimizer = None if "optimizer" in ds else build_optimizer(
         _param_groups(model, exp.optim.weight_decay), exp.optim, cuda)
     return lm, model, optimizer
-
-
-def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: EncoderRecord) -> str:
-    """Write an HF ``save_pretrained`` directory (weights, config with the training ``record``, tokenizer) from an
-    engine-module state dict."""
-    sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in state_dict.items()}
-    os.makedirs(out, exist_ok=True)
-    lm.config.use_cache = True
-    lm.save_pretrained(out, state_dict=sd, safe_serialization=True)
-    write_record(out, record)
-    tokenizer.save(out)
-    return out
-
-
-def export_hf(engine, lm: PreTrainedModel, tokenizer, out: str, record: EncoderRecord) -> str:
-    """Collective under ZeRO-3: every rank takes part in the 16-bit gather; rank 0 writes."""
-    stage3 = engine.zero_optimization_stage() == 3
-    sd = engine._zero3_consolidated_16bit_state_dict() if stage3 else engine.module.state_dict()
-    if dist.get_rank() == 0:
-        save_hf(lm, sd, tokenizer, out, record)
-        print(f"exported HF model to {out}", flush=True)
-    dist.barrier()
-    return out

@@ -5,22 +5,21 @@ samples), and a resume's global batch. Every rank runs it; the caller reports th
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 
 from pipeline.config import ConfigError
 from pipeline.data.loader import check_compatible, check_shard_sizes, check_source
 from pipeline.data.manifest import MANIFEST, DatasetIndex, load_index
-from pipeline.io import read_json
 from pipeline.lock import DirLock, describe
 from pipeline.model.build import check_checkpoint_shape, start_checkpoint_config
 from pipeline.model.presets import PRESETS
+from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train import checkpoint
+from pipeline.train import errors
 from pipeline.train.experiment import ExperimentConfig
 from pipeline.train.phases import WeightedObjective, build_objectives, data_sources
-
-RUN_LOCK = ".lock"
 
 
 @dataclass
@@ -42,7 +41,7 @@ def check_run_dir(run_dir: str) -> None:
 
 
 def lock_run_dir(run_dir: str) -> tuple[DirLock, list[str]]:
-    lock = DirLock(os.path.join(run_dir, RUN_LOCK), f"run directory {run_dir}").acquire()
+    lock = DirLock(RunDir(run_dir).lock, f"run directory {run_dir}").acquire()
     notes = []
     if lock.stale:
         notes.append(f"note: took over the lock of {run_dir} from a run that ended without releasing it: "
@@ -77,20 +76,21 @@ def _check_model(exp: ExperimentConfig, tokenizer) -> None:
 
 def check_resume_batch(exp: ExperimentConfig, world: int) -> None:
     """A resume that changes the global batch changes the optimisation: refused unless asked for."""
-    step = checkpoint.latest_complete(exp.run_dir) if exp.checkpoint.resume else None
+    run = RunDir(exp.run_dir)
+    step = run.latest_complete() if exp.checkpoint.resume else None
     if step is None or exp.checkpoint.allow_global_batch_change:
         return
-    path = os.path.join(checkpoint.checkpoint_root(exp.run_dir), checkpoint.tag_for(step))
-    saved_train = read_json(os.path.join(path, "experiment.json"), "written with every checkpoint")["train"]
-    saved_world = checkpoint.saved_world_size(path)
-    saved = saved_train["micro_batch"] * saved_train["grad_accum"] * saved_world
+    path = run.checkpoint(step)
+    saved_train = run.checkpoint_experiment(step).train
+    saved_world = run.checkpoint_world_size(step)
+    saved = saved_train.micro_batch * saved_train.grad_accum * saved_world
     t = exp.train
     now = t.micro_batch * t.grad_accum * world
     if saved != now:
         keep = saved // (t.micro_batch * world) if saved % (t.micro_batch * world) == 0 else None
         fix = f"set train.grad_accum={keep} to keep it, or " if keep else ""
         raise ConfigError(f"checkpoint.allow_global_batch_change: {path} was trained with a global batch of {saved} "
-                          f"(micro_batch {saved_train['micro_batch']} x grad_accum {saved_train['grad_accum']} x "
+                          f"(micro_batch {saved_train.micro_batch} x grad_accum {saved_train.grad_accum} x "
                           f"{saved_world} ranks), this run has {now} (micro_batch {t.micro_batch} x grad_accum "
                           f"{t.grad_accum} x {world} ranks); {fix}set checkpoint.allow_global_batch_change=true "
                           f"to resume with the new batch")
@@ -124,3 +124,26 @@ def preflight(exp: ExperimentConfig, rank: int, world: int) -> Prepared:
             lock.release()
         raise
     return Prepared(tokenizer, objectives, lock, notes)
+
+
+def agreed_preflight(exp: ExperimentConfig, rank: int, world: int) -> Prepared | None:
+    """Run :func:`preflight` on every rank; when any rank fails, rank 0 prints the first failure once and every
+    rank returns None."""
+    import torch.distributed as dist
+
+    prepared, failure = None, None
+    try:
+        prepared = preflight(exp, rank, world)
+    except Exception as e:  # noqa: BLE001 - reported below, once
+        kind = "config error" if isinstance(e, ConfigError) else "error"
+        failure = (kind, errors.one_line(e))
+    failures: list = [None] * world
+    dist.all_gather_object(failures, failure)
+    first = next((f for f in failures if f is not None), None)
+    if first is None:
+        return prepared
+    if rank == 0:
+        print(f"{first[0]}: {first[1]}", file=sys.stderr, flush=True)
+    if prepared is not None and prepared.lock is not None:
+        prepared.lock.release()
+    return None

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
 
 from pipeline.train.experiment import OptimConfig
 
@@ -22,3 +26,9 @@ def lr_multiplier(step: int, total: int, cfg: OptimConfig) -> float:
         return 1.0 - (1.0 - floor) * min(1.0, frac)
     frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
+
+
+def lr_scheduler(total: int, cfg: OptimConfig) -> Callable[[torch.optim.Optimizer], LambdaLR]:
+    """The schedule as ``deepspeed.initialize(lr_scheduler=...)`` takes it: a callable that DeepSpeed calls with the
+    optimizer it trains with, the client's or the one its config section builds."""
+    return lambda optimizer: LambdaLR(optimizer, lambda s: lr_multiplier(s, total, cfg))

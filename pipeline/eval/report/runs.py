@@ -1,9 +1,9 @@
-"""What the report reads from a run directory: the variant (from ``experiment.json``), the loss history (from
-``metrics.jsonl``) and the evaluation headline numbers (every ``eval/*.json`` that ``launch/evaluate.py`` wrote)."""
+"""What the report reads from a run directory (:class:`pipeline.run_dir.RunDir`): the variant (from its experiment),
+the loss history (from ``metrics.jsonl``) and the evaluation headline numbers (every ``eval/*.json`` that
+``launch/evaluate.py`` wrote)."""
 
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass, field
 
@@ -11,6 +11,8 @@ from pipeline.eval.data import DataError
 from pipeline.io import read_json, read_jsonl
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import OBJECTIVES, MaskedObjective
+from pipeline.run_dir import RunDir
+from pipeline.train.experiment import ExperimentConfig
 
 
 @dataclass(frozen=True)
@@ -32,33 +34,29 @@ class RunSummary:
     headline: dict[str, float] = field(default_factory=dict)
 
 
-def model_scale(run_dir: str, experiment: dict) -> str:
-    init = experiment.get("model", {}).get("init", "")
-    if init in PRESETS:
-        return init
-    path = os.path.join(run_dir, "model_config.json")
-    if os.path.isfile(path):
-        config = read_json(path, "model config of the run")
-        shape = (config.get("num_hidden_layers"), config.get("hidden_size"), config.get("intermediate_size"))
+def model_scale(run: RunDir, exp: ExperimentConfig) -> str:
+    if exp.model.init in PRESETS:
+        return exp.model.init
+    if os.path.isfile(run.model_config_json):
+        config = run.model_config()
+        shape = (config.num_hidden_layers, config.hidden_size, config.intermediate_size)
         for name, p in PRESETS.items():
             if shape == (p.num_layers, p.hidden_size, p.ffn_size):
                 return name
     return "custom"
 
 
-def variant_of(run_dir: str, experiment: dict) -> Variant:
-    phases = experiment.get("phases", [])
-    names = [[o["name"] for o in p.get("objectives", [])] for p in phases]
+def variant_of(run: RunDir, exp: ExperimentConfig) -> Variant:
+    names = [[o.name for o in p.objectives] for p in exp.phases]
     ratio = None
-    for phase in phases:
-        for spec in phase.get("objectives", []):
-            if spec["name"] in OBJECTIVES and issubclass(OBJECTIVES[spec["name"]], MaskedObjective):
-                ratio = float(spec.get("ratio", 0.3))
-    return Variant(name=experiment.get("name", os.path.basename(run_dir.rstrip("/"))),
-                   phases=" -> ".join("+".join(n) for n in names), objectives=frozenset(n for ns in names for n in ns),
-                   clm_share=float(sum(p.get("share", 1.0) for p, n in zip(phases, names) if "clm" in n)),
-                   mask_ratio=ratio, scale=model_scale(run_dir, experiment),
-                   steps=int(experiment.get("train", {}).get("steps", 0)))
+    for phase in exp.phases:
+        for spec in phase.objectives:
+            if issubclass(OBJECTIVES[spec.name], MaskedObjective):
+                ratio = spec.ratio
+    return Variant(name=exp.name, phases=" -> ".join("+".join(n) for n in names),
+                   objectives=frozenset(n for ns in names for n in ns),
+                   clm_share=float(sum(p.share for p, n in zip(exp.phases, names) if "clm" in n)),
+                   mask_ratio=ratio, scale=model_scale(run, exp), steps=exp.train.steps)
 
 
 def read_history(path: str) -> dict[str, dict[int, float]]:
@@ -73,11 +71,11 @@ def read_history(path: str) -> dict[str, dict[int, float]]:
 
 
 def load_run(run_dir: str) -> RunSummary:
-    if not os.path.isfile(os.path.join(run_dir, "experiment.json")):
+    run = RunDir(run_dir)
+    if not run.exists():
         raise FileNotFoundError(f"{run_dir}: no experiment.json, so not a run directory of launch/train.py")
-    experiment = read_json(os.path.join(run_dir, "experiment.json"), "run directory")
-    run = RunSummary(run_dir, variant_of(run_dir, experiment), read_history(os.path.join(run_dir, "metrics.jsonl")))
-    for path in sorted(glob.glob(os.path.join(run_dir, "eval", "*.json"))):
+    summary = RunSummary(run_dir, variant_of(run, run.experiment()), read_history(run.metrics))
+    for path in run.all_eval_results():
         results = read_json(path, "results of launch/evaluate.py")
-        run.headline.update(results.get("headline", {}))
-    return run
+        summary.headline.update(results.get("headline", {}))
+    return summary

@@ -1,0 +1,68 @@
+"""A training process from start to exit status, behind ``launch/train.py``: the configs, the rendezvous, the
+preflight every rank agrees on, the :class:`~pipeline.train.trainer.Trainer`, and one message per failure.
+
+Nothing heavy is imported at module level: the launcher installs the stop signals before this module imports
+torch and DeepSpeed, so a signal during the imports stops cleanly too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+
+from pipeline.train.distributed import single_process_env
+from pipeline.train.signals import StopRequest
+
+CONFIG_ERROR, FAILED, DIVERGED = 2, 1, 3  # exit statuses besides 0
+
+
+def run(ds_config: str, experiment: str | None, overrides: list[str], stop: StopRequest) -> int:
+    """Train the experiment (``experiment`` YAML with ``--set`` ``overrides``; None: the embedded sample
+    experiment) with the DeepSpeed JSON ``ds_config``; returns the exit status."""
+    if single_process_env():
+        print("no launcher (RANK/WORLD_SIZE unset): training on one rank; for N GPUs run "
+              "deepspeed --num_gpus N launch/train.py ...", file=sys.stderr, flush=True)
+    rank = int(os.environ["RANK"])
+    from pipeline.config import ConfigError
+    from pipeline.train.ds_config import load_ds_config
+    from pipeline.train.experiment import load_experiment
+
+    try:
+        exp = load_experiment(experiment, overrides)
+        ds = load_ds_config(ds_config)
+    except ConfigError as e:
+        if rank == 0:  # every rank reads the same files: one message is enough
+            print(f"config error: {e}", file=sys.stderr)
+        return CONFIG_ERROR
+    # DeepSpeed still calls the torch.distributed collectives that torch 2.13 renamed; one warning per call
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
+    started = time.time()
+    import torch.distributed as dist
+
+    from pipeline.train import errors
+    from pipeline.train.distributed import start_distributed
+    from pipeline.train.guard import Diverged
+    from pipeline.train.preflight import agreed_preflight
+    from pipeline.train.trainer import Trainer
+
+    device, rank, world = start_distributed()
+    prepared = agreed_preflight(exp, rank, world)
+    if prepared is None:
+        return CONFIG_ERROR
+    try:
+        for note in prepared.notes:
+            print(note, file=sys.stderr, flush=True)
+        Trainer.build(exp, ds, prepared, stop, device).fit()
+    except Diverged as e:
+        errors.report(e, exp.run_dir, rank, started, prefix="diverged")
+        return DIVERGED
+    except BaseException as e:  # noqa: BLE001 - every failure becomes one message and a log file
+        errors.report(e, exp.run_dir, rank, started)
+        return FAILED
+    finally:
+        if prepared.lock is not None:
+            prepared.lock.release()
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,174 @@
+"""The trainer: one run's state and the loop over its optimizer steps.
+
+:meth:`Trainer.build` sets a run up (shards, DeepSpeed engine with the LR schedule, run files, loaders, resume);
+:meth:`Trainer.fit` is the loop. Each collaborator has one job: :func:`~pipeline.train.step.train_step` the
+optimizer step, :class:`~pipeline.train.checkpoint.Checkpointer` resume and save,
+:class:`~pipeline.train.metrics.MetricsLogger` metrics.jsonl, TensorBoard and the console line,
+:class:`~pipeline.train.guard.DivergenceGuard` bad steps, :class:`~pipeline.train.signals.StopRequest` the stop
+signal, :func:`~pipeline.train.export.export_engine` the HF export at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from pipeline.config import to_dict
+from pipeline.data.loader import ShardLoader, check_compatible, check_source
+from pipeline.data.manifest import DatasetIndex, load_index
+from pipeline.export.record import from_experiment
+from pipeline.model.flops import flops_per_token
+from pipeline.run_dir import DataRecord, RunDir, tag
+from pipeline.train.checkpoint import Checkpointer
+from pipeline.train.ds_config import resolve_ds_config
+from pipeline.train.experiment import ExperimentConfig
+from pipeline.train.export import export_engine
+from pipeline.train.guard import DivergenceGuard
+from pipeline.train.metrics import MetricsLogger, Throughput, device_peak_tflops
+from pipeline.train.model import build_train_model
+from pipeline.train.phases import WeightedObjective, data_sources
+from pipeline.train.preflight import Prepared
+from pipeline.train.schedule import lr_scheduler
+from pipeline.train.shards import ensure_shards
+from pipeline.train.signals import StopRequest
+from pipeline.train.step import train_step
+
+
+@dataclass
+class Trainer:
+    exp: ExperimentConfig
+    engine: deepspeed.DeepSpeedEngine
+    lm: torch.nn.Module  # the HF model inside the engine
+    tokenizer: object
+    objectives: list[list[WeightedObjective]]  # per phase
+    loaders: dict[str, ShardLoader]  # per data source
+    checkpoints: Checkpointer
+    metrics: MetricsLogger
+    throughput: Throughput
+    guard: DivergenceGuard
+    stop: StopRequest
+    device: torch.device
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0
+
+    @classmethod
+    def build(cls, exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopRequest,
+              device: torch.device) -> Trainer:
+        """Set the run up after :func:`pipeline.train.preflight.preflight` and resume it when it has a checkpoint."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(exp.train.seed)
+        tokenizer, objectives = prepared.tokenizer, prepared.objectives
+        index = ensure_shards(exp.data, tokenizer, rank)
+        check_compatible(index, tokenizer.info.fingerprint, exp.data.seq_len)
+        bf16 = exp.model.dtype == "bf16" or (exp.model.dtype == "auto" and device.type == "cuda")
+        ds = resolve_ds_config(ds_raw, exp, world, bf16)
+        lm, model, optimizer = build_train_model(exp, ds, tokenizer, bf16, [o.objective for p in objectives for o in p])
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=None if optimizer
+                                          else [p for p in model.parameters() if p.requires_grad],
+                                          lr_scheduler=lr_scheduler(exp.train.steps, exp.optim), config=ds)
+        run = RunDir(exp.run_dir)
+        files = run.run_files(exp, ds, lm.config.to_dict(), DataRecord(index.directory, index.fingerprint,
+                                                                       index.num_samples, index.num_tokens))
+        if rank == 0:
+            run.write_run_files(files)
+        loaders = _open_loaders(exp, objectives, index, rank, world, device.type == "cuda")
+        checkpoints = Checkpointer(engine, run, exp.checkpoint, files)
+        client = checkpoints.resume()
+        if client is not None:
+            for src, state in client["loaders"].items():
+                loaders[src].load_state_dict(state)
+            if rank == 0:
+                print(f"resumed from {tag(client['step'])} ({client['tokens_seen']:,} tokens seen)")
+        step, tokens_seen = (client["step"], client["tokens_seen"]) if client else (0, 0)
+        return cls(exp, engine, lm, tokenizer, objectives, loaders, checkpoints,
+                   MetricsLogger(run, rank == 0, exp.train.log_every, start_step=step),
+                   Throughput(flops_per_token(lm.config, exp.data.seq_len), device_peak_tflops(exp.train.peak_tflops),
+                              world),
+                   DivergenceGuard(exp.train.max_bad_steps, skipped_before=engine.skipped_steps), stop, device,
+                   step, tokens_seen)
+
+    def fit(self) -> dict:
+        """Train to ``train.steps``, or until a stop; returns the summary."""
+        self.stop.training_started()
+        started = time.time()
+        while self.step < self.exp.train.steps:
+            t0 = time.time()
+            phase_idx, phase = self.exp.phase_at(self.step)
+            batches = self._next_batches(self.objectives[phase_idx])
+            t_data = time.time() - t0
+            losses, accuracy, lr = train_step(self.engine, self.objectives[phase_idx], batches,
+                                              dist.get_world_size(), self.exp.train.grad_accum)
+            self.step += 1
+            tokens = dist.get_world_size() * sum(int((b.doc_ids >= 0).sum()) for bs in batches.values() for b in bs)
+            self.tokens_seen += tokens
+            seconds = time.time() - t0
+            grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
+            self.guard.count(losses, grad_norm, self.engine.skipped_steps)
+            scalars = ({f"loss/{n}": v for n, v in losses.items()} | {f"acc/{n}": v for n, v in accuracy.items()}
+                       | {"optim/lr": lr, "optim/grad_norm": grad_norm, "optim/skipped_steps": self.engine.skipped_steps}
+                       | self.throughput.scalars(tokens, seconds, t_data)
+                       | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx})
+            self.metrics.log(self.step, scalars, phase.name)
+            self.guard.check(self.step, losses, grad_norm, self.checkpoints.last_good)
+            if self._checkpoint_or_stop():
+                break
+        return self._finish(started)
+
+    def _next_batches(self, step_objs: list[WeightedObjective]) -> dict[str, list]:
+        return {src: [b.to(self.device) for b in self.loaders[src].next_global_step()]
+                for src in sorted({o.objective.source for o in step_objs})}
+
+    def _save(self) -> None:
+        self.checkpoints.save(self.step, {
+            "step": self.step, "tokens_seen": self.tokens_seen,
+            "loaders": {src: loader.state_dict() for src, loader in self.loaders.items()},
+            "phase": self.exp.phase_at(max(self.step - 1, 0))[1].name})
+
+    def _checkpoint_or_stop(self) -> bool:
+        """Checkpoint when one is due and the newest step is good; True when the run stops at this step (a stop
+        signal on any rank, or ``train.stop_at_step``)."""
+        signalled = self.stop.agreed(self.device)
+        stopping = signalled or self.step == self.exp.train.stop_at_step
+        due = self.step % self.exp.checkpoint.every == 0 or self.step == self.exp.train.steps
+        if self.guard.healthy and (due or stopping):
+            self._save()
+        if stopping and dist.get_rank() == 0:
+            why = f" on {self.stop.reason or 'the stop request of another rank'}" if signalled else ""
+            saved = ("checkpointed" if self.checkpoints.last_saved == self.step else
+                     f"not checkpointed: the newest step was bad; the last good checkpoint is "
+                     f"{self.checkpoints.last_good()}")
+            print(f"stopped at step {self.step} ({saved}){why}; start the same command again to resume", flush=True)
+        return stopping
+
+    def _finish(self, started: float) -> dict:
+        """The last checkpoint, the HF export of a finished healthy run, the summary; the loaders closed."""
+        if self.checkpoints.last_saved != self.step and self.guard.healthy:
+            self._save()
+        summary = {"steps": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": round(time.time() - started, 1),
+                   "run_dir": self.exp.run_dir}
+        if self.step == self.exp.train.steps and self.exp.train.export_hf and self.guard.healthy:
+            summary["hf_export"] = export_engine(self.engine, self.lm, self.tokenizer, RunDir(self.exp.run_dir).hf,
+                                                 from_experiment(to_dict(self.exp), self.tokenizer))
+        self.metrics.close(summary)
+        for loader in self.loaders.values():
+            loader.close()
+        return summary
+
+
+def _open_loaders(exp: ExperimentConfig, objectives: list[list[WeightedObjective]], index: DatasetIndex, rank: int,
+                  world: int, pin: bool) -> dict[str, ShardLoader]:
+    """A loader per data source any phase reads: the packed shards, and the sentence units when asked for."""
+    t, d = exp.train, exp.data
+    readers = data_sources(objectives)
+    if readers["packed"]:
+        check_source(index, "packed", "data.shards", readers["packed"])
+    loaders = {"packed": ShardLoader(index, t.micro_batch, t.grad_accum, rank, world, t.seed, d.num_workers,
+                                     pin_memory=pin, verify=d.verify_shards)}
+    if readers["units"]:  # preflight checked them against the tokenizer and the objectives
+        loaders["units"] = ShardLoader(load_index(d.unit_shards), d.unit_micro_batch or t.micro_batch, t.grad_accum,
+                                       rank, world, t.seed, d.num_workers, pin_memory=pin, verify=d.verify_shards)
+    return loaders
