@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pipeline.data.manifest import read_json
 from pipeline.eval.data import jsonl_records
 from pipeline.model.presets import PRESETS
-from pipeline.objectives import OBJECTIVES, MaskedObjective
+from pipeline.objectives import OBJECTIVES
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def variant_of(run_dir: str, experiment: dict) -> Variant:
     ratio = None
     for phase in phases:
         for spec in phase.get("objectives", []):
-            if spec["name"] in OBJECTIVES and issubclass(OBJECTIVES[spec["name"]], MaskedObjective):
+            if spec["name"] in OBJECTIVES and OBJECTIVES[spec["name"]].masks:
                 ratio = float(spec.get("ratio", 0.3))
     return Variant(name=experiment.get("name", os.path.basename(run_dir.rstrip("/"))),
                    phases=" -> ".join("+".join(n) for n in names), objectives=frozenset(n for ns in names for n in ns),
