@@ -23,7 +23,7 @@ from bench_target_head import head_bench_parser, small_model, synthetic_batch
 
 from pipeline.model.attention import attention_inputs
 from pipeline.model.lm_head import DEFAULT_CHUNK, ChunkedLMHead
-from pipeline.objectives import CLM
+from pipeline.objectives import CLM, CLMConfig
 from pipeline.objectives.base import target_loss
 
 LIBC = ctypes.CDLL("libc.so.6")
@@ -58,7 +58,7 @@ def main() -> None:
     chunked = ChunkedLMHead(args.hidden, args.vocab, bias=False, device="meta")
     chunked.weight, chunked.chunk_size = model.lm_head.weight, args.chunk  # the same parameter
     heads = {"full": model.lm_head, "chunked": chunked}
-    objective = CLM()
+    objective = CLM(CLMConfig())
     batch = synthetic_batch(args.batch, args.seq_len, args.vocab, torch.Generator().manual_seed(0))
 
     with torch.no_grad():  # same loss from both heads before timing

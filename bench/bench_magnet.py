@@ -24,7 +24,7 @@ from pipeline.data.batch import Batch, collate
 from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.model.attention import attention_inputs
 from pipeline.model.presets import PRESETS, ModelPreset
-from pipeline.objectives import CLM, Magnet, Masking
+from pipeline.objectives import CLM, CLMConfig, Magnet, MagnetConfig, Masking
 
 SPECIAL_IDS = np.array([0, 1, 2, 3])  # pad, bos, eos, mask
 
@@ -65,8 +65,9 @@ def body(mode: str):
 
 def magnet_and_causal(mask_id: int, vocab: int) -> dict:
     """The steps compared: name -> fn(model, batch) returning the loss to differentiate."""
-    magnet = Magnet(Masking(0.2, "80-10-10", mask_id=mask_id, random_pool=torch.arange(len(SPECIAL_IDS), vocab)))
-    return {"causal step (clm)": lambda m, b: CLM()(m, b).loss_sum,
+    magnet = Magnet(MagnetConfig(ratio=0.2), Masking(0.2, "80-10-10", mask_id=mask_id,
+                                                    random_pool=torch.arange(len(SPECIAL_IDS), vocab)))
+    return {"causal step (clm)": lambda m, b: CLM(CLMConfig())(m, b)["clm"].loss_sum,
             "magnet step": lambda m, b: sum(o.loss_sum for o in magnet(m, b).values()),
             "causal body": body("causal"), "magnet-mask body": body("magnet")}
 

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from pipeline.data.batch import Batch
 from pipeline.model.attention import attention_inputs
 from pipeline.model.presets import PRESETS, ModelPreset
-from pipeline.objectives import MLM, Masking
+from pipeline.objectives import MLM, Masking, MLMConfig
 
 
 def synthetic_batch(batch: int, seq_len: int, vocab: int, generator: torch.Generator) -> Batch:
@@ -63,7 +63,7 @@ def full_head_step(model, objective: MLM, batch: Batch) -> torch.Tensor:
 
 
 def target_head_step(model, objective: MLM, batch: Batch) -> torch.Tensor:
-    return objective(model, batch).loss_sum
+    return objective(model, batch)["mlm"].loss_sum
 
 
 def main() -> None:
@@ -71,7 +71,8 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.3)
     args = parser.parse_args()
     model = small_model(args)
-    objective = MLM(Masking(args.ratio, "80-10-10", mask_id=0, random_pool=torch.arange(1, args.vocab)))
+    objective = MLM(MLMConfig(ratio=args.ratio), Masking(args.ratio, "80-10-10", mask_id=0,
+                                                         random_pool=torch.arange(1, args.vocab)))
     batch = synthetic_batch(args.batch, args.seq_len, args.vocab, torch.Generator().manual_seed(0))
 
     steps = {"full head": full_head_step, "target-only head": target_head_step}

@@ -1,7 +1,8 @@
 """Typed dataclass configs from YAML/dicts, validated at the edge, with ``--set a.b=c`` overrides.
 
 Unknown keys, wrong types and values outside a ``Literal`` are errors that name the dotted key and what is allowed.
-Dataclasses may define ``validate(self)`` for cross-field checks (raise :class:`ConfigError`).
+Dataclasses may define ``validate(self)`` for cross-field checks (raise :class:`ConfigError`). A union of dataclasses
+that each fix ``name`` to one ``Literal`` value is tagged: ``name`` picks the dataclass (:func:`from_tagged`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if _tags(tp):
+            return from_tagged(tp, value, key)
         errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
@@ -99,6 +102,32 @@ def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
     if hasattr(obj, "validate"):
         obj.validate()
     return obj
+
+
+def _tags(union: Any) -> dict[str, type]:
+    """``name`` value -> dataclass of a tagged union; empty when ``union`` is not one."""
+    tags = {}
+    for arg in typing.get_args(union):
+        name = typing.get_type_hints(arg).get("name") if dataclasses.is_dataclass(arg) else None
+        values = typing.get_args(name) if typing.get_origin(name) is Literal else ()
+        if len(values) != 1:
+            return {}
+        tags[values[0]] = arg
+    return tags
+
+
+def from_tagged(union: Any, data: Any, prefix: str = "") -> Any:
+    """The dataclass of the tagged ``union`` that ``data["name"]`` names, built from ``data`` by :func:`from_dict`
+    (``{name: mlm, ratio: 0.4}`` is the ``MLMConfig`` of a union of objective configs)."""
+    tags = _tags(union)
+    if isinstance(data, tuple(tags.values())):
+        return data
+    key = f"{prefix + '.' if prefix else ''}name"
+    if not isinstance(data, dict) or "name" not in data:
+        raise ConfigError(f"{key}: missing in {data!r}; choose one of {list(tags)}")
+    if data["name"] not in tags:
+        raise ConfigError(f"{key}: {data['name']!r} is not allowed; choose one of {list(tags)}")
+    return from_dict(tags[data["name"]], data, prefix)
 
 
 def to_dict(obj: Any) -> Any:

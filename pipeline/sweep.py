@@ -34,7 +34,7 @@ from pipeline.config import ConfigError, load_yaml, parse_overrides, to_dict
 from pipeline.data.manifest import MANIFEST
 from pipeline.grid import SMOKE_SUFFIX, Grid, Variant, load_grid
 from pipeline.model.presets import PRESETS
-from pipeline.objectives import OBJECTIVES, MaskedObjective
+from pipeline.objectives import OBJECTIVES
 from pipeline.run_dir import RunDir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,8 +86,7 @@ def run_states(variants: list[Variant], queued: dict[str, int]) -> dict[str, Run
 
 
 def _objective_label(spec) -> str:
-    masked = issubclass(OBJECTIVES[spec.name], MaskedObjective)
-    return f"{spec.name}{round(spec.ratio * 100)}" if masked else spec.name
+    return f"{spec.name}{round(spec.ratio * 100)}" if OBJECTIVES[spec.name].masks else spec.name
 
 
 def phases_label(variant: Variant) -> str:

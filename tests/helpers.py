@@ -180,7 +180,7 @@ def logged_steps(run_dir: str) -> dict[int, dict]:
 def loss_and_grads(objective, model, batch: Batch) -> tuple[float, int, dict[str, torch.Tensor]]:
     """(summed loss, target count, parameter gradients) of one objective step: what a rank contributes, for
     comparing a sharded contrastive step with the single-process one."""
-    out = objective(model, batch)
+    out = objective(model, batch)[objective.name]
     out.loss_sum.backward()
     return out.loss_sum.item(), int(out.num_targets), {n: p.grad.clone() for n, p in model.named_parameters()
                                                       if p.grad is not None}

@@ -7,7 +7,7 @@ import torch._dynamo.utils
 
 from pipeline.data.batch import Batch
 from pipeline.model.build import build_model, compile_body
-from pipeline.objectives import CLM, MLM, Masking
+from pipeline.objectives import CLM, MLM, CLMConfig, Masking, MLMConfig
 
 
 def test_compiled_body_gives_the_eager_losses():
@@ -26,13 +26,14 @@ def test_compiled_body_gives_the_eager_losses():
                                                                                 for _ in range(2)]).int(),
                   mask_draw=torch.randint(0, 1 << 30, (2, 32), generator=g), span_ids=torch.full_like(doc_ids, -1),
                   keys=["a", "b"])
-    objectives = [CLM(), MLM(Masking(0.3, "80-10-10", mask_id=3, random_pool=torch.arange(4, 64)))]
+    objectives = [CLM(CLMConfig()), MLM(MLMConfig(), Masking(0.3, "80-10-10", mask_id=3, random_pool=torch.arange(4, 64)))]
     optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled)}
     for step in range(4):
         losses = {}
         for model, optimizer in optimizers.items():
             optimizer.zero_grad()
-            out = objectives[step % 2](model, batch)
+            objective = objectives[step % 2]
+            out = objective(model, batch)[objective.name]
             out.loss_sum.backward()
             optimizer.step()
             losses[model is compiled] = out.loss_sum.item()

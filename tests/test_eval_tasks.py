@@ -24,7 +24,7 @@ from pipeline.eval.infilling import Example, span_nll
 from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.repetition import repetition_scores
 from pipeline.eval.task import EvalContext
-from pipeline.objectives import MaskingConfig, make_objective
+from pipeline.objectives import MagnetConfig, make_objective
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.experiment import SAMPLE_DIR
 
@@ -167,7 +167,7 @@ def test_infilling_causal_span_loss_equals_hf_labels(model):
     batch = Batch(input_ids=torch.tensor([ids]), doc_ids=torch.zeros((1, n), dtype=torch.int32),
                   mask_rank=torch.full((1, n), int(UNMASKABLE), dtype=torch.int32),
                   mask_draw=torch.zeros((1, n), dtype=torch.int64), span_ids=span, keys=["hand"])
-    msg = make_objective("magnet", tokenizer=tok, masking=MaskingConfig(), mntp_weight=0.0)
+    msg = make_objective(MagnetConfig(mntp_weight=0.0), tok)
     with torch.no_grad():
         out = msg(model.lm, batch)["msg"]
     nll, count = span_nll(ctx_for(model, ""), [example], "magnet")

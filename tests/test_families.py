@@ -135,8 +135,7 @@ for family, path in json.loads(sys.argv[3]).items():
         before = embed.detach().clone()
     for o in objectives:
         out = engine(o.objective, units if o.objective.source == "units" else packed)
-        outs = out if isinstance(out, dict) else {o.name: out}
-        loss = sum(v[0] / max(int(v[1]), 1) for v in outs.values())
+        loss = sum(v[0] / max(int(v[1]), 1) for v in out.values())
         engine.backward(loss)
         losses.update({k: float(v[0]) / max(int(v[1]), 1) for k, v in outs.items()})
     engine.step()

@@ -10,7 +10,7 @@ from torch import nn
 from pipeline.data.batch import Batch
 from pipeline.model.build import build_model
 from pipeline.model.lm_head import ChunkedLMHead, chunk_lm_head, linear_cross_entropy
-from pipeline.objectives import CLM
+from pipeline.objectives import CLM, CLMConfig
 from pipeline.objectives.base import next_token_targets
 
 N, HIDDEN, VOCAB = 70, 24, 301
@@ -88,7 +88,7 @@ def test_objective_with_the_chunked_head_equals_the_plain_head():
             head = chunk_lm_head(model, chunk_size=9)
             assert isinstance(model.lm_head, ChunkedLMHead) and head is model.lm_head
         model.zero_grad(set_to_none=True)
-        outputs[name] = CLM()(model, batch)
+        outputs[name] = CLM(CLMConfig())(model, batch)["clm"]
         outputs[name].loss_sum.backward()
         grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert int(outputs["plain"].num_targets) == int(next_token_targets(

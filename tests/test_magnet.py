@@ -10,10 +10,11 @@ import torch
 from helpers import packed_text_batch
 from shard_corpus import TOKENIZER, documents
 
+from pipeline.config import from_dict
 from pipeline.data.format import UNMASKABLE
 from pipeline.model.attention import attention_inputs, dense_allowed
 from pipeline.model.build import build_model
-from pipeline.objectives import CLM, MNTP, Magnet, Masking, MaskingConfig, make_objective
+from pipeline.objectives import CLM, CLMConfig, Magnet, MagnetConfig, MNTPConfig, make_objective
 from pipeline.objectives.magnet import context_ranks
 from pipeline.tokenizer import load_tokenizer
 
@@ -44,8 +45,8 @@ def models(tokenizer) -> dict[str, torch.nn.Module]:
     return built
 
 
-def masking(tokenizer, ratio: float = 0.2) -> Masking:
-    return Masking.resolve(MaskingConfig(ratio=ratio), tokenizer)
+def magnet(tokenizer, ratio: float = 0.2, **fields) -> Magnet:
+    return make_objective(MagnetConfig(ratio=ratio, **fields), tokenizer)
 
 
 def hidden(model, input_ids, doc_ids, span_ids, mode="magnet") -> torch.Tensor:
@@ -185,7 +186,7 @@ def reference_losses(model, tokenizer, batch, ratio: float) -> dict[str, tuple[f
 def test_losses_equal_reference(models, tokenizer, texts, seed):
     model = models["eager"]
     batch = packed_text_batch(tokenizer, texts, seed=seed)
-    objective = Magnet(masking(tokenizer, 0.2))
+    objective = magnet(tokenizer, 0.2)
     out = objective(model, batch)
     ref = reference_losses(model, tokenizer, batch, 0.2)
     assert set(out) == {"mntp", "msg"} and objective.num_targets(batch) == {k: v[1] for k, v in ref.items()}
@@ -196,7 +197,7 @@ def test_losses_equal_reference(models, tokenizer, texts, seed):
 
 def test_masking_touches_only_context(tokenizer, texts):
     batch = packed_text_batch(tokenizer, texts)
-    objective = Magnet(masking(tokenizer, 0.5))
+    objective = magnet(tokenizer, 0.5)
     view = objective.view(batch)
     changed = view.input_ids != batch.input_ids
     in_span = batch.span_ids >= 0
@@ -212,8 +213,8 @@ def test_all_span_msg_equals_clm(models, tokenizer, texts):
     batch = packed_text_batch(tokenizer, texts)
     batch = replace(batch, span_ids=batch.doc_ids.clone())  # one span per document piece, none on padding
     for model in models.values():
-        out = Magnet(masking(tokenizer))(model, batch)
-        clm = CLM()(model, batch)
+        out = magnet(tokenizer)(model, batch)
+        clm = CLM(CLMConfig())(model, batch)["clm"]
         assert int(out["mntp"].num_targets) == 0
         assert int(out["msg"].num_targets) == int(clm.num_targets) > 0
         torch.testing.assert_close(out["msg"].loss_sum, clm.loss_sum)
@@ -221,47 +222,47 @@ def test_all_span_msg_equals_clm(models, tokenizer, texts):
 
 def test_without_msg_it_is_mntp(models, tokenizer, texts):
     batch = packed_text_batch(tokenizer, texts, seed=2)
-    objective = make_objective("magnet", tokenizer=tokenizer, masking=MaskingConfig(ratio=0.2), msg_weight=0.0)
+    objective = magnet(tokenizer, 0.2, msg_weight=0.0)
     assert objective.loss_weights == {"mntp": 1.0} and objective.attention_mode == "bidirectional"
     out = objective(models["sdpa"], batch)
-    mntp = MNTP(masking(tokenizer, 0.2))(models["sdpa"], batch)
+    mntp = make_objective(MNTPConfig(ratio=0.2), tokenizer)(models["sdpa"], batch)["mntp"]
     assert set(out) == {"mntp"} and int(out["mntp"].num_targets) == int(mntp.num_targets)
     torch.testing.assert_close(out["mntp"].loss_sum, mntp.loss_sum)
 
 
 def test_without_mntp_reads_unmasked_text(models, tokenizer, texts):
     batch = packed_text_batch(tokenizer, texts)
-    objective = Magnet(masking(tokenizer), mntp_weight=0.0, msg_weight=2.0)
+    objective = magnet(tokenizer, mntp_weight=0.0, msg_weight=2.0)
     assert objective.loss_weights == {"msg": 2.0}
     assert torch.equal(objective.view(batch).input_ids, batch.input_ids)
     assert set(objective(models["sdpa"], batch)) == {"msg"}
 
 
 def test_own_span_only_option(tokenizer, texts):
-    assert Magnet(masking(tokenizer), own_span_only=True).attention_mode == "magnet_own_span"
-    assert Magnet(masking(tokenizer)).attention_mode == "magnet"
+    assert magnet(tokenizer, own_span_only=True).attention_mode == "magnet_own_span"
+    assert magnet(tokenizer).attention_mode == "magnet"
 
 
 def test_bad_input_is_named(tokenizer, texts):
     batch = packed_text_batch(tokenizer, texts)
-    objective = Magnet(masking(tokenizer))
+    objective = magnet(tokenizer)
     no_spans = replace(batch, span_ids=torch.full_like(batch.span_ids, -1))
     with pytest.raises(ValueError, match=r"have no MAGNET spans.*--span-fraction > 0.*msg_weight: 0"):
         objective.num_targets(no_spans)
-    assert Magnet(masking(tokenizer), msg_weight=0.0).num_targets(no_spans)["mntp"] > 0
+    assert magnet(tokenizer, msg_weight=0.0).num_targets(no_spans)["mntp"] > 0
     padded_row = int((batch.doc_ids < 0).any(-1).nonzero()[0])
     bad = batch.span_ids.clone()
     bad[padded_row, -1] = 7
     with pytest.raises(ValueError, match=rf"\['{batch.keys[padded_row]}'\]: a MAGNET span overlaps padding"):
         objective.num_targets(replace(batch, span_ids=bad))
     with pytest.raises(ValueError, match="mntp_weight and msg_weight must be >= 0 and not both 0"):
-        Magnet(masking(tokenizer), mntp_weight=0.0, msg_weight=0.0)
+        from_dict(MagnetConfig, {"mntp_weight": 0.0, "msg_weight": 0.0})
 
 
 def test_gradients_reach_every_weight_and_stay_finite(tokenizer, texts):
     torch.manual_seed(0)
     model = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id)
-    out = Magnet(masking(tokenizer))(model, packed_text_batch(tokenizer, texts))
+    out = magnet(tokenizer)(model, packed_text_batch(tokenizer, texts))
     (out["mntp"].loss_sum + out["msg"].loss_sum).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
     assert model.lm_head.weight.grad.abs().sum() > 0 and model.model.embed_tokens.weight.grad.abs().sum() > 0

@@ -12,13 +12,32 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
+from pipeline.config import ConfigError, from_tagged
 from pipeline.data.batch import Batch, collate
 from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.data.format import UNMASKABLE
 from pipeline.data.packing import Packer
 from pipeline.model.attention import attention_inputs
 from pipeline.model.build import build_model
-from pipeline.objectives import CLM, MLM, MNTP, Masking, MaskingConfig, make_objective
+from pipeline.objectives import (
+    CLM,
+    MLM,
+    MNTP,
+    OBJECTIVES,
+    SSCL,
+    CLMConfig,
+    Magnet,
+    MagnetConfig,
+    Masking,
+    MaskingConfig,
+    MLMConfig,
+    MNTPConfig,
+    ObjectiveConfig,
+    SimCSE,
+    SimCSEConfig,
+    SSCLConfig,
+    make_objective,
+)
 from pipeline.objectives.base import resolve_mask_id
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 
@@ -63,8 +82,12 @@ def model(tokenizer):
                        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
 
 
-def masking(tokenizer, ratio=0.3, policy="80-10-10", mask_token=None) -> Masking:
-    return Masking.resolve(MaskingConfig(ratio=ratio, policy=policy, mask_token=mask_token), tokenizer)
+def mlm(tokenizer, **masking) -> MLM:
+    return make_objective(MLMConfig(**masking), tokenizer)
+
+
+def mntp(tokenizer, **masking) -> MNTP:
+    return make_objective(MNTPConfig(**masking), tokenizer)
 
 
 def attention(model, mode, batch):
@@ -87,7 +110,7 @@ def test_batch_is_packed_and_padded(tokenizer):
 
 def test_clm_equals_transformers_shifted_loss(model, tokenizer):
     batch = make_batch(tokenizer)
-    out = CLM()(model, batch)
+    out = CLM(CLMConfig())(model, batch)["clm"]
     labels = torch.where(has_same_doc_predecessor(batch.doc_ids), batch.input_ids, -100)
     with torch.no_grad():
         ref = model(input_ids=batch.input_ids, labels=labels, **attention(model, "causal", batch))
@@ -100,8 +123,8 @@ def test_clm_equals_transformers_shifted_loss(model, tokenizer):
 
 def test_mntp_equals_transformers_shifted_loss(model, tokenizer):
     batch = make_batch(tokenizer, 1)
-    objective = MNTP(masking(tokenizer, ratio=0.4, mask_token="\u2581the"))
-    out = objective(model, batch)
+    objective = mntp(tokenizer, ratio=0.4, mask_token="\u2581the")
+    out = objective(model, batch)["mntp"]
     masked_ids, is_target = objective.masking.apply(batch)
     the = tokenizer.hf.get_vocab()["\u2581the"]
     assert (masked_ids[is_target] == the).float().mean() > 0.5  # 80 % of targets show the mask token
@@ -115,8 +138,8 @@ def test_mntp_equals_transformers_shifted_loss(model, tokenizer):
 
 def test_mlm_equals_hand_loop(model, tokenizer):
     batch = make_batch(tokenizer, 2)
-    objective = MLM(masking(tokenizer, ratio=0.3, policy="mask"))
-    out = objective(model, batch)
+    objective = mlm(tokenizer, ratio=0.3, policy="mask")
+    out = objective(model, batch)["mlm"]
     masked_ids, is_target = objective.masking.apply(batch)
     assert (masked_ids[is_target] == tokenizer.mask_id).all()
     assert torch.equal(masked_ids[~is_target], batch.input_ids[~is_target])
@@ -134,14 +157,14 @@ def test_mlm_equals_hand_loop(model, tokenizer):
 @pytest.mark.parametrize("name", ["clm", "mlm", "mntp"])
 def test_target_only_head_equals_full_head(model, tokenizer, name):
     batch = make_batch(tokenizer, 3)
-    objective = make_objective(name, tokenizer=tokenizer, masking=None if name == "clm" else MaskingConfig())
-    out = objective(model, batch)
+    objective = make_objective(from_tagged(ObjectiveConfig, {"name": name}), tokenizer)
+    out = objective(model, batch)[name]
     targets = objective.targets(batch)
     with torch.no_grad():
         logits = model(input_ids=targets.input_ids, **attention(model, objective.attention_mode, batch)).logits
     full = F.cross_entropy(logits.transpose(1, 2), targets.labels, reduction="none")
     torch.testing.assert_close(out.loss_sum.detach(), full[targets.source].sum())
-    assert objective.num_targets(batch) == int(out.num_targets)
+    assert objective.num_targets(batch) == {name: int(out.num_targets)}
 
 
 def test_targets_on_a_hand_written_batch(tokenizer):
@@ -151,12 +174,13 @@ def test_targets_on_a_hand_written_batch(tokenizer):
     batch = Batch(input_ids=ids, doc_ids=torch.tensor([[0, 0, 0, 1, 1, 1]], dtype=torch.int32),
                   mask_rank=torch.arange(6, dtype=torch.int32)[None], mask_draw=torch.zeros(1, 6, dtype=torch.int64),
                   span_ids=torch.full((1, 6), -1, dtype=torch.int32), keys=["hand"])
-    everything = masking(tokenizer, ratio=1.0, policy="mask")
-    mlm, mntp, clm = MLM(everything).targets(batch), MNTP(everything).targets(batch), CLM().targets(batch)
-    assert mlm.source.tolist() == [[True] * 6] and mlm.labels.tolist() == ids.tolist()
-    assert (mlm.input_ids == tokenizer.mask_id).all() and (mntp.input_ids == tokenizer.mask_id).all()
-    assert torch.equal(clm.input_ids, ids)
-    for t in (mntp, clm):
+    everything = {"ratio": 1.0, "policy": "mask"}
+    mlm_t, mntp_t = mlm(tokenizer, **everything).targets(batch), mntp(tokenizer, **everything).targets(batch)
+    clm_t = CLM(CLMConfig()).targets(batch)
+    assert mlm_t.source.tolist() == [[True] * 6] and mlm_t.labels.tolist() == ids.tolist()
+    assert (mlm_t.input_ids == tokenizer.mask_id).all() and (mntp_t.input_ids == tokenizer.mask_id).all()
+    assert torch.equal(clm_t.input_ids, ids)
+    for t in (mntp_t, clm_t):
         assert t.source.tolist() == [[True, True, False, True, True, False]]
         assert t.labels[t.source].tolist() == [6, 7, 9, 10]
 
@@ -165,7 +189,7 @@ def test_ratio_follows_the_plan(tokenizer):
     batch = make_batch(tokenizer, 4)
     maskable = (batch.mask_rank != int(UNMASKABLE)).sum(-1)
     for ratio in (0.2, 0.5):
-        source = MLM(masking(tokenizer, ratio=ratio)).targets(batch).source
+        source = mlm(tokenizer, ratio=ratio).targets(batch).source
         assert source.sum(-1).tolist() == torch.floor(ratio * maskable.double() + 0.5).long().tolist()
 
 
@@ -175,14 +199,14 @@ def test_padding_rows_give_no_targets_and_finite_gradients(model, tokenizer):
                     doc_ids=torch.full_like(batch.doc_ids, -1),
                     mask_rank=torch.full_like(batch.mask_rank, int(UNMASKABLE)), mask_draw=batch.mask_draw,
                     span_ids=batch.span_ids, keys=batch.keys)
-    for objective in (CLM(), MLM(masking(tokenizer)), MNTP(masking(tokenizer))):
+    for objective in (CLM(CLMConfig()), mlm(tokenizer), mntp(tokenizer)):
         model.zero_grad()
-        out = objective(model, padding)
+        out = objective(model, padding)[objective.name]
         assert int(out.num_targets) == 0 and out.loss_sum.item() == 0.0
         out.loss_sum.backward()
         assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
     model.zero_grad()
-    MLM(masking(tokenizer))(model, batch).loss_sum.backward()
+    mlm(tokenizer)(model, batch)["mlm"].loss_sum.backward()
     assert model.lm_head.weight.grad.abs().sum() > 0 and model.model.embed_tokens.weight.grad.abs().sum() > 0
     model.zero_grad()
 
@@ -203,18 +227,57 @@ def test_masking_resolution(tokenizer, tmp_path):
 
 
 def test_bad_configuration(tokenizer):
-    with pytest.raises(ValueError, match="unknown objective 'nsp'; known objectives: clm, mlm, mntp"):
-        make_objective("nsp")
-    with pytest.raises(ValueError, match="'clm' does not mask"):
-        make_objective("clm", masking=MaskingConfig())
+    with pytest.raises(ConfigError, match=r"objectives\.0\.name: 'nsp' is not allowed; choose one of \['clm', 'mlm', 'mntp'"):
+        from_tagged(ObjectiveConfig, {"name": "nsp"}, "objectives.0")
+    with pytest.raises(ConfigError, match=r"objectives\.0\.name: missing in \{'ratio': 0.4\}; choose one of \['clm'"):
+        from_tagged(ObjectiveConfig, {"ratio": 0.4}, "objectives.0")
     with pytest.raises(TypeError, match="'mlm' needs the data's pipeline.tokenizer.Tokenizer.*got NoneType"):
-        make_objective("mlm")
+        make_objective(MLMConfig())
     with pytest.raises(TypeError, match=f"got {type(tokenizer.hf).__name__}"):
-        make_objective("mlm", tokenizer=tokenizer.hf)
+        make_objective(MLMConfig(), tokenizer.hf)
     with pytest.raises(ValueError, match="masking.policy: '90-10' is not one of 80-10-10, mask"):
         MaskingConfig(policy="90-10")
     with pytest.raises(ValueError, match=r"masking.ratio: 0.0 is outside \(0, 1\]"):
         MaskingConfig(ratio=0.0)
-    objective = make_objective("mntp", tokenizer=tokenizer, masking=MaskingConfig(ratio=0.2, policy="mask"),
-                               document_masking=False)
+    objective = make_objective(MNTPConfig(ratio=0.2, policy="mask"), tokenizer, document_masking=False)
     assert objective.masking.mask_id == tokenizer.mask_id and objective.document_masking is False
+
+
+@pytest.mark.parametrize("name", ["clm", "simcse", "sscl"])
+@pytest.mark.parametrize("key", ["ratio", "policy", "mask_token"])
+def test_masking_fields_on_an_objective_that_does_not_mask_are_an_error(name, key):
+    with pytest.raises(ConfigError, match=rf"phases\.0\.objectives\.0\.{key}: unknown key; allowed keys: \['name', 'weight'"):
+        from_tagged(ObjectiveConfig, {"name": name, key: "mask" if key == "policy" else 0.4},
+                    "phases.0.objectives.0")
+
+
+def test_configs_are_picked_by_name_and_build_their_objective(tokenizer):
+    expected = {"clm": (CLMConfig, CLM), "mlm": (MLMConfig, MLM), "mntp": (MNTPConfig, MNTP),
+                "magnet": (MagnetConfig, Magnet), "sscl": (SSCLConfig, SSCL), "simcse": (SimCSEConfig, SimCSE)}
+    assert {n: OBJECTIVES[n] for n in expected} == {n: cls for n, (_, cls) in expected.items()}
+    for name, (config_type, cls) in expected.items():
+        config = from_tagged(ObjectiveConfig, {"name": name, "weight": 2.0})
+        assert type(config) is config_type and config.name == cls.name == name and config.weight == 2.0
+        objective = make_objective(config, tokenizer)
+        assert type(objective) is cls and objective.config is config
+    magnet = from_tagged(ObjectiveConfig, {"name": "magnet", "ratio": 0.2, "mask_token": "<mask>", "msg_weight": 0.5})
+    assert (magnet.ratio, magnet.mask_token, magnet.msg_weight, magnet.mntp_weight) == (0.2, "<mask>", 0.5, 1.0)
+
+
+def test_each_objective_declares_what_it_is(tokenizer):
+    facts = {name: (cls.masks, cls.predicts_next, cls.causal, bool(cls.needs_tokenizer), cls.source)
+             for name, cls in OBJECTIVES.items()}
+    assert facts == {"clm": (False, True, True, False, "packed"), "mlm": (True, False, False, True, "packed"),
+                     "mntp": (True, True, False, True, "packed"), "magnet": (True, True, False, True, "packed"),
+                     "sscl": (False, False, False, True, "units"), "simcse": (False, False, False, True, "units")}
+    built = {name: make_objective(from_tagged(ObjectiveConfig, {"name": name}), tokenizer) for name in OBJECTIVES}
+    assert {n: o.attention_mode for n, o in built.items()} == {
+        "clm": "causal", "mlm": "bidirectional", "mntp": "bidirectional", "magnet": "magnet",
+        "sscl": "bidirectional", "simcse": "bidirectional"}
+    assert {n: o.loss_weights for n, o in built.items()} == {
+        "clm": {"clm": 1.0}, "mlm": {"mlm": 1.0}, "mntp": {"mntp": 1.0}, "magnet": {"mntp": 1.0, "msg": 1.0},
+        "sscl": {"sscl": 1.0}, "simcse": {"simcse": 1.0}}
+    magnet = [make_objective(MagnetConfig(**w), tokenizer) for w in ({"msg_weight": 0.0}, {"own_span_only": True},
+                                                                    {"mntp_weight": 0.0, "msg_weight": 2.0})]
+    assert [(o.attention_mode, o.loss_weights) for o in magnet] == [
+        ("bidirectional", {"mntp": 1.0}), ("magnet_own_span", {"mntp": 1.0, "msg": 1.0}), ("magnet", {"msg": 2.0})]

@@ -15,12 +15,13 @@ from helpers import REPO, launch_training, logged_steps
 from shard_corpus import HOLDOUT, TRAIN, documents, write_jsonl_zst
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pipeline.config import from_tagged
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import iter_eval
 from pipeline.data.manifest import load_index
 from pipeline.model.build import build_model
-from pipeline.objectives import MaskingConfig, make_objective
+from pipeline.objectives import ObjectiveConfig, make_objective
 from pipeline.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -74,11 +75,11 @@ def heldout_loss(model_dir: str, shards: str, objective: str, **masking) -> floa
     """Mean loss of ``objective`` on every held-out sample (no dropout)."""
     tok = load_tokenizer(model_dir)
     model = build_model(model_dir, tok.info.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id).eval()
-    obj = make_objective(objective, tokenizer=tok, masking=MaskingConfig(**masking) if masking else None)
+    obj = make_objective(from_tagged(ObjectiveConfig, {"name": objective, **masking}), tok)
     total = count = 0.0
     with torch.no_grad():
         for batch in iter_eval(load_index(shards), micro_batch=8):
-            out = obj(model, batch)
+            out = obj(model, batch)[objective]
             total, count = total + out.loss_sum.item(), count + int(out.num_targets)
     return total / count
 

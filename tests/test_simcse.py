@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from helpers import free_port, loss_and_grads, packed_text_batch, tiny_llama, unit_text_batch
 from shard_corpus import TOKENIZER, documents
 
+from pipeline.config import ConfigError, from_tagged
 from pipeline.data.units import split_units
-from pipeline.objectives import SimCSE, make_objective
+from pipeline.objectives import ObjectiveConfig, SimCSE, SimCSEConfig, make_objective
 from pipeline.objectives.simcse import mean_pool
 from pipeline.tokenizer import load_tokenizer
+from pipeline.train.experiment import load_experiment
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +50,9 @@ def reference_loss(model, units: list[list[int]], scale: float) -> torch.Tensor:
 def test_loss_equals_reference(tokenizer):
     texts = sentences(6)
     batch = unit_text_batch(tokenizer, texts)
-    objective = SimCSE(tokenizer, scale=2.0)  # LLM2Vec's 20 makes identical views' loss vanish
+    objective = SimCSE(SimCSEConfig(scale=2.0), tokenizer)  # LLM2Vec's 20 makes identical views' loss vanish
     model = tiny_llama(tokenizer).eval()
-    out = objective(model, batch)
+    out = objective(model, batch)["simcse"]
     units = [batch.input_ids[i][batch.doc_ids[i] >= 0].tolist() for i in range(6)]
     assert all(u[0] == tokenizer.bos_id and u[-1] == tokenizer.eos_id for u in units)
     assert len({len(u) for u in units}) > 1  # rows have different amounts of padding
@@ -64,12 +66,12 @@ def test_pooling_leaves_out_special_tokens_and_padding(tokenizer):
     batch = unit_text_batch(tokenizer, sentences(3))
     batch = replace(batch, doc_ids=batch.doc_ids.clone())
     batch.doc_ids[1] = -1  # a row without a unit (the loader fills the last eval round with such rows)
-    objective = SimCSE(tokenizer)
+    objective = SimCSE(SimCSEConfig(), tokenizer)
     keep = objective.text_tokens(batch)
     for row in (0, 2):
         length = int((batch.doc_ids[row] >= 0).sum())
         assert keep[row].nonzero().flatten().tolist() == list(range(1, length - 1))
-    assert not keep[1].any() and objective.num_targets(batch) == 2
+    assert not keep[1].any() and objective.num_targets(batch) == {"simcse": 2}
     hidden = torch.randn(3, batch.input_ids.shape[1], 8)
     pooled = mean_pool(hidden, keep)
     torch.testing.assert_close(pooled[0], hidden[0, keep[0]].mean(0))
@@ -77,22 +79,22 @@ def test_pooling_leaves_out_special_tokens_and_padding(tokenizer):
 
 
 def test_dropout_makes_the_two_views(tokenizer):
-    objective = SimCSE(tokenizer)
+    objective = SimCSE(SimCSEConfig(), tokenizer)
     with pytest.raises(ValueError, match="model.attention_dropout is 0, so they would be identical"):
         objective.attach(tiny_llama(tokenizer))
     model = tiny_llama(tokenizer, attention_dropout=0.3)
     objective.attach(model)
     batch = unit_text_batch(tokenizer, sentences(4))
-    eval_loss = objective(model.eval(), batch).loss_sum.item()
+    eval_loss = objective(model.eval(), batch)["simcse"].loss_sum.item()
     torch.manual_seed(1)
-    train_loss = objective(model.train(), batch).loss_sum.item()
+    train_loss = objective(model.train(), batch)["simcse"].loss_sum.item()
     torch.manual_seed(1)
-    assert objective(model, batch).loss_sum.item() == train_loss  # the dropout masks come from torch's seed
+    assert objective(model, batch)["simcse"].loss_sum.item() == train_loss  # the dropout masks come from torch's seed
     assert train_loss != pytest.approx(eval_loss, rel=1e-4)  # views differ: not the loss of identical views
 
 
 def test_bad_input_is_named(tokenizer):
-    objective = SimCSE(tokenizer)
+    objective = SimCSE(SimCSEConfig(), tokenizer)
     model = tiny_llama(tokenizer)
     packed = packed_text_batch(tokenizer, documents(max_chars=400)[:12])
     with pytest.raises(ValueError, match=r"simcse reads sentence units .*data_prep/build_shards.py --units"):
@@ -100,12 +102,12 @@ def test_bad_input_is_named(tokenizer):
     batch = unit_text_batch(tokenizer, sentences(1))
     with pytest.raises(ValueError, match="fewer than 2 examples over all ranks.*data.unit_micro_batch"):
         objective(model, batch)
-    with pytest.raises(TypeError, match="unexpected keyword argument 'temperature'"):
-        make_objective("simcse", tokenizer=tokenizer, temperature=0.05)
-    with pytest.raises(ValueError, match="options.scale must be > 0"):
-        make_objective("simcse", tokenizer=tokenizer, scale=0)
+    with pytest.raises(ConfigError, match=r"temperature: unknown key; allowed keys: \['name', 'weight', 'scale'\]"):
+        from_tagged(ObjectiveConfig, {"name": "simcse", "temperature": 0.05})
+    with pytest.raises(ConfigError, match=r"phases\[0\]\.objectives\[0\]\.scale: 0.0 is out of range; it must be > 0"):
+        load_experiment(None, ["phases=[{objectives: [{name: simcse, scale: 0}]}]"])
     with pytest.raises(TypeError, match="needs the data's pipeline.tokenizer.Tokenizer"):
-        make_objective("simcse")
+        make_objective(SimCSEConfig())
 
 
 SCALE = 2.0  # identical views (no dropout) at LLM2Vec's 20 would leave a vanishing loss and gradient
@@ -117,7 +119,7 @@ def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_di
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tokenizer = load_tokenizer(TOKENIZER)
     part = texts[:split] if rank == 0 else texts[split:]
-    result = loss_and_grads(SimCSE(tokenizer, scale=SCALE), tiny_llama(tokenizer).eval(),
+    result = loss_and_grads(SimCSE(SimCSEConfig(scale=SCALE), tokenizer), tiny_llama(tokenizer).eval(),
                              unit_text_batch(tokenizer, part))
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -129,7 +131,7 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tokenizer, tmp_path):
     texts = sentences(7)
     mp.spawn(_rank, args=(2, free_port(), texts, 3, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    loss, count, grads = loss_and_grads(SimCSE(tokenizer, scale=SCALE), tiny_llama(tokenizer).eval(),
+    loss, count, grads = loss_and_grads(SimCSE(SimCSEConfig(scale=SCALE), tokenizer), tiny_llama(tokenizer).eval(),
                                          unit_text_batch(tokenizer, texts))
     assert [r[1] for r in ranks] == [3, 4] and count == 7
     assert sum(r[0] for r in ranks) == pytest.approx(loss, rel=1e-5)

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from helpers import free_port, loss_and_grads, packed_text_batch, tiny_llama, unit_text_batch
 from shard_corpus import TOKENIZER, documents
 
+from pipeline.config import ConfigError, from_tagged
 from pipeline.model.attention import attention_inputs
-from pipeline.objectives import SSCL, make_objective
+from pipeline.objectives import SSCL, ObjectiveConfig, SSCLConfig, make_objective
 from pipeline.objectives.augment import crop, delete, edit_rng, edit_tokens, swap
 from pipeline.objectives.sscl import HEAD, INSTRUCTION
 from pipeline.tokenizer import load_tokenizer
@@ -42,7 +43,7 @@ def test_views_prefix_the_instruction(tokenizer):
     batch = unit_text_batch(tokenizer, sentences(3))
     batch = replace(batch, doc_ids=batch.doc_ids.clone())
     batch.doc_ids[1] = -1  # a row without a unit (the loader pads a batch with such rows)
-    objective = SSCL(tokenizer)
+    objective = SSCL(SSCLConfig(), tokenizer)
     views = objective.views(batch)
     prefix = tokenizer.encode_batch([INSTRUCTION])[0]
     unit = batch.input_ids[0][batch.doc_ids[0] >= 0].tolist()
@@ -51,7 +52,7 @@ def test_views_prefix_the_instruction(tokenizer):
     assert int(views.last[0]) == len(anchor) - 1 and anchor[-1] == tokenizer.eos_id  # the EOS is pooled
     assert torch.equal(views.input_ids[:3], views.input_ids[3:])  # dropout: x+ is x
     assert views.valid.tolist() == [True, False, True] and (views.doc_ids[1] == -1).all()
-    assert objective.num_targets(batch) == 2
+    assert objective.num_targets(batch) == {"sscl": 2}
 
 
 def test_edits_are_deterministic_and_bounded():
@@ -91,12 +92,12 @@ def reference_loss(model, views_rows: list[list[int]], n: int, scale: float) -> 
 @pytest.mark.parametrize("augment", ["delete", "swap", "crop"])
 def test_loss_equals_reference(tokenizer, augment):
     batch = unit_text_batch(tokenizer, sentences(6))
-    objective = SSCL(tokenizer, augment=augment, edit_ratio=0.3, scale=10.0)
+    objective = SSCL(SSCLConfig(augment=augment, edit_ratio=0.3, scale=10.0), tokenizer)
     model = attached(objective, tiny_llama(tokenizer)).eval()
     views = objective.views(batch)
     rows = [views.input_ids[i][views.doc_ids[i] >= 0].tolist() for i in range(len(views.input_ids))]
     assert rows[:6] != rows[6:]  # the edits changed the positives
-    out = objective(model, batch)
+    out = objective(model, batch)["sscl"]
     with torch.no_grad():
         ref = reference_loss(model, rows, 6, 10.0)
     assert int(out.num_targets) == 6
@@ -104,14 +105,14 @@ def test_loss_equals_reference(tokenizer, augment):
 
 
 def test_head_is_identity_tanh_trained_and_not_exported(tokenizer, tmp_path):
-    objective = SSCL(tokenizer, augment="swap")
+    objective = SSCL(SSCLConfig(augment="swap"), tokenizer)
     model = attached(objective, tiny_llama(tokenizer))
     head = getattr(model, HEAD)
     d = model.config.hidden_size
     assert head[0].weight.shape == (d, d) and head[0].bias.shape == (d,)
     x = torch.randn(3, d)
     torch.testing.assert_close(head(x), torch.tanh(x))
-    objective(model, unit_text_batch(tokenizer, sentences(4))).loss_sum.backward()
+    objective(model, unit_text_batch(tokenizer, sentences(4)))["sscl"].loss_sum.backward()
     assert head[0].weight.grad.abs().sum() > 0
     model.save_pretrained(tmp_path)
     from safetensors import safe_open
@@ -122,7 +123,7 @@ def test_head_is_identity_tanh_trained_and_not_exported(tokenizer, tmp_path):
 
 
 def test_dropout_views_differ_only_by_dropout(tokenizer):
-    objective = SSCL(tokenizer)  # the default: augment "dropout"
+    objective = SSCL(SSCLConfig(), tokenizer)  # the default: augment "dropout"
     with pytest.raises(ValueError, match="model.attention_dropout is 0, so both views would be identical"):
         objective.attach(tiny_llama(tokenizer))
     model = attached(objective, tiny_llama(tokenizer, attention_dropout=0.3))
@@ -143,14 +144,14 @@ def test_paraphrase_is_the_positive(tokenizer):
     texts = sentences(4)
     paraphrases = [" ".join(reversed(t.split())) for t in texts]
     batch = unit_text_batch(tokenizer, texts, paraphrases=paraphrases)
-    objective = SSCL(tokenizer, augment="paraphrase")
+    objective = SSCL(SSCLConfig(augment="paraphrase"), tokenizer)
     views = objective.views(batch)
     prefix = tokenizer.encode_batch([INSTRUCTION])[0]
     for row, ids in enumerate(tokenizer.encode_batch(paraphrases)):
         positive = views.input_ids[4 + row][views.doc_ids[4 + row] >= 0].tolist()
         assert positive == [tokenizer.bos_id, *prefix, *ids[:30], tokenizer.eos_id]
     model = attached(objective, tiny_llama(tokenizer)).eval()
-    assert int(objective(model, batch).num_targets) == 4
+    assert int(objective(model, batch)["sscl"].num_targets) == 4
     with pytest.raises(ValueError, match="augment is 'paraphrase' but the unit shards carry no paraphrases.*"
                                          "--paraphrase-field"):
         objective.views(unit_text_batch(tokenizer, texts))
@@ -160,22 +161,22 @@ def test_paraphrase_is_the_positive(tokenizer):
 
 
 def test_bad_input_is_named(tokenizer):
-    objective = SSCL(tokenizer, augment="swap")
+    objective = SSCL(SSCLConfig(augment="swap"), tokenizer)
     model = attached(objective, tiny_llama(tokenizer))
     packed = packed_text_batch(tokenizer, documents(max_chars=400)[:12])
     with pytest.raises(ValueError, match=r"sscl reads sentence units .*data_prep/build_shards.py --units"):
         objective(model, packed)
     batch = unit_text_batch(tokenizer, sentences(2))
     empty = replace(batch, doc_ids=torch.full_like(batch.doc_ids, -1))
-    assert objective.num_targets(empty) == 0
+    assert objective.num_targets(empty) == {"sscl": 0}
     with pytest.raises(ValueError, match="fewer than 2 examples over all ranks.*data.unit_micro_batch"):
         objective(model, empty)
-    with pytest.raises(ValueError, match="options.augment 'backtranslate' is not one of dropout, delete"):
-        make_objective("sscl", tokenizer=tokenizer, augment="backtranslate")
-    with pytest.raises(TypeError, match="unexpected keyword argument 'temperature'"):
-        make_objective("sscl", tokenizer=tokenizer, temperature=0.05)
+    with pytest.raises(ConfigError, match=r"augment: 'backtranslate' is not allowed; choose one of \['dropout', 'delete'"):
+        from_tagged(ObjectiveConfig, {"name": "sscl", "augment": "backtranslate"})
+    with pytest.raises(ConfigError, match="temperature: unknown key"):
+        from_tagged(ObjectiveConfig, {"name": "sscl", "temperature": 0.05})
     with pytest.raises(TypeError, match="needs the data's pipeline.tokenizer.Tokenizer"):
-        make_objective("sscl", augment="swap")
+        make_objective(SSCLConfig(augment="swap"))
 
 
 def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_dir: str) -> None:
@@ -183,7 +184,7 @@ def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_di
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     tokenizer = load_tokenizer(TOKENIZER)
-    objective = SSCL(tokenizer, augment="swap", edit_ratio=0.3)
+    objective = SSCL(SSCLConfig(augment="swap", edit_ratio=0.3), tokenizer)
     model = attached(objective, tiny_llama(tokenizer)).eval()
     part = unit_text_batch(tokenizer, texts[:split]) if rank == 0 else unit_text_batch(tokenizer, texts[split:],
                                                                                        first_index=split)
@@ -197,7 +198,7 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tokenizer, tmp_path):
     # uneven parts (3 + 4): the gather pads and trims; the keys (which seed the edits) match the whole batch's
     mp.spawn(_rank, args=(2, free_port(), texts, 3, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    objective = SSCL(tokenizer, augment="swap", edit_ratio=0.3)
+    objective = SSCL(SSCLConfig(augment="swap", edit_ratio=0.3), tokenizer)
     model = attached(objective, tiny_llama(tokenizer)).eval()
     whole = unit_text_batch(tokenizer, texts)
     loss, count, grads = loss_and_grads(objective, model, whole)

@@ -98,10 +98,10 @@ def reference_losses(shards: str, init_dir: str, run_dir: str) -> tuple[list[flo
     out = []
     for _ in range(STEPS):
         batches = loader.next_global_step()
-        count = sum(clm.objective.num_targets(b) for b in batches)
+        count = sum(clm.objective.num_targets(b)["clm"] for b in batches)
         total = 0.0
         for b in batches:
-            loss_sum, _, _ = model(clm.objective, b)
+            loss_sum, _, _ = model(clm.objective, b)["clm"]
             (loss_sum / count).backward()
             total += loss_sum.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), exp.optim.grad_clip)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from pipeline.data.loader import check_compatible, iter_eval
 from pipeline.data.manifest import load_index
 from pipeline.eval.task import EvalContext, Task
-from pipeline.objectives import MaskingConfig, make_objective
+from pipeline.objectives import CLMConfig, MaskedConfig, MLMConfig, MNTPConfig, make_objective
 
 
 @dataclass
@@ -50,7 +50,7 @@ def score(ctx: EvalContext, objective, opts: HeldOutOptions) -> dict:
                                    disable=not ctx.progress, leave=False)):
         if i == total:
             break
-        out = objective(ctx.model.lm, batch.to(ctx.model.device))
+        out = objective(ctx.model.lm, batch.to(ctx.model.device))[objective.name]
         loss, targets, correct = loss + float(out.loss_sum), targets + int(out.num_targets), correct + int(
             out.num_correct)
     if not targets:
@@ -60,15 +60,15 @@ def score(ctx: EvalContext, objective, opts: HeldOutOptions) -> dict:
 
 
 def perplexity(ctx: EvalContext, opts: HeldOutOptions) -> dict:
-    result = score(ctx, make_objective("clm", document_masking=opts.document_masking), opts)
+    result = score(ctx, make_objective(CLMConfig(), document_masking=opts.document_masking), opts)
     return {**result, "perplexity": math.exp(result["loss"])}
 
 
-def masked(name: str):
+def masked(config_type: type[MaskedConfig]):
     def run(ctx: EvalContext, opts: MaskedHeldOutOptions) -> dict:
-        config = MaskingConfig(opts.ratio, opts.policy, opts.mask_token or ctx.model.record.mask_token)
-        objective = make_objective(name, tokenizer=ctx.model.tokenizer, masking=config,
-                                   document_masking=opts.document_masking)
+        config = config_type(ratio=opts.ratio, policy=opts.policy,
+                             mask_token=opts.mask_token or ctx.model.record.mask_token)
+        objective = make_objective(config, ctx.model.tokenizer, opts.document_masking)
         return {**score(ctx, objective, opts), "ratio": opts.ratio, "policy": opts.policy}
     return run
 
@@ -76,8 +76,8 @@ def masked(name: str):
 TASKS = (
     Task("perplexity", "heldout", "held-out CLM loss and perplexity", HeldOutOptions, perplexity,
          lambda r: {"ppl": r["perplexity"]}),
-    Task("mlm", "heldout", "held-out MLM loss and accuracy at a masking ratio", MaskedHeldOutOptions, masked("mlm"),
+    Task("mlm", "heldout", "held-out MLM loss and accuracy at a masking ratio", MaskedHeldOutOptions, masked(MLMConfig),
          lambda r: {"mlm_acc": 100 * r["accuracy"]}),
     Task("mntp", "heldout", "held-out MNTP loss and accuracy at a masking ratio", MaskedHeldOutOptions,
-         masked("mntp"), lambda r: {"mntp_acc": 100 * r["accuracy"]}),
+         masked(MNTPConfig), lambda r: {"mntp_acc": 100 * r["accuracy"]}),
 )

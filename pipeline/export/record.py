@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, fields
 
 from transformers import PretrainedConfig
 
-from pipeline.objectives import OBJECTIVES, MaskedObjective
+from pipeline.objectives import OBJECTIVES
 from pipeline.objectives.sscl import INSTRUCTION as SSCL_INSTRUCTION
 from pipeline.tokenizer import Tokenizer
 
@@ -30,7 +30,6 @@ POOLINGS = ("mean", "last", "weighted_mean")
 # how encode() lays a text out: data prep's BOS text EOS; the tokenizer's own special tokens (what
 # ``tokenizer(text)`` adds: LLM2Vec's and sentence-transformers' layout); the text tokens alone
 LAYOUTS = ("bos_eos", "special", "text")
-MNTP_OBJECTIVES = ("mntp", "magnet")  # objectives that predict token i from position i - 1
 
 
 @dataclass(frozen=True)
@@ -72,16 +71,16 @@ def from_experiment(experiment: dict, tokenizer: Tokenizer) -> EncoderRecord:
     start = start_record(experiment) or EncoderRecord()
     phases = _phase_objectives(experiment)
     last = [o["name"] for o in phases[-1]] if phases else []
-    modes = {OBJECTIVES[n].attention_mode for n in last if n in OBJECTIVES}
-    masked = [o for p in phases for o in p if o["name"] in OBJECTIVES and issubclass(OBJECTIVES[o["name"]],
-                                                                                      MaskedObjective)]
+    trained = [(o, OBJECTIVES[o["name"]]) for p in phases for o in p if o["name"] in OBJECTIVES]
+    masked = [o for o, cls in trained if cls.masks]
     mask_token = masked[-1].get("mask_token") if masked else start.mask_token
     if masked and mask_token is None and tokenizer.mask_id is not None:
         mask_token = tokenizer.hf.convert_ids_to_tokens(tokenizer.mask_id)
     sscl = "sscl" in last
-    return EncoderRecord(attention="bidirectional" if modes - {"causal"} else "causal",
-                         reads_previous=start.reads_previous or any(o["name"] in MNTP_OBJECTIVES
-                                                                    for p in phases for o in p),
+    causal = all(OBJECTIVES[n].causal for n in last if n in OBJECTIVES)
+    return EncoderRecord(attention="causal" if causal else "bidirectional",
+                         reads_previous=start.reads_previous or any(cls.masks and cls.predicts_next
+                                                                    for _, cls in trained),
                          mask_token=mask_token, pooling="last" if sscl else "mean", layout="bos_eos",
                          instruction=SSCL_INSTRUCTION if sscl else None,
                          objectives=start.objectives + tuple("+".join(o["name"] for o in p) for p in phases))

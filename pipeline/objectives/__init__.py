@@ -1,40 +1,34 @@
-"""Training objectives by name; the trainer builds them once from the experiment config and the tokenizer."""
+"""Training objectives by name; the trainer builds them once from their typed configs and the tokenizer."""
 
 from __future__ import annotations
 
-from pipeline.objectives.base import MaskedObjective, Masking, MaskingConfig, Objective, ObjectiveOutput
-from pipeline.objectives.clm import CLM
-from pipeline.objectives.magnet import Magnet
-from pipeline.objectives.mlm import MLM
-from pipeline.objectives.mntp import MNTP
-from pipeline.objectives.simcse import SimCSE
-from pipeline.objectives.sscl import SSCL
+from pipeline.objectives.base import (
+    BaseConfig,
+    MaskedConfig,
+    MaskedObjective,
+    Masking,
+    MaskingConfig,
+    Objective,
+    ObjectiveOutput,
+)
+from pipeline.objectives.clm import CLM, CLMConfig
+from pipeline.objectives.magnet import Magnet, MagnetConfig
+from pipeline.objectives.mlm import MLM, MLMConfig
+from pipeline.objectives.mntp import MNTP, MNTPConfig
+from pipeline.objectives.simcse import SimCSE, SimCSEConfig
+from pipeline.objectives.sscl import SSCL, SSCLConfig
 from pipeline.tokenizer import Tokenizer
 
 OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (CLM, MLM, MNTP, Magnet, SSCL, SimCSE)}
+# an experiment's objective: its ``name`` picks the config (pipeline.config.from_tagged)
+ObjectiveConfig = CLMConfig | MLMConfig | MNTPConfig | MagnetConfig | SSCLConfig | SimCSEConfig
 
-__all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "SSCL", "Magnet", "Masking", "MaskingConfig", "Objective",
-           "ObjectiveOutput", "SimCSE", "make_objective"]
+__all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "SSCL", "BaseConfig", "CLMConfig", "MLMConfig", "MNTPConfig", "Magnet",
+           "MagnetConfig", "MaskedConfig", "MaskedObjective", "Masking", "MaskingConfig", "Objective",
+           "ObjectiveConfig", "ObjectiveOutput", "SSCLConfig", "SimCSE", "SimCSEConfig", "make_objective"]
 
 
-def make_objective(name: str, *, tokenizer: Tokenizer | None = None,
-                   masking: MaskingConfig | None = None, document_masking: bool = True, **options) -> Objective:
-    """The objective ``name``; masked objectives resolve ``masking`` (default ``MaskingConfig()``) with ``tokenizer``.
-
-    ``options`` are the objective's own settings (the experiment's ``objectives[i].options``); objectives that
-    take any receive them with the tokenizer as keyword arguments, and an unknown option is an error naming it.
-    """
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; known objectives: {', '.join(OBJECTIVES)}")
-    cls = OBJECTIVES[name]
-    if issubclass(cls, MaskedObjective):
-        if not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"objective {name!r} needs the data's pipeline.tokenizer.Tokenizer (load_tokenizer(path)) "
-                            f"to resolve its mask token and random-replacement ids, got {type(tokenizer).__name__}")
-        return cls(Masking.resolve(masking or MaskingConfig(), tokenizer), document_masking=document_masking,
-                   **options)
-    if masking is not None:
-        raise ValueError(f"objective {name!r} does not mask its input; remove its masking settings")
-    if options or getattr(cls, "takes_tokenizer", False):
-        return cls(tokenizer=tokenizer, document_masking=document_masking, **options)
-    return cls(document_masking=document_masking)
+def make_objective(config: ObjectiveConfig, tokenizer: Tokenizer | None = None,
+                   document_masking: bool = True) -> Objective:
+    """The objective of ``config``; objectives that mask or encode text need the data's ``tokenizer``."""
+    return OBJECTIVES[config.name].build(config, tokenizer, document_masking)

@@ -1,4 +1,5 @@
-"""What every objective shares: the output triple, masking settings, and the target-only LM head.
+"""What every objective shares: its config's common fields, the facts it declares, the output triple, masking
+settings, and the target-only LM head.
 
 An objective turns a ``Batch`` into ``Targets`` (model input, which positions predict, and what they predict).
 The base class then runs the decoder body for hidden states, gathers the predicting positions, and runs the LM
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 from transformers import PreTrainedModel
@@ -21,6 +22,30 @@ from pipeline.data.masking import POLICIES, apply_mask_plan
 from pipeline.model.attention import attention_inputs
 from pipeline.model.lm_head import ChunkedLMHead, cross_entropy
 from pipeline.tokenizer import Tokenizer
+
+
+@dataclass
+class BaseConfig:
+    """The fields of every objective's config. Each objective's module defines its config on top, with ``name``
+    fixed to one ``Literal`` so the experiment's ``{name: ..., ...}`` picks it (``pipeline.config.from_tagged``)."""
+
+    name: str
+    weight: float = 1.0  # weight of the objective's loss in the phase's sum
+    RANGES: ClassVar[dict[str, str]] = {"weight": "> 0"}
+
+
+@dataclass
+class MaskedConfig(BaseConfig):
+    """The config fields of an objective that reads the batch's masking plan (MLM, MNTP, MAGNET)."""
+
+    ratio: float = 0.3  # masking ratio; any value in (0, 1] from the same shards
+    policy: Literal["80-10-10", "mask"] = "80-10-10"  # replacement of masked tokens: BERT's split, or all [MASK]
+    mask_token: str | None = None  # None: the tokenizer's mask token; or an ordinary token such as "_" (LLM2Vec)
+    RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "ratio": "(0, 1]"}
+
+    @property
+    def masking(self) -> MaskingConfig:
+        return MaskingConfig(self.ratio, self.policy, self.mask_token)
 
 
 @dataclass
@@ -115,19 +140,48 @@ def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets
 class Objective(ABC):
     """One training objective: an attention mode plus a way to pick inputs and targets from a batch.
 
-    The trainer's contract, which objectives other than token prediction (contrastive ones) implement directly:
-    ``source`` names the shards it reads, ``attach`` adds trainable heads before the engine is built,
-    ``num_targets(batch)`` counts targets without the model, and ``__call__(model, batch)`` returns an
-    ``ObjectiveOutput`` -- or, for an objective that computes several losses from one forward pass, a dict of
-    them by name, with ``num_targets`` returning a dict of the same names.
+    The class declares what callers ask (``masks``, ``predicts_next``, ``causal``, ``needs_tokenizer``,
+    ``source``); ``attention_mode`` and ``loss_weights`` follow from the config. The trainer's contract, which
+    objectives other than token prediction (contrastive ones) implement directly: ``attach`` adds trainable heads
+    before the engine is built, ``num_targets(batch)`` counts targets without the model, and
+    ``__call__(model, batch)`` returns the ``ObjectiveOutput`` of each named loss (``loss_weights``' names;
+    ``{name: output}`` for an objective with one loss), ``num_targets`` the count of each.
     """
 
     name: ClassVar[str]
-    attention_mode: ClassVar[str]
-    source: ClassVar[str] = "packed"  # "packed": the packed training shards; "units": sentence-unit shards
+    causal: ClassVar[bool] = False  # reads left to right only (else its attention mode lets tokens see later ones)
+    masks: ClassVar[bool] = False  # reads the batch's masking plan (its config is a ``MaskedConfig``)
+    predicts_next: ClassVar[bool] = False  # token i is predicted from the hidden state at position i - 1
+    needs_tokenizer: ClassVar[str] = ""  # what it needs the data's Tokenizer for ("": it does not)
+    source: ClassVar[Literal["packed", "units"]] = "packed"  # the packed training shards, or sentence-unit shards
 
-    def __init__(self, document_masking: bool = True):
+    def __init__(self, config: BaseConfig, document_masking: bool = True):
+        self.config = config
         self.document_masking = document_masking
+
+    @classmethod
+    def build(cls, config: BaseConfig, tokenizer: Tokenizer | None = None, document_masking: bool = True) -> Objective:
+        """The objective of ``config``; one that ``needs_tokenizer`` gets the data's tokenizer (checked here)."""
+        if not cls.needs_tokenizer:
+            return cls(config, document_masking)
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"objective {cls.name!r} needs the data's pipeline.tokenizer.Tokenizer (load_tokenizer(path)) "
+                            f"{cls.needs_tokenizer}, got {type(tokenizer).__name__}")
+        return cls.from_tokenizer(config, tokenizer, document_masking)
+
+    @classmethod
+    def from_tokenizer(cls, config: BaseConfig, tokenizer: Tokenizer, document_masking: bool) -> Objective:
+        return cls(config, tokenizer, document_masking)
+
+    @property
+    def attention_mode(self) -> str:
+        """The mode of ``pipeline.model.attention`` its forward pass uses."""
+        return "causal" if self.causal else "bidirectional"
+
+    @property
+    def loss_weights(self) -> dict[str, float]:
+        """Its losses by name (the trainer logs ``loss/<name>``), each weighted by this times the config's ``weight``."""
+        return {self.name: 1.0}
 
     def attach(self, model: PreTrainedModel) -> None:
         """Register the objective's own trainable modules on ``model`` (called once, before DeepSpeed wraps it).
@@ -139,22 +193,31 @@ class Objective(ABC):
         several losses) need not."""
         raise NotImplementedError(f"objective {self.name!r} has no single token-target set")
 
-    def num_targets(self, batch: Batch) -> int:
-        """Targets in ``batch`` without running the model, so the trainer can normalise a step before backward."""
-        return int(self.targets(batch).source.sum())
+    def num_targets(self, batch: Batch) -> dict[str, int]:
+        """Targets of each loss in ``batch`` without running the model, so the trainer can normalise a step before
+        backward."""
+        return {self.name: int(self.targets(batch).source.sum())}
 
-    def __call__(self, model: PreTrainedModel, batch: Batch) -> ObjectiveOutput:
+    def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         targets = self.targets(batch)
         attention = attention_inputs(self.attention_mode, batch.doc_ids, batch.span_ids,
                                      document_masking=self.document_masking,
                                      attn_implementation=model.config._attn_implementation, dtype=model.dtype)
         hidden = model.model(input_ids=targets.input_ids, **attention).last_hidden_state
-        return target_loss(model.lm_head, hidden, targets)
+        return {self.name: target_loss(model.lm_head, hidden, targets)}
 
 
 class MaskedObjective(Objective):
-    """An objective that reads the batch's masking plan (MLM, MNTP)."""
+    """An objective that reads the batch's masking plan (MLM, MNTP, MAGNET): its config's masking settings,
+    resolved once against the tokenizer (or a ``Masking`` given directly)."""
 
-    def __init__(self, masking: Masking, document_masking: bool = True):
-        super().__init__(document_masking)
+    masks = True
+    needs_tokenizer = "to resolve its mask token and random-replacement ids"
+
+    def __init__(self, config: MaskedConfig, masking: Masking, document_masking: bool = True):
+        super().__init__(config, document_masking)
         self.masking = masking
+
+    @classmethod
+    def from_tokenizer(cls, config: MaskedConfig, tokenizer: Tokenizer, document_masking: bool) -> Objective:
+        return cls(config, Masking.resolve(config.masking, tokenizer), document_masking)

@@ -7,13 +7,22 @@ signal. Padding is never a target.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from pipeline.data.batch import Batch
-from pipeline.objectives.base import Objective, Targets, next_token_targets
+from pipeline.objectives.base import BaseConfig, Objective, Targets, next_token_targets
+
+
+@dataclass
+class CLMConfig(BaseConfig):
+    name: Literal["clm"] = "clm"
 
 
 class CLM(Objective):
     name = "clm"
-    attention_mode = "causal"
+    causal = True
+    predicts_next = True
 
     def targets(self, batch: Batch) -> Targets:
         return next_token_targets(batch.input_ids, batch.input_ids, batch.doc_ids, batch.doc_ids >= 0)

@@ -17,16 +17,18 @@ attention (identical to ``mntp`` at the same ratio).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
 
+from pipeline.config import ConfigError
 from pipeline.data.batch import Batch
 from pipeline.data.format import UNMASKABLE
 from pipeline.model.attention import attention_inputs
 from pipeline.objectives.base import (
+    MaskedConfig,
     MaskedObjective,
-    Masking,
     ObjectiveOutput,
     Targets,
     next_token_targets,
@@ -52,24 +54,38 @@ def context_ranks(mask_rank: torch.Tensor, in_span: torch.Tensor) -> torch.Tenso
     return torch.where(rank == int(UNMASKABLE), rank, dense)
 
 
+@dataclass
+class MagnetConfig(MaskedConfig):
+    """``mntp_weight`` / ``msg_weight`` are the paper's lambda1 / lambda3 (the trainer multiplies them by ``weight``);
+    0 turns a loss off. ``own_span_only``: span tokens attend to earlier tokens of their own span only, instead of
+    all earlier span tokens of the document."""
+
+    name: Literal["magnet"] = "magnet"
+    mntp_weight: float = 1.0
+    msg_weight: float = 1.0
+    own_span_only: bool = False
+
+    def validate(self) -> None:
+        if min(self.mntp_weight, self.msg_weight) < 0 or self.mntp_weight + self.msg_weight == 0:
+            raise ConfigError(f"magnet: mntp_weight and msg_weight must be >= 0 and not both 0, got "
+                              f"{self.mntp_weight} and {self.msg_weight}; drop the objective instead")
+
+
 class Magnet(MaskedObjective):
     name = "magnet"
-    attention_mode = "magnet"
+    predicts_next = True
 
-    def __init__(self, masking: Masking, document_masking: bool = True, mntp_weight: float = 1.0,
-                 msg_weight: float = 1.0, own_span_only: bool = False):
-        """``mntp_weight`` / ``msg_weight`` are the paper's lambda1 / lambda3 (the trainer multiplies them by the
-        objective's weight); 0 turns a loss off. ``own_span_only``: span tokens attend to earlier tokens of their
-        own span only, instead of all earlier span tokens of the document."""
-        super().__init__(masking, document_masking)
-        if min(mntp_weight, msg_weight) < 0 or mntp_weight + msg_weight == 0:
-            raise ValueError(f"magnet: options mntp_weight and msg_weight must be >= 0 and not both 0, got "
-                             f"{mntp_weight} and {msg_weight}; drop the objective instead")
-        self.loss_weights = {n: float(w) for n, w in (("mntp", mntp_weight), ("msg", msg_weight)) if w > 0}
+    @property
+    def loss_weights(self) -> dict[str, float]:
+        c = self.config
+        return {n: w for n, w in (("mntp", c.mntp_weight), ("msg", c.msg_weight)) if w > 0}
+
+    @property
+    def attention_mode(self) -> str:
+        """MAGNET's mask; plain bidirectional attention when MSG is off (no spans to hide)."""
         if "msg" not in self.loss_weights:
-            self.attention_mode = "bidirectional"
-        elif own_span_only:
-            self.attention_mode = "magnet_own_span"
+            return "bidirectional"
+        return "magnet_own_span" if self.config.own_span_only else "magnet"
 
     def view(self, batch: Batch) -> MagnetView:
         """x^m, the span ids the mask reads, and the targets of each active loss; checks the batch's spans."""
@@ -114,4 +130,4 @@ def check_spans(batch: Batch) -> None:
         raise ValueError(f"samples {batch.keys} have no MAGNET spans, so the MSG loss has no target: the shards were "
                          "built with --span-fraction 0, from documents shorter than --span-min + 1 tokens, or are "
                          "sentence-unit shards; rebuild packed shards with --span-fraction > 0 (e.g. 0.15), or turn "
-                         "MSG off with options.msg_weight: 0")
+                         "MSG off with msg_weight: 0")

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from pipeline.data.batch import Batch
-from pipeline.objectives.base import MaskedObjective, Targets
+from pipeline.objectives.base import MaskedConfig, MaskedObjective, Targets
+
+
+@dataclass
+class MLMConfig(MaskedConfig):
+    name: Literal["mlm"] = "mlm"
 
 
 class MLM(MaskedObjective):
     name = "mlm"
-    attention_mode = "bidirectional"
 
     def targets(self, batch: Batch) -> Targets:
         masked_ids, is_target = self.masking.apply(batch)

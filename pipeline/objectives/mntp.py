@@ -7,13 +7,21 @@ its document and is not a target; it stays masked in the input, so the corruptio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 from pipeline.data.batch import Batch
-from pipeline.objectives.base import MaskedObjective, Targets, next_token_targets
+from pipeline.objectives.base import MaskedConfig, MaskedObjective, Targets, next_token_targets
+
+
+@dataclass
+class MNTPConfig(MaskedConfig):
+    name: Literal["mntp"] = "mntp"
 
 
 class MNTP(MaskedObjective):
     name = "mntp"
-    attention_mode = "bidirectional"
+    predicts_next = True
 
     def targets(self, batch: Batch) -> Targets:
         masked_ids, is_target = self.masking.apply(batch)

@@ -18,12 +18,15 @@ There is no projection head and no instruction: the embedding is the model's own
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
 import torch
 from transformers import PreTrainedModel
 
 from pipeline.data.batch import Batch
 from pipeline.model.attention import attention_inputs
-from pipeline.objectives.base import Objective, ObjectiveOutput
+from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
 from pipeline.objectives.infonce import info_nce
 from pipeline.tokenizer import Tokenizer
 
@@ -43,21 +46,22 @@ def mean_pool(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
 
 
+@dataclass
+class SimCSEConfig(BaseConfig):
+    name: Literal["simcse"] = "simcse"
+    scale: float = 20.0  # InfoNCE logit scale, 1 / temperature
+    RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "scale": "> 0"}
+
+
 class SimCSE(Objective):
     name = "simcse"
-    attention_mode = "bidirectional"
     source = "units"
-    takes_tokenizer = True
+    needs_tokenizer = "to know which tokens are special (pooling leaves them out)"
 
-    def __init__(self, tokenizer: Tokenizer | None, document_masking: bool = True, scale: float = 20.0):
-        """``scale`` is 1 / temperature; the tokenizer names the special ids that pooling leaves out."""
-        super().__init__(document_masking)
-        if not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"objective 'simcse' needs the data's pipeline.tokenizer.Tokenizer to know which tokens "
-                            f"are special (pooling leaves them out), got {type(tokenizer).__name__}")
-        if scale <= 0:
-            raise ValueError(f"simcse: options.scale must be > 0 (1 / temperature), got {scale}")
-        self.scale = scale
+    def __init__(self, config: SimCSEConfig, tokenizer: Tokenizer, document_masking: bool = True):
+        """The tokenizer names the special ids that pooling leaves out."""
+        super().__init__(config, document_masking)
+        self.scale = config.scale
         self.special_ids = torch.tensor(tokenizer.special_ids, dtype=torch.long)
 
     def attach(self, model: PreTrainedModel) -> None:
@@ -71,11 +75,11 @@ class SimCSE(Objective):
         special = torch.isin(batch.input_ids, self.special_ids.to(batch.input_ids.device))
         return (batch.doc_ids >= 0) & ~special
 
-    def num_targets(self, batch: Batch) -> int:
+    def num_targets(self, batch: Batch) -> dict[str, int]:
         """One query per unit; padding rows (no text) have none."""
-        return int(self.text_tokens(batch).any(-1).sum())
+        return {self.name: int(self.text_tokens(batch).any(-1).sum())}
 
-    def __call__(self, model: PreTrainedModel, batch: Batch) -> ObjectiveOutput:
+    def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         check_units(batch, self.name)
         keep = self.text_tokens(batch)
         doc_ids = torch.cat([batch.doc_ids, batch.doc_ids])
@@ -85,4 +89,4 @@ class SimCSE(Objective):
         pooled = mean_pool(hidden, torch.cat([keep, keep]))
         valid = keep.any(-1)
         n = len(valid)
-        return info_nce(pooled[:n][valid], pooled[n:][valid], self.scale)
+        return {self.name: info_nce(pooled[:n][valid], pooled[n:][valid], self.scale)}

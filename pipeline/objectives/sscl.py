@@ -25,7 +25,9 @@ x+ (``augment``):
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -34,15 +36,29 @@ from transformers import PreTrainedModel
 
 from pipeline.data.batch import Batch
 from pipeline.model.attention import attention_inputs
-from pipeline.objectives.augment import EDITS, edit_tokens
-from pipeline.objectives.base import Objective, ObjectiveOutput
+from pipeline.objectives.augment import edit_tokens
+from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
 from pipeline.objectives.infonce import info_nce
 from pipeline.objectives.simcse import check_units
 from pipeline.tokenizer import Tokenizer
 
 INSTRUCTION = "Given the sentence, find its representation:"
-AUGMENTS = ("dropout", *EDITS, "paraphrase")
+Augment = Literal["dropout", "delete", "crop", "swap", "paraphrase"]  # dropout, the token EDITS, paraphrase
+AUGMENTS = typing.get_args(Augment)
 HEAD = "sscl_head"
+
+
+@dataclass
+class SSCLConfig(BaseConfig):
+    """``scale`` is 1 / temperature (20: tau = 0.05, as SimCSE and LLM2Vec); ``seed`` seeds the token edits."""
+
+    name: Literal["sscl"] = "sscl"
+    augment: Augment = "dropout"  # how x+ is made (module docstring)
+    edit_ratio: float = 0.1  # share of tokens a token edit changes
+    scale: float = 20.0
+    instruction: str = INSTRUCTION
+    seed: int = 0
+    RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "edit_ratio": "(0, 1)", "scale": "> 0", "seed": ">= 0"}
 
 
 @dataclass
@@ -55,23 +71,14 @@ class SentenceViews:
 
 class SSCL(Objective):
     name = "sscl"
-    attention_mode = "bidirectional"
     source = "units"
-    takes_tokenizer = True
+    needs_tokenizer = "to encode its instruction"
 
-    def __init__(self, tokenizer: Tokenizer | None, document_masking: bool = True, augment: str = "dropout",
-                 edit_ratio: float = 0.1, scale: float = 20.0, instruction: str = INSTRUCTION, seed: int = 0):
-        """``scale`` is 1 / temperature (20: tau = 0.05, as SimCSE and LLM2Vec); ``seed`` seeds the token edits."""
-        super().__init__(document_masking)
-        if not isinstance(tokenizer, Tokenizer):
-            raise TypeError(f"objective 'sscl' needs the data's pipeline.tokenizer.Tokenizer to encode its instruction, "
-                            f"got {type(tokenizer).__name__}")
-        if augment not in AUGMENTS:
-            raise ValueError(f"sscl: options.augment {augment!r} is not one of {', '.join(AUGMENTS)}")
-        if not 0.0 < edit_ratio < 1.0:
-            raise ValueError(f"sscl: options.edit_ratio must be in (0, 1), got {edit_ratio}")
-        self.augment, self.edit_ratio, self.scale, self.seed = augment, edit_ratio, scale, seed
-        self.prefix = np.asarray(tokenizer.encode_batch([instruction])[0], dtype=np.int64)
+    def __init__(self, config: SSCLConfig, tokenizer: Tokenizer, document_masking: bool = True):
+        super().__init__(config, document_masking)
+        self.augment, self.edit_ratio, self.scale, self.seed = (config.augment, config.edit_ratio, config.scale,
+                                                                config.seed)
+        self.prefix = np.asarray(tokenizer.encode_batch([config.instruction])[0], dtype=np.int64)
         self.bos, self.eos = tokenizer.bos_id, tokenizer.eos_id
         self.pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
 
@@ -102,7 +109,7 @@ class SSCL(Objective):
             return text
         if self.augment == "paraphrase":
             if batch.paraphrase_ids is None:
-                raise ValueError("sscl: options.augment is 'paraphrase' but the unit shards carry no paraphrases; "
+                raise ValueError("sscl: augment is 'paraphrase' but the unit shards carry no paraphrases; "
                                  "build them with data_prep/build_shards.py --units record --paraphrase-field FIELD "
                                  "from records that hold a paraphrase, or pick augment dropout, delete, crop or swap")
             paraphrase = batch.paraphrase_ids[row].cpu().numpy()
@@ -139,15 +146,15 @@ class SSCL(Objective):
                              last=torch.tensor([max(len(r) - 1, 0) for r in rows], device=device),
                              valid=torch.tensor([len(r) > 0 for r in anchors], device=device))
 
-    def num_targets(self, batch: Batch) -> int:
+    def num_targets(self, batch: Batch) -> dict[str, int]:
         """One query per unit."""
-        return int((batch.doc_ids >= 0).any(-1).sum())
+        return {self.name: int((batch.doc_ids >= 0).any(-1).sum())}
 
-    def __call__(self, model: PreTrainedModel, batch: Batch) -> ObjectiveOutput:
+    def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         views = self.views(batch)
         attention = attention_inputs(self.attention_mode, views.doc_ids, document_masking=self.document_masking,
                                      attn_implementation=model.config._attn_implementation, dtype=model.dtype)
         hidden = model.model(input_ids=views.input_ids, **attention).last_hidden_state
         embeddings = getattr(model, HEAD)(hidden[torch.arange(len(views.last), device=hidden.device), views.last])
         n = len(views.valid)
-        return info_nce(embeddings[:n][views.valid], embeddings[n:][views.valid], self.scale)
+        return {self.name: info_nce(embeddings[:n][views.valid], embeddings[n:][views.valid], self.scale)}

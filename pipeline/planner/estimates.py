@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 
 from pipeline.model.flops import flops_per_token
 from pipeline.model.presets import PRESETS, get_preset
-from pipeline.objectives import OBJECTIVES, MaskedObjective
+from pipeline.objectives import OBJECTIVES
 from pipeline.train.metrics import PEAK_TFLOPS
 
 GIB = 2**30
@@ -183,6 +183,6 @@ def run_flops(exp, tokens_per_step: int, vocab_size: int) -> float:
     total = 0.0
     for phase, start, end in zip(exp.phases, starts, [*starts[1:], exp.train.steps]):
         for o in phase.objectives:  # each objective runs its own forward and backward over the batch
-            head = o.ratio if issubclass(OBJECTIVES[o.name], MaskedObjective) else 1.0
+            head = o.ratio if OBJECTIVES[o.name].masks else 1.0
             total += (end - start) * tokens_per_step * flops_per_token(config, exp.data.seq_len, head)
     return total

@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 
 from pipeline.config import ConfigError, apply_overrides, check_ranges, from_dict, load_yaml
 from pipeline.model.presets import PRESETS
+from pipeline.objectives import CLMConfig, ObjectiveConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SAMPLE_DIR = os.path.join(REPO, "data", "sample")
@@ -47,19 +48,8 @@ class ModelConfig:
 
 
 @dataclass
-class ObjectiveSpec:
-    name: Literal["clm", "mlm", "mntp", "magnet", "sscl", "simcse"]
-    weight: float = 1.0
-    ratio: float = 0.3  # masking ratio (mlm, mntp); any value in (0, 1] from the same shards
-    policy: Literal["80-10-10", "mask"] = "80-10-10"  # replacement of masked tokens: BERT's split, or all [MASK]
-    mask_token: str | None = None  # None: the tokenizer's mask token; or an ordinary token such as "_" (LLM2Vec)
-    options: dict = field(default_factory=dict)  # the objective's own settings (see docs/training.md)
-    RANGES: ClassVar[dict[str, str]] = {"weight": "> 0", "ratio": "(0, 1]"}
-
-
-@dataclass
 class PhaseSpec:
-    objectives: list[ObjectiveSpec]
+    objectives: list[ObjectiveConfig]  # each typed by its name (pipeline/objectives/<name>.py, docs/training.md)
     share: float = 1.0  # fraction of train.steps; shares of all phases sum to 1
     name: str = ""
     document_masking: bool = True  # attend only within the document inside packed samples
@@ -125,7 +115,7 @@ class ExperimentConfig:
     run_dir: str = ""  # default runs/<name>
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    phases: list[PhaseSpec] = field(default_factory=lambda: [PhaseSpec(objectives=[ObjectiveSpec("clm")])])
+    phases: list[PhaseSpec] = field(default_factory=lambda: [PhaseSpec(objectives=[CLMConfig()])])
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

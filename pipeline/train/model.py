@@ -23,11 +23,8 @@ class TrainModule(nn.Module):
         self.lm = lm
 
     def forward(self, objective, batch):
-        # plain tuples (in a dict for several outputs): ZeRO-3's hooks only see through tuples, lists and dicts
-        out = objective(self.lm, batch)
-        if isinstance(out, dict):
-            return {name: (o.loss_sum, o.num_targets, o.num_correct) for name, o in out.items()}
-        return out.loss_sum, out.num_targets, out.num_correct
+        # plain tuples in a dict: ZeRO-3's hooks only see through tuples, lists and dicts
+        return {name: (o.loss_sum, o.num_targets, o.num_correct) for name, o in objective(self.lm, batch).items()}
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

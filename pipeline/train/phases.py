@@ -6,7 +6,7 @@ import difflib
 from dataclasses import dataclass
 
 from pipeline.config import ConfigError
-from pipeline.objectives import OBJECTIVES, MaskedObjective, MaskingConfig, Objective, make_objective
+from pipeline.objectives import OBJECTIVES, Objective, make_objective
 from pipeline.objectives.base import resolve_mask_id
 from pipeline.train.experiment import PhaseSpec
 
@@ -35,8 +35,7 @@ def build_objectives(phase: PhaseSpec, tokenizer, key: str = "phase") -> list[We
     out = []
     for j, spec in enumerate(phase.objectives):
         where = f"{key}.objectives[{j}]"
-        masked = issubclass(OBJECTIVES[spec.name], MaskedObjective)
-        if masked:
+        if OBJECTIVES[spec.name].masks:
             try:
                 resolve_mask_id(tokenizer, spec.mask_token)
             except ValueError:
@@ -45,13 +44,7 @@ def build_objectives(phase: PhaseSpec, tokenizer, key: str = "phase") -> list[We
                 raise ConfigError(f"{where}.mask_token: {what} tokenizer {tokenizer.path}; set it to a token of its "
                                   f"vocabulary, e.g. {where}.mask_token={suggest_mask_token(tokenizer, spec.mask_token)!r}"
                                   ) from None
-        masking = MaskingConfig(spec.ratio, spec.policy, spec.mask_token) if masked else None
-        try:
-            obj = make_objective(spec.name, tokenizer=tokenizer, masking=masking,
-                                 document_masking=phase.document_masking, **spec.options)
-        except TypeError as e:  # an option the objective does not take
-            raise ConfigError(f"{where}.options: bad options {spec.options} for {spec.name} ({e})") from e
-        out.append(WeightedObjective(spec.name, spec.weight, obj))
+        out.append(WeightedObjective(spec.name, spec.weight, make_objective(spec, tokenizer, phase.document_masking)))
     return out
 
 

@@ -11,12 +11,6 @@ import torch.distributed as dist
 from pipeline.train.phases import WeightedObjective
 
 
-def _named(name: str, value) -> dict:
-    """The step reads every objective's outputs as ``{output name: value}``: objectives return one output, or a
-    dict of named outputs when one forward pass yields several losses."""
-    return value if isinstance(value, dict) else {name: value}
-
-
 def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, list], world: int,
                grad_accum: int) -> tuple[dict[str, float], dict[str, float], float]:
     """One optimizer step over ``grad_accum`` micro-steps; returns (loss per output, accuracy per output, lr).
@@ -29,9 +23,9 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     weights: dict[str, float] = {}
     for o in step_objs:
         for b in batches[o.objective.source]:
-            for name, n in _named(o.name, o.objective.num_targets(b)).items():
+            for name, n in o.objective.num_targets(b).items():
                 counts[name] = counts.get(name, 0.0) + float(n)
-                weights[name] = o.weight * getattr(o.objective, "loss_weights", {}).get(name, 1.0)
+                weights[name] = o.weight * o.objective.loss_weights[name]
     names = list(counts)
     device = next(engine.module.parameters()).device
     total = torch.tensor([counts[n] for n in names], device=device)
@@ -42,7 +36,7 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     for micro in range(grad_accum):
         loss = 0.0
         for o in step_objs:
-            for name, (loss_sum, _, correct) in _named(o.name, engine(o.objective, batches[o.objective.source][micro])).items():
+            for name, (loss_sum, _, correct) in engine(o.objective, batches[o.objective.source][micro]).items():
                 loss = loss + weights[name] * loss_sum * (world * grad_accum / total[name])
                 sums[names.index(name)] += torch.stack([loss_sum.detach().float(), correct.float()])
         engine.backward(loss)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pipeline.eval.data import DataError
 from pipeline.io import read_json, read_jsonl
 from pipeline.model.presets import PRESETS
-from pipeline.objectives import OBJECTIVES, MaskedObjective
+from pipeline.objectives import OBJECTIVES
 from pipeline.run_dir import RunDir
 from pipeline.train.experiment import ExperimentConfig
 
@@ -51,7 +51,7 @@ def variant_of(run: RunDir, exp: ExperimentConfig) -> Variant:
     ratio = None
     for phase in exp.phases:
         for spec in phase.objectives:
-            if issubclass(OBJECTIVES[spec.name], MaskedObjective):
+            if OBJECTIVES[spec.name].masks:
                 ratio = spec.ratio
     return Variant(name=exp.name, phases=" -> ".join("+".join(n) for n in names),
                    objectives=frozenset(n for ns in names for n in ns),
