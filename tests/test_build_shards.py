@@ -17,8 +17,8 @@ from pipeline.data.build_config import BuildConfig, BuildError
 from pipeline.data.format import UNMASKABLE, parse_key
 from pipeline.data.manifest import INDEX, MANIFEST, job_manifest_name, load_index
 from pipeline.data.masking import mask_targets
-from pipeline.data.shards import ShardReader
 from pipeline.data.sources import RecordStats, read_texts
+from pipeline.data.tar_shard import ShardReader
 from pipeline.tokenizer import load_tokenizer
 
 SEQ_LEN = 128

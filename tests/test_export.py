@@ -176,7 +176,7 @@ def test_an_export_without_a_record_reads_its_runs_experiment_or_is_a_plain_deco
 
 
 def test_a_bad_record_names_the_file_and_field(tokenizer, tmp_path):
-    from pipeline.eval.model import ModelError
+    from pipeline.eval.load import ModelError
 
     hf = export(tokenizer, str(tmp_path / "hf"), MNTP)
     config = json.load(open(os.path.join(hf, "config.json")))

@@ -35,7 +35,7 @@ from pipeline.data.manifest import (
     settings_fingerprint,
     write_json_atomic,
 )
-from pipeline.data.order import TrainPlan
+from pipeline.data.order import TrainOrder
 from pipeline.lock import DirLock
 from pipeline.run_dir import RunDir
 from pipeline.train.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
@@ -396,7 +396,7 @@ def test_corrupt_shard_met_in_training_is_one_message(shards, tmp_path):
     copy = str(tmp_path / "shards")
     shutil.copytree(shards, copy)
     index = load_index(copy)
-    first = int(TrainPlan(index.num_samples, 0, 2, 1, 0, 2).sample_ids(0)[0])  # rank 0's first sample (seed 0)
+    first = int(TrainOrder(index.num_samples, 0, 2, 1, 0, 2).sample_ids(0)[0])  # rank 0's first sample (seed 0)
     bad = index.shards[int(np.searchsorted(np.cumsum([s.samples for s in index.shards]), first, side="right"))]
     _flip_byte(bad.path, bad.bytes // 3)
     proc = run_train(str(tmp_path / "run"), copy)

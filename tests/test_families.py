@@ -108,7 +108,7 @@ from helpers import packed_text_batch, unit_text_batch
 from pipeline.config import from_dict
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.experiment import ExperimentConfig
-from pipeline.train.model import build_train_model
+from pipeline.train.module import build_train_model
 from pipeline.train.phases import build_objectives
 from pipeline.train.experiment import PhaseSpec
 deepspeed.init_distributed(dist_backend="gloo")

@@ -27,7 +27,7 @@ from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.ds_config import resolve_ds_config
 from pipeline.train.experiment import SAMPLE_DIR, load_experiment
-from pipeline.train.model import TrainModule, _param_groups
+from pipeline.train.module import TrainModule, _param_groups
 from pipeline.train.phases import build_objectives
 from pipeline.train.schedule import lr_multiplier
 
