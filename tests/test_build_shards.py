@@ -289,6 +289,7 @@ def test_slurm_array_defaults():
                                               "SLURM_ARRAY_TASK_COUNT": "8"}) == (3, 8)
 
 
+@pytest.mark.e2e
 def test_sigkill_midway_then_rerun_is_identical(tokenizer, tmp_path):
     inputs = split_corpus(tmp_path, 12, TRAIN, max_chars=3000)
     cmd = [sys.executable, os.path.join(ROOT, "data_prep/build_shards.py"), "--input", *inputs, "--tokenizer",

@@ -105,12 +105,14 @@ def test_config_range_errors_name_the_key(override, message):
         load_experiment(None, ["optim.warmup_steps=0", "optim.decay_steps=0", override])
 
 
+@pytest.mark.e2e
 def test_config_error_is_one_line_from_rank_0_before_deepspeed(tmp_path):
     proc = launch_training(str(tmp_path / "run"), None, "checkpoint.keep_last=0", check=False, launcher="deepspeed")
     assert one_error(proc, "config error") == "config error: checkpoint.keep_last: 0 is out of range; it must be >= 1"
     assert proc.returncode == 2
 
 
+@pytest.mark.e2e
 def test_experiment_is_checked_before_deepspeed_and_reported_once(shards, tmp_path):
     """A missing mask token names its key and a token that exists; the run directory's lock names its holder."""
     mlm = "phases=[{share: 0.5, objectives: [{name: clm}]}, {share: 0.5, objectives: [{name: mlm, mask_token: '<mask_>'}]}]"
@@ -157,6 +159,7 @@ def plain_python(run_dir: str, shards: str, *overrides: str) -> subprocess.Compl
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
 
 
+@pytest.mark.e2e
 def test_second_run_on_a_run_directory_is_refused_with_the_holder(shards, tmp_path):
     """Also the plain ``python launch/train.py``: one rank, set up without a launcher (no mpi4py error)."""
     run_dir = tmp_path / "run"
@@ -169,6 +172,7 @@ def test_second_run_on_a_run_directory_is_refused_with_the_holder(shards, tmp_pa
     assert not os.path.exists(run_dir / "experiment.json")
 
 
+@pytest.mark.e2e
 def test_stale_lock_of_a_dead_process_is_taken_over_and_named(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -181,6 +185,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over_and_named(tmp_path):
         assert lock.stale is None  # a released lock leaves no record behind
 
 
+@pytest.mark.e2e
 def test_second_build_job_with_the_same_index_is_refused(tmp_path):
     out = tmp_path / "shards"
     out.mkdir()
@@ -284,6 +289,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], capture_output=True)
 
 
+@pytest.mark.e2e
 def test_full_disk_during_shard_write_names_the_path_and_keeps_committed_shards(small_disk):
     out = os.path.join(small_disk("45m"), "shards")  # one input file of four fits (~31 MiB of shards)
     cmd = [sys.executable, os.path.join(REPO, "data_prep", "build_shards.py"), "--input", INPUT, "--tokenizer",
@@ -301,6 +307,7 @@ def test_full_disk_during_shard_write_names_the_path_and_keeps_committed_shards(
 
 # ---------------------------------------------------------------- training cases (real ZeRO-3 runs)
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_plain_python_trains_one_rank(shards, tmp_path):
     run_dir = str(tmp_path / "run")
@@ -311,6 +318,7 @@ def test_plain_python_trains_one_rank(shards, tmp_path):
     assert sorted(logged_steps(run_dir)) == [1, 2]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_divergence_stops_without_export_and_keeps_the_good_checkpoint(shards, tmp_path):
     run_dir = str(tmp_path / "run")
@@ -348,6 +356,7 @@ def _start(run_dir: str, shards: str, *overrides: str) -> tuple[subprocess.Popen
                                 start_new_session=True), log
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=["SIGTERM", "SIGUSR1", "Ctrl-C"])
 def test_signal_to_the_deepspeed_command_checkpoints_every_rank(shards, tmp_path, sig):
@@ -374,6 +383,7 @@ def test_signal_to_the_deepspeed_command_checkpoints_every_rank(shards, tmp_path
         assert "checkpoint.allow_global_batch_change: " in line and "set train.grad_accum=2 to keep it" in line
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_signal_during_start_up_stops_every_rank(shards, tmp_path):
     run_dir = str(tmp_path / "run")
@@ -391,6 +401,7 @@ def test_signal_during_start_up_stops_every_rank(shards, tmp_path):
     assert "stopped during start-up on " in open(log).read()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_corrupt_shard_met_in_training_is_one_message(shards, tmp_path):
     copy = str(tmp_path / "shards")
@@ -405,6 +416,7 @@ def test_corrupt_shard_met_in_training_is_one_message(shards, tmp_path):
     assert "(traceback: " in proc.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_full_disk_during_checkpoint_keeps_the_previous_one(shards, tmp_path, small_disk):
     run_dir = os.path.join(small_disk("20m"), "run")  # one checkpoint (~13 MiB) fits, not two

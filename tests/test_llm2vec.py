@@ -73,6 +73,7 @@ def data(tmp_path_factory) -> tuple[str, str]:
     return packed, units
 
 
+@pytest.mark.e2e
 def test_smoke_recipe_mntp_then_simcse_on_two_zero3_ranks(data, tmp_path):
     packed, units = data
     mntp = str(tmp_path / "mntp")
