@@ -185,6 +185,35 @@ def test_stale_lock_of_a_dead_process_is_taken_over_and_named(tmp_path):
         assert lock.stale is None  # a released lock leaves no record behind
 
 
+HOLD_AND_FORK = """
+import os, sys, time
+from pipeline.lock import DirLock
+lock = DirLock(sys.argv[1], "run directory x").acquire()
+if os.fork() == 0:  # a worker that outlives its killed parent, as a pool or DataLoader worker may
+    time.sleep(60)
+    os._exit(0)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.e2e
+def test_forked_workers_of_a_killed_holder_do_not_keep_its_lock(tmp_path):
+    path = str(tmp_path / "lock")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_FORK, path], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env=cpu_env())
+    assert holder.stdout.readline().strip() == "held"
+    workers = psutil.Process(holder.pid).children()
+    assert len(workers) == 1
+    holder.kill()
+    holder.wait()
+    try:
+        with DirLock(path, "run directory x") as lock:  # the orphaned worker still runs, but holds no lock
+            assert workers[0].is_running() and lock.stale["pid"] == holder.pid
+    finally:
+        workers[0].kill()
+
+
 @pytest.mark.e2e
 def test_second_build_job_with_the_same_index_is_refused(tmp_path):
     out = tmp_path / "shards"
