@@ -24,12 +24,11 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import datasets  # noqa: E402  (imported here so that its import time is not measured)
 
-from pipeline.data.build import run_job  # noqa: E402
+from pipeline.data.build import run_job  # noqa: E402  (after TOKENIZERS_PARALLELISM)
 from pipeline.data.build_config import BuildConfig  # noqa: E402
 from pipeline.data.sources import RecordStats, read_texts  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402

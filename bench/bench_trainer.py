@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> None:
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
     from pipeline.train.experiment import load_experiment
     from pipeline.train.metrics import MetricsLogger
-    from pipeline.train.model import build_train_model
+    from pipeline.train.module import build_train_model
     from pipeline.train.phases import build_objectives
     from pipeline.train.schedule import lr_scheduler
     from pipeline.train.signals import StopRequest

@@ -19,7 +19,7 @@ from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import ShardLoader
 from pipeline.data.manifest import load_index
-from pipeline.data.shards import sha256_file
+from pipeline.data.tar_shard import sha256_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(REPO, "data", "sample")

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline.config import ConfigError
     from pipeline.eval.data import DataError
-    from pipeline.eval.model import ModelError
+    from pipeline.eval.load import ModelError
     from pipeline.eval.registry import TASKS
     from pipeline.eval.runner import EvalConfig, evaluate
     from pipeline.run_dir import RunDir

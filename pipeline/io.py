@@ -30,30 +30,33 @@ def _check_top(data: Any, path: str, top: type | None, what: str, fix: str, erro
     return data
 
 
+def _read(path: str, load, bad: type[Exception], kind: str, fix: str, what: str, top: type | None,
+          error: type[Exception], missing: type[Exception]) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = load(f)
+    except FileNotFoundError as e:
+        raise _fail(missing, path, f"{what} not found", fix) from e
+    except bad as e:
+        raise _fail(error, path, f"not valid {kind} ({e})", fix) from e
+    return _check_top(data, path, top, what, fix, error)
+
+
 def read_json(path: str, fix: str = "", *, what: str = "file", top: type | None = dict,
               error: type[Exception] = ValueError, missing: type[Exception] = FileNotFoundError) -> Any:
     """The JSON value in ``path`` (a mapping unless ``top`` says otherwise; None accepts any value)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError as e:
-        raise _fail(missing, path, f"{what} not found", fix) from e
-    except json.JSONDecodeError as e:
-        raise _fail(error, path, f"not valid JSON ({e})", fix) from e
-    return _check_top(data, path, top, what, fix, error)
+    return _read(path, json.load, json.JSONDecodeError, "JSON", fix, what, top, error, missing)
+
+
+def _load_yaml(f) -> Any:
+    data = yaml.safe_load(f)
+    return {} if data is None else data
 
 
 def read_yaml(path: str, fix: str = "", *, what: str = "file", top: type | None = dict,
               error: type[Exception] = ValueError, missing: type[Exception] = FileNotFoundError) -> Any:
     """The YAML value in ``path``; an empty file is an empty mapping."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError as e:
-        raise _fail(missing, path, f"{what} not found", fix) from e
-    except yaml.YAMLError as e:
-        raise _fail(error, path, f"not valid YAML ({e})", fix) from e
-    return _check_top({} if data is None else data, path, top, what, fix, error)
+    return _read(path, _load_yaml, yaml.YAMLError, "YAML", fix, what, top, error, missing)
 
 
 def read_jsonl(path: str, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:

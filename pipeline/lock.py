@@ -23,6 +23,23 @@ class LockHeld(RuntimeError):
     pass
 
 
+_HELD: set[int] = set()  # descriptors of the locks this process holds
+
+
+def _close_held_in_child() -> None:
+    """A forked child (a shard-building pool worker, a DataLoader worker) shares its parent's locks: closing its
+    copies means a parent killed with SIGKILL frees them at once, instead of when its orphaned workers exit."""
+    for fd in _HELD:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
+
 def _holder_alive(holder: dict) -> bool:
     """Whether the recorded holder may still run: checkable only on this host."""
     if holder.get("host") != socket.gethostname():
@@ -85,6 +102,7 @@ class DirLock:
         os.pwrite(fd, json.dumps(mine).encode(), 0)
         os.fsync(fd)
         self._fd = fd
+        _HELD.add(fd)
         return self
 
     def release(self) -> None:
@@ -94,6 +112,7 @@ class DirLock:
             return
         os.ftruncate(self._fd, 0)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
+        _HELD.discard(self._fd)
         os.close(self._fd)
         self._fd = None
 

@@ -252,7 +252,7 @@ def run_local(grid: Grid, variant: Variant) -> None:
         raise ConfigError(f"{variant.name} needs {r.nodes} nodes; run it with --submit, or give it one node "
                           "(--nodes 1 --gpus-per-node N)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r.gpus_per_node}",
-           os.path.join(REPO, "launch", "train.py"), "--config", os.path.abspath(grid.ds_config),
+           "-m", "pipeline.train.entry", "--config", os.path.abspath(grid.ds_config),
            "--experiment", RunDir(os.path.abspath(variant.experiment.run_dir)).experiment_yaml]
     env = dict(os.environ)
     if not r.gpu:

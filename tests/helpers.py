@@ -21,7 +21,7 @@ from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.data.format import FORMAT_VERSION
 from pipeline.data.manifest import MANIFEST, job_manifest_name, settings_fingerprint
 from pipeline.data.packing import Packer
-from pipeline.data.shards import ShardWriter
+from pipeline.data.tar_shard import ShardWriter
 from pipeline.data.units import unit_sample
 from pipeline.io import write_json_atomic
 from pipeline.model.build import build_model

@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.e2e
 def test_gpu_bench_dry_run_measures_every_objective(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu", "bench_gpu.py"), "--dry-run",

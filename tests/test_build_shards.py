@@ -17,8 +17,8 @@ from pipeline.data.build_config import BuildConfig, BuildError
 from pipeline.data.format import UNMASKABLE, parse_key
 from pipeline.data.manifest import INDEX, MANIFEST, job_manifest_name, load_index
 from pipeline.data.masking import mask_targets
-from pipeline.data.shards import ShardReader
 from pipeline.data.sources import RecordStats, read_texts
+from pipeline.data.tar_shard import ShardReader
 from pipeline.tokenizer import load_tokenizer
 
 SEQ_LEN = 128
@@ -289,6 +289,7 @@ def test_slurm_array_defaults():
                                               "SLURM_ARRAY_TASK_COUNT": "8"}) == (3, 8)
 
 
+@pytest.mark.e2e
 def test_sigkill_midway_then_rerun_is_identical(tokenizer, tmp_path):
     inputs = split_corpus(tmp_path, 12, TRAIN, max_chars=3000)
     cmd = [sys.executable, os.path.join(ROOT, "data_prep/build_shards.py"), "--input", *inputs, "--tokenizer",

@@ -64,6 +64,7 @@ def report(runs: list[str], out: str) -> str:
         return f.read()
 
 
+@pytest.mark.e2e
 def test_evaluate_then_report_on_a_smoke_run(tmp_path):
     data_dir = make_data_dir(str(tmp_path / "data"))
     run_dir = train(tmp_path / "runs", data_dir, "clm50-mlm40", "train.export_hf=false")
@@ -102,6 +103,7 @@ def test_evaluate_then_report_on_a_smoke_run(tmp_path):
         assert json.load(f)["results"].keys() == set(FAST_TASKS)  # the earlier results were not overwritten
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_report_on_a_grid_of_smoke_runs(tmp_path):
     """Three variants on both MLM-vs-CLM axes, every task, then the report: one line per variant in each plot."""

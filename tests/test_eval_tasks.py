@@ -17,8 +17,8 @@ from pipeline.data.build_config import BuildConfig
 from pipeline.data.format import UNMASKABLE
 from pipeline.eval import encode, load_model
 from pipeline.eval.encode import pool
+from pipeline.eval.finetune.protocol import FinetuneOptions, linear_warmup_decay, split_train
 from pipeline.eval.finetune.qa import ExtractiveQA, Question
-from pipeline.eval.finetune.sweep import FinetuneOptions, linear_warmup_decay, split_train
 from pipeline.eval.forward import tokenize_words
 from pipeline.eval.infilling import Example, span_nll
 from pipeline.eval.registry import TASKS, task_options

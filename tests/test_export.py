@@ -80,6 +80,7 @@ def test_simcse_after_mntp_keeps_the_start_exports_record(tokenizer, tmp_path):
     assert simcse.objectives == ("mntp", "simcse") and simcse.pooling == "mean"
 
 
+@pytest.mark.e2e
 def test_bidirectional_export_loads_bidirectional_in_plain_transformers_anywhere(tokenizer, tmp_path):
     hf = export(tokenizer, str(tmp_path / "run" / "hf"), MNTP)
     config = json.load(open(os.path.join(hf, "config.json")))
@@ -106,6 +107,7 @@ def test_bidirectional_export_loads_bidirectional_in_plain_transformers_anywhere
         "bidirectional", True, None, "<mask>")
 
 
+@pytest.mark.e2e
 def test_causal_export_stays_causal(tokenizer, tmp_path):
     hf = export(tokenizer, str(tmp_path / "clm"), EncoderRecord(layout="bos_eos", objectives=("clm",)))
     assert json.load(open(os.path.join(hf, "config.json")))["is_causal"] is True
@@ -176,7 +178,7 @@ def test_an_export_without_a_record_reads_its_runs_experiment_or_is_a_plain_deco
 
 
 def test_a_bad_record_names_the_file_and_field(tokenizer, tmp_path):
-    from pipeline.eval.model import ModelError
+    from pipeline.eval.load import ModelError
 
     hf = export(tokenizer, str(tmp_path / "hf"), MNTP)
     config = json.load(open(os.path.join(hf, "config.json")))

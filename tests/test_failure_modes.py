@@ -35,7 +35,7 @@ from pipeline.data.manifest import (
     settings_fingerprint,
     write_json_atomic,
 )
-from pipeline.data.order import TrainPlan
+from pipeline.data.order import TrainOrder
 from pipeline.lock import DirLock
 from pipeline.run_dir import RunDir
 from pipeline.train.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
@@ -105,12 +105,14 @@ def test_config_range_errors_name_the_key(override, message):
         load_experiment(None, ["optim.warmup_steps=0", "optim.decay_steps=0", override])
 
 
+@pytest.mark.e2e
 def test_config_error_is_one_line_from_rank_0_before_deepspeed(tmp_path):
     proc = launch_training(str(tmp_path / "run"), None, "checkpoint.keep_last=0", check=False, launcher="deepspeed")
     assert one_error(proc, "config error") == "config error: checkpoint.keep_last: 0 is out of range; it must be >= 1"
     assert proc.returncode == 2
 
 
+@pytest.mark.e2e
 def test_experiment_is_checked_before_deepspeed_and_reported_once(shards, tmp_path):
     """A missing mask token names its key and a token that exists; the run directory's lock names its holder."""
     mlm = "phases=[{share: 0.5, objectives: [{name: clm}]}, {share: 0.5, objectives: [{name: mlm, mask_token: '<mask_>'}]}]"
@@ -157,6 +159,7 @@ def plain_python(run_dir: str, shards: str, *overrides: str) -> subprocess.Compl
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
 
 
+@pytest.mark.e2e
 def test_second_run_on_a_run_directory_is_refused_with_the_holder(shards, tmp_path):
     """Also the plain ``python launch/train.py``: one rank, set up without a launcher (no mpi4py error)."""
     run_dir = tmp_path / "run"
@@ -169,6 +172,7 @@ def test_second_run_on_a_run_directory_is_refused_with_the_holder(shards, tmp_pa
     assert not os.path.exists(run_dir / "experiment.json")
 
 
+@pytest.mark.e2e
 def test_stale_lock_of_a_dead_process_is_taken_over_and_named(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -181,6 +185,36 @@ def test_stale_lock_of_a_dead_process_is_taken_over_and_named(tmp_path):
         assert lock.stale is None  # a released lock leaves no record behind
 
 
+HOLD_AND_FORK = """
+import os, sys, time
+from pipeline.lock import DirLock
+lock = DirLock(sys.argv[1], "run directory x").acquire()
+if os.fork() == 0:  # a worker that outlives its killed parent, as a pool or DataLoader worker may
+    time.sleep(60)
+    os._exit(0)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.e2e
+def test_forked_workers_of_a_killed_holder_do_not_keep_its_lock(tmp_path):
+    path = str(tmp_path / "lock")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_FORK, path], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env=cpu_env())
+    assert holder.stdout.readline().strip() == "held"
+    workers = psutil.Process(holder.pid).children()
+    assert len(workers) == 1
+    holder.kill()
+    holder.wait()
+    try:
+        with DirLock(path, "run directory x") as lock:  # the orphaned worker still runs, but holds no lock
+            assert workers[0].is_running() and lock.stale["pid"] == holder.pid
+    finally:
+        workers[0].kill()
+
+
+@pytest.mark.e2e
 def test_second_build_job_with_the_same_index_is_refused(tmp_path):
     out = tmp_path / "shards"
     out.mkdir()
@@ -284,6 +318,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], capture_output=True)
 
 
+@pytest.mark.e2e
 def test_full_disk_during_shard_write_names_the_path_and_keeps_committed_shards(small_disk):
     out = os.path.join(small_disk("45m"), "shards")  # one input file of four fits (~31 MiB of shards)
     cmd = [sys.executable, os.path.join(REPO, "data_prep", "build_shards.py"), "--input", INPUT, "--tokenizer",
@@ -301,6 +336,7 @@ def test_full_disk_during_shard_write_names_the_path_and_keeps_committed_shards(
 
 # ---------------------------------------------------------------- training cases (real ZeRO-3 runs)
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_plain_python_trains_one_rank(shards, tmp_path):
     run_dir = str(tmp_path / "run")
@@ -311,6 +347,7 @@ def test_plain_python_trains_one_rank(shards, tmp_path):
     assert sorted(logged_steps(run_dir)) == [1, 2]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_divergence_stops_without_export_and_keeps_the_good_checkpoint(shards, tmp_path):
     run_dir = str(tmp_path / "run")
@@ -348,6 +385,7 @@ def _start(run_dir: str, shards: str, *overrides: str) -> tuple[subprocess.Popen
                                 start_new_session=True), log
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=["SIGTERM", "SIGUSR1", "Ctrl-C"])
 def test_signal_to_the_deepspeed_command_checkpoints_every_rank(shards, tmp_path, sig):
@@ -374,6 +412,7 @@ def test_signal_to_the_deepspeed_command_checkpoints_every_rank(shards, tmp_path
         assert "checkpoint.allow_global_batch_change: " in line and "set train.grad_accum=2 to keep it" in line
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_signal_during_start_up_stops_every_rank(shards, tmp_path):
     run_dir = str(tmp_path / "run")
@@ -391,12 +430,13 @@ def test_signal_during_start_up_stops_every_rank(shards, tmp_path):
     assert "stopped during start-up on " in open(log).read()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_corrupt_shard_met_in_training_is_one_message(shards, tmp_path):
     copy = str(tmp_path / "shards")
     shutil.copytree(shards, copy)
     index = load_index(copy)
-    first = int(TrainPlan(index.num_samples, 0, 2, 1, 0, 2).sample_ids(0)[0])  # rank 0's first sample (seed 0)
+    first = int(TrainOrder(index.num_samples, 0, 2, 1, 0, 2).sample_ids(0)[0])  # rank 0's first sample (seed 0)
     bad = index.shards[int(np.searchsorted(np.cumsum([s.samples for s in index.shards]), first, side="right"))]
     _flip_byte(bad.path, bad.bytes // 3)
     proc = run_train(str(tmp_path / "run"), copy)
@@ -405,6 +445,7 @@ def test_corrupt_shard_met_in_training_is_one_message(shards, tmp_path):
     assert "(traceback: " in proc.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_full_disk_during_checkpoint_keeps_the_previous_one(shards, tmp_path, small_disk):
     run_dir = os.path.join(small_disk("20m"), "run")  # one checkpoint (~13 MiB) fits, not two

@@ -108,7 +108,7 @@ from helpers import packed_text_batch, unit_text_batch
 from pipeline.config import from_dict
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.experiment import ExperimentConfig
-from pipeline.train.model import build_train_model
+from pipeline.train.module import build_train_model
 from pipeline.train.phases import build_objectives
 from pipeline.train.experiment import PhaseSpec
 deepspeed.init_distributed(dist_backend="gloo")
@@ -151,6 +151,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.e2e
 def test_families_build_partitioned_and_step_under_zero3(checkpoints, tmp_path):
     """One 2-rank gloo run for all families (75 s on 2 cores): each built by the trainer under ZeRO-3, then one
     step of four objectives."""

@@ -161,6 +161,7 @@ def test_a_started_run_keeps_its_experiment(tmp_path):
         write_run(edited, edited.variants(out=out)[0], started)
 
 
+@pytest.mark.e2e
 def test_sweep_cli_prints_the_table_and_writes_the_runs(tmp_path):
     path = write_grid(tmp_path)
     out = tmp_path / "runs"

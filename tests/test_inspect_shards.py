@@ -14,7 +14,7 @@ from pipeline.data.build_config import BuildConfig
 from pipeline.data.format import UNMASKABLE, Sample
 from pipeline.data.manifest import job_manifest_name, load_index
 from pipeline.data.masking import mask_targets
-from pipeline.data.shards import ShardReader
+from pipeline.data.tar_shard import ShardReader
 
 
 @pytest.fixture(scope="module")

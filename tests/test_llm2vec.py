@@ -26,7 +26,7 @@ from pipeline.export.record import EncoderRecord, read_record
 from pipeline.objectives import SimCSE, make_objective
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.experiment import load_experiment
-from pipeline.train.model import build_train_model
+from pipeline.train.module import build_train_model
 from pipeline.train.preflight import preflight
 
 EXPERIMENTS = os.path.join(REPO, "experiments", "llm2vec")
@@ -73,6 +73,7 @@ def data(tmp_path_factory) -> tuple[str, str]:
     return packed, units
 
 
+@pytest.mark.e2e
 def test_smoke_recipe_mntp_then_simcse_on_two_zero3_ranks(data, tmp_path):
     packed, units = data
     mntp = str(tmp_path / "mntp")

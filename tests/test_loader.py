@@ -16,7 +16,7 @@ from pipeline.data.format import UNMASKABLE, Sample
 from pipeline.data.loader import ShardLoader, check_compatible, iter_eval
 from pipeline.data.manifest import job_manifest_name, load_index
 from pipeline.data.order import permute
-from pipeline.data.shards import ShardReader
+from pipeline.data.tar_shard import ShardReader
 
 N, G = 37, 4  # samples in the test directory; global batch of every geometry below
 STEPS_PER_EPOCH = N // G

@@ -85,6 +85,7 @@ def data(tmp_path_factory) -> list[str]:
     return build_data(tmp_path_factory.mktemp("magnet-data"), documents(HOLDOUT, max_chars=3000)[:20], TOKENIZER)
 
 
+@pytest.mark.e2e
 def test_two_stage_zero3_run_resumes_exactly_at_the_stage_switch(data, tmp_path):
     experiment = os.path.join(EXPERIMENTS, "magnet-two-stage-smoke.yaml")
     whole = str(tmp_path / "whole")
@@ -106,6 +107,7 @@ def test_two_stage_zero3_run_resumes_exactly_at_the_stage_switch(data, tmp_path)
 SMOKE_TWINS = sorted(p.replace(".yaml", "-smoke.yaml") for p in FULL if "two-stage" not in p)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("path", SMOKE_TWINS, ids=os.path.basename)
 def test_smoke_twin_trains(data, tmp_path, path):
@@ -117,6 +119,7 @@ def test_smoke_twin_trains(data, tmp_path, path):
     assert all({k for k in steps[s] if k.startswith("loss/")} == expected for s in steps)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_smollm2_magnet_run_lowers_all_three_losses(tmp_path_factory):
     """Full MAGNET (MNTP + SSCL + MSG) from the real SmolLM2-135M checkpoint (launch/import_gguf.py) on 2 ZeRO-3

@@ -33,6 +33,7 @@ def metrics(run_dir: str) -> dict[int, dict]:
         return {rec["step"]: rec for rec in map(json.loads, f)}
 
 
+@pytest.mark.e2e
 def test_every_variant_and_twin_validates_with_the_papers_settings():
     grid = load_grid(GRID)
     variants = {v.name: v for v in grid.variants()}
@@ -59,6 +60,7 @@ def test_every_variant_and_twin_validates_with_the_papers_settings():
         2000, 200, 1800)
 
 
+@pytest.mark.e2e
 def test_every_twin_builds_its_objectives_on_the_sample_tokenizer():
     tokenizer = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
     twins = load_grid(GRID).variants(smoke=True)
@@ -99,6 +101,7 @@ def train(experiment: str, *overrides: str) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.e2e
 def test_two_phase_twin_switches_at_the_right_step_and_resumes_across_the_switch(shards, tmp_path):
     out = str(tmp_path / "runs")
     sweep(out, shards, "--only", SWITCH, "--local")
@@ -124,6 +127,7 @@ def test_two_phase_twin_switches_at_the_right_step_and_resumes_across_the_switch
         assert again[step]["loss/mlm"] == ours[step]["loss/mlm"], step
 
 
+@pytest.mark.e2e
 @pytest.mark.slow  # 36 two-rank runs (~35 s each on 2 cores)
 def test_every_smoke_twin_trains_through_the_sweep_and_a_second_sweep_has_nothing_to_do(shards, tmp_path):
     out = str(tmp_path / "runs")
@@ -143,6 +147,7 @@ def test_every_smoke_twin_trains_through_the_sweep_and_a_second_sweep_has_nothin
     assert "36 runs: 36 finished, 0 to do" in again.stdout and "torch.distributed.run" not in again.stdout
 
 
+@pytest.mark.e2e
 @pytest.mark.slow  # two SLURM jobs of 2 CPU ranks (~2 min)
 def test_sweep_submits_to_slurm_in_dependency_order_and_skips_finished_runs(shards, tmp_path):
     from slurm.cluster import Cluster, missing_packages

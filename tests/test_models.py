@@ -116,6 +116,7 @@ def test_mistral_checkpoint_loads(tmp_path):
     assert isinstance(model, MistralForCausalLM) and model.config.use_cache is False
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_zero3_build_is_partitioned_and_keeps_hf_init():
     """Under a live HfDeepSpeedConfig (stage 3) the model is built partitioned, with HF's weight init."""

@@ -93,6 +93,7 @@ def train(run_dir: str, experiment: str | None, smollm2: str, shards: str, *over
     return logged_steps(run_dir)
 
 
+@pytest.mark.e2e
 def test_import_writes_a_plain_hf_directory(smollm2, tmp_path):
     tok = load_tokenizer(smollm2)
     assert (tok.info.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (49152, 1, 2, 2)
@@ -107,6 +108,7 @@ def test_import_writes_a_plain_hf_directory(smollm2, tmp_path):
         assert proc.returncode == 1 and message in proc.stderr, proc.stderr
 
 
+@pytest.mark.e2e
 def test_llm2vec_mntp_lowers_the_loss_and_keeps_generation(smollm2, shards, tmp_path):
     train_shards, heldout = shards
     run = str(tmp_path / "mntp")
@@ -120,6 +122,7 @@ def test_llm2vec_mntp_lowers_the_loss_and_keeps_generation(smollm2, shards, tmp_
     assert_generates(greedy(os.path.join(run, "hf")))
 
 
+@pytest.mark.e2e
 def test_clm_then_mlm_continued_pretraining_lowers_the_loss_and_keeps_generation(smollm2, shards, tmp_path):
     train_shards, heldout = shards
     run = str(tmp_path / "cpt")

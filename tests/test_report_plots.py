@@ -4,21 +4,21 @@ what varies, and perplexities get a log axis."""
 from __future__ import annotations
 
 from pipeline.eval.report.plots import log_scale, series
-from pipeline.eval.report.runs import RunSummary, Variant
+from pipeline.eval.report.runs import Recipe, RunSummary
 
 
 def run(name: str, objectives: set[str], clm_share: float, mask_ratio: float | None, scale: str = "210m"
         ) -> RunSummary:
-    variant = Variant(name=name, phases="", objectives=frozenset(objectives), clm_share=clm_share,
+    recipe = Recipe(name=name, phases="", objectives=frozenset(objectives), clm_share=clm_share,
                       mask_ratio=mask_ratio, scale=scale, steps=100)
-    return RunSummary(run_dir=name, variant=variant, history={})
+    return RunSummary(run_dir=name, recipe=recipe, history={})
 
 
 def test_runs_of_different_models_or_objectives_never_share_a_line():
     runs = [run("mlm-a", {"mlm"}, 0.0, 0.4), run("switch-a", {"clm", "mlm"}, 0.5, 0.4),
             run("mlm-b", {"mlm"}, 0.0, 0.4, scale="610m"), run("mntp-a", {"mntp"}, 0.0, 0.4),
             run("magnet-a", {"clm", "magnet"}, 0.5, 0.4)]
-    points = [(r.variant.clm_share, float(i), r) for i, r in enumerate(runs)]
+    points = [(r.recipe.clm_share, float(i), r) for i, r in enumerate(runs)]
     assert series(points, "clm_share") == {
         "model = 210m, objectives = magnet": [(0.5, 4.0)],
         "model = 210m, objectives = mlm": [(0.0, 0.0), (0.5, 1.0)],  # MLM and CLM -> MLM: the share varies alone
@@ -28,7 +28,7 @@ def test_runs_of_different_models_or_objectives_never_share_a_line():
 
 def test_only_what_varies_names_the_lines():
     runs = [run("r20", {"mlm"}, 0.0, 0.2), run("r40", {"mlm"}, 0.0, 0.4), run("s20", {"clm", "mlm"}, 0.5, 0.2)]
-    points = [(r.variant.mask_ratio, 1.0, r) for r in runs]
+    points = [(r.recipe.mask_ratio, 1.0, r) for r in runs]
     assert series(points, "mask_ratio") == {"clm share = 0.0": [(0.2, 1.0), (0.4, 1.0)], "clm share = 0.5": [(0.2, 1.0)]}
     assert list(series(points[:2], "mask_ratio")) == ["all runs"]
 

@@ -77,6 +77,7 @@ def test_replace_block_needs_its_markers():
         replace_block(page, "full", "magnet", "new", "p.md")
 
 
+@pytest.mark.e2e
 def test_a_step_runs_in_the_repository_with_its_and_its_childrens_output_in_its_log(tmp_path):
     driver = Driver(True, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
     log = tmp_path / "results" / "quick" / "logs" / "demo.log"
@@ -102,6 +103,7 @@ def test_a_step_runs_in_the_repository_with_its_and_its_childrens_output_in_its_
     assert "back on the console" not in log.read_text()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @needs_sdist
 def test_reproduce_quick_end_to_end(tmp_path):

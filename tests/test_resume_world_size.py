@@ -40,6 +40,7 @@ def init_dir(tmp_path_factory) -> str:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.slow  # three 2-rank/1-rank launches (~1 min)
 def test_resume_on_fewer_then_more_ranks_follows_the_uninterrupted_run(shards, init_dir, tmp_path):
     run_dir = str(tmp_path / "elastic")

@@ -76,6 +76,7 @@ def files(directory: str) -> dict[str, bytes]:
     return {name: open(os.path.join(directory, name), "rb").read() for name in sorted(os.listdir(directory))}
 
 
+@pytest.mark.e2e
 def test_prep_array_job_builds_the_same_shards_as_a_local_run(array_shards, inputs, tmp_path):
     directory, tasks = array_shards
     assert sorted(int(t["ArrayTaskId"]) for t in tasks) == list(range(ARRAY_TASKS))
@@ -123,6 +124,7 @@ def straight_run(cluster, array_shards, tmp_path_factory) -> tuple[int, str, str
     return job, run_dir, log
 
 
+@pytest.mark.e2e
 def test_train_sbatch_runs_one_launcher_per_node_and_both_ranks_train(straight_run):
     job, run_dir, log = straight_run
     assert f"2 nodes x 1 ranks, master n1:{20000 + job % 10000}" in log  # first host, port from the job id
@@ -140,6 +142,7 @@ def test_train_sbatch_runs_one_launcher_per_node_and_both_ranks_train(straight_r
         assert os.path.exists(os.path.join(final, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
 
 
+@pytest.mark.e2e
 def test_usr1_checkpoints_and_exits_cleanly_then_requeue_resumes(cluster, array_shards, straight_run, tmp_path):
     run_dir = str(tmp_path / "stopped")
     job = submit_training(cluster, run_dir, array_shards[0], REQUEUE_ON_STOP="0")
@@ -163,6 +166,7 @@ def test_usr1_checkpoints_and_exits_cleanly_then_requeue_resumes(cluster, array_
     assert losses(run_dir) == losses(straight_run[1])  # same curve as the uninterrupted run, bit for bit
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, array_shards, tmp_path):
     """The production path: ``--signal=B:USR1@90`` ahead of a 3-minute limit (SLURM sends it up to 60 s early,

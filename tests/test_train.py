@@ -27,7 +27,7 @@ from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.ds_config import resolve_ds_config
 from pipeline.train.experiment import SAMPLE_DIR, load_experiment
-from pipeline.train.model import TrainModule, _param_groups
+from pipeline.train.module import TrainModule, _param_groups
 from pipeline.train.phases import build_objectives
 from pipeline.train.schedule import lr_multiplier
 
@@ -112,6 +112,7 @@ def reference_losses(shards: str, init_dir: str, run_dir: str) -> tuple[list[flo
     return out, lm
 
 
+@pytest.mark.e2e
 def test_zero3_two_ranks_match_single_process_loop(baseline, shards, init_dir):
     ours = losses(baseline)
     ref, _ = reference_losses(shards, init_dir, baseline)
@@ -121,6 +122,7 @@ def test_zero3_two_ranks_match_single_process_loop(baseline, shards, init_dir):
     assert ours[STEPS] < ours[1] - 0.5  # it learns
 
 
+@pytest.mark.e2e
 def test_resume_is_bit_identical_and_survives_kill_during_checkpoint(baseline, shards, init_dir, tmp_path):
     run_dir = str(tmp_path / "resumed")
     first = launch(run_dir, shards, init_dir, "train.stop_at_step=10")
@@ -141,6 +143,7 @@ def test_resume_is_bit_identical_and_survives_kill_during_checkpoint(baseline, s
         assert [json.loads(line)["step"] for line in f] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.e2e
 @pytest.mark.slow  # compiling in both ranks adds ~2.5 min on 2 cores; tests/test_compile.py is the fast check
 def test_compiled_body_under_zero3_gives_the_eager_losses(baseline, shards, init_dir, tmp_path):
     """model.compile with ZeRO-3's gather hooks around the compiled layers: the first steps equal the baseline's."""
@@ -158,6 +161,7 @@ def _logits(model_dir: str, ids: torch.Tensor) -> torch.Tensor:
         return AutoModelForCausalLM.from_pretrained(model_dir).eval()(input_ids=ids).logits
 
 
+@pytest.mark.e2e
 def test_hf_export_reloads_with_the_trained_weights(baseline, shards, init_dir, tmp_path):
     ids = torch.randint(4, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
     exported = _logits(os.path.join(baseline, "hf"), ids)
@@ -176,6 +180,7 @@ def test_hf_export_reloads_with_the_trained_weights(baseline, shards, init_dir, 
     assert tok.info.fingerprint == load_tokenizer(TOKENIZER).info.fingerprint
 
 
+@pytest.mark.e2e
 def test_export_without_checkpoint_says_so(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", str(tmp_path),
                            "--output", str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)

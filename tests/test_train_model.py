@@ -8,7 +8,7 @@ import torch
 from pipeline.config import ConfigError
 from pipeline.model.attention import FLEX
 from pipeline.train.experiment import ModelConfig, OptimConfig, load_experiment
-from pipeline.train.model import attn_implementation, build_optimizer
+from pipeline.train.module import attn_implementation, build_optimizer
 
 
 def test_attention_implementation_per_device_and_dropout():

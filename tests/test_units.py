@@ -18,7 +18,7 @@ from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.data.format import Sample
 from pipeline.data.loader import ShardLoader, check_source
 from pipeline.data.manifest import load_index
-from pipeline.data.shards import ShardReader, ShardWriter
+from pipeline.data.tar_shard import ShardReader, ShardWriter
 from pipeline.data.units import split_units, unit_sample
 from pipeline.tokenizer import load_tokenizer
 

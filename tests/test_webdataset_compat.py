@@ -20,7 +20,7 @@ from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.format import FIELDS, OPTIONAL_FIELDS, Sample
 from pipeline.data.manifest import DatasetIndex, load_index
-from pipeline.data.shards import ShardReader
+from pipeline.data.tar_shard import ShardReader
 
 SEQ_LEN = 64
 

@@ -248,7 +248,7 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
     from pipeline.train.experiment import load_experiment
     from pipeline.train.metrics import device_peak_tflops
-    from pipeline.train.model import build_train_model
+    from pipeline.train.module import build_train_model
     from pipeline.train.phases import build_objectives
 
     cuda = device.type == "cuda"
@@ -400,7 +400,7 @@ def measure_optimizers(settings: Settings, ds_raw: dict, device, started: float)
 
     from pipeline.model.build import build_model
     from pipeline.train.experiment import OptimConfig
-    from pipeline.train.model import build_optimizer
+    from pipeline.train.module import build_optimizer
 
     cuda = device.type == "cuda"
     with torch.device("meta"):

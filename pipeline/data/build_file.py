@@ -16,8 +16,8 @@ import numpy as np
 
 from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.data.packing import Packer
-from pipeline.data.shards import ShardWriter
 from pipeline.data.sources import RecordStats, read_records
+from pipeline.data.tar_shard import ShardWriter
 from pipeline.data.units import split_units, unit_sample
 from pipeline.tokenizer import load_tokenizer
 

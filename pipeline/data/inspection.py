@@ -23,7 +23,7 @@ import torch
 from pipeline.data.format import UNMASKABLE, Sample, parse_key
 from pipeline.data.manifest import INDEX, DatasetIndex, load_index
 from pipeline.data.masking import POLICIES, apply_mask_plan
-from pipeline.data.shards import ShardReader, sha256_file
+from pipeline.data.tar_shard import ShardReader, sha256_file
 from pipeline.io import read_json
 from pipeline.tokenizer import load_tokenizer
 

@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.data.batch import Batch, collate
 from pipeline.data.format import UNMASKABLE, Sample
 from pipeline.data.manifest import DatasetIndex, ShardInfo
-from pipeline.data.order import EvalPlan, TrainPlan
-from pipeline.data.shards import ShardReader, sha256_file
+from pipeline.data.order import EvalOrder, TrainOrder
+from pipeline.data.tar_shard import ShardReader, sha256_file
 
 STATE_KEYS = ("fingerprint", "seed", "epoch", "samples_in_epoch", "samples_consumed", "global_batch")
 
@@ -156,7 +156,7 @@ class _SampleReader:
 class _MicroBatches(IterableDataset):
     """The micro-batches of a plan; DataLoader worker w of W makes every W-th one, starting at w."""
 
-    def __init__(self, index: DatasetIndex, plan: TrainPlan | EvalPlan, max_open_shards: int, verify: bool):
+    def __init__(self, index: DatasetIndex, plan: TrainOrder | EvalOrder, max_open_shards: int, verify: bool):
         self.index, self.plan, self.max_open_shards, self.verify = index, plan, max_open_shards, verify
 
     def __iter__(self) -> Iterator[Batch]:
@@ -208,7 +208,7 @@ class ShardLoader:
         self.index = index
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.prefetch_factor, self.max_open_shards, self.verify = prefetch_factor, max_open_shards, verify
-        self._plan = TrainPlan(index.num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world)
+        self._plan = TrainOrder(index.num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world)
         if self.batches_per_epoch == 0:
             raise ValueError(f"{index.directory} holds {index.num_samples} samples, fewer than one global batch of "
                              f"{self.global_batch} (micro_batch {micro_batch} x grad_accum {grad_accum} x dp_world "
@@ -282,7 +282,7 @@ class ShardLoader:
                              f"{state['global_batch']}")
         self.close()
         start = state["epoch"] * self.batches_per_epoch + state["samples_in_epoch"] // self.global_batch
-        self._plan = TrainPlan(self._plan.num_samples, self._plan.seed, self._plan.micro_batch,
+        self._plan = TrainOrder(self._plan.num_samples, self._plan.seed, self._plan.micro_batch,
                                self._plan.grad_accum, self._plan.dp_rank, self._plan.dp_world, start_step=start)
         self._samples_consumed_at_start = state["samples_consumed"]
         self._micro_consumed = 0
@@ -302,5 +302,5 @@ def iter_eval(index: DatasetIndex, micro_batch: int, dp_rank: int = 0, dp_world:
     if micro_batch < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
         raise ValueError(f"need micro_batch >= 1 and 0 <= dp_rank < dp_world, got micro_batch={micro_batch} "
                          f"dp_rank={dp_rank} dp_world={dp_world}")
-    plan = EvalPlan(index.num_samples, micro_batch, dp_rank, dp_world)
+    plan = EvalOrder(index.num_samples, micro_batch, dp_rank, dp_world)
     yield from _data_loader(_MicroBatches(index, plan, max_open_shards, verify), num_workers, False, 2)

@@ -50,7 +50,7 @@ def permute(positions: np.ndarray, num_samples: int, seed: int, epoch: int) -> n
 
 
 @dataclass(frozen=True)
-class TrainPlan:
+class TrainOrder:
     """Rank ``dp_rank``'s endless micro-batch sequence, starting at absolute global step ``start_step``
     (``epoch * steps_per_epoch + step``). Global batch ``s`` of an epoch is positions [s*G, (s+1)*G) of its order;
     rank r takes the contiguous slice [r*M*GA, (r+1)*M*GA) of it, cut into GA micro-batches of M."""
@@ -84,7 +84,7 @@ class TrainPlan:
 
 
 @dataclass(frozen=True)
-class EvalPlan:
+class EvalOrder:
     """Every sample once, in stored order. Round t covers [t*M*W, (t+1)*M*W) and rank r takes the r-th slice of M,
     so all ranks get the same number of micro-batches (ZeRO-3's forward is a collective). Slots past the last
     sample are -1: the loader fills them with padding rows, so every micro-batch has M rows."""

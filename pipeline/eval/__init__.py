@@ -8,6 +8,6 @@ the ablation report (``launch/report.py``). See docs/evaluation.md.
 """
 
 from pipeline.eval.encode import encode
-from pipeline.eval.model import EvalModel, load_model
+from pipeline.eval.load import EvalModel, load_model
 
 __all__ = ["EvalModel", "encode", "load_model"]

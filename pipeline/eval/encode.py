@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
-from pipeline.eval.model import EvalModel
+from pipeline.eval.load import EvalModel
 from pipeline.export.record import LAYOUTS, POOLINGS
 from pipeline.tokenizer import Tokenizer
 

@@ -14,7 +14,7 @@ from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 
 from pipeline.eval.encode import encode
-from pipeline.eval.model import EvalModel, load_model
+from pipeline.eval.load import EvalModel, load_model
 
 
 class MTEBEncoder(AbsEncoder):

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import transformers
 
-from pipeline.eval.model import load_model
+from pipeline.eval.load import load_model
 from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.task import EvalContext
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.eval.data import find_files
-from pipeline.eval.model import EvalModel
+from pipeline.eval.load import EvalModel
 
 
 @dataclass

@@ -200,11 +200,15 @@ class Objective(ABC):
 
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         targets = self.targets(batch)
-        attention = attention_inputs(self.attention_mode, batch.doc_ids, batch.span_ids,
-                                     document_masking=self.document_masking,
-                                     attn_implementation=model.config._attn_implementation, dtype=model.dtype)
-        hidden = model.model(input_ids=targets.input_ids, **attention).last_hidden_state
+        hidden = self.hidden_states(model, targets.input_ids, batch.doc_ids, batch.span_ids)
         return {self.name: target_loss(model.lm_head, hidden, targets)}
+
+    def hidden_states(self, model: PreTrainedModel, input_ids: torch.Tensor, doc_ids: torch.Tensor,
+                      span_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder body's last hidden states under this objective's attention mode (no LM head)."""
+        attention = attention_inputs(self.attention_mode, doc_ids, span_ids, document_masking=self.document_masking,
+                                     attn_implementation=model.config._attn_implementation, dtype=model.dtype)
+        return model.model(input_ids=input_ids, **attention).last_hidden_state
 
 
 class MaskedObjective(Objective):

@@ -25,7 +25,6 @@ from transformers import PreTrainedModel
 from pipeline.config import ConfigError
 from pipeline.data.batch import Batch
 from pipeline.data.format import UNMASKABLE
-from pipeline.model.attention import attention_inputs
 from pipeline.objectives.base import (
     MaskedConfig,
     MaskedObjective,
@@ -112,10 +111,7 @@ class Magnet(MaskedObjective):
 
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         view = self.view(batch)
-        attention = attention_inputs(self.attention_mode, batch.doc_ids, view.span_ids,
-                                     document_masking=self.document_masking,
-                                     attn_implementation=model.config._attn_implementation, dtype=model.dtype)
-        hidden = model.model(input_ids=view.input_ids, **attention).last_hidden_state
+        hidden = self.hidden_states(model, view.input_ids, batch.doc_ids, view.span_ids)
         return {name: target_loss(model.lm_head, hidden, t) for name, t in view.targets.items()}
 
 

@@ -25,7 +25,6 @@ import torch
 from transformers import PreTrainedModel
 
 from pipeline.data.batch import Batch
-from pipeline.model.attention import attention_inputs
 from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
 from pipeline.objectives.infonce import info_nce
 from pipeline.tokenizer import Tokenizer
@@ -82,10 +81,8 @@ class SimCSE(Objective):
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         check_units(batch, self.name)
         keep = self.text_tokens(batch)
-        doc_ids = torch.cat([batch.doc_ids, batch.doc_ids])
-        attention = attention_inputs(self.attention_mode, doc_ids, document_masking=self.document_masking,
-                                     attn_implementation=model.config._attn_implementation, dtype=model.dtype)
-        hidden = model.model(input_ids=torch.cat([batch.input_ids, batch.input_ids]), **attention).last_hidden_state
+        hidden = self.hidden_states(model, torch.cat([batch.input_ids, batch.input_ids]),
+                                    torch.cat([batch.doc_ids, batch.doc_ids]))
         pooled = mean_pool(hidden, torch.cat([keep, keep]))
         valid = keep.any(-1)
         n = len(valid)

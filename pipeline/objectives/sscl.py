@@ -35,7 +35,6 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from pipeline.data.batch import Batch
-from pipeline.model.attention import attention_inputs
 from pipeline.objectives.augment import edit_tokens
 from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
 from pipeline.objectives.infonce import info_nce
@@ -152,9 +151,7 @@ class SSCL(Objective):
 
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         views = self.views(batch)
-        attention = attention_inputs(self.attention_mode, views.doc_ids, document_masking=self.document_masking,
-                                     attn_implementation=model.config._attn_implementation, dtype=model.dtype)
-        hidden = model.model(input_ids=views.input_ids, **attention).last_hidden_state
+        hidden = self.hidden_states(model, views.input_ids, views.doc_ids)
         embeddings = getattr(model, HEAD)(hidden[torch.arange(len(views.last), device=hidden.device), views.last])
         n = len(views.valid)
         return {self.name: info_nce(embeddings[:n][views.valid], embeddings[n:][views.valid], self.scale)}

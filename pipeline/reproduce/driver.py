@@ -194,7 +194,8 @@ class Driver:
             os.makedirs(os.path.join(self.results, "baselines"), exist_ok=True)
             shutil.copyfile(path, os.path.join(self.results, "baselines", os.path.basename(path)))
         page_dir = os.path.dirname(os.path.abspath(self.page))
-        plots = [os.path.relpath(p, page_dir) for p in sorted(glob.glob(os.path.join(target, "*.png")))]
+        plots = [os.path.relpath(os.path.join(target, f"{name}.png"), page_dir) for name in study.plots
+                 if os.path.isfile(os.path.join(target, f"{name}.png"))]
         with open(self.page) as f:
             text = f.read()
         text = replace_block(text, self.mode, study.name, study_markdown(study, self.headlines(study), plots,

@@ -33,6 +33,7 @@ class Study:
     columns: tuple[tuple[str, str], ...] = ()  # (header, headline key)
     paper: dict[str, dict[str, float]] = field(default_factory=dict)  # label -> headline key -> the paper's number
     paper_model: str = "Llama-2-7B"  # what the paper's rows measured
+    plots: tuple[str, ...] = ("loss_curves",)  # the report's PNGs (launch/report.py) that belong on the page
 
 
 def _finetune(lrs: str, seeds: str, steps: int, batch: int = 32) -> list[str]:
@@ -61,7 +62,8 @@ STUDIES = (
                 ("CLM (half) then MLM 40 % continued", "cpt"), ("CLM, half budget", "half-clm")),
           columns=(("MR sentiment acc", "sc_acc"), ("WSJ POS acc", "tc_f1")),
           paper={"CLM": _CLM_PAPER, "MLM 40 %": _MLM_PAPER, "CLM 50 % -> MLM 40 %": _SWITCH_PAPER},
-          paper_model="610M, 42K steps; its switch is CLM 25 % -> MLM 40 %"),
+          paper_model="610M, 42K steps; its switch is CLM 25 % -> MLM 40 %",
+          plots=("loss_curves", "metrics_vs_clm_share")),
     Study("magnet", "experiments/reproduce/magnet/grid.yaml", "sts,repetition,infilling",
           {"quick": ["sts.max_length=256", "repetition.max_examples=3", "repetition.decoding.max_new_tokens=32",
                      "infilling.max_examples=8", "infilling.generate=0"],

@@ -7,15 +7,21 @@ torch and DeepSpeed, so a signal during the imports stops cleanly too.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 import warnings
 
-from pipeline.train.distributed import single_process_env
+from pipeline.train.distributed import exit_without_teardown, single_process_env
 from pipeline.train.signals import StopRequest
 
 CONFIG_ERROR, FAILED, DIVERGED = 2, 1, 3  # exit statuses besides 0
+USAGE = """Train with DeepSpeed: ``deepspeed launch/train.py --config ds_configs/zero3.json [--experiment FILE.yaml] [--set k=v ...]``.
+
+Without ``--experiment`` it runs the embedded default: a tiny Llama-style model trained with CLM on shards of the
+sample corpus (built on first use), on CPU in a few minutes. See README.md and docs/training.md.
+"""
 
 
 def run(ds_config: str, experiment: str | None, overrides: list[str], stop: StopRequest) -> int:
@@ -66,3 +72,19 @@ def run(ds_config: str, experiment: str | None, overrides: list[str], stop: Stop
             prepared.lock.release()
     dist.destroy_process_group()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    stop = StopRequest(int(os.environ.get("RANK", 0)))  # first: a signal during the imports stops cleanly too
+    p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="ds_configs/zero3.json", help="DeepSpeed JSON (fields may be \"auto\")")
+    p.add_argument("--experiment", default=None, help="experiment YAML (default: the embedded sample experiment)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an experiment field, e.g. --set train.steps=100 (repeatable)")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # appended by the deepspeed launcher
+    args = p.parse_args(argv)
+    return run(args.config, args.experiment, args.overrides, stop)
+
+
+if __name__ == "__main__":  # python -m pipeline.train.entry, as the sweep's local runs start it
+    exit_without_teardown(main())

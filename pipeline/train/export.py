@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 from pipeline.config import to_dict
 from pipeline.export.record import EncoderRecord, from_experiment, write_record
 from pipeline.run_dir import RunDir, tag
-from pipeline.train.model import PREFIX
+from pipeline.train.module import PREFIX
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

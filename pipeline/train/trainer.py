@@ -24,16 +24,16 @@ from pipeline.export.record import from_experiment
 from pipeline.model.flops import flops_per_token
 from pipeline.run_dir import DataRecord, RunDir, tag
 from pipeline.train.checkpoint import Checkpointer
+from pipeline.train.data_setup import ensure_shards
 from pipeline.train.ds_config import resolve_ds_config
 from pipeline.train.experiment import ExperimentConfig
 from pipeline.train.export import export_engine
 from pipeline.train.guard import DivergenceGuard
 from pipeline.train.metrics import MetricsLogger, Throughput, device_peak_tflops
-from pipeline.train.model import build_train_model
+from pipeline.train.module import build_train_model
 from pipeline.train.phases import WeightedObjective, data_sources
 from pipeline.train.preflight import Prepared
 from pipeline.train.schedule import lr_scheduler
-from pipeline.train.shards import ensure_shards
 from pipeline.train.signals import StopRequest
 from pipeline.train.step import train_step
 

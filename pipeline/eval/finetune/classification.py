@@ -13,7 +13,7 @@ from torch import nn
 
 from pipeline.eval.data import DataError, Row
 from pipeline.eval.encode import pool, rows_for
-from pipeline.eval.finetune.sweep import FinetuneOptions, FinetuneTask, batch_rows, run_family
+from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, batch_rows, run_family
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
 from pipeline.eval.task import Task
 

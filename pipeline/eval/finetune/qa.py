@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pipeline.eval.data import DataError, Row
-from pipeline.eval.finetune.sweep import FinetuneOptions, FinetuneTask, batch_rows, run_family
+from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, batch_rows, run_family
 from pipeline.eval.forward import encode_with_offsets, hidden_states, pad_id, pad_rows, wrap
 from pipeline.eval.metrics import squad_scores
 from pipeline.eval.task import Task

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipeline.eval.data import DataError, Sentence, read_conll
-from pipeline.eval.finetune.sweep import FinetuneOptions, FinetuneTask, batch_rows, run_family
+from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, batch_rows, run_family
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows, tokenize_words
 from pipeline.eval.metrics import entity_f1
 from pipeline.eval.task import Task

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.eval.report.runs import Variant
+from pipeline.eval.report.runs import Recipe
 
 Numbers = dict[str, float]
 
@@ -21,7 +21,7 @@ class Paper:
     name: str
     title: str
     columns: tuple[tuple[str, str], ...]  # (header, headline key)
-    reference: Callable[[Variant], tuple[str, Numbers] | None]  # the paper's row for a variant, if it has one
+    reference: Callable[[Recipe], tuple[str, Numbers] | None]  # the paper's row for a variant, if it has one
     note: str
 
 
@@ -39,7 +39,7 @@ MLM_VS_CLM = {
 }
 
 
-def _mlm_vs_clm_kind(v: Variant) -> str | None:
+def _mlm_vs_clm_kind(v: Recipe) -> str | None:
     if v.objectives == {"clm"}:
         return "clm"
     if v.objectives == {"mlm"} and v.mask_ratio == 0.4:
@@ -49,7 +49,7 @@ def _mlm_vs_clm_kind(v: Variant) -> str | None:
     return None
 
 
-def _mlm_vs_clm(v: Variant) -> tuple[str, Numbers] | None:
+def _mlm_vs_clm(v: Recipe) -> tuple[str, Numbers] | None:
     kind = _mlm_vs_clm_kind(v)
     values = MLM_VS_CLM.get((v.scale, kind))
     return (f"{v.scale} {kind}, 42K steps", _row(MLM_KEYS, values)) if values else None
@@ -70,7 +70,7 @@ LLAMA2 = {
 }
 
 
-def _llama2_kind(v: Variant) -> str | None:
+def _llama2_kind(v: Recipe) -> str | None:
     if "magnet" in v.objectives:
         return "magnet"
     if "mntp" in v.objectives:
@@ -78,7 +78,7 @@ def _llama2_kind(v: Variant) -> str | None:
     return "base" if v.objectives == {"clm"} else None
 
 
-def _llama2(v: Variant) -> tuple[str, Numbers] | None:
+def _llama2(v: Recipe) -> tuple[str, Numbers] | None:
     kind = _llama2_kind(v) if v.scale == "7b" else None
     return (f"Llama-2-7B {kind}", LLAMA2[kind]) if kind else None
 

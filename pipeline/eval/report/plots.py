@@ -54,7 +54,7 @@ def loss_curves(runs: list[RunSummary], path: str) -> str:
         for run in runs:
             if key in run.history:
                 steps = sorted(run.history[key])
-                ax.plot(steps, [run.history[key][s] for s in steps], label=run.variant.name)
+                ax.plot(steps, [run.history[key][s] for s in steps], label=run.recipe.name)
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
@@ -75,8 +75,8 @@ def series(points: list[tuple[float, float, RunSummary]], axis: str) -> dict[str
     other = "mask_ratio" if axis == "clm_share" else "clm_share"
 
     def key(r: RunSummary) -> tuple:
-        return (("model", r.variant.scale), ("objectives", "+".join(sorted(r.variant.objectives - {"clm"})) or "clm"),
-                (other.replace("_", " "), getattr(r.variant, other)))
+        return (("model", r.recipe.scale), ("objectives", "+".join(sorted(r.recipe.objectives - {"clm"})) or "clm"),
+                (other.replace("_", " "), getattr(r.recipe, other)))
 
     keys = {key(r) for _, _, r in points}
     varies = [i for i in range(3) if len({k[i][1] for k in keys}) > 1]
@@ -92,7 +92,7 @@ def metric_against(runs: list[RunSummary], path: str, axis: str) -> str:
     """One panel per headline number against ``axis`` ("clm_share" or "mask_ratio"); each point is a run, labelled,
     and runs that differ in ``axis`` alone are joined by a line (``series``)."""
     label = {"clm_share": "CLM share of the steps", "mask_ratio": "masking ratio"}[axis]
-    placed = [r for r in runs if getattr(r.variant, axis) is not None]
+    placed = [r for r in runs if getattr(r.recipe, axis) is not None]
     found = {k for r in placed for k in r.headline}
     keys = ([k for k in FIRST if k in found] + sorted(found - set(FIRST)))[:MAX_PANELS]
     if not keys:
@@ -100,13 +100,13 @@ def metric_against(runs: list[RunSummary], path: str, axis: str) -> str:
                       f"no evaluated run with a {label}: run launch/evaluate.py on the runs first")
     fig, axes = _grid(len(keys), f"Evaluation metrics against the {label}")
     for ax, key in zip(axes, keys):
-        points = [(getattr(r.variant, axis), r.headline[key], r) for r in placed if key in r.headline]
+        points = [(getattr(r.recipe, axis), r.headline[key], r) for r in placed if key in r.headline]
         for name, line in series(points, axis).items():
             ax.plot([x for x, _ in line], [y for _, y in line], marker="o", label=name)
         if log_scale(key):
             ax.set_yscale("log")
         for x, y, r in points:
-            ax.annotate(r.variant.name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            ax.annotate(r.recipe.name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.set_title(key)
         ax.set_xlabel(label)
         ax.set_xlim(-0.05, 1.05)

@@ -1,4 +1,4 @@
-"""What the report reads from a run directory (:class:`pipeline.run_dir.RunDir`): the variant (from its experiment),
+"""What the report reads from a run directory (:class:`pipeline.run_dir.RunDir`): the recipe (what was trained, from its experiment),
 the loss history (from ``metrics.jsonl``) and the evaluation headline numbers (every ``eval/*.json`` that
 ``launch/evaluate.py`` wrote)."""
 
@@ -16,7 +16,9 @@ from pipeline.train.experiment import ExperimentConfig
 
 
 @dataclass(frozen=True)
-class Variant:
+class Recipe:
+    """What a run trained (its grid point is a :class:`pipeline.grid.Variant`): the report groups and plots by it."""
+
     name: str
     phases: str  # objectives per phase, e.g. "clm -> mlm"
     objectives: frozenset[str]
@@ -29,7 +31,7 @@ class Variant:
 @dataclass
 class RunSummary:
     run_dir: str
-    variant: Variant
+    recipe: Recipe
     history: dict[str, dict[int, float]]  # "loss/clm" -> step -> value (a replayed step keeps its last value)
     headline: dict[str, float] = field(default_factory=dict)
 
@@ -46,14 +48,14 @@ def model_scale(run: RunDir, exp: ExperimentConfig) -> str:
     return "custom"
 
 
-def variant_of(run: RunDir, exp: ExperimentConfig) -> Variant:
+def recipe_of(run: RunDir, exp: ExperimentConfig) -> Recipe:
     names = [[o.name for o in p.objectives] for p in exp.phases]
     ratio = None
     for phase in exp.phases:
         for spec in phase.objectives:
             if OBJECTIVES[spec.name].masks:
                 ratio = spec.ratio
-    return Variant(name=exp.name, phases=" -> ".join("+".join(n) for n in names),
+    return Recipe(name=exp.name, phases=" -> ".join("+".join(n) for n in names),
                    objectives=frozenset(n for ns in names for n in ns),
                    clm_share=float(sum(p.share for p, n in zip(exp.phases, names) if "clm" in n)),
                    mask_ratio=ratio, scale=model_scale(run, exp), steps=exp.train.steps)
@@ -74,7 +76,7 @@ def load_run(run_dir: str) -> RunSummary:
     run = RunDir(run_dir)
     if not run.exists():
         raise FileNotFoundError(f"{run_dir}: no experiment.json, so not a run directory of launch/train.py")
-    summary = RunSummary(run_dir, variant_of(run, run.experiment()), read_history(run.metrics))
+    summary = RunSummary(run_dir, recipe_of(run, run.experiment()), read_history(run.metrics))
     for path in run.all_eval_results():
         results = read_json(path, "results of launch/evaluate.py")
         summary.headline.update(results.get("headline", {}))

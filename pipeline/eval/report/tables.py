@@ -13,8 +13,8 @@ def fmt(value: float | None) -> str:
     return "–" if value is None else f"{value:.4g}"
 
 
-def _variant_cells(run: RunSummary) -> list[str]:
-    v = run.variant
+def _recipe_cells(run: RunSummary) -> list[str]:
+    v = run.recipe
     return [v.name, v.phases, v.scale, str(v.steps), f"{v.clm_share:.2f}", fmt(v.mask_ratio)]
 
 
@@ -30,8 +30,8 @@ def paper_table(paper: Paper, runs: list[RunSummary]) -> str | None:
         return None
     rows = []
     for run in runs:
-        rows.append(_variant_cells(run) + [fmt(run.headline.get(k)) for k in keys])
-        reference = paper.reference(run.variant)
+        rows.append(_recipe_cells(run) + [fmt(run.headline.get(k)) for k in keys])
+        reference = paper.reference(run.recipe)
         if reference:
             label, numbers = reference
             rows.append([f"↳ paper: {label}", "", "", "", "", ""] + [fmt(numbers.get(k)) for k in keys])
@@ -41,7 +41,7 @@ def paper_table(paper: Paper, runs: list[RunSummary]) -> str | None:
 
 def summary_table(runs: list[RunSummary]) -> str:
     keys = sorted({k for run in runs for k in run.headline})
-    rows = [_variant_cells(run) + [fmt(run.headline.get(k)) for k in keys] for run in runs]
+    rows = [_recipe_cells(run) + [fmt(run.headline.get(k)) for k in keys] for run in runs]
     return f"## Every evaluated number\n\n{_table([*VARIANT_HEADERS, *keys], rows)}\n"
 
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from pipeline.eval.data import DataError, Row, read_rows
 from pipeline.eval.metrics import mean_ci
 from pipeline.eval.task import EvalContext
-from pipeline.train.model import _param_groups
+from pipeline.train.module import _param_groups
 
 SPLITS = {"train": ("train",), "validation": ("dev", "validation", "valid", "val"), "test": ("test",)}
 EXTS = (".tsv", ".csv", ".jsonl", ".json", ".txt")
