@@ -101,8 +101,10 @@ def test_sliding_window_shorter_than_the_sequences_is_refused():
 
 
 ZERO3_STEP = """
-import json, os, sys
+import json, os, sys, traceback
 import deepspeed, torch
+# an error exits at once: a normal exit would wait for DeepSpeed's gloo threads (the other rank never comes)
+sys.excepthook = lambda *exc: (traceback.print_exception(*exc), os._exit(1))
 sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 from helpers import packed_text_batch, unit_text_batch
 from pipeline.config import from_dict
@@ -137,7 +139,7 @@ for family, path in json.loads(sys.argv[3]).items():
         out = engine(o.objective, units if o.objective.source == "units" else packed)
         loss = sum(v[0] / max(int(v[1]), 1) for v in out.values())
         engine.backward(loss)
-        losses.update({k: float(v[0]) / max(int(v[1]), 1) for k, v in outs.items()})
+        losses.update({k: float(v[0]) / max(int(v[1]), 1) for k, v in out.items()})
     engine.step()
     with deepspeed.zero.GatheredParameters([embed]):
         moved = float((embed.detach() - before).abs().max())
