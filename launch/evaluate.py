@@ -12,7 +12,6 @@ with its error (exit status 1; 2 when nothing finished, and then nothing is writ
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -40,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.eval.load import ModelError
     from pipeline.eval.registry import TASKS
     from pipeline.eval.runner import EvalConfig, evaluate
+    from pipeline.io import write_json_atomic
     from pipeline.run_dir import RunDir
 
     if args.list:
@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no task finished; {out} was not written", file=sys.stderr)
         return 2
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json_atomic(out, results)
     for key, value in results["headline"].items():
         print(f"{key:32} {value:.4g}")
     finished = ", ".join(results["results"])

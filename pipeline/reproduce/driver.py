@@ -35,6 +35,7 @@ from pipeline.data.build_config import BuildConfig
 from pipeline.data.manifest import MANIFEST
 from pipeline.eval.report.write import write_report
 from pipeline.eval.runner import EvalConfig, evaluate
+from pipeline.io import write_json_atomic
 from pipeline.model.gguf_import import import_gguf, packaged_gguf
 from pipeline.reproduce.data import RealDataError, extract
 from pipeline.reproduce.results import replace_block, study_markdown
@@ -154,8 +155,7 @@ class Driver:
             results = evaluate(config)
             if results["results"]:
                 os.makedirs(os.path.dirname(out), exist_ok=True)
-                with open(out, "w") as f:
-                    json.dump(results, f, indent=1)
+                write_json_atomic(out, results)  # a killed evaluation leaves no half file that a re-run would skip
                 print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in results["headline"].items()))
             if results["failed"] or not results["results"]:
                 raise RuntimeError("; ".join(f"task {name} failed: {why['error']} (raised at {why['where']})"
