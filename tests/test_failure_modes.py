@@ -38,6 +38,7 @@ from pipeline.data.manifest import (
 from pipeline.data.order import TrainOrder
 from pipeline.lock import DirLock
 from pipeline.run_dir import RunDir
+from pipeline.train.distributed import stale_build_locks, warn_stale_build_locks
 from pipeline.train.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
 from pipeline.train.guard import Diverged, DivergenceGuard
 from pipeline.train.metrics import MetricsLogger
@@ -212,6 +213,19 @@ def test_forked_workers_of_a_killed_holder_do_not_keep_its_lock(tmp_path):
             assert workers[0].is_running() and lock.stale["pid"] == holder.pid
     finally:
         workers[0].kill()
+
+
+def test_a_left_over_op_build_lock_is_named_with_the_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    old, fresh = tmp_path / "fused_adam" / "lock", tmp_path / "deepspeed_shm_comm" / "lock"
+    for lock in (old, fresh):
+        lock.parent.mkdir()
+        lock.write_text("")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))  # a killed build's; the other one is building now
+    assert [p for p, _ in stale_build_locks()] == [str(old)]
+    warn_stale_build_locks()
+    err = capsys.readouterr().err
+    assert f"{old} is 60 min old" in err and "'fused_adam'" in err and f"rm {old}" in err and str(fresh) not in err
 
 
 @pytest.mark.e2e

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import socket
 import sys
+import time
 
 # The trainer's own collectives (target counts, logged sums, the stop flag) use small tensors on the training
 # device, since NCCL refuses CPU tensors.
 DIST_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+STALE_BUILD_LOCK_S = 600  # DeepSpeed's CPU ops build in about a minute here; a lock this old is almost surely left over
 
 
 def single_process_env(env=os.environ) -> bool:
@@ -34,11 +37,40 @@ def _device():
     return torch.device("cpu")
 
 
+def stale_build_locks(min_age_s: float = STALE_BUILD_LOCK_S) -> list[tuple[str, float]]:
+    """(path, age in seconds) of each torch-extension build lock older than ``min_age_s``. DeepSpeed builds its ops
+    (the CPU ranks' shared-memory collectives, the fused optimizers) with torch's extension builder, whose lock
+    file a killed build leaves behind; every later process that needs the op then waits on it forever, silently."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    now, found = time.time(), []
+    for path in sorted(glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))):
+        try:
+            age = now - os.path.getmtime(path)
+        except OSError:  # released meanwhile
+            continue
+        if age >= min_age_s:
+            found.append((path, age))
+    return found
+
+
+def warn_stale_build_locks() -> None:
+    for path, age in stale_build_locks():
+        print(f"warning: {path} is {age / 60:.0f} min old: a build of DeepSpeed op "
+              f"'{os.path.basename(os.path.dirname(path))}' holds it, or a killed build left it behind, and every "
+              f"process that needs the op waits on it without a word. If no compiler is running (pgrep -a "
+              f"'ninja|cc1plus'), remove it: rm {path}", file=sys.stderr, flush=True)
+
+
 def start_distributed():
-    """(device, rank, world size) once torch.distributed runs: the rendezvous only, no engine yet."""
+    """(device, rank, world size) once torch.distributed runs: the rendezvous only, no engine yet. The first local
+    rank warns first of build locks that would hang it (DeepSpeed builds ops from here on)."""
     import deepspeed
     import torch.distributed as dist
 
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        warn_stale_build_locks()
     device = _device()
     deepspeed.init_distributed(dist_backend=DIST_BACKENDS[device.type])
     return device, dist.get_rank(), dist.get_world_size()
