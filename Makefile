@@ -49,7 +49,8 @@ demo: setup
 test: setup real-data
 	$(BIN)/python -m pytest -q -m "not slow"
 
-test-slow: setup real-model
+# the slow suite: the real SmolLM2 checkpoint, every smoke twin, SLURM requeue, the quick reproduction (~16 min)
+test-slow: setup real-model real-data
 	$(BIN)/python -m pytest -q -m slow
 
 lint: setup
