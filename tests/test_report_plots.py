@@ -1,10 +1,17 @@
-"""The report's plot lines: runs share a line only when they differ in the plotted setting alone, the legend names
-what varies, and perplexities get a log axis."""
+"""The report's plot lines: runs share a line only when they differ in the plotted setting alone, through the mean
+of their seeds; the legend names what varies; perplexities get a log axis; a continued run's CLM share counts the
+run it started from."""
 
 from __future__ import annotations
 
-from pipeline.eval.report.plots import log_scale, series
-from pipeline.eval.report.runs import Recipe, RunSummary
+import json
+import os
+import shutil
+
+from pipeline.eval.report.plots import log_scale, mean_line, series
+from pipeline.eval.report.runs import Recipe, RunSummary, recipe_of
+from pipeline.run_dir import RunDir
+from pipeline.sweep import REPO
 
 
 def run(name: str, objectives: set[str], clm_share: float, mask_ratio: float | None, scale: str = "210m"
@@ -36,3 +43,23 @@ def test_only_what_varies_names_the_lines():
 def test_perplexity_axes_are_logarithmic():
     assert log_scale("ppl") and log_scale("infill_ppl_magnet/roc") and log_scale("infill_ppl_causal/wiki")
     assert not log_scale("mlm_acc") and not log_scale("sts/stsb") and not log_scale("rep_4/wiki")
+
+
+def test_seeds_of_one_setting_make_one_point_of_the_line():
+    assert mean_line([(0.0, 31.0), (0.5, 48.0), (0.0, 42.0), (0.5, 49.0), (1.0, 60.0)]) == [
+        (0.0, 36.5), (0.5, 48.5), (1.0, 60.0)]
+
+
+def test_a_continued_run_counts_the_clm_steps_of_the_run_it_started_from(tmp_path):
+    records = os.path.join(REPO, "docs", "results", "full", "runs")  # the full reproduction's real records
+    for name in ("half-clm-s0", "cpt-s0"):
+        os.makedirs(tmp_path / name)
+        shutil.copyfile(os.path.join(records, name, "experiment.json"), tmp_path / name / "experiment.json")
+    cpt = json.loads((tmp_path / "cpt-s0" / "experiment.json").read_text())
+    cpt["model"]["init"] = str(tmp_path / "half-clm-s0" / "hf")  # 50 CLM steps, then these 50 MLM steps
+    (tmp_path / "cpt-s0" / "experiment.json").write_text(json.dumps(cpt))
+    shares = {name: recipe_of(RunDir(str(tmp_path / name)), RunDir(str(tmp_path / name)).experiment()).clm_share
+              for name in ("half-clm-s0", "cpt-s0")}
+    assert shares == {"half-clm-s0": 1.0, "cpt-s0": 0.5}
+    shutil.rmtree(tmp_path / "half-clm-s0")  # the start run gone: only the run's own steps are known
+    assert recipe_of(RunDir(str(tmp_path / "cpt-s0")), RunDir(str(tmp_path / "cpt-s0")).experiment()).clm_share == 0.0

@@ -2,12 +2,14 @@
 CLM share and against the masking ratio. Each figure says so when it has nothing to show, instead of being absent.
 
 A line joins only runs that differ in the plotted setting alone: same model scale, same non-CLM objectives, same
-other setting (``series``); its legend names what varies between the lines. Perplexities are drawn on a log axis."""
+other setting (``series``), through the mean of the runs (seeds) at each x; its legend names what varies between the
+lines. Each run is a point, labelled once per name without its seed. Perplexities are drawn on a log axis."""
 
 from __future__ import annotations
 
 import math
 import os
+import re
 
 import matplotlib
 
@@ -20,6 +22,13 @@ from pipeline.eval.report.runs import RunSummary  # noqa: E402
 MAX_PANELS = 12
 # the papers' numbers first, so they get panels when there are more than MAX_PANELS numbers
 FIRST = ("ppl", "mlm_acc", "mntp_acc", *dict.fromkeys(key for p in PAPERS for _, key in p.columns))
+HEADERS = {key: header for p in PAPERS for header, key in p.columns}
+# the y axis of a headline number, by its key before "/" (only where the unit is certain)
+UNITS = {"sc_acc": "accuracy (%)", "tc_f1": "F1 (%)", "qa_f1": "F1 (%)", "sts": "Spearman x100",
+         "sts_avg": "Spearman x100", "clustering_avg": "V-measure x100", "rep_sen": "share of repeated sentences",
+         "rep_4": "share of repeated 4-grams", "infill_ppl_magnet": "perplexity", "infill_ppl_causal": "perplexity",
+         "ppl": "perplexity"}
+SEED = re.compile(r"-s\d+(?=-smoke$|$)")  # a grid's seed axis names its runs NAME-sN (docs/experiments.md)
 
 
 def _grid(n: int, title: str):
@@ -88,10 +97,16 @@ def series(points: list[tuple[float, float, RunSummary]], axis: str) -> dict[str
     return {label: sorted(line) for label, line in sorted(lines.items())}
 
 
+def mean_line(line: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """One point per x, the mean of the runs there (the seeds of one setting): a line through them, not a zigzag."""
+    xs = sorted({x for x, _ in line})
+    return [(x, sum(y for u, y in line if u == x) / sum(1 for u, _ in line if u == x)) for x in xs]
+
+
 def metric_against(runs: list[RunSummary], path: str, axis: str) -> str:
-    """One panel per headline number against ``axis`` ("clm_share" or "mask_ratio"); each point is a run, labelled,
-    and runs that differ in ``axis`` alone are joined by a line (``series``)."""
-    label = {"clm_share": "CLM share of the steps", "mask_ratio": "masking ratio"}[axis]
+    """One panel per headline number against ``axis`` ("clm_share" or "mask_ratio"); each run is a point, and runs
+    that differ in ``axis`` alone are joined by a line through their means (``series``, ``mean_line``)."""
+    label = {"clm_share": "CLM share of the training budget", "mask_ratio": "masking ratio"}[axis]
     placed = [r for r in runs if getattr(r.recipe, axis) is not None]
     found = {k for r in placed for k in r.headline}
     keys = ([k for k in FIRST if k in found] + sorted(found - set(FIRST)))[:MAX_PANELS]
@@ -102,12 +117,19 @@ def metric_against(runs: list[RunSummary], path: str, axis: str) -> str:
     for ax, key in zip(axes, keys):
         points = [(getattr(r.recipe, axis), r.headline[key], r) for r in placed if key in r.headline]
         for name, line in series(points, axis).items():
-            ax.plot([x for x, _ in line], [y for _, y in line], marker="o", label=name)
+            means = mean_line(line)
+            drawn = ax.plot([x for x, _ in means], [y for _, y in means], label=name)
+            ax.scatter([x for x, _ in line], [y for _, y in line], color=drawn[0].get_color(), s=16, zorder=3)
         if log_scale(key):
             ax.set_yscale("log")
-        for x, y, r in points:
-            ax.annotate(r.recipe.name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        ax.set_title(key)
+        named = {}
+        for x, y, r in points:  # one label per run name without its seed, at the highest of its points
+            base = SEED.sub("", r.recipe.name)
+            named[(base, x)] = max(y, named.get((base, x), y))
+        for (base, x), y in named.items():
+            ax.annotate(base, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_title(f"{HEADERS[key]} ({key})" if key in HEADERS else key)
+        ax.set_ylabel(UNITS.get(key.split("/")[0], key))
         ax.set_xlabel(label)
         ax.set_xlim(-0.05, 1.05)
         ax.legend(fontsize=7)

@@ -22,7 +22,7 @@ class Recipe:
     name: str
     phases: str  # objectives per phase, e.g. "clm -> mlm"
     objectives: frozenset[str]
-    clm_share: float  # share of the steps in phases that train CLM
+    clm_share: float  # share of the training budget in CLM phases, the run it continued from included
     mask_ratio: float | None  # masking ratio of the last masked objective (mlm, mntp, magnet); None without one
     scale: str  # preset name matching the model's shape, or "custom"
     steps: int
@@ -48,16 +48,37 @@ def model_scale(run: RunDir, exp: ExperimentConfig) -> str:
     return "custom"
 
 
+def continued_from(exp: ExperimentConfig) -> RunDir | None:
+    """The run whose HF export this run started from (``model.init: RUN/hf``, as a grid's ``${run:NAME}/hf``), when
+    that run directory is still there."""
+    init = exp.model.init and os.path.normpath(exp.model.init)
+    if not init or os.path.basename(init) != "hf" or exp.model.init in PRESETS:
+        return None
+    start = RunDir(os.path.dirname(init))
+    return start if start.exists() else None
+
+
+def clm_steps(exp: ExperimentConfig) -> tuple[float, int]:
+    """(steps trained with CLM, steps) over the whole budget: a continued run adds the run it started from, so CLM
+    then MLM continued sits at the same CLM share as a switch within one run."""
+    clm = sum(p.share for p in exp.phases if any(o.name == "clm" for o in p.objectives)) * exp.train.steps
+    start = continued_from(exp)
+    if start is None:
+        return clm, exp.train.steps
+    before, steps = clm_steps(start.experiment())
+    return clm + before, exp.train.steps + steps
+
+
 def recipe_of(run: RunDir, exp: ExperimentConfig) -> Recipe:
     names = [[o.name for o in p.objectives] for p in exp.phases]
-    ratio = None
+    ratio, (clm, steps) = None, clm_steps(exp)
     for phase in exp.phases:
         for spec in phase.objectives:
             if OBJECTIVES[spec.name].masks:
                 ratio = spec.ratio
     return Recipe(name=exp.name, phases=" -> ".join("+".join(n) for n in names),
                    objectives=frozenset(n for ns in names for n in ns),
-                   clm_share=float(sum(p.share for p, n in zip(exp.phases, names) if "clm" in n)),
+                   clm_share=float(clm / steps),
                    mask_ratio=ratio, scale=model_scale(run, exp), steps=exp.train.steps)
 
 
