@@ -28,7 +28,7 @@ UNITS = {"sc_acc": "accuracy (%)", "tc_f1": "F1 (%)", "qa_f1": "F1 (%)", "sts": 
          "sts_avg": "Spearman x100", "clustering_avg": "V-measure x100", "rep_sen": "share of repeated sentences",
          "rep_4": "share of repeated 4-grams", "infill_ppl_magnet": "perplexity", "infill_ppl_causal": "perplexity",
          "ppl": "perplexity"}
-SEED = re.compile(r"-s\d+(?=-smoke$|$)")  # a grid's seed axis names its runs NAME-sN (docs/experiments.md)
+SEED = re.compile(r"-s\d+(?=-smoke$|$)")  # the shipped grids name their seed values sN: runs NAME-sN
 
 
 def _grid(n: int, title: str):
