@@ -52,7 +52,7 @@ def continued_from(exp: ExperimentConfig) -> RunDir | None:
     """The run whose HF export this run started from (``model.init: RUN/hf``, as a grid's ``${run:NAME}/hf``), when
     that run directory is still there."""
     init = exp.model.init and os.path.normpath(exp.model.init)
-    if not init or os.path.basename(init) != "hf" or exp.model.init in PRESETS:
+    if not init or os.path.basename(init) != "hf":
         return None
     start = RunDir(os.path.dirname(init))
     return start if start.exists() else None
