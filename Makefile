@@ -44,8 +44,11 @@ reproduce: setup real-model real-data
 reproduce-quick: setup real-model real-data
 	$(CPU_ENV) $(BIN)/python launch/reproduce.py --quick
 
+# the rendezvous on a free port, so a demo starts while another run holds DeepSpeed's default one
 demo: setup
-	$(CPU_ENV) PATH=$(abspath $(BIN)):$$PATH deepspeed --num_gpus $(NPROC) launch/train.py --config ds_configs/zero3.json
+	$(CPU_ENV) PATH=$(abspath $(BIN)):$$PATH deepspeed --num_gpus $(NPROC) \
+	  --master_port $$($(BIN)/python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') \
+	  launch/train.py --config ds_configs/zero3.json
 
 test: setup real-data
 	$(BIN)/python -m pytest -q -m "not slow"

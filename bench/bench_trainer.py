@@ -104,11 +104,11 @@ def run(args: argparse.Namespace) -> None:
     from pipeline.data.build_config import BuildConfig
     from pipeline.data.loader import ShardLoader
     from pipeline.data.manifest import load_index
+    from pipeline.experiment import load_experiment
     from pipeline.model.presets import ModelPreset
     from pipeline.run_dir import RunDir
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
-    from pipeline.train.experiment import load_experiment
     from pipeline.train.metrics import MetricsLogger
     from pipeline.train.module import build_train_model
     from pipeline.train.phases import build_objectives
@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> None:
 
     def engine_for(use_train_module: bool):
         ds = resolve_ds_config(ds_raw, exp, world, bf16=False)
-        lm, module, optimizer = build_train_model(exp, ds, tokenizer, False, [clm.objective])
+        lm, module, optimizer = build_train_model(exp, ds, tokenizer, False, [clm.objective],
+                                                  attn_implementation="sdpa", fused="none")
         engine, *_ = deepspeed.initialize(model=module if use_train_module else lm, optimizer=optimizer,
                                           lr_scheduler=lr_scheduler(exp.train.steps, exp.optim), config=ds)
         return TimedEngine(engine), module

@@ -31,8 +31,8 @@ import re
 from dataclasses import dataclass, field
 
 from pipeline.config import ConfigError, from_dict, load_yaml, set_path, to_dict
+from pipeline.experiment import REPO, ExperimentConfig
 from pipeline.model.presets import PRESETS
-from pipeline.train.experiment import REPO, ExperimentConfig
 
 RUN_REF = re.compile(r"\$\{run:([^}]*)\}")
 SMOKE_SUFFIX = "-smoke"

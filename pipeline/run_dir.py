@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass
 
 from pipeline.config import ConfigError, from_dict, to_dict
+from pipeline.experiment import ExperimentConfig
 from pipeline.io import read_json, write_json_atomic
-from pipeline.train.experiment import ExperimentConfig
 
 MARKER = "COMPLETE"  # written into a checkpoint directory once every rank has finished writing it
 EXPERIMENT, MODEL_CONFIG, DS_CONFIG, DATA = "experiment.json", "model_config.json", "ds_config.json", "data.json"
@@ -127,6 +127,11 @@ class RunDir:
     def checkpoint_world_size(self, step: int) -> int:
         """The number of ranks that wrote the step's checkpoint (from its completion marker)."""
         return read_json(os.path.join(self.checkpoint(step), MARKER), "not a complete checkpoint").get("world_size", 1)
+
+    def checkpoint_zero_stage(self, step: int) -> int:
+        """The ZeRO stage that wrote the step's checkpoint (its DeepSpeed config; 0 without a ZeRO section)."""
+        ds = read_json(os.path.join(self.checkpoint(step), DS_CONFIG), "written with every checkpoint")
+        return int(ds.get("zero_optimization", {}).get("stage", 0))
 
     def model_config(self):
         """The trained model's HF config (``model_config.json``), a ``PretrainedConfig``."""

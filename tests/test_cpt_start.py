@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError
+from pipeline.experiment import load_experiment
 from pipeline.model.build import build_model, check_checkpoint_shape
-from pipeline.train.experiment import load_experiment
 
 
 def _save_tiny(path, **changes) -> str:

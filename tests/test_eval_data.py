@@ -52,8 +52,8 @@ def test_missing_column_lists_the_expected_names(tmp_path):
 def tiny_dir(tmp_path_factory) -> str:
     from helpers import tiny_llama
 
+    from pipeline.experiment import SAMPLE_DIR
     from pipeline.tokenizer import load_tokenizer
-    from pipeline.train.experiment import SAMPLE_DIR
 
     tok = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
     out = str(tmp_path_factory.mktemp("model") / "no-tokenizer")
@@ -62,7 +62,7 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 def test_unseen_labels_name_the_record(tmp_path, tiny_dir):
-    from pipeline.train.experiment import SAMPLE_DIR
+    from pipeline.experiment import SAMPLE_DIR
 
     model = load_model(tiny_dir, tokenizer=os.path.join(SAMPLE_DIR, "tokenizer"))
     root = tmp_path / "classification" / "sst2"

@@ -24,9 +24,9 @@ from pipeline.eval.infilling import Example, span_nll
 from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.repetition import repetition_scores
 from pipeline.eval.task import EvalContext
+from pipeline.experiment import SAMPLE_DIR
 from pipeline.objectives import MagnetConfig, make_objective
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train.experiment import SAMPLE_DIR
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "eval")
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")

@@ -14,14 +14,15 @@ import torch
 from helpers import plain_transformers_hidden, tiny_llama
 from shard_corpus import TOKENIZER
 
+from pipeline.config import from_dict
 from pipeline.eval import encode, load_model
 from pipeline.eval.encode import special_tokens
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
+from pipeline.experiment import REPO, ExperimentConfig, load_experiment
+from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
 from pipeline.export.sentence_transformers import check_expressible, write_sentence_transformers
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train.experiment import REPO, load_experiment
-from pipeline.train.export import save_hf
 
 TEXTS = ["The river rises in the hills.", "A much longer sentence about the hills, the river and the sea beyond.",
          "Short."]
@@ -56,26 +57,40 @@ def project_hidden(hf_dir: str, ids: list[list[int]], lengths: list[int], attent
 
 def test_records_of_the_shipped_experiments(tokenizer):
     def record(path, *overrides):
-        from pipeline.config import to_dict
-
-        return from_experiment(to_dict(load_experiment(os.path.join(REPO, "experiments", path), list(overrides))),
-                               tokenizer)
+        return from_experiment(load_experiment(os.path.join(REPO, "experiments", path), list(overrides)), tokenizer)
 
     mntp = record("llm2vec/mntp.yaml")
     assert mntp == EncoderRecord(attention="bidirectional", reads_previous=True, mask_token="_", pooling="mean",
                                  layout="bos_eos", objectives=("mntp",))
     assert record("llm2vec/mntp-smoke.yaml").mask_token == "<mask>"
-    clm = from_experiment({"phases": [{"objectives": [{"name": "clm"}]}]}, tokenizer)
+    clm = from_experiment(experiment({"phases": [{"objectives": [{"name": "clm"}]}]}), tokenizer)
     assert (clm.attention, clm.reads_previous, clm.mask_token) == ("causal", False, None)
-    switch = from_experiment({"phases": [{"objectives": [{"name": "clm"}]},
-                                         {"objectives": [{"name": "mlm", "ratio": 0.4}]}]}, tokenizer)
+    switch = from_experiment(experiment({"phases": [{"share": 0.5, "objectives": [{"name": "clm"}]},
+                                                    {"share": 0.5, "objectives": [{"name": "mlm", "ratio": 0.4}]}]}),
+                             tokenizer)
     assert (switch.attention, switch.reads_previous, switch.mask_token) == ("bidirectional", False, "<mask>")
     assert switch.objectives == ("clm", "mlm")
 
 
+def experiment(raw: dict) -> ExperimentConfig:
+    return from_dict(ExperimentConfig, raw)
+
+
+def test_the_record_keeps_the_runs_own_sscl_instruction(tokenizer):
+    """encode(), sentence-transformers and MTEB embed with the record's instruction: it must be the trained one."""
+    own = "Represent this review for finding similar reviews:"
+    sscl = {"name": "sscl", "augment": "delete", "instruction": own}
+    record = from_experiment(experiment({"phases": [{"objectives": [sscl]}]}), tokenizer)
+    assert (record.instruction, record.pooling, record.attention) == (own, "last", "bidirectional")
+    default = from_experiment(experiment({"phases": [{"objectives": [{"name": "sscl", "augment": "delete"}]}]}),
+                              tokenizer)
+    assert default.instruction == "Given the sentence, find its representation:"
+
+
 def test_simcse_after_mntp_keeps_the_start_exports_record(tokenizer, tmp_path):
     start = export(tokenizer, str(tmp_path / "mntp"), MNTP)
-    simcse = from_experiment({"model": {"init": start}, "phases": [{"objectives": [{"name": "simcse"}]}]}, tokenizer)
+    simcse = from_experiment(experiment({"model": {"init": start, "attention_dropout": 0.3},
+                                         "phases": [{"objectives": [{"name": "simcse"}]}]}), tokenizer)
     assert (simcse.attention, simcse.reads_previous, simcse.mask_token) == ("bidirectional", True, "<mask>")
     assert simcse.objectives == ("mntp", "simcse") and simcse.pooling == "mean"
 

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ import typing
 import numpy as np
 import psutil
 import pytest
+import torch
 from helpers import REPO, cpu_env, launch_training, logged_steps, make_shard_dir, train_command
 
 from pipeline.config import ConfigError
@@ -36,10 +38,10 @@ from pipeline.data.manifest import (
     write_json_atomic,
 )
 from pipeline.data.order import TrainOrder
+from pipeline.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
 from pipeline.lock import DirLock
 from pipeline.run_dir import RunDir
 from pipeline.train.distributed import stale_build_locks, warn_stale_build_locks
-from pipeline.train.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
 from pipeline.train.guard import Diverged, DivergenceGuard
 from pipeline.train.metrics import MetricsLogger
 from pipeline.train.preflight import preflight
@@ -114,6 +116,44 @@ def test_config_error_is_one_line_from_rank_0_before_deepspeed(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_a_checkpoint_of_every_zero_stage_exports_the_trained_weights(shards, tmp_path, stage):
+    """Stage 0 keeps no ZeRO partitions for zero_to_fp32 to gather (its export was a TypeError inside DeepSpeed);
+    the offline export of the last checkpoint must equal the engine's own export at the end of training."""
+    ds = json.load(open(os.path.join(REPO, "ds_configs", "zero2.json")))
+    ds["zero_optimization"] = {"stage": stage}
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(ds))
+    run = str(tmp_path / "run")
+    launch_training(run, None, *TINY, f"data.shards={shards}", "train.steps=3", nproc=1, config=str(config))
+    out = str(tmp_path / "offline")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", run, "--output",
+                           out], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert RunDir(run).checkpoint_zero_stage(3) == stage
+    from safetensors.torch import load_file
+
+    offline, engine = (load_file(os.path.join(d, "model.safetensors")) for d in (out, os.path.join(run, "hf")))
+    assert offline.keys() == engine.keys()
+    for name, weight in engine.items():
+        assert torch.equal(offline[name], weight), name
+
+
+@pytest.mark.e2e
+def test_a_taken_rendezvous_port_is_one_line_that_names_it(tmp_path):
+    """``make demo`` while another run holds DeepSpeed's default port used to end in a traceback from every rank."""
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = launch_training(str(tmp_path / "run"), None, check=False, launcher="deepspeed", port=port)
+    line = one_error(proc, "config error")
+    assert line.startswith(f"config error: the rendezvous port {port} (MASTER_PORT) is taken on this machine")
+    assert "deepspeed --master_port PORT" in line and proc.returncode == 2
+    assert not os.path.exists(tmp_path / "run" / "tensorboard")
+
+
+@pytest.mark.e2e
 def test_experiment_is_checked_before_deepspeed_and_reported_once(shards, tmp_path):
     """A missing mask token names its key and a token that exists; the run directory's lock names its holder."""
     mlm = "phases=[{share: 0.5, objectives: [{name: clm}]}, {share: 0.5, objectives: [{name: mlm, mask_token: '<mask_>'}]}]"
@@ -122,6 +162,16 @@ def test_experiment_is_checked_before_deepspeed_and_reported_once(shards, tmp_pa
     assert line.startswith("config error: phases[1].objectives[0].mask_token: '<mask_>' is not a single token of ")
     assert "e.g. phases[1].objectives[0].mask_token='<mask>'" in line
     assert "DeepSpeed info" not in proc.stdout and not os.path.exists(tmp_path / "run" / "tensorboard")
+
+
+@pytest.mark.parametrize("objective", ["{name: simcse}", "{name: sscl}"])
+def test_dropout_views_without_dropout_are_a_config_error_at_load(objective):
+    """Checked with the config, before any rank reads shards or builds a model (it used to fail in attach)."""
+    phases = f"phases=[{{objectives: [{objective}]}}]"
+    with pytest.raises(ConfigError, match=r"phases\[0\]\.objectives\[0\] \((simcse|sscl)\): .*model.attention_dropout is 0"):
+        load_experiment(None, [phases])
+    assert load_experiment(None, [phases, "model.attention_dropout=0.1"]).phases[0].objectives[0].name in objective
+    load_experiment(None, ["phases=[{objectives: [{name: sscl, augment: delete}]}]"])  # an edit needs no dropout
 
 
 @pytest.mark.parametrize("case", ["tokenizer", "run_dir", "no shards", "other tokenizer", "too few samples",
@@ -206,6 +256,9 @@ def test_forked_workers_of_a_killed_holder_do_not_keep_its_lock(tmp_path):
     assert holder.stdout.readline().strip() == "held"
     workers = psutil.Process(holder.pid).children()
     assert len(workers) == 1
+    deadline = time.time() + 30  # a busy machine may not have run the child's at-fork close yet
+    while any(f.path == path for f in workers[0].open_files()) and time.time() < deadline:
+        time.sleep(0.05)
     holder.kill()
     holder.wait()
     try:

@@ -17,11 +17,11 @@ from helpers import REPO, free_port
 from shard_corpus import TOKENIZER
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord
 from pipeline.model.attention import attention_inputs
 from pipeline.model.build import ARCHITECTURES, build_model, check_sliding_window
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train.export import save_hf
 
 FAMILIES = [a for a in ARCHITECTURES if a != "llama"]  # llama: every other test
 IMPLEMENTATION = {"gemma2": "eager"}  # transformers has no SDPA path for Gemma 2
@@ -109,10 +109,10 @@ sys.path.insert(0, os.path.join(sys.argv[1], "tests"))
 from helpers import packed_text_batch, unit_text_batch
 from pipeline.config import from_dict
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train.experiment import ExperimentConfig
+from pipeline.experiment import ExperimentConfig
 from pipeline.train.module import build_train_model
 from pipeline.train.phases import build_objectives
-from pipeline.train.experiment import PhaseSpec
+from pipeline.experiment import PhaseSpec
 deepspeed.init_distributed(dist_backend="gloo")
 rank = torch.distributed.get_rank()
 tok = load_tokenizer(sys.argv[2])
@@ -129,7 +129,8 @@ for family, path in json.loads(sys.argv[3]).items():
     impl = "eager" if family == "gemma2" else "sdpa"
     exp = from_dict(ExperimentConfig, {"model": {"init": path, "attention_dropout": 0.1, "attn_implementation": impl},
                                        "data": {"tokenizer": sys.argv[2], "seq_len": 32}})
-    lm, module, _ = build_train_model(exp, ds, tok, False, [o.objective for o in objectives])
+    lm, module, _ = build_train_model(exp, ds, tok, False, [o.objective for o in objectives],
+                                      attn_implementation=impl, fused="none")
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=ds)
     embed = lm.get_input_embeddings().weight
     losses = {}

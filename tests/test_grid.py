@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pipeline.config import ConfigError, load_yaml
+from pipeline.experiment import load_experiment
 from pipeline.grid import Resources, load_grid
 from pipeline.sweep import (
     REPO,
@@ -23,7 +24,6 @@ from pipeline.sweep import (
     table,
     write_run,
 )
-from pipeline.train.experiment import load_experiment
 
 BASE = {"name": "base", "model": {"init": "610m"}, "optim": {"warmup_steps": 200, "decay_steps": 200},
         "train": {"steps": 1000, "micro_batch": 4}, "phases": [{"objectives": [{"name": "clm"}]}]}

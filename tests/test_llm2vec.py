@@ -22,10 +22,10 @@ from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.eval import encode, load_model
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
+from pipeline.experiment import load_experiment
 from pipeline.export.record import EncoderRecord, read_record
 from pipeline.objectives import SimCSE, make_objective
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train.experiment import load_experiment
 from pipeline.train.module import build_train_model
 from pipeline.train.preflight import preflight
 
@@ -143,9 +143,11 @@ def test_bad_input_is_refused_by_the_trainer(data, tmp_path):
     no_zero = {"zero_optimization": {"stage": 0}}
     missing = str(tmp_path / "no-such-mntp-run" / "hf")
     with pytest.raises(ValueError, match=rf"no such directory {missing!r}; the model must be one of the presets"):
-        build_train_model(experiment("simcse-smoke.yaml", f"model.init={missing}"), no_zero, tokenizer, False)
+        build_train_model(experiment("simcse-smoke.yaml", f"model.init={missing}"), no_zero, tokenizer, False,
+                          attn_implementation="sdpa", fused="none")
     other = tmp_path / "gpt2"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": tokenizer.info.vocab_size}))
     with pytest.raises(ValueError, match="config.json: model_type 'gpt2' is not supported; supported architectures"):
-        build_train_model(experiment("simcse-smoke.yaml", f"model.init={other}"), no_zero, tokenizer, False)
+        build_train_model(experiment("simcse-smoke.yaml", f"model.init={other}"), no_zero, tokenizer, False,
+                          attn_implementation="sdpa", fused="none")

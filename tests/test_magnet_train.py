@@ -20,8 +20,8 @@ from shard_corpus import HOLDOUT, TOKENIZER, TRAIN, documents, write_jsonl_zst
 from pipeline.config import to_dict
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
+from pipeline.experiment import load_experiment
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train.experiment import load_experiment
 from pipeline.train.phases import build_objectives
 
 EXPERIMENTS = os.path.join(REPO, "experiments", "magnet")

@@ -22,12 +22,13 @@ from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import ShardLoader
 from pipeline.data.manifest import load_index
+from pipeline.experiment import SAMPLE_DIR, load_experiment
 from pipeline.model.build import build_model
+from pipeline.model.weight_decay import param_groups
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.ds_config import resolve_ds_config
-from pipeline.train.experiment import SAMPLE_DIR, load_experiment
-from pipeline.train.module import TrainModule, _param_groups
+from pipeline.train.module import TrainModule
 from pipeline.train.phases import build_objectives
 from pipeline.train.schedule import lr_multiplier
 
@@ -89,7 +90,7 @@ def reference_losses(shards: str, init_dir: str, run_dir: str) -> tuple[list[flo
     lm = build_model(init_dir, tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
                      eos_token_id=tok.info.eos_id)
     model = TrainModule(lm)
-    opt = torch.optim.AdamW(_param_groups(model, exp.optim.weight_decay), lr=exp.optim.lr, betas=exp.optim.betas,
+    opt = torch.optim.AdamW(param_groups(model, exp.optim.weight_decay), lr=exp.optim.lr, betas=exp.optim.betas,
                             eps=exp.optim.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, STEPS, exp.optim))
     # 2 ranks x micro 2 x accumulation 2 = global batch 8: one rank taking micro-batches of 4, twice

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError
+from pipeline.experiment import ModelConfig, OptimConfig, load_experiment
 from pipeline.model.attention import FLEX
-from pipeline.train.experiment import ModelConfig, OptimConfig, load_experiment
-from pipeline.train.module import attn_implementation, build_optimizer
+from pipeline.train.module import attn_implementation, build_optimizer, fused_kind
 
 
 def test_attention_implementation_per_device_and_dropout():
@@ -24,13 +24,14 @@ def test_attention_implementation_per_device_and_dropout():
 
 def test_adamw_kernel_choice():
     groups = [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.1}]
-    cpu = build_optimizer(groups, OptimConfig(), cuda=False)
+    cpu = build_optimizer(groups, OptimConfig(), fused_kind(OptimConfig(), cuda=False))
     assert type(cpu) is torch.optim.AdamW and not cpu.defaults["fused"]  # unchanged on CPU
     assert cpu.defaults["lr"] == OptimConfig().lr and cpu.defaults["betas"] == OptimConfig().betas
-    assert build_optimizer(groups, OptimConfig(), cuda=True).defaults["fused"] is True
+    assert fused_kind(OptimConfig(), cuda=True) == "torch"
+    assert build_optimizer(groups, OptimConfig(), "torch").defaults["fused"] is True
     for kind in ("torch", "deepspeed"):
         with pytest.raises(ConfigError, match=f"optim.fused: {kind} needs CUDA"):
-            build_optimizer(groups, OptimConfig(fused=kind), cuda=False)
+            fused_kind(OptimConfig(fused=kind), cuda=False)
 
 
 def test_speed_fields_are_validated():

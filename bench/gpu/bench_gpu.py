@@ -243,12 +243,12 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
     from pipeline.data.build_config import BuildConfig
     from pipeline.data.loader import ShardLoader
     from pipeline.data.manifest import load_index
+    from pipeline.experiment import load_experiment
     from pipeline.model.flops import flops_per_token
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
-    from pipeline.train.experiment import load_experiment
     from pipeline.train.metrics import device_peak_tflops
-    from pipeline.train.module import build_train_model
+    from pipeline.train.module import attn_implementation, build_train_model, fused_kind
     from pipeline.train.phases import build_objectives
 
     cuda = device.type == "cuda"
@@ -287,8 +287,9 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
             if time.time() - started > settings.budget_s:
                 raise TimeoutError(OVER_BUDGET)
             t0 = time.time()
-            lm, module, optimizer = build_train_model(exp, ds, tokenizer, settings.bf16,
-                                                      [o.objective for o in built.values()])
+            lm, module, optimizer = build_train_model(
+                exp, ds, tokenizer, settings.bf16, [o.objective for o in built.values()],
+                attn_implementation=attn_implementation(exp.model, cuda), fused=fused_kind(exp.optim, cuda))
             engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds)
             print(f"{preset}: engine built in {time.time() - t0:.0f} s", flush=True)
             loader = ShardLoader(index, micro, 1, 0, 1, exp.train.seed, settings.workers, pin_memory=cuda)
@@ -398,8 +399,8 @@ def measure_optimizers(settings: Settings, ds_raw: dict, device, started: float)
     groups of at most ``sub_group_size`` elements, gradients alongside)."""
     import torch
 
+    from pipeline.experiment import OptimConfig
     from pipeline.model.build import build_model
-    from pipeline.train.experiment import OptimConfig
     from pipeline.train.module import build_optimizer
 
     cuda = device.type == "cuda"
@@ -422,7 +423,7 @@ def measure_optimizers(settings: Settings, ds_raw: dict, device, started: float)
                       for s in range(0, numel, group)]
             for p in params:
                 p.grad = torch.randn_like(p)
-            optimizer = build_optimizer([{"params": params, "weight_decay": 0.1}], OptimConfig(fused=kind), cuda)
+            optimizer = build_optimizer([{"params": params, "weight_decay": 0.1}], OptimConfig(fused=kind), kind)
             times = []  # the first two steps allocate the states (and build the kernels)
             for _ in range(2 + settings.steps):
                 if cuda:

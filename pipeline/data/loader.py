@@ -57,6 +57,13 @@ class ShardCorrupt(ValueError):
     pass
 
 
+def check_enough_samples(index: DatasetIndex, global_batch: int, detail: str = "") -> None:
+    """A loader yields whole global batches: a directory with fewer samples than one would yield nothing."""
+    if index.num_samples < global_batch:
+        raise ValueError(f"{index.directory} holds {index.num_samples} samples, fewer than one global batch of "
+                         f"{global_batch}{detail}; use a smaller batch or build more data")
+
+
 def check_shard_sizes(index: DatasetIndex) -> None:
     """Every shard of ``index`` exists with the size its manifest records: one stat each, so it runs at start-up
     (a truncated copy or a missing file stops the run before training, not hours into it)."""
@@ -154,20 +161,20 @@ class _SampleReader:
 
 
 class _MicroBatches(IterableDataset):
-    """The micro-batches of a plan; DataLoader worker w of W makes every W-th one, starting at w."""
+    """The micro-batches of a sample order; DataLoader worker w of W makes every W-th one, starting at w."""
 
-    def __init__(self, index: DatasetIndex, plan: TrainOrder | EvalOrder, max_open_shards: int, verify: bool):
-        self.index, self.plan, self.max_open_shards, self.verify = index, plan, max_open_shards, verify
+    def __init__(self, index: DatasetIndex, order: TrainOrder | EvalOrder, max_open_shards: int, verify: bool):
+        self.index, self.order, self.max_open_shards, self.verify = index, order, max_open_shards, verify
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        total = self.plan.num_batches
+        total = self.order.num_batches
         js = itertools.count(worker, workers) if total is None else range(worker, total, workers)
         reader = _SampleReader(self.index, self.max_open_shards, self.verify)
         try:
             for j in js:
-                yield reader.batch(self.plan.sample_ids(j))
+                yield reader.batch(self.order.sample_ids(j))
         finally:
             reader.close()
 
@@ -208,37 +215,35 @@ class ShardLoader:
         self.index = index
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.prefetch_factor, self.max_open_shards, self.verify = prefetch_factor, max_open_shards, verify
-        self._plan = TrainOrder(index.num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world)
-        if self.batches_per_epoch == 0:
-            raise ValueError(f"{index.directory} holds {index.num_samples} samples, fewer than one global batch of "
-                             f"{self.global_batch} (micro_batch {micro_batch} x grad_accum {grad_accum} x dp_world "
-                             f"{dp_world}); use a smaller batch or build more data")
+        self._order = TrainOrder(index.num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world)
+        check_enough_samples(index, self.global_batch, f" (micro_batch {micro_batch} x grad_accum {grad_accum} x "
+                                                       f"dp_world {dp_world})")
         self._samples_consumed_at_start = 0
-        self._micro_consumed = 0  # micro-batches handed out since the plan's start_step
+        self._micro_consumed = 0  # micro-batches handed out since the order's start_step
         self._iterator: Iterator[Batch] | None = None
 
     @property
     def global_batch(self) -> int:
         """Samples per optimizer step over all ranks."""
-        return self._plan.global_batch
+        return self._order.global_batch
 
     @property
     def batches_per_epoch(self) -> int:
         """Global batches (optimizer steps) per epoch; the epoch's last ``num_samples % global_batch`` are dropped."""
-        return self._plan.steps_per_epoch
+        return self._order.steps_per_epoch
 
     @property
     def _steps_done(self) -> int:
-        return self._micro_consumed // self._plan.grad_accum
+        return self._micro_consumed // self._order.grad_accum
 
     @property
     def epoch(self) -> int:
         """The epoch of the next optimizer step."""
-        return (self._plan.start_step + self._steps_done) // self.batches_per_epoch
+        return (self._order.start_step + self._steps_done) // self.batches_per_epoch
 
     def _next(self) -> Batch:
         if self._iterator is None:
-            dataset = _MicroBatches(self.index, self._plan, self.max_open_shards, self.verify)
+            dataset = _MicroBatches(self.index, self._order, self.max_open_shards, self.verify)
             self._iterator = iter(_data_loader(dataset, self.num_workers, self.pin_memory, self.prefetch_factor))
         batch = next(self._iterator)
         self._micro_consumed += 1
@@ -250,14 +255,14 @@ class ShardLoader:
 
     def next_global_step(self) -> list[Batch]:
         """This rank's ``grad_accum`` micro-batches of the next optimizer step."""
-        if self._micro_consumed % self._plan.grad_accum:
-            raise RuntimeError(f"next_global_step() called after {self._micro_consumed % self._plan.grad_accum} "
+        if self._micro_consumed % self._order.grad_accum:
+            raise RuntimeError(f"next_global_step() called after {self._micro_consumed % self._order.grad_accum} "
                                f"micro-batches of a step were taken by iteration; use one way of consuming")
-        return [self._next() for _ in range(self._plan.grad_accum)]
+        return [self._next() for _ in range(self._order.grad_accum)]
 
     def state_dict(self) -> dict:
-        step = self._plan.start_step + self._steps_done
-        return {"fingerprint": self.index.fingerprint, "seed": self._plan.seed,
+        step = self._order.start_step + self._steps_done
+        return {"fingerprint": self.index.fingerprint, "seed": self._order.seed,
                 "epoch": step // self.batches_per_epoch,
                 "samples_in_epoch": step % self.batches_per_epoch * self.global_batch,
                 "samples_consumed": self._samples_consumed_at_start + self._steps_done * self.global_batch,
@@ -272,9 +277,9 @@ class ShardLoader:
             raise ValueError(f"the loader state is for shards with fingerprint {state['fingerprint']}, but "
                              f"{self.index.directory} has {self.index.fingerprint}; resume on the shard directory "
                              f"the run was trained on, or start a new run")
-        if state["seed"] != self._plan.seed:
+        if state["seed"] != self._order.seed:
             raise ValueError(f"the loader state was saved with seed {state['seed']}, this loader has seed "
-                             f"{self._plan.seed}; resume with the run's seed, or start a new run")
+                             f"{self._order.seed}; resume with the run's seed, or start a new run")
         if state["samples_in_epoch"] % self.global_batch:
             raise ValueError(f"the run stopped {state['samples_in_epoch']} samples into epoch {state['epoch']}, not a "
                              f"multiple of this loader's global batch {self.global_batch} (micro_batch x grad_accum x "
@@ -282,8 +287,8 @@ class ShardLoader:
                              f"{state['global_batch']}")
         self.close()
         start = state["epoch"] * self.batches_per_epoch + state["samples_in_epoch"] // self.global_batch
-        self._plan = TrainOrder(self._plan.num_samples, self._plan.seed, self._plan.micro_batch,
-                               self._plan.grad_accum, self._plan.dp_rank, self._plan.dp_world, start_step=start)
+        self._order = TrainOrder(self._order.num_samples, self._order.seed, self._order.micro_batch,
+                               self._order.grad_accum, self._order.dp_rank, self._order.dp_world, start_step=start)
         self._samples_consumed_at_start = state["samples_consumed"]
         self._micro_consumed = 0
 
@@ -302,5 +307,5 @@ def iter_eval(index: DatasetIndex, micro_batch: int, dp_rank: int = 0, dp_world:
     if micro_batch < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
         raise ValueError(f"need micro_batch >= 1 and 0 <= dp_rank < dp_world, got micro_batch={micro_batch} "
                          f"dp_rank={dp_rank} dp_world={dp_world}")
-    plan = EvalOrder(index.num_samples, micro_batch, dp_rank, dp_world)
-    yield from _data_loader(_MicroBatches(index, plan, max_open_shards, verify), num_workers, False, 2)
+    order = EvalOrder(index.num_samples, micro_batch, dp_rank, dp_world)
+    yield from _data_loader(_MicroBatches(index, order, max_open_shards, verify), num_workers, False, 2)

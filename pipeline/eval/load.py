@@ -2,7 +2,7 @@
 what its training says about how to read it.
 
 A run directory (:class:`pipeline.run_dir.RunDir`) is evaluated through its ``hf/`` export, or, when training has not
-exported one, through its newest complete checkpoint exported once (:func:`pipeline.train.export.export_checkpoint`)
+exported one, through its newest complete checkpoint exported once (:func:`pipeline.export.hf.export_checkpoint`)
 into ``RUN/eval/hf-stepNNNNNNNN`` (reused after).
 How to read the model comes from the export's own ``config.json`` (``pipeline.export.record``), so a copied export
 reads the same as the run's; an export written before records existed falls back to its run's ``experiment.json``,
@@ -23,15 +23,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from pipeline.config import to_dict
+from pipeline.export.hf import export_checkpoint
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
-from pipeline.model.build import project_masks
+from pipeline.model.build import DTYPES, project_masks
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import Tokenizer, load_tokenizer
-from pipeline.train.export import export_checkpoint
 
 ATTENTIONS = ("auto", "causal", "bidirectional")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class ModelError(ValueError):
@@ -118,7 +116,7 @@ def load_model(path: str, *, attention: str = "auto", tokenizer: str | None = No
     except (TypeError, ValueError) as e:
         raise ModelError(f"{hf_dir}/config.json: {e}; re-export the model with launch/export_hf.py") from e
     if record is None:  # an export without a record: its run's experiment, else a plain decoder
-        record = from_experiment(to_dict(RunDir(run_dir).experiment()), tok) if run_dir else EncoderRecord()
+        record = from_experiment(RunDir(run_dir).experiment(), tok) if run_dir else EncoderRecord()
     project_masks(lm.config)
     if tok.info.vocab_size > lm.config.vocab_size:
         raise ModelError(f"{hf_dir}: the tokenizer has {tok.info.vocab_size} ids but the model only "

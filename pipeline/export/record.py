@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, fields
 
 from transformers import PretrainedConfig
 
-from pipeline.objectives import OBJECTIVES
-from pipeline.objectives.sscl import INSTRUCTION as SSCL_INSTRUCTION
+from pipeline.experiment import ExperimentConfig
+from pipeline.objectives import OBJECTIVES, SSCLConfig
 from pipeline.tokenizer import Tokenizer
 
 KEY = "decoder_encoders"
@@ -52,38 +52,34 @@ class EncoderRecord:
         return {**asdict(self), "objectives": list(self.objectives)}
 
 
-def _phase_objectives(experiment: dict) -> list[list[dict]]:
-    return [p.get("objectives", []) for p in experiment.get("phases", [])]
-
-
-def start_record(experiment: dict) -> EncoderRecord | None:
-    """The record of the run's start checkpoint (``model.init``) when it is an export with one."""
-    path = os.path.join(str(experiment.get("model", {}).get("init", "")), "config.json")
+def start_record(init: str) -> EncoderRecord | None:
+    """The record of a run's start checkpoint (``model.init``) when it is an export with one."""
+    path = os.path.join(init, "config.json")
     if not os.path.isfile(path):
         return None
     with open(path) as f:
         return read_record(json.load(f))
 
 
-def from_experiment(experiment: dict, tokenizer: Tokenizer) -> EncoderRecord:
-    """The record of a run from its ``experiment.json`` (or ``to_dict`` of its config) and its tokenizer; a run
-    that continues an export (SimCSE after MNTP) keeps that export's ``reads_previous`` and mask token."""
-    start = start_record(experiment) or EncoderRecord()
-    phases = _phase_objectives(experiment)
-    last = [o["name"] for o in phases[-1]] if phases else []
-    trained = [(o, OBJECTIVES[o["name"]]) for p in phases for o in p if o["name"] in OBJECTIVES]
-    masked = [o for o, cls in trained if cls.masks]
-    mask_token = masked[-1].get("mask_token") if masked else start.mask_token
+def from_experiment(exp: ExperimentConfig, tokenizer: Tokenizer) -> EncoderRecord:
+    """The record of a run from its typed experiment and its tokenizer: the objectives' own configs decide (the
+    mask token, SSCL's instruction); a run that continues an export (SimCSE after MNTP) keeps that export's
+    ``reads_previous`` and mask token."""
+    start = start_record(exp.model.init) or EncoderRecord()
+    last = exp.phases[-1].objectives
+    trained = [o for p in exp.phases for o in p.objectives]
+    masked = [o for o in trained if OBJECTIVES[o.name].masks]
+    mask_token = masked[-1].mask_token if masked else start.mask_token
     if masked and mask_token is None and tokenizer.mask_id is not None:
         mask_token = tokenizer.hf.convert_ids_to_tokens(tokenizer.mask_id)
-    sscl = "sscl" in last
-    causal = all(OBJECTIVES[n].causal for n in last if n in OBJECTIVES)
-    return EncoderRecord(attention="causal" if causal else "bidirectional",
-                         reads_previous=start.reads_previous or any(cls.masks and cls.predicts_next
-                                                                    for _, cls in trained),
+    sscl = next((o for o in last if isinstance(o, SSCLConfig)), None)
+    return EncoderRecord(attention="causal" if all(OBJECTIVES[o.name].causal for o in last) else "bidirectional",
+                         reads_previous=start.reads_previous or any(OBJECTIVES[o.name].masks
+                                                                    and OBJECTIVES[o.name].predicts_next
+                                                                    for o in trained),
                          mask_token=mask_token, pooling="last" if sscl else "mean", layout="bos_eos",
-                         instruction=SSCL_INSTRUCTION if sscl else None,
-                         objectives=start.objectives + tuple("+".join(o["name"] for o in p) for p in phases))
+                         instruction=sscl.instruction if sscl else None,
+                         objectives=start.objectives + tuple("+".join(o.name for o in p.objectives) for p in exp.phases))
 
 
 def read_record(config: PretrainedConfig | dict) -> EncoderRecord | None:

@@ -19,6 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from pipeline.model.presets import PRESETS, get_preset
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # by the name configs and command lines give
+
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 

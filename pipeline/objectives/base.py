@@ -31,7 +31,13 @@ class BaseConfig:
 
     name: str
     weight: float = 1.0  # weight of the objective's loss in the phase's sum
+    log_as: str = ""  # the name its loss is logged (and normalised) under: set it for two objectives of one phase
     RANGES: ClassVar[dict[str, str]] = {"weight": "> 0"}
+
+    def check_attention_dropout(self, dropout: float, where: str) -> None:
+        """Refuse a ``model.attention_dropout`` this objective cannot train with (a config error at load time;
+        contrastive objectives whose views differ by dropout alone need it > 0)."""
+        return None
 
 
 @dataclass

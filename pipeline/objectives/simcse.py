@@ -24,6 +24,7 @@ from typing import ClassVar, Literal
 import torch
 from transformers import PreTrainedModel
 
+from pipeline.config import ConfigError
 from pipeline.data.batch import Batch
 from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
 from pipeline.objectives.infonce import info_nce
@@ -51,6 +52,12 @@ class SimCSEConfig(BaseConfig):
     scale: float = 20.0  # InfoNCE logit scale, 1 / temperature
     RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "scale": "> 0"}
 
+    def check_attention_dropout(self, dropout: float, where: str) -> None:
+        if not dropout:
+            raise ConfigError(f"{where} (simcse): the two views of a unit differ by dropout alone, but "
+                              f"model.attention_dropout is 0, so they would be identical; set model.attention_dropout "
+                              f"(LLM2Vec: 0.3)")
+
 
 class SimCSE(Objective):
     name = "simcse"
@@ -62,12 +69,6 @@ class SimCSE(Objective):
         super().__init__(config, document_masking)
         self.scale = config.scale
         self.special_ids = torch.tensor(tokenizer.special_ids, dtype=torch.long)
-
-    def attach(self, model: PreTrainedModel) -> None:
-        """No head; checks that dropout can make the two views differ."""
-        if not model.config.attention_dropout:
-            raise ValueError("simcse: the two views of a unit differ by dropout alone, but model.attention_dropout "
-                             "is 0, so they would be identical; set model.attention_dropout (LLM2Vec: 0.3)")
 
     def text_tokens(self, batch: Batch) -> torch.Tensor:
         """Bool [B, L]: the units' text tokens, the positions that are pooled."""

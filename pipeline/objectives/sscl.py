@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from pipeline.config import ConfigError
 from pipeline.data.batch import Batch
 from pipeline.objectives.augment import edit_tokens
 from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
@@ -59,6 +60,13 @@ class SSCLConfig(BaseConfig):
     seed: int = 0
     RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "edit_ratio": "(0, 1)", "scale": "> 0", "seed": ">= 0"}
 
+    def check_attention_dropout(self, dropout: float, where: str) -> None:
+        if self.augment == "dropout" and not dropout:
+            raise ConfigError(f"{where} (sscl): augment 'dropout' makes x+ differ from x by dropout alone, but "
+                              f"model.attention_dropout is 0, so both views would be identical; set "
+                              f"model.attention_dropout (e.g. 0.1; LLM2Vec's SimCSE uses 0.3) or pick another "
+                              f"augment ({', '.join(a for a in AUGMENTS if a != 'dropout')})")
+
 
 @dataclass
 class SentenceViews:
@@ -82,11 +90,6 @@ class SSCL(Objective):
         self.pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
 
     def attach(self, model: PreTrainedModel) -> None:
-        if self.augment == "dropout" and not model.config.attention_dropout:
-            raise ValueError("sscl: augment 'dropout' makes x+ differ from x by dropout alone, but "
-                             "model.attention_dropout is 0, so both views would be identical; set "
-                             "model.attention_dropout (e.g. 0.1; LLM2Vec's SimCSE uses 0.3) or pick another "
-                             f"augment ({', '.join(a for a in AUGMENTS if a != 'dropout')})")
         d = model.config.hidden_size
         head = nn.Sequential(nn.Linear(d, d), nn.Tanh()).to(model.dtype)
         with torch.no_grad():

@@ -16,6 +16,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from pipeline.experiment import ModelConfig
 from pipeline.grid import load_grid
 from pipeline.model.flops import param_counts
 from pipeline.model.presets import get_preset
@@ -32,7 +33,6 @@ from pipeline.planner.estimates import (
     run_flops,
     throughput,
 )
-from pipeline.train.experiment import ModelConfig
 
 
 @dataclass(frozen=True)

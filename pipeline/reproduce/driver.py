@@ -34,21 +34,20 @@ from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.manifest import MANIFEST
 from pipeline.eval.report.write import write_report
-from pipeline.eval.runner import EvalConfig, evaluate
-from pipeline.io import write_json_atomic
+from pipeline.eval.runner import EvalConfig, evaluate, failure_lines, write_results
+from pipeline.experiment import REPO
+from pipeline.grid import SMOKE_SUFFIX
 from pipeline.model.gguf_import import import_gguf, packaged_gguf
 from pipeline.reproduce.data import RealDataError, extract
 from pipeline.reproduce.results import replace_block, study_markdown
 from pipeline.reproduce.studies import SMOLLM2, STUDIES, Study
 from pipeline.run_dir import RunDir
 from pipeline.sweep import SweepRequest, act, prepare
-from pipeline.train.experiment import REPO
 
 REAL = "runs/real"
 DOWNLOADS = "runs/downloads"
 UNIT_SHARDS = "runs/reproduce/shards/smollm2-reviews-units-64"
 SPAN_SHARDS = "runs/reproduce/shards/smollm2-reviews-spans-128"  # packed, with MAGNET spans (trainer-built: none)
-SMOKE = "-smoke"
 # This process evaluates while no training rank runs, on the 2 cores the ranks had: twice as fast as one thread.
 # Fixed, not the machine's core count: fine-tuning sums in another order on another thread count (a POS score
 # moved from 31.17 to 31.19), and the page's numbers should not depend on the machine.
@@ -129,7 +128,7 @@ class Driver:
 
     def run_names(self, study: Study) -> list[str]:
         """The study's run directories (names with -smoke in quick mode) that have an HF export."""
-        suffix = SMOKE if self.quick else ""
+        suffix = SMOKE_SUFFIX if self.quick else ""
         names = []
         for _, row in study.rows:
             names += sorted(os.path.basename(d) for d in glob.glob(os.path.join(self.out, row + "*"))
@@ -157,13 +156,10 @@ class Driver:
 
         def step() -> None:
             results = evaluate(config)
-            if results["results"]:
-                os.makedirs(os.path.dirname(out), exist_ok=True)
-                write_json_atomic(out, results)  # a killed evaluation leaves no half file that a re-run would skip
+            if write_results(results, out):
                 print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in results["headline"].items()))
             if results["failed"] or not results["results"]:
-                raise RuntimeError("; ".join(f"task {name} failed: {why['error']} (raised at {why['where']})"
-                                             for name, why in results["failed"].items()) or "no task finished")
+                raise RuntimeError("; ".join(failure_lines(results)) or "no task finished")
 
         self._run(f"eval_{study.name}", f"{study.tasks} on {model} into {out}", step)
 
@@ -174,7 +170,7 @@ class Driver:
             if os.path.isfile(path):
                 with open(path) as f:
                     found[b.name] = [json.load(f)["headline"]]
-        runs = {name.removesuffix(SMOKE): name for name in self.run_names(study)}
+        runs = {name.removesuffix(SMOKE_SUFFIX): name for name in self.run_names(study)}
         for _, row in study.rows:
             for name in sorted(n for n in runs if n == row or n.startswith(row + "-s")):
                 path = RunDir(os.path.join(self.out, runs[name])).eval_results(study.name)

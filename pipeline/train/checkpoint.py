@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeline.experiment import CheckpointConfig
 from pipeline.io import write_json_atomic
 from pipeline.run_dir import MARKER, RunDir, tag
-from pipeline.train.experiment import CheckpointConfig
 
 UNIVERSAL = "universal"  # sub-directory of a step with its universal-format copy
 

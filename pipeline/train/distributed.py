@@ -63,16 +63,31 @@ def warn_stale_build_locks() -> None:
               f"'ninja|cc1plus'), remove it: rm {path}", file=sys.stderr, flush=True)
 
 
+class PortTaken(RuntimeError):
+    """Rank 0 could not open the rendezvous port: another process (usually another run) listens on it."""
+
+
+def port_taken_message(port: str) -> str:
+    return (f"the rendezvous port {port} (MASTER_PORT) is taken on this machine, most likely by another run; "
+            f"pick a free one: deepspeed --master_port PORT launch/train.py ... (torchrun: --master-port PORT)")
+
+
 def start_distributed():
     """(device, rank, world size) once torch.distributed runs: the rendezvous only, no engine yet. The first local
-    rank warns first of build locks that would hang it (DeepSpeed builds ops from here on)."""
+    rank warns first of build locks that would hang it (DeepSpeed builds ops from here on). A taken port is a
+    :class:`PortTaken` on rank 0 (the other ranks wait for it until the launcher stops them)."""
     import deepspeed
     import torch.distributed as dist
 
     if os.environ.get("LOCAL_RANK", "0") == "0":
         warn_stale_build_locks()
     device = _device()
-    deepspeed.init_distributed(dist_backend=DIST_BACKENDS[device.type])
+    try:
+        deepspeed.init_distributed(dist_backend=DIST_BACKENDS[device.type])
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise PortTaken(port_taken_message(os.environ.get("MASTER_PORT", "?"))) from None
     return device, dist.get_rank(), dist.get_world_size()
 
 

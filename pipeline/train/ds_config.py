@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 from pipeline.config import ConfigError
+from pipeline.experiment import ExperimentConfig
 from pipeline.io import read_json
-from pipeline.train.experiment import ExperimentConfig
 
 
 def load_ds_config(path: str) -> dict:

@@ -32,29 +32,36 @@ def run(ds_config: str, experiment: str | None, overrides: list[str], stop: Stop
               "deepspeed --num_gpus N launch/train.py ...", file=sys.stderr, flush=True)
     rank = int(os.environ["RANK"])
     from pipeline.config import ConfigError
+    from pipeline.experiment import load_experiment
     from pipeline.train.ds_config import load_ds_config
-    from pipeline.train.experiment import load_experiment
 
     try:
         exp = load_experiment(experiment, overrides)
         ds = load_ds_config(ds_config)
     except ConfigError as e:
+        stop.failing()  # another rank's exit makes the launcher signal this one: the config error must still show
         if rank == 0:  # every rank reads the same files: one message is enough
-            print(f"config error: {e}", file=sys.stderr)
+            print(f"config error: {e}", file=sys.stderr, flush=True)
         return CONFIG_ERROR
+    stop.config_checked(exp.run_dir)
     # DeepSpeed still calls the torch.distributed collectives that torch 2.13 renamed; one warning per call
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
     started = time.time()
     import torch.distributed as dist
 
     from pipeline.train import errors
-    from pipeline.train.distributed import start_distributed
+    from pipeline.train.distributed import PortTaken, start_distributed
     from pipeline.train.guard import Diverged
     from pipeline.train.preflight import agreed_preflight
     from pipeline.train.trainer import Trainer
 
-    device, rank, world = start_distributed()
-    prepared = agreed_preflight(exp, rank, world)
+    try:
+        device, rank, world = start_distributed()
+    except PortTaken as e:
+        stop.failing()
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR
+    prepared = agreed_preflight(exp, rank, world, device.type == "cuda", on_failure=stop.failing)
     if prepared is None:
         return CONFIG_ERROR
     try:
@@ -62,9 +69,11 @@ def run(ds_config: str, experiment: str | None, overrides: list[str], stop: Stop
             print(note, file=sys.stderr, flush=True)
         Trainer.build(exp, ds, prepared, stop, device).fit()
     except Diverged as e:
+        stop.failing()
         errors.report(e, exp.run_dir, rank, started, prefix="diverged")
         return DIVERGED
     except BaseException as e:  # noqa: BLE001 - every failure becomes one message and a log file
+        stop.failing()
         errors.report(e, exp.run_dir, rank, started)
         return FAILED
     finally:

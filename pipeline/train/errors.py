@@ -66,7 +66,7 @@ def _is_peer_failure(exc: BaseException) -> bool:
     return any(word in f"{type(e).__name__}: {e}" for e in _chain(exc) for word in PEER_FAILURE)
 
 
-def _first_other_failure(run_dir: str, since: float, wait_s: float) -> tuple[str, str] | None:
+def first_other_failure(run_dir: str, since: float, wait_s: float) -> tuple[str, str] | None:
     """(message, log path) of the earliest other rank's error log written since ``since``."""
     deadline = time.time() + wait_s
     while True:
@@ -88,7 +88,7 @@ def report(exc: BaseException, run_dir: str, rank: int, started: float, prefix: 
         return
     message = one_line(exc)
     if _is_peer_failure(exc):
-        other = _first_other_failure(run_dir, started, wait_s=5.0)
+        other = first_other_failure(run_dir, started, wait_s=5.0)
         if other:
             message, path = other
         else:

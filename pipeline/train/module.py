@@ -7,12 +7,12 @@ from torch import nn
 from transformers.integrations import HfDeepSpeedConfig
 
 from pipeline.config import ConfigError
+from pipeline.experiment import ExperimentConfig, ModelConfig, OptimConfig
 from pipeline.model.attention import FLEX, resolve_implementation
-from pipeline.model.build import build_model, check_checkpoint_shape, check_sliding_window, compile_body
+from pipeline.model.build import build_model, compile_body
 from pipeline.model.lm_head import chunk_lm_head
-from pipeline.train.experiment import ExperimentConfig, ModelConfig, OptimConfig
+from pipeline.model.weight_decay import param_groups
 
-PREFIX = "lm."  # the HF model's parameter names inside the engine module (TrainModule.lm)
 
 class TrainModule(nn.Module):
     """Runs an objective inside the engine's forward, so ZeRO-3's hooks see one forward per objective even though
@@ -25,15 +25,6 @@ class TrainModule(nn.Module):
     def forward(self, objective, batch):
         # plain tuples in a dict: ZeRO-3's hooks only see through tuples, lists and dicts
         return {name: (o.loss_sum, o.num_targets, o.num_correct) for name, o in objective(self.lm, batch).items()}
-
-
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (not on norms); ZeRO-3 partitioned params keep their shape in ``ds_shape``."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def attn_implementation(config: ModelConfig, cuda: bool) -> str:
@@ -52,12 +43,16 @@ def attn_implementation(config: ModelConfig, cuda: bool) -> str:
     return impl
 
 
-def build_optimizer(groups: list[dict], o: OptimConfig, cuda: bool) -> torch.optim.Optimizer:
-    """AdamW for the DeepSpeed engine: ``optim.fused`` picks the kernel (auto: torch's fused AdamW on CUDA, the
-    default foreach AdamW on CPU)."""
+def fused_kind(o: OptimConfig, cuda: bool) -> str:
+    """The AdamW kernel of ``optim.fused``: auto is torch's fused AdamW on CUDA, the default foreach AdamW on CPU."""
     kind = o.fused if o.fused != "auto" else ("torch" if cuda else "none")
     if kind != "none" and not cuda:
         raise ConfigError(f"optim.fused: {kind} needs CUDA; use auto or none on CPU")
+    return kind
+
+
+def build_optimizer(groups: list[dict], o: OptimConfig, kind: str) -> torch.optim.Optimizer:
+    """AdamW for the DeepSpeed engine with the kernel ``kind`` (:func:`fused_kind`)."""
     if kind == "deepspeed":
         from deepspeed.ops.adam import FusedAdam
 
@@ -65,21 +60,19 @@ def build_optimizer(groups: list[dict], o: OptimConfig, cuda: bool) -> torch.opt
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True if kind == "torch" else None)
 
 
-def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=()):
-    """(HF model, engine module, client optimizer or None when the DeepSpeed config builds its own). Objectives
-    attach their trainable heads to the model first, so the engine partitions and optimises them too."""
+def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=(), *,
+                      attn_implementation: str, fused: str):
+    """(HF model, engine module, client optimizer or None when the DeepSpeed config builds its own), with the
+    implementation and kernel preflight chose (:func:`attn_implementation`, :func:`fused_kind`). Objectives attach
+    their trainable heads to the model first, so the engine partitions and optimises them too."""
     stage3 = ds.get("zero_optimization", {}).get("stage") == 3
-    cuda = torch.cuda.is_available()
     # Alive during construction, HfDeepSpeedConfig makes from_config/from_pretrained build the model partitioned
     # under zero.Init while keeping HF's weight init; kept on the module so the weak reference stays valid.
     hf_ds = HfDeepSpeedConfig(ds) if stage3 else None
     info = tokenizer.info
-    if exp.model.shape:
-        check_checkpoint_shape(exp.model.init, exp.model.shape)
     lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
-                     attn_implementation=attn_implementation(exp.model, cuda), pad_token_id=info.pad_id,
+                     attn_implementation=attn_implementation, pad_token_id=info.pad_id,
                      bos_token_id=info.bos_id, eos_token_id=info.eos_id)
-    check_sliding_window(lm.config, exp.model.init, exp.data.seq_len)
     lm.train()  # from_pretrained returns the model in eval mode: dropout (SimCSE's positives) would be off
     lm.config.use_cache = False
     lm.config.attention_dropout = exp.model.attention_dropout
@@ -97,5 +90,5 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     model = TrainModule(lm)
     model._hf_ds_config = hf_ds
     optimizer = None if "optimizer" in ds else build_optimizer(
-        _param_groups(model, exp.optim.weight_decay), exp.optim, cuda)
+        param_groups(model, exp.optim.weight_decay), exp.optim, fused)
     return lm, model, optimizer

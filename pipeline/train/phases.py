@@ -6,9 +6,9 @@ import difflib
 from dataclasses import dataclass
 
 from pipeline.config import ConfigError
+from pipeline.experiment import PhaseSpec
 from pipeline.objectives import OBJECTIVES, Objective, make_objective
 from pipeline.objectives.base import resolve_mask_id
-from pipeline.train.experiment import PhaseSpec
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,14 @@ class WeightedObjective:
     name: str
     weight: float
     objective: Objective
+    log_as: str = ""  # the config's ``log_as``: its losses' names in the phase (``loss/<name>``)
+
+    def loss_name(self, loss: str) -> str:
+        """The phase's name of the objective's ``loss``: ``log_as`` for a one-loss objective, ``log_as/loss`` for
+        one with several (MAGNET's ``mntp`` and ``msg``)."""
+        if not self.log_as:
+            return loss
+        return self.log_as if list(self.objective.loss_weights) == [self.objective.name] else f"{self.log_as}/{loss}"
 
 
 # tried in order when a mask token is missing: one of them usually is a single token of the vocabulary
@@ -44,8 +52,24 @@ def build_objectives(phase: PhaseSpec, tokenizer, key: str = "phase") -> list[We
                 raise ConfigError(f"{where}.mask_token: {what} tokenizer {tokenizer.path}; set it to a token of its "
                                   f"vocabulary, e.g. {where}.mask_token={suggest_mask_token(tokenizer, spec.mask_token)!r}"
                                   ) from None
-        out.append(WeightedObjective(spec.name, spec.weight, make_objective(spec, tokenizer, phase.document_masking)))
+        out.append(WeightedObjective(spec.name, spec.weight, make_objective(spec, tokenizer, phase.document_masking),
+                                     spec.log_as))
+    check_loss_names(out, key)
     return out
+
+
+def check_loss_names(objectives: list[WeightedObjective], key: str) -> None:
+    """Each loss of a phase needs its own name: the step normalises, weighs and logs losses by name, so two
+    objectives with one name (two ``mlm`` at different ratios, ``mntp`` beside MAGNET's ``mntp``) would merge."""
+    seen: dict[str, int] = {}
+    for j, o in enumerate(objectives):
+        for loss in o.objective.loss_weights:
+            name = o.loss_name(loss)
+            if name in seen:
+                raise ConfigError(f"{key}.objectives[{j}]: its loss {name!r} has the name of a loss of "
+                                  f"{key}.objectives[{seen[name]}], so the two would be merged; give one of them its "
+                                  f"own name, e.g. {key}.objectives[{j}].log_as={o.name}{j}")
+            seen[name] = j
 
 
 def data_sources(objectives: list[list[WeightedObjective]]) -> dict[str, list[str]]:

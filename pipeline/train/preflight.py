@@ -1,33 +1,52 @@
-"""Everything about an experiment that can be checked before DeepSpeed builds an engine: the run directory (writable,
-not in use), the tokenizer, objectives against it, the start model, the shards (present, compatible, sizes, enough
-samples), and a resume's global batch. Every rank runs it; the caller reports the first error once, from rank 0."""
+"""Everything about an experiment that can be checked before DeepSpeed builds an engine, each thing once: the run
+directory (writable, not in use), the tokenizer, objectives against it, the start model and how it will run, the
+shards (built when missing, then present, compatible, sizes, enough samples), and a resume's global batch.
+
+:func:`agreed_preflight` runs it on every rank in three agreed stages (checks, rank 0 builds missing shards, the
+shards' checks); the first failure of any rank is reported once, by rank 0. What it returns, :class:`Prepared`, is
+all the trainer needs to build the run: the trainer trusts it and checks nothing again.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline.config import ConfigError
-from pipeline.data.loader import check_compatible, check_shard_sizes, check_source
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
+from pipeline.data.loader import check_compatible, check_enough_samples, check_shard_sizes, check_source
 from pipeline.data.manifest import MANIFEST, DatasetIndex, load_index
+from pipeline.experiment import ExperimentConfig
+from pipeline.export.record import EncoderRecord, from_experiment
 from pipeline.lock import DirLock, describe
-from pipeline.model.build import check_checkpoint_shape, start_checkpoint_config
+from pipeline.model.build import check_checkpoint_shape, check_sliding_window, start_checkpoint_config
 from pipeline.model.presets import PRESETS
 from pipeline.run_dir import RunDir
-from pipeline.tokenizer import load_tokenizer
+from pipeline.tokenizer import Tokenizer, load_tokenizer
 from pipeline.train import errors
-from pipeline.train.experiment import ExperimentConfig
+from pipeline.train.module import attn_implementation, fused_kind
 from pipeline.train.phases import WeightedObjective, build_objectives, data_sources
 
 
 @dataclass
 class Prepared:
-    tokenizer: object
-    objectives: list[list[WeightedObjective]]
+    tokenizer: Tokenizer
+    objectives: list[list[WeightedObjective]]  # per phase
+    record: EncoderRecord  # what the run's HF export says of how to read the model
+    attn_implementation: str  # the HF attention implementation to train with
+    bf16: bool
+    fused: str  # the AdamW kernel (module.fused_kind)
+    indexes: dict[str, DatasetIndex] = field(default_factory=dict)  # per data source ("packed", "units")
     lock: DirLock | None = None  # held by rank 0 for the run's life
     notes: list[str] = field(default_factory=list)  # for rank 0 to print
+
+
+class PreflightFailed(Exception):
+    """A rank's preflight failed; rank 0 has printed why."""
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -49,27 +68,17 @@ def lock_run_dir(run_dir: str) -> tuple[DirLock, list[str]]:
     return lock, notes
 
 
-def _check_shards(directory: str, setting: str, tokenizer, seq_len: int | None, source: str, readers: list[str],
-                  global_batch: int) -> DatasetIndex:
-    index = load_index(directory)
-    check_compatible(index, tokenizer.info.fingerprint, index.seq_len if seq_len is None else seq_len)
-    if readers:
-        check_source(index, source, setting, readers)
-    check_shard_sizes(index)
-    if index.num_samples < global_batch:
-        raise ConfigError(f"{setting}: {index.directory} holds {index.num_samples} samples, fewer than one global "
-                          f"batch of {global_batch}; use a smaller batch or build more data")
-    return index
-
-
-def _check_model(exp: ExperimentConfig, tokenizer) -> None:
-    """The start model: a preset, or a checkpoint directory that fits the tokenizer (and ``model.shape``)."""
+def _check_model(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
+    """The start model: a preset, or a checkpoint directory that fits the tokenizer, ``model.shape`` and the
+    sequence length."""
     try:
         if exp.model.shape:
             check_checkpoint_shape(exp.model.init, exp.model.shape)
         if exp.model.init not in PRESETS:
             info = tokenizer.info
-            start_checkpoint_config(exp.model.init, info.vocab_size, bos_token_id=info.bos_id, eos_token_id=info.eos_id)
+            config = start_checkpoint_config(exp.model.init, info.vocab_size, bos_token_id=info.bos_id,
+                                             eos_token_id=info.eos_id)
+            check_sliding_window(config, exp.model.init, exp.data.seq_len)
     except ValueError as e:
         raise ConfigError(f"model.init: {e}") from None
 
@@ -96,54 +105,125 @@ def check_resume_batch(exp: ExperimentConfig, world: int) -> None:
                           f"to resume with the new batch")
 
 
-def preflight(exp: ExperimentConfig, rank: int, world: int) -> Prepared:
+def _has_shards(directory: str) -> bool:
+    return os.path.exists(os.path.join(directory, MANIFEST))
+
+
+def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Prepared:
+    """Everything but the shards' contents (they may not be built yet); rank 0 takes the run directory's lock."""
     check_run_dir(exp.run_dir)
     lock, notes = lock_run_dir(exp.run_dir) if rank == 0 else (None, [])
     try:
         tokenizer = load_tokenizer(exp.data.tokenizer)
         objectives = [build_objectives(p, tokenizer, f"phases[{i}]") for i, p in enumerate(exp.phases)]
         _check_model(exp, tokenizer)
-        readers = data_sources(objectives)
-        t, d = exp.train, exp.data
-        if os.path.exists(os.path.join(d.shards, MANIFEST)):
-            _check_shards(d.shards, "data.shards", tokenizer, d.seq_len, "packed", readers["packed"],
-                          t.micro_batch * t.grad_accum * world)
-        elif not d.build_if_missing:
+        d = exp.data
+        if not _has_shards(d.shards) and not d.build_if_missing:
             raise ConfigError(f"data.shards: {d.shards} is not a shard directory; build it with "
                               f"data_prep/build_shards.py or set data.build_if_missing=true with data.build_inputs")
-        if readers["units"]:
-            if not d.unit_shards:
-                raise ConfigError("data.unit_shards: an objective reads sentence units (e.g. simcse, sscl) but "
-                                  "data.unit_shards is empty; build them with data_prep/build_shards.py --units and "
-                                  "set data.unit_shards")
-            _check_shards(d.unit_shards, "data.unit_shards", tokenizer, None, "units", readers["units"],
-                          (d.unit_micro_batch or t.micro_batch) * t.grad_accum * world)
+        if data_sources(objectives)["units"] and not d.unit_shards:
+            raise ConfigError("data.unit_shards: an objective reads sentence units (e.g. simcse, sscl) but "
+                              "data.unit_shards is empty; build them with data_prep/build_shards.py --units and "
+                              "set data.unit_shards")
         check_resume_batch(exp, world)
+        prepared = Prepared(tokenizer, objectives, from_experiment(exp, tokenizer),
+                            attn_implementation(exp.model, cuda),
+                            exp.model.dtype == "bf16" or (exp.model.dtype == "auto" and cuda),
+                            fused_kind(exp.optim, cuda), lock=lock, notes=notes)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
-    return Prepared(tokenizer, objectives, lock, notes)
+    return prepared
 
 
-def agreed_preflight(exp: ExperimentConfig, rank: int, world: int) -> Prepared | None:
-    """Run :func:`preflight` on every rank; when any rank fails, rank 0 prints the first failure once and every
-    rank returns None."""
+def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
+    """Rank 0's job: the packed shards from ``data.build_inputs`` when ``data.shards`` has none."""
+    d = exp.data
+    if _has_shards(d.shards):
+        return
+    print(f"building shards of {d.build_inputs} into {d.shards} (seq_len {d.seq_len})", flush=True)
+    run_job(BuildConfig(inputs=tuple(d.build_inputs), tokenizer=tokenizer.path, output=d.shards, seq_len=d.seq_len,
+                        workers=1, progress=False))
+
+
+def _check_index(directory: str, setting: str, tokenizer: Tokenizer, seq_len: int | None, source: str,
+                 readers: list[str], global_batch: int) -> DatasetIndex:
+    if not _has_shards(directory):
+        raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with data_prep/build_shards.py"
+                          + (" --units" if source == "units" else ""))
+    index = load_index(directory)
+    check_compatible(index, tokenizer.info.fingerprint, index.seq_len if seq_len is None else seq_len)
+    if readers:
+        check_source(index, source, setting, readers)
+    check_shard_sizes(index)
+    try:
+        check_enough_samples(index, global_batch)
+    except ValueError as e:
+        raise ConfigError(f"{setting}: {e}") from None
+    return index
+
+
+def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int) -> dict[str, DatasetIndex]:
+    """The index of each data source the run reads, checked against the tokenizer, the objectives and the batch."""
+    readers = data_sources(prepared.objectives)
+    t, d, tok = exp.train, exp.data, prepared.tokenizer
+    indexes = {"packed": _check_index(d.shards, "data.shards", tok, d.seq_len, "packed", readers["packed"],
+                                      t.micro_batch * t.grad_accum * world)}
+    if readers["units"]:
+        indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", tok, None, "units", readers["units"],
+                                        (d.unit_micro_batch or t.micro_batch) * t.grad_accum * world)
+    return indexes
+
+
+def preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool = False) -> Prepared:
+    """The whole preflight in one process (rank 0 also builds missing shards); raises the first failure."""
+    prepared = check_setup(exp, rank, world, cuda)
+    try:
+        if rank == 0:
+            build_missing_shards(exp, prepared.tokenizer)
+        prepared.indexes = check_shards(exp, prepared, world)
+    except BaseException:
+        if prepared.lock is not None:
+            prepared.lock.release()
+        raise
+    return prepared
+
+
+def _agreed(rank: int, world: int, stage: Callable[[], object], on_failure: Callable[[], None]):
+    """``stage()`` on every rank; when any rank fails, rank 0 prints the first failure once, no rank leaves before
+    it has (a rank's exit makes the launcher signal the others), and every rank raises :class:`PreflightFailed`."""
     import torch.distributed as dist
 
-    prepared, failure = None, None
+    result, failure = None, None
     try:
-        prepared = preflight(exp, rank, world)
+        result = stage()
     except Exception as e:  # noqa: BLE001 - reported below, once
-        kind = "config error" if isinstance(e, ConfigError) else "error"
-        failure = (kind, errors.one_line(e))
+        failure = ("config error" if isinstance(e, ConfigError) else "error", errors.one_line(e))
     failures: list = [None] * world
     dist.all_gather_object(failures, failure)
     first = next((f for f in failures if f is not None), None)
     if first is None:
-        return prepared
+        return result
+    on_failure()
     if rank == 0:
         print(f"{first[0]}: {first[1]}", file=sys.stderr, flush=True)
-    if prepared is not None and prepared.lock is not None:
-        prepared.lock.release()
-    return None
+    dist.barrier()
+    raise PreflightFailed(first[1])
+
+
+def agreed_preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool,
+                     on_failure: Callable[[], None] = lambda: None) -> Prepared | None:
+    """:func:`preflight` on every rank in agreed stages; None when any rank failed (rank 0 said why).
+    ``on_failure`` runs on every rank before the report (the trainer's stop request then holds signals)."""
+    prepared = None
+    try:
+        prepared = _agreed(rank, world, lambda: check_setup(exp, rank, world, cuda), on_failure)
+        _agreed(rank, world, lambda: build_missing_shards(exp, prepared.tokenizer) if rank == 0 else None,
+                on_failure)
+        prepared.indexes = _agreed(rank, world, lambda: check_shards(exp, prepared, world), on_failure)
+    except PreflightFailed:
+        if prepared is not None and prepared.lock is not None:
+            prepared.lock.release()
+        return None
+    return prepared

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from pipeline.train.experiment import OptimConfig
+from pipeline.experiment import OptimConfig
 
 
 def lr_multiplier(step: int, total: int, cfg: OptimConfig) -> float:

@@ -4,6 +4,10 @@ Which process gets what (docs/training.md, "Failure modes"):
 
 - SIGUSR1/SIGTERM/SIGINT to a rank: during start-up the rank exits at once with status 0 (nothing is trained yet,
   and every start-up step is safe to redo); once training runs, every rank checkpoints at the next step boundary and exits.
+- A failure wins over the signal it causes: when one rank fails, the launcher terminates the others, so the signal
+  may reach rank 0 before rank 0 has said why. A signal before the rank has read its config waits for the config
+  check (a config error is then reported, not the signal); a rank that is reporting its own failure ignores signals;
+  and a start-up stop on rank 0 reports another rank's logged error instead of "stopped" when there is one.
 - The launcher (``deepspeed``, its per-node ``deepspeed.launcher.launch``, or ``torchrun``) forwards SIGTERM/SIGINT
   to the ranks, or dies of the signal without forwarding it (``deepspeed`` itself ends on SIGTERM/SIGUSR1 and leaves
   its ranks running). So every rank also watches its launcher: when it is gone, the rank stops as if signalled.
@@ -51,12 +55,15 @@ def launcher_chain() -> list[tuple[int, int]]:
 
 class StopRequest:
     """Created first thing in a rank (this module imports nothing heavy, so a signal early in start-up is handled
-    too); :meth:`training_started` switches from "exit now" to "checkpoint, then exit"."""
+    too). Its stages: the signal is held until :meth:`config_checked`, then "exit now" until
+    :meth:`training_started`, then "checkpoint, then exit"; :meth:`failing` holds it for good."""
 
     def __init__(self, rank: int, poll_s: float = 1.0):
         self.rank = rank
         self.reason: str | None = None
-        self._training = False
+        self._stage = "config"  # config -> start-up -> training; or failing
+        self._run_dir: str | None = None
+        self._started = time.time()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         chain = launcher_chain()
@@ -83,17 +90,42 @@ class StopRequest:
 
     def _stop(self, why: str) -> None:
         """Exit 0 in start-up, as a stop with a checkpoint does: launch/slurm/train.sbatch requeues a run whose
-        ranks stopped cleanly."""
-        if self._training:
-            self.reason = self.reason or why
-            return
+        ranks stopped cleanly. Held (only recorded) before the config check, in training and while failing."""
+        self.reason = self.reason or why
+        if self._stage == "start-up":
+            self._exit_in_start_up()
+
+    def _exit_in_start_up(self) -> None:
         if self.rank == 0:
-            print(f"stopped during start-up on {why}; nothing was trained in this start: run the same command "
-                  f"again to continue", file=sys.stderr, flush=True)
+            other = self._other_rank_failure()
+            if other is not None:  # the signal is the launcher's answer to that failure: report the failure
+                print(f"error: {other[0]}\n(traceback: {other[1]})", file=sys.stderr, flush=True)
+                os._exit(1)
+            print(f"stopped during start-up on {self.reason}; nothing was trained in this start: run the same "
+                  f"command again to continue", file=sys.stderr, flush=True)
         os._exit(0)
 
+    def _other_rank_failure(self) -> tuple[str, str] | None:
+        if self._run_dir is None:
+            return None
+        from pipeline.train.errors import (
+            first_other_failure,  # torch is loaded by now: the config check imports it
+        )
+
+        return first_other_failure(self._run_dir, self._started, wait_s=0.0)
+
+    def config_checked(self, run_dir: str) -> None:
+        """The config is valid: a held signal stops the rank now, and later ones at once."""
+        self._run_dir, self._stage = run_dir, "start-up"
+        if self.requested:
+            self._exit_in_start_up()
+
+    def failing(self) -> None:
+        """The rank is reporting its own failure, which must not be lost to the signal that failure causes."""
+        self._stage = "failing"
+
     def training_started(self) -> None:
-        self._training = True
+        self._stage = "training"
 
     def agreed(self, device) -> bool:
         """All ranks must stop at the same step: a signal may reach them at different times."""

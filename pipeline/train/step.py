@@ -23,9 +23,10 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     weights: dict[str, float] = {}
     for o in step_objs:
         for b in batches[o.objective.source]:
-            for name, n in o.objective.num_targets(b).items():
+            for own, n in o.objective.num_targets(b).items():
+                name = o.loss_name(own)
                 counts[name] = counts.get(name, 0.0) + float(n)
-                weights[name] = o.weight * o.objective.loss_weights[name]
+                weights[name] = o.weight * o.objective.loss_weights[own]
     names = list(counts)
     device = next(engine.module.parameters()).device
     total = torch.tensor([counts[n] for n in names], device=device)
@@ -36,7 +37,8 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     for micro in range(grad_accum):
         loss = 0.0
         for o in step_objs:
-            for name, (loss_sum, _, correct) in engine(o.objective, batches[o.objective.source][micro]).items():
+            for own, (loss_sum, _, correct) in engine(o.objective, batches[o.objective.source][micro]).items():
+                name = o.loss_name(own)
                 loss = loss + weights[name] * loss_sum * (world * grad_accum / total[name])
                 sums[names.index(name)] += torch.stack([loss_sum.detach().float(), correct.float()])
         engine.backward(loss)

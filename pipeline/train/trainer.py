@@ -17,21 +17,19 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from pipeline.config import to_dict
-from pipeline.data.loader import ShardLoader, check_compatible, check_source
-from pipeline.data.manifest import DatasetIndex, load_index
-from pipeline.export.record import from_experiment
+from pipeline.data.loader import ShardLoader
+from pipeline.data.manifest import DatasetIndex
+from pipeline.experiment import ExperimentConfig
+from pipeline.export.record import EncoderRecord
 from pipeline.model.flops import flops_per_token
 from pipeline.run_dir import DataRecord, RunDir, tag
 from pipeline.train.checkpoint import Checkpointer
-from pipeline.train.data_setup import ensure_shards
 from pipeline.train.ds_config import resolve_ds_config
-from pipeline.train.experiment import ExperimentConfig
 from pipeline.train.export import export_engine
 from pipeline.train.guard import DivergenceGuard
 from pipeline.train.metrics import MetricsLogger, Throughput, device_peak_tflops
 from pipeline.train.module import build_train_model
-from pipeline.train.phases import WeightedObjective, data_sources
+from pipeline.train.phases import WeightedObjective
 from pipeline.train.preflight import Prepared
 from pipeline.train.schedule import lr_scheduler
 from pipeline.train.signals import StopRequest
@@ -45,6 +43,7 @@ class Trainer:
     lm: torch.nn.Module  # the HF model inside the engine
     tokenizer: object
     objectives: list[list[WeightedObjective]]  # per phase
+    record: EncoderRecord  # what the HF export says of how to read the model
     loaders: dict[str, ShardLoader]  # per data source
     checkpoints: Checkpointer
     metrics: MetricsLogger
@@ -58,15 +57,16 @@ class Trainer:
     @classmethod
     def build(cls, exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopRequest,
               device: torch.device) -> Trainer:
-        """Set the run up after :func:`pipeline.train.preflight.preflight` and resume it when it has a checkpoint."""
+        """Set the run up from what :func:`pipeline.train.preflight.agreed_preflight` checked (it checks nothing
+        again) and resume it when it has a checkpoint."""
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(exp.train.seed)
-        tokenizer, objectives = prepared.tokenizer, prepared.objectives
-        index = ensure_shards(exp.data, tokenizer, rank)
-        check_compatible(index, tokenizer.info.fingerprint, exp.data.seq_len)
-        bf16 = exp.model.dtype == "bf16" or (exp.model.dtype == "auto" and device.type == "cuda")
-        ds = resolve_ds_config(ds_raw, exp, world, bf16)
-        lm, model, optimizer = build_train_model(exp, ds, tokenizer, bf16, [o.objective for p in objectives for o in p])
+        tokenizer, objectives, index = prepared.tokenizer, prepared.objectives, prepared.indexes["packed"]
+        ds = resolve_ds_config(ds_raw, exp, world, prepared.bf16)
+        lm, model, optimizer = build_train_model(exp, ds, tokenizer, prepared.bf16,
+                                                 [o.objective for p in objectives for o in p],
+                                                 attn_implementation=prepared.attn_implementation,
+                                                 fused=prepared.fused)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=None if optimizer
                                           else [p for p in model.parameters() if p.requires_grad],
                                           lr_scheduler=lr_scheduler(exp.train.steps, exp.optim), config=ds)
@@ -75,7 +75,7 @@ class Trainer:
                                                                        index.num_samples, index.num_tokens))
         if rank == 0:
             run.write_run_files(files)
-        loaders = _open_loaders(exp, objectives, index, rank, world, device.type == "cuda")
+        loaders = _open_loaders(exp, prepared.indexes, rank, world, device.type == "cuda")
         checkpoints = Checkpointer(engine, run, exp.checkpoint, files)
         client = checkpoints.resume()
         if client is not None:
@@ -84,7 +84,7 @@ class Trainer:
             if rank == 0:
                 print(f"resumed from {tag(client['step'])} ({client['tokens_seen']:,} tokens seen)")
         step, tokens_seen = (client["step"], client["tokens_seen"]) if client else (0, 0)
-        return cls(exp, engine, lm, tokenizer, objectives, loaders, checkpoints,
+        return cls(exp, engine, lm, tokenizer, objectives, prepared.record, loaders, checkpoints,
                    MetricsLogger(run, rank == 0, exp.train.log_every, start_step=step),
                    Throughput(flops_per_token(lm.config, exp.data.seq_len), device_peak_tflops(exp.train.peak_tflops),
                               world),
@@ -152,23 +152,17 @@ class Trainer:
                    "run_dir": self.exp.run_dir}
         if self.step == self.exp.train.steps and self.exp.train.export_hf and self.guard.healthy:
             summary["hf_export"] = export_engine(self.engine, self.lm, self.tokenizer, RunDir(self.exp.run_dir).hf,
-                                                 from_experiment(to_dict(self.exp), self.tokenizer))
+                                                 self.record)
         self.metrics.close(summary)
         for loader in self.loaders.values():
             loader.close()
         return summary
 
 
-def _open_loaders(exp: ExperimentConfig, objectives: list[list[WeightedObjective]], index: DatasetIndex, rank: int,
-                  world: int, pin: bool) -> dict[str, ShardLoader]:
-    """A loader per data source any phase reads: the packed shards, and the sentence units when asked for."""
+def _open_loaders(exp: ExperimentConfig, indexes: dict[str, DatasetIndex], rank: int, world: int,
+                  pin: bool) -> dict[str, ShardLoader]:
+    """A loader per data source: the packed shards, and the sentence units when an objective reads them."""
     t, d = exp.train, exp.data
-    readers = data_sources(objectives)
-    if readers["packed"]:
-        check_source(index, "packed", "data.shards", readers["packed"])
-    loaders = {"packed": ShardLoader(index, t.micro_batch, t.grad_accum, rank, world, t.seed, d.num_workers,
-                                     pin_memory=pin, verify=d.verify_shards)}
-    if readers["units"]:  # preflight checked them against the tokenizer and the objectives
-        loaders["units"] = ShardLoader(load_index(d.unit_shards), d.unit_micro_batch or t.micro_batch, t.grad_accum,
-                                       rank, world, t.seed, d.num_workers, pin_memory=pin, verify=d.verify_shards)
-    return loaders
+    micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch}
+    return {src: ShardLoader(index, micro[src], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
+                             verify=d.verify_shards) for src, index in indexes.items()}

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from pipeline.eval.data import DataError, Row, read_rows
 from pipeline.eval.metrics import mean_ci
 from pipeline.eval.task import EvalContext
-from pipeline.train.module import _param_groups
+from pipeline.model.weight_decay import param_groups
 
 SPLITS = {"train": ("train",), "validation": ("dev", "validation", "valid", "val"), "test": ("test",)}
 EXTS = (".tsv", ".csv", ".jsonl", ".json", ".txt")
@@ -143,7 +143,7 @@ def train_once(task: FinetuneTask, data: dict[str, Any], lr: float, seed: int) -
     lm = copy.deepcopy(task.ctx.model.lm).train()
     head = task.head(lm.config.hidden_size).to(task.ctx.model.device)
     both = nn.ModuleDict({"lm": lm, "head": head})
-    optim = torch.optim.AdamW(_param_groups(both, opts.weight_decay), lr=lr, betas=opts.betas, eps=opts.eps)
+    optim = torch.optim.AdamW(param_groups(both, opts.weight_decay), lr=lr, betas=opts.betas, eps=opts.eps)
     total = steps_for(len(data["train"]), opts)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: linear_warmup_decay(s, total, opts.warmup))
     batches = task.train_batches(data["train"], seed)

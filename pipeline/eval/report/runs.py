@@ -8,11 +8,11 @@ import os
 from dataclasses import dataclass, field
 
 from pipeline.eval.data import DataError
+from pipeline.experiment import ExperimentConfig
 from pipeline.io import read_json, read_jsonl
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import OBJECTIVES
 from pipeline.run_dir import RunDir
-from pipeline.train.experiment import ExperimentConfig
 
 
 @dataclass(frozen=True)

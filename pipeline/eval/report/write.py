@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 
 from pipeline.eval.report.papers import PAPERS
 from pipeline.eval.report.plots import all_plots
@@ -25,3 +27,26 @@ def write_report(run_dirs: list[str], out: str) -> str:
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(report_markdown(runs, plots))
     return f"wrote {os.path.join(out, 'report.md')} and {', '.join(plots)}"
+
+
+USAGE = """The ablation report of a set of runs: a markdown table per paper and PNG plots.
+
+    python launch/report.py runs/clm runs/mlm-40 runs/clm-25-mlm ... --out reports/grid
+
+Reads each run's experiment.json (the variant), metrics.jsonl (loss curves) and eval/*.json (written by
+launch/evaluate.py). Writes OUT/report.md (every table, the plots inline), OUT/<paper>.md (one table per paper),
+OUT/loss_curves.png, OUT/metrics_vs_clm_share.png and OUT/metrics_vs_mask_ratio.png.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run directories")
+    p.add_argument("--out", required=True, help="output directory")
+    args = p.parse_args(argv)
+    try:
+        print(write_report(args.runs, args.out))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -11,7 +11,7 @@ from pipeline.config import ConfigError, apply_overrides, check_ranges, from_dic
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import CLMConfig, ObjectiveConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_DIR = os.path.join(REPO, "data", "sample")
 
 
@@ -124,8 +124,10 @@ class ExperimentConfig:
         self.name = self.name or (os.path.basename(os.path.normpath(self.run_dir)) if self.run_dir else DEFAULT_NAME)
         self.run_dir = self.run_dir or os.path.join("runs", self.name)
         check_ranges(self)
-        for phase in self.phases:  # defaults are built without from_dict, so validate (and name) them here
+        for i, phase in enumerate(self.phases):  # defaults are built without from_dict, so validate (and name) them here
             phase.validate()
+            for j, objective in enumerate(phase.objectives):
+                objective.check_attention_dropout(self.model.attention_dropout, f"phases[{i}].objectives[{j}]")
         if not math.isclose(sum(p.share for p in self.phases), 1.0, abs_tol=1e-6):
             raise ConfigError(f"phases: shares must sum to 1, got {[p.share for p in self.phases]}")
         if self.optim.schedule == "wsd" and self.optim.warmup_steps + self.optim.decay_steps > self.train.steps:

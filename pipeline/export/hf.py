@@ -1,0 +1,121 @@
+"""An HF ``save_pretrained`` directory with the training record (docs/export.md): :func:`save_hf` writes one from
+a state dict (the trainer's end-of-training export uses it too), :func:`export_checkpoint` from a run's
+checkpoint, offline in one process, behind ``launch/export_hf.py`` (:func:`main`) and evaluation's exports of
+checkpoints.
+
+Every ZeRO stage the trainer accepts exports: stages 1-3 (offload included) keep the fp32 master weights
+partitioned in their optimizer files, which DeepSpeed's ``zero_to_fp32`` gathers; stage 0 keeps the whole model in
+its module state (the fp32 weights of an fp32 run; a bf16 run's bf16 weights, what its engine export writes too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+
+import torch
+from transformers import PreTrainedModel
+
+from pipeline.export.record import EncoderRecord, from_experiment, write_record
+from pipeline.model.build import DTYPES
+from pipeline.run_dir import RunDir, tag
+
+PREFIX = "lm."  # the HF model's parameter names inside the engine's module (pipeline.train.module.TrainModule.lm)
+STAGE0_MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's file of the whole module without ZeRO
+
+
+class ExportError(ValueError):
+    """An export that cannot be written; the message names the run and the fix."""
+
+
+def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: EncoderRecord) -> str:
+    """Write an HF ``save_pretrained`` directory (weights, config with the training ``record``, tokenizer) from an
+    engine-module state dict."""
+    sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in state_dict.items()}
+    os.makedirs(out, exist_ok=True)
+    lm.config.use_cache = True
+    lm.save_pretrained(out, state_dict=sd, safe_serialization=True)
+    write_record(out, record)
+    tokenizer.save(out)
+    return out
+
+
+def checkpoint_state_dict(run: RunDir, step: int) -> dict[str, torch.Tensor]:
+    """The engine module's weights at ``step``, whatever the ZeRO stage that wrote them (module docstring)."""
+    if run.checkpoint_zero_stage(step) == 0:
+        path = os.path.join(run.checkpoint(step), STAGE0_MODEL_STATES)
+        if not os.path.isfile(path):
+            raise ExportError(f"{path}: missing from a ZeRO stage 0 checkpoint; export another step "
+                              f"(complete steps: {run.complete_steps()})")
+        return torch.load(path, map_location="cpu", weights_only=False)["module"]
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(run.checkpoints, tag=tag(step))
+
+
+def export_checkpoint(run: RunDir, out: str, step: int | None = None, dtype: str = "fp32",
+                      sentence_transformers: bool = False, pooling: str | None = None,
+                      layout: str | None = None) -> int:
+    """Export the checkpoint of ``step`` (default: the newest complete one) with the run's model config and
+    tokenizer; ``pooling`` / ``layout`` override the recorded defaults; ``sentence_transformers`` also writes that
+    library's files. Returns the step exported."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.export.sentence_transformers import check_expressible, write_sentence_transformers
+    from pipeline.tokenizer import load_tokenizer
+
+    steps = run.complete_steps()
+    if not steps:
+        raise ExportError(f"{run.path} has no complete checkpoint (looked in {run.checkpoints})")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise ExportError(f"{run.path} has no complete checkpoint at step {step}; complete steps: {steps}")
+    exp = run.experiment()
+    tokenizer = load_tokenizer(exp.data.tokenizer)
+    record = replace(from_experiment(exp, tokenizer),
+                     **{k: v for k, v in (("pooling", pooling), ("layout", layout)) if v})
+    if sentence_transformers:
+        try:  # before reading the weights
+            check_expressible(record)
+        except ValueError as e:
+            raise ExportError(str(e)) from None
+    sd = checkpoint_state_dict(run, step)
+    lm = AutoModelForCausalLM.from_config(run.model_config(), dtype=DTYPES[dtype])
+    save_hf(lm, {k: v.to(DTYPES[dtype]) for k, v in sd.items()}, tokenizer, out, record)
+    if sentence_transformers:
+        write_sentence_transformers(out, record)
+    return step
+
+
+USAGE = """Export a training checkpoint as an HF ``save_pretrained`` directory, offline, in one process:
+``python launch/export_hf.py --run RUN_DIR [--step N] --output DIR [--dtype fp32|bf16]
+[--sentence-transformers [--pooling P] [--layout L]]``.
+
+The weights come from the checkpoint of any ZeRO stage, the model config and the tokenizer from the run directory,
+and the training record goes into config.json (docs/export.md). ``--sentence-transformers`` also makes DIR a
+sentence-transformers model (``SentenceTransformer(DIR)``); ``--pooling`` / ``--layout`` override the recorded
+defaults. Training also exports at its end (``train.export_hf``).
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="run directory (holds checkpoints/ and experiment.json)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest complete one)")
+    p.add_argument("--output", required=True, help="directory to write")
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    p.add_argument("--sentence-transformers", action="store_true",
+                   help="also write the sentence-transformers files (modules.json, pooling, prompts)")
+    p.add_argument("--pooling", choices=["mean", "last", "weighted_mean"], help="default: the run's (recorded)")
+    p.add_argument("--layout", choices=["bos_eos", "special", "text"], help="default: the run's (recorded)")
+    args = p.parse_args(argv)
+    try:
+        step = export_checkpoint(RunDir(args.run), args.output, args.step, args.dtype, args.sentence_transformers,
+                                 args.pooling, args.layout)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {tag(step)} of {args.run} to {args.output}")
+    return 0

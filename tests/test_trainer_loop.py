@@ -1,0 +1,155 @@
+"""The trainer's loop in process: the divergence guard, checkpoints and the stop request working together, and a
+phase's losses kept apart by name, on a small fake engine (what the loop uses of DeepSpeed's, over a real model,
+AdamW, real shards and the real checkpoint path) in a one-rank gloo group. The same interplay under DeepSpeed on
+2 ranks: tests/test_failure_modes.py and tests/test_train.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import make_shard_dir, packed_text_batch
+
+from pipeline.config import ConfigError, from_dict
+from pipeline.data.loader import ShardLoader
+from pipeline.data.manifest import load_index
+from pipeline.experiment import SAMPLE_DIR, ExperimentConfig, PhaseSpec
+from pipeline.export.record import EncoderRecord
+from pipeline.model.build import build_model
+from pipeline.run_dir import RunDir
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train.checkpoint import Checkpointer
+from pipeline.train.guard import Diverged, DivergenceGuard
+from pipeline.train.metrics import MetricsLogger, Throughput
+from pipeline.train.module import TrainModule
+from pipeline.train.phases import build_objectives
+from pipeline.train.signals import STOP_SIGNALS, StopRequest
+from pipeline.train.step import train_step
+from pipeline.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group(tmp_path_factory):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg')}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def stop():
+    """The real stop request; the test process's own signal handlers are given back afterwards."""
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield StopRequest(rank=0)
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+class FakeEngine:
+    """What the trainer and ``train_step`` call on a DeepSpeed engine. ``skip`` holds optimizer steps whose update
+    is skipped, as DeepSpeed skips an update with an inf gradient norm; ``on_step`` runs after each optimizer step."""
+
+    def __init__(self, module: TrainModule, skip=(), on_step=lambda step: None):
+        self.module, self.skip, self.on_step = module, set(skip), on_step
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        self.steps, self.skipped_steps, self.grad_norm = 0, 0, 0.0
+
+    def __call__(self, objective, batch):
+        return self.module(objective, batch)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        self.steps += 1
+        self.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), float("inf")))
+        if self.steps in self.skip:
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.on_step(self.steps)
+
+    def get_lr(self):
+        return [self.optimizer.param_groups[0]["lr"]]
+
+    def get_global_grad_norm(self):
+        return self.grad_norm
+
+    def save_checkpoint(self, root, tag, client_state):
+        os.makedirs(os.path.join(root, tag), exist_ok=True)
+        torch.save({"module": self.module.state_dict(), "client": client_state}, os.path.join(root, tag, "state.pt"))
+
+
+def trainer(tmp_path, stop, steps=8, every=2, max_bad_steps=2, **engine) -> Trainer:
+    shards = make_shard_dir(tmp_path, num_samples=64, seq_len=32)
+    exp = from_dict(ExperimentConfig, {"run_dir": str(tmp_path / "run"), "train": {
+        "steps": steps, "micro_batch": 2, "max_bad_steps": max_bad_steps, "export_hf": False, "log_every": 100},
+        "optim": {"warmup_steps": 0, "decay_steps": 0}, "checkpoint": {"every": every, "keep_last": 5}})
+    torch.manual_seed(0)
+    lm = build_model("tiny", 64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    fake = FakeEngine(TrainModule(lm), **engine)
+    run = RunDir(exp.run_dir)
+    objectives = [build_objectives(p, None) for p in exp.phases]
+    return Trainer(exp, fake, lm, None, objectives, EncoderRecord(),
+                   {"packed": ShardLoader(load_index(shards), 2, 1, 0, 1, 0)},
+                   Checkpointer(fake, run, exp.checkpoint, {}), MetricsLogger(run, True, 100),
+                   Throughput(1.0, 0.0, 1), DivergenceGuard(max_bad_steps), stop, torch.device("cpu"))
+
+
+def test_a_stop_signal_checkpoints_the_step_it_stops_at(tmp_path, stop, capsys):
+    t = trainer(tmp_path, stop, on_step=lambda step: step == 3 and os.kill(os.getpid(), signal.SIGUSR1))
+    summary = t.fit()
+    assert summary["steps"] == 3 and t.step == 3
+    assert RunDir(t.exp.run_dir).complete_steps() == [2, 3]  # step 3 is off the every-2 grid: saved for the stop
+    assert "stopped at step 3 (checkpointed) on SIGUSR1; start the same command again to resume" in capsys.readouterr().out
+    client = torch.load(os.path.join(RunDir(t.exp.run_dir).checkpoint(3), "state.pt"), weights_only=False)["client"]
+    assert client["step"] == 3 and client["loaders"]["packed"]["samples_consumed"] == 3 * 2
+
+
+def test_bad_steps_write_no_checkpoint_and_diverge_keeping_the_last_good_one(tmp_path, stop):
+    t = trainer(tmp_path, stop, skip={4, 5})
+    with pytest.raises(Diverged, match=r"2 bad steps in a row .* up to step 5.* the last good checkpoint is "
+                                       r".*step00000002"):
+        t.fit()
+    assert RunDir(t.exp.run_dir).complete_steps() == [2]  # step 4 was due but bad
+
+
+def test_one_bad_step_delays_the_checkpoint_and_the_run_goes_on(tmp_path, stop):
+    t = trainer(tmp_path, stop, skip={4})
+    assert t.fit()["steps"] == 8
+    assert RunDir(t.exp.run_dir).complete_steps() == [2, 6, 8]
+
+
+def test_a_stop_on_a_bad_step_keeps_the_last_good_checkpoint(tmp_path, stop, capsys):
+    t = trainer(tmp_path, stop, max_bad_steps=3, skip={3},
+                on_step=lambda step: step == 3 and os.kill(os.getpid(), signal.SIGTERM))
+    assert t.fit()["steps"] == 3
+    assert RunDir(t.exp.run_dir).complete_steps() == [2]  # the bad newest step is not saved, not even at the end
+    assert "stopped at step 3 (not checkpointed: the newest step was bad; the last good checkpoint is" in \
+        capsys.readouterr().out
+
+
+def test_two_objectives_of_one_loss_name_are_refused_or_kept_apart():
+    tokenizer = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
+    two = [{"name": "mlm", "ratio": 0.2}, {"name": "mlm", "ratio": 0.4}]
+    with pytest.raises(ConfigError, match=r"phases\[0\]\.objectives\[1\]: its loss 'mlm' has the name of a loss of "
+                                          r"phases\[0\]\.objectives\[0\].*phases\[0\]\.objectives\[1\]\.log_as=mlm1"):
+        build_objectives(from_dict(PhaseSpec, {"objectives": two}), tokenizer, "phases[0]")
+    with pytest.raises(ConfigError, match=r"its loss 'mntp' has the name"):
+        build_objectives(from_dict(PhaseSpec, {"objectives": [{"name": "magnet"}, {"name": "mntp"}]}), tokenizer,
+                         "phases[0]")
+    two[1]["log_as"] = "mlm40"
+    magnet = {"name": "magnet", "log_as": "magnet"}
+    objectives = build_objectives(from_dict(PhaseSpec, {"objectives": [*two, magnet, {"name": "mntp"}]}), tokenizer)
+    torch.manual_seed(0)
+    lm = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id,
+                     bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    batch = packed_text_batch(tokenizer, ["The river rises in the hills and flows south to the sea."] * 8)
+    losses, accuracy, _ = train_step(FakeEngine(TrainModule(lm)), objectives, {"packed": [batch]}, 1, 1)
+    assert set(losses) == set(accuracy) == {"mlm", "mlm40", "magnet/mntp", "magnet/msg", "mntp"}
+    counts = {name: n for o in objectives for loss, n in o.objective.num_targets(batch).items()
+              for name in [o.loss_name(loss)]}
+    assert counts["mlm40"] > counts["mlm"] > 0  # each normalised by its own targets, not by their sum
