@@ -47,14 +47,18 @@ class Resources:
     gpus_per_node: int = 1
     time: str = ""  # SLURM --time of one job (a requeued job resumes); "": the partition's default
     gpu: bool = True  # ranks are GPUs (sbatch --gpus-per-node); false: CPU ranks, one core each
+    # GPU runs: cores a rank gets (sbatch --cpus-per-task = gpus_per_node x this) for its data workers and compile
+    # workers; SLURM would give the whole node's ranks one core
+    cpus_per_gpu: int = 8
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
     def validate(self) -> None:
-        if self.nodes < 1 or self.gpus_per_node < 1:
-            raise ConfigError(f"resources: nodes and gpus_per_node must be >= 1, got {self.nodes}, {self.gpus_per_node}")
+        if self.nodes < 1 or self.gpus_per_node < 1 or self.cpus_per_gpu < 1:
+            raise ConfigError("resources: nodes, gpus_per_node and cpus_per_gpu must be >= 1, got "
+                              f"{self.nodes}, {self.gpus_per_node}, {self.cpus_per_gpu}")
 
 
 @dataclass

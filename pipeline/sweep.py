@@ -142,7 +142,8 @@ def _flat(obj, prefix: str = "") -> dict:
 
 
 def _sbatch_directives(resources, name: str, log: str) -> list[str]:
-    """train.sbatch's ``#SBATCH`` lines with this run's name, nodes, log file, time and GPUs or cores."""
+    """train.sbatch's ``#SBATCH`` lines with this run's name, nodes, log file, time, GPUs and cores (one task a
+    node: its cores serve all the node's ranks)."""
     directives: dict[str, str | None] = {}
     with open(TRAIN_SBATCH) as f:
         for line in f:
@@ -151,7 +152,9 @@ def _sbatch_directives(resources, name: str, log: str) -> list[str]:
     directives.update({"job-name": name, "nodes": str(resources.nodes), "output": log})
     if resources.time:
         directives["time"] = resources.time
-    directives["gpus-per-node" if resources.gpu else "cpus-per-task"] = str(resources.gpus_per_node)
+    if resources.gpu:
+        directives["gpus-per-node"] = str(resources.gpus_per_node)
+    directives["cpus-per-task"] = str(resources.gpus_per_node * (resources.cpus_per_gpu if resources.gpu else 1))
     return [f"#SBATCH --{k}" + (f"={v}" if v is not None else "") for k, v in directives.items()]
 
 

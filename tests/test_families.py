@@ -118,7 +118,7 @@ rank = torch.distributed.get_rank()
 tok = load_tokenizer(sys.argv[2])
 texts = ["The river rises in the hills and flows south to the sea."] * 3 + ["A king, a queen, and a knight."] * 3
 phase = from_dict(PhaseSpec, {"objectives": [{"name": "mntp", "ratio": 0.3}, {"name": "mlm", "ratio": 0.3},
-                                             {"name": "magnet"}, {"name": "simcse"}]})
+                                             {"name": "magnet", "log_as": "magnet"}, {"name": "simcse"}]})
 objectives = build_objectives(phase, tok)
 packed = packed_text_batch(tok, texts[rank::2] * 4, seq_len=32, rows=2, seed=rank)
 units = unit_text_batch(tok, texts[rank::2], seq_len=32, first_index=3 * rank)

@@ -95,6 +95,8 @@ def test_smoke_twins_divide_steps_and_keep_the_switch(tmp_path):
      r"c-from210m: continues pre-210m-clm50, a 210m model, but its model.shape is '610m'"),
     ({"groups": {"g": {"set": {"train.stepz": 3}, "axes": {"size": ["610m"]}}}}, r"g-610m: train.stepz: unknown key"),
     ({"groupz": {}}, r"groupz: unknown key; allowed keys"),
+    ({"resources": {"nodes": 2, "gpus_per_node": 4, "cpus_per_gpu": 0}},
+     r"resources: nodes, gpus_per_node and cpus_per_gpu must be >= 1, got 2, 4, 0"),
     ({"smoke": {"step_divisor": 500}, "groups": {"g": {"axes": {"share": ["clm10"]}}}},
      r"g-clm10-smoke: phase 'clm' gets no step of train.steps 2 \(share 0.1\)"),
 ])
@@ -134,7 +136,9 @@ def test_run_directory_holds_the_experiment_and_a_job_file_from_train_sbatch(tmp
     exp = load_experiment(os.path.join(v.experiment.run_dir, "experiment.yaml"))
     assert exp == v.experiment
     job = open(os.path.join(v.experiment.run_dir, "job.sbatch")).read()
+    # 8 cores a GPU rank by default: the node's one task serves its 4 ranks
     for line in (f"#SBATCH --job-name={v.name}", "#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --cpus-per-task=32",
                  "#SBATCH --time=4:00:00", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@300",
                  f"#SBATCH --output={v.experiment.run_dir}/slurm-%j.out", "export GPUS_PER_NODE=4",
                  f"exec bash {REPO}/launch/slurm/train.sbatch --config {REPO}/ds_configs/zero3.json "
@@ -143,6 +147,9 @@ def test_run_directory_holds_the_experiment_and_a_job_file_from_train_sbatch(tmp
     assert job.count("#SBATCH --job-name") == 1 and "DS_ACCELERATOR" not in job
     cpu = job_script(grid, grid.variants(smoke=True, out=str(tmp_path / "runs"))[0])
     assert "#SBATCH --cpus-per-task=2" in cpu and "--gpus-per-node" not in cpu and "DS_ACCELERATOR" in cpu
+    wide = load_grid(write_grid(tmp_path, resources={"nodes": 1, "gpus_per_node": 8, "cpus_per_gpu": 12}))
+    wide_job = job_script(wide, wide.variants(out=str(tmp_path / "runs"))[0]).splitlines()
+    assert "#SBATCH --cpus-per-task=96" in wide_job and "#SBATCH --gpus-per-node=8" in wide_job
 
 
 def test_a_started_run_keeps_its_experiment(tmp_path):

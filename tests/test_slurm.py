@@ -5,7 +5,8 @@ munge; the tests are skipped only when the packages are missing).
 prep.sbatch runs as a 3-task array job; its shards must be byte-identical to the same 3 jobs run locally, and the
 training jobs read them. train.sbatch trains on 2 nodes x 1 rank with ZeRO-3 once straight through; a second run
 is stopped by USR1 through the batch shell (as ``--signal=B:USR1@N`` does before the time limit), then requeued,
-and must resume from its checkpoint and reproduce the straight run's losses exactly.
+and must resume from its checkpoint and reproduce the straight run's losses exactly. Without a cluster: what
+train.sbatch refuses before it starts a step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -94,7 +96,7 @@ def submit_training(cluster: Cluster, run_dir: str, shards: str, options: tuple[
                     sets: tuple[str, ...] = (), **env: str) -> int:
     items = [*TRAIN_SETTINGS, *sets, f"run_dir={run_dir}", f"data.shards={shards}"]
     args = [arg for item in items for arg in ("--set", item)]
-    return cluster.sbatch(TRAIN, *args, env=job_env(**env), cwd=REPO,
+    return cluster.sbatch(TRAIN, *args, env=job_env(GPUS_PER_NODE="1", **env), cwd=REPO,
                           options=("--nodes=2", "--ntasks-per-node=1", f"--output={run_dir}.out", *options))
 
 
@@ -189,3 +191,17 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster, array_shard
     stopped = int(re.search(r"stopped at step (\d+) \(checkpointed\)", first_run).group(1))
     assert "training step exited with status 0" in first_run and f"requeueing job {job}" in first_run
     assert f"resumed from {tag(stopped)}" in log
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("env, message", [
+    ({}, "no GPU count: submit with --gpus-per-node=N, or set GPUS_PER_NODE"),
+    ({"SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_ON_NODE": "1"},
+     "8 ranks per node on 1 CPUs: submit with --cpus-per-task=N (e.g. 8 per GPU: --cpus-per-task=64)"),
+    ({"GPUS_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "1", "SLURM_CPUS_ON_NODE": "4"}, "2 ranks per node on 1 CPUs"),
+])
+def test_train_sbatch_refuses_a_job_without_a_gpu_count_or_cpus(env, message):
+    """Neither a silent single rank nor a node's ranks on one core: the job ends at once with the option to add."""
+    proc = subprocess.run(["bash", TRAIN], env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -9,16 +9,18 @@ prep builds from a synthetic corpus (random words of a word-level tokenizer with
 documents of 64..4096 tokens packed at seq 2048 with document masking, so every objective needs a mask). A few
 warm-up steps (FlexAttention compiles its kernels there), then timed steps; the MFU counts the FLOPs the objective
 needs (``flops_per_token`` with the LM head on its targets only) against the device's dense bf16 peak. Flex rows
-also give the share of attention tiles the block mask skips and the time to build it per micro-batch. Last, one
-AdamW step over the 1b preset's parameters in ZeRO-3's flat fp32 layout with each kernel (torch foreach, torch
-fused, DeepSpeed FusedAdam), which decides ``optim.fused: auto``.
+also give the share of attention tiles the block mask skips and the time to build it per micro-batch. Last (its
+FusedAdam builds a CUDA extension, which may take minutes), one AdamW step over the 1b preset's parameters in
+ZeRO-3's flat fp32 layout with each kernel (torch foreach, torch fused, DeepSpeed FusedAdam), which decides
+``optim.fused: auto``; in a child process, killed with its compilers at the deadline.
 
     bench/gpu/run.sh OUT_DIR                      # the lent GPU: results.json and results.md in OUT_DIR (<= 8 min)
     python bench/gpu/bench_gpu.py --dry-run --out DIR   # CPU check: tiny preset, seq 64, 1 step, fp32
 
-Results are rewritten after every measurement, so a run cut short still leaves what it measured; rows that would
-start after ``--budget-s`` seconds are marked skipped, so the run ends within the budget plus one row. On CPU the
-flex rows are marked as not measurable (torch 2.13 has no FlexAttention backward there).
+Results are rewritten after every measurement, so a run cut short still leaves what it measured. ``--budget-s``
+holds for the whole command (plus seconds to write the results): at the deadline an alarm ends whatever runs (a
+step, a compile, an engine build; the optimizers' process is killed), that row is marked cut and the rest skipped.
+On CPU the flex rows are marked as not measurable (torch 2.13 has no FlexAttention backward there).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import gc
 import json
 import os
 import random
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +52,9 @@ OBJECTIVES = (("clm", None), ("mlm", 0.3), ("mntp", 0.2), ("magnet", 0.2))
 VARIANTS = tuple((o, a, "chunked") for o, _ in OBJECTIVES for a in ("sdpa", "flex")) + (("clm", "sdpa", "full"),)
 NO_FLEX_ON_CPU = "not measurable on CPU (torch 2.13 has no FlexAttention backward)"
 OVER_BUDGET = "skipped (over --budget-s)"
+CUT_AT_BUDGET = "cut at --budget-s"
+OPTIMIZERS = ("none", "torch", "deepspeed")  # optim.fused values
+OPTIMIZER_ROW = "optimizer row: "  # the child's result lines (DeepSpeed logs to stdout too)
 # Micro batches at seq 2048 with a 128k vocabulary that leave room on an 80 GB H100 (no activation checkpointing)
 MICRO_BATCH = {"tiny": 2, "210m": 8, "610m": 4, "1b": 4, "7b": 1}
 
@@ -93,6 +100,42 @@ class OptimizerRow:
     kind: str  # optim.fused value
     step_ms: float = 0.0
     error: str = ""
+
+
+class OverBudget(BaseException):
+    """The --budget-s deadline, raised in whatever runs then; a BaseException, so that no ``except Exception``
+    (ours, DeepSpeed's, torch.compile's fallbacks) takes it for the row's own failure."""
+
+
+@contextmanager
+def deadline_alarm(deadline: float):
+    """Raise :class:`OverBudget` in the main thread at ``deadline`` (``time.time()``): a check between rows or
+    steps cannot end a flex compile or an engine build that runs long. (A blocking C call, e.g. a hung collective,
+    delays it until the call returns.)"""
+    def ring(signum, frame):
+        raise OverBudget(CUT_AT_BUDGET)
+
+    left = deadline - time.time()
+    if left <= 0:
+        raise OverBudget(OVER_BUDGET)
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, left)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_until(cmd: list[str], deadline: float) -> tuple[str, bool]:
+    """Run ``cmd`` in its own process group until it ends or ``deadline``, when the group is killed (the compilers a
+    JIT build started too); returns its stdout so far and whether it was killed. Stderr passes through."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        return proc.communicate(timeout=max(deadline - time.time(), 0))[0], False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()[0], True
 
 
 def _single_process_env() -> None:
@@ -190,31 +233,37 @@ def summary_ratios(rows: list[Row]) -> dict[str, dict]:
 
 
 def main() -> int:
+    started = time.time()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for results.json and results.md")
     parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny preset, seq 64, 1 step, fp32")
     parser.add_argument("--presets", nargs="+", choices=sorted(MICRO_BATCH), help="model presets (default 210m 1b)")
     parser.add_argument("--micro-batches", type=int, nargs="+", help=f"one per preset (default {MICRO_BATCH})")
     parser.add_argument("--steps", type=int, help="timed steps per row (default 6)")
-    parser.add_argument("--budget-s", type=float, help="start no row after this many seconds (default 420)")
+    parser.add_argument("--budget-s", type=float, help="the whole run's limit in seconds (default 420)")
+    parser.add_argument("--optimizer-rows", action="store_true", help=argparse.SUPPRESS)  # measure_optimizers' child
     parser.add_argument("--ds-config", default=os.path.join(REPO, "ds_configs", "zero3.json"))
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="device peak for MFU (0: look it up)")
     args = parser.parse_args()
     settings = DRY_RUN if args.dry_run else FULL
     presets = tuple(args.presets or settings.presets)
     chosen = {"presets": presets, "micro_batches": tuple(args.micro_batches or (MICRO_BATCH[p] for p in presets)),
-              "steps": args.steps or settings.steps, "budget_s": args.budget_s or settings.budget_s}
+              "steps": args.steps or settings.steps,
+              "budget_s": args.budget_s if args.budget_s is not None else settings.budget_s}
     settings = Settings(**{**asdict(settings), **chosen})
     if len(settings.micro_batches) != len(settings.presets):
         parser.error(f"--micro-batches needs one value per preset {settings.presets}")
     if args.dry_run:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.optimizer_rows:
+        optimizer_rows(settings, args)
+        return 0
     _single_process_env()
-    run(settings, args)
+    run(settings, args, started + settings.budget_s)
     return 0
 
 
-def run(settings: Settings, args: argparse.Namespace) -> None:
+def run(settings: Settings, args: argparse.Namespace, deadline: float) -> None:
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
     import deepspeed
     import torch
@@ -231,11 +280,41 @@ def run(settings: Settings, args: argparse.Namespace) -> None:
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_gpu_") as work:
-        measure_all(settings, args, device, out, work)
+        measure_all(settings, args, device, out, work, deadline)
 
 
-def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, work: str) -> None:
-    """Data, the optimizers, then per preset one engine and a row per variant; results rewritten after every row."""
+def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, work: str, deadline: float) -> None:
+    """Data, per preset one engine and a row per variant, then the optimizers, all before ``deadline``; results
+    rewritten after every row."""
+    import torch
+
+    from pipeline.train.ds_config import load_ds_config
+    from pipeline.train.metrics import device_peak_tflops
+
+    cuda = device.type == "cuda"
+    started = time.time()
+    peak = device_peak_tflops(args.peak_tflops)
+    ds_raw = load_ds_config(args.ds_config)
+    meta = {"device": torch.cuda.get_device_name() if cuda else "CPU (dry run)", "seq_len": settings.seq_len,
+            "vocab": settings.vocab, "dtype": "bf16" if settings.bf16 else "fp32",
+            "ds_config": os.path.relpath(args.ds_config, REPO), "warmup": settings.warmup, "steps": settings.steps,
+            "peak_tflops": peak or None}
+    rows = [Row(p, o, a, h, micro) for p, micro in zip(settings.presets, settings.micro_batches) for o, a, h in VARIANTS]
+    try:
+        with deadline_alarm(deadline):
+            measure_presets(settings, device, work, ds_raw, peak, rows, lambda: write_results(out, meta, rows, []))
+    except OverBudget as e:
+        print(f"--budget-s {settings.budget_s:g} reached: {e}", flush=True)
+    for row in rows:
+        if not row.error and not row.step_s:
+            row.error = OVER_BUDGET
+    optimizers, meta["optimizer_params"] = measure_optimizers(settings, ds_raw, deadline)
+    write_results(out, meta, rows, optimizers)
+    print(f"done in {time.time() - started:.0f} s; wrote {out}/results.md and results.json", flush=True)
+
+
+def measure_presets(settings: Settings, device, work: str, ds_raw: dict, peak: float, rows: list[Row], save) -> None:
+    """The data, then per preset one engine and its ``rows`` in place, calling ``save`` after each."""
     import deepspeed
     import torch
 
@@ -246,8 +325,7 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
     from pipeline.experiment import load_experiment
     from pipeline.model.flops import flops_per_token
     from pipeline.tokenizer import load_tokenizer
-    from pipeline.train.ds_config import load_ds_config, resolve_ds_config
-    from pipeline.train.metrics import device_peak_tflops
+    from pipeline.train.ds_config import resolve_ds_config
     from pipeline.train.module import attn_implementation, build_train_model, fused_kind
     from pipeline.train.phases import build_objectives
 
@@ -263,29 +341,20 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
     index = load_index(shards)
     print(f"data: {index.num_samples} samples of {settings.seq_len} tokens ({time.time() - started:.0f} s)", flush=True)
 
-    phase = "[{objectives: [" + ", ".join(f"{{name: {n}" + (f", ratio: {r}}}" if r else "}") for n, r in OBJECTIVES) + "]}]"
-    peak = device_peak_tflops(args.peak_tflops)
-    ds_raw = load_ds_config(args.ds_config)
-    meta = {"device": torch.cuda.get_device_name() if cuda else "CPU (dry run)", "seq_len": settings.seq_len,
-            "vocab": settings.vocab, "dtype": "bf16" if settings.bf16 else "fp32",
-            "ds_config": os.path.relpath(args.ds_config, REPO), "warmup": settings.warmup, "steps": settings.steps,
-            "peak_tflops": peak or None}
-    optimizers, meta["optimizer_params"] = measure_optimizers(settings, ds_raw, device, started)
-    rows: list[Row] = []
+    # one phase per objective (a phase may not hold two losses of one name: MNTP's and MAGNET's mntp); rows use one each
+    objectives = [f"{{name: {n}" + (f", ratio: {r}" if r else "") + "}" for n, r in OBJECTIVES]
+    phases = "[" + ", ".join(f"{{share: {1 / len(objectives)}, objectives: [{o}]}}" for o in objectives) + "]"
     for preset, micro in zip(settings.presets, settings.micro_batches):
         exp = load_experiment(None, [f"run_dir={os.path.join(work, 'run')}", f"data.shards={shards}",
                                      f"data.tokenizer={tokenizer_dir}", f"data.seq_len={settings.seq_len}",
                                      f"model.init={preset}", f"model.dtype={'bf16' if settings.bf16 else 'fp32'}",
                                      "model.attn_implementation=sdpa", f"train.micro_batch={micro}",
-                                     "train.steps=1000", f"phases={phase}"])
-        built = {o.name: o for o in build_objectives(exp.phases[0], tokenizer)}
+                                     "train.steps=1000", f"phases={phases}"])
+        built = {o.name: o for p in exp.phases for o in build_objectives(p, tokenizer)}
         ds = resolve_ds_config(ds_raw, exp, 1, settings.bf16)
-        preset_rows = [Row(preset, o, a, h, micro) for o, a, h in VARIANTS]
-        rows += preset_rows
+        preset_rows = [r for r in rows if r.preset == preset]
         engine = loader = None
         try:
-            if time.time() - started > settings.budget_s:
-                raise TimeoutError(OVER_BUDGET)
             t0 = time.time()
             lm, module, optimizer = build_train_model(
                 exp, ds, tokenizer, settings.bf16, [o.objective for o in built.values()],
@@ -296,25 +365,26 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
             for row in preset_rows:
                 if row.attention == "flex" and not cuda:
                     row.error = NO_FLEX_ON_CPU
-                elif time.time() - started > settings.budget_s:
-                    row.error = OVER_BUDGET
                 else:
                     try:
                         with variant(lm, row):
                             measure(row, engine, built[row.objective], loader, device, settings)
                         row.mfu = (row.tokens_per_s * flops_per_token(lm.config, settings.seq_len,
                                                                       row.targets_per_token) / (peak * 1e12)) if peak else None
+                    except OverBudget:
+                        row.error = CUT_AT_BUDGET
+                        raise
                     except Exception as e:  # (a row's failure, e.g. out of memory, is its result)
                         row.error = _failure(e, cuda)
                 print(f"{preset} {row.objective} {row.attention} {row.head}: " + (row.error or (
                       f"{row.step_s:.3f} s/step, {row.tokens_per_s:,.0f} tokens/s"
                       + (f", MFU {row.mfu:.1%}" if row.mfu is not None else ""))), flush=True)
-                write_results(out, meta, rows, optimizers)
+                save()
         except Exception as e:  # (the engine did not build: every row of the preset failed)
-            error = str(e) if isinstance(e, TimeoutError) else _failure(e, cuda)
+            error = _failure(e, cuda)
             for row in preset_rows:
                 row.error = row.error or error
-            write_results(out, meta, rows, optimizers)
+            save()
         finally:
             if loader is not None:
                 loader.close()
@@ -324,8 +394,6 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-    write_results(out, meta, rows, optimizers)
-    print(f"done in {time.time() - started:.0f} s; wrote {out}/results.md and results.json", flush=True)
 
 
 @contextmanager
@@ -394,54 +462,75 @@ def measure(row: Row, engine, wobj, loader, device, settings: Settings) -> None:
     row.mask_ms = statistics.median(mask_s) * 1e3 if mask_s else None
 
 
-def measure_optimizers(settings: Settings, ds_raw: dict, device, started: float) -> tuple[list[OptimizerRow], int]:
-    """One AdamW step per kernel over the largest preset's parameters, laid out as ZeRO-3 keeps them (flat fp32
-    groups of at most ``sub_group_size`` elements, gradients alongside)."""
+def optimizer_layout(settings: Settings, ds_raw: dict) -> tuple[int, int]:
+    """(parameters of the largest preset, ZeRO-3's ``sub_group_size``): one flat fp32 group per sub-group. Counted
+    in closed form: building even a meta model after an engine would run under ZeRO-3's init."""
+    from pipeline.model.flops import param_counts
+    from pipeline.model.presets import get_preset
+
+    numel = param_counts(get_preset(settings.presets[-1]).to_config(settings.vocab)).total
+    return numel, int(float(ds_raw.get("zero_optimization", {}).get("sub_group_size", 1e9)))
+
+
+def measure_optimizers(settings: Settings, ds_raw: dict, deadline: float) -> tuple[list[OptimizerRow], int]:
+    """One AdamW step per kernel over the largest preset's parameters, laid out as ZeRO-3 keeps them, measured by a
+    child process (this script with --optimizer-rows) that is killed at ``deadline``, with the compilers of
+    FusedAdam's JIT build."""
+    numel, _ = optimizer_layout(settings, ds_raw)
+    if time.time() >= deadline:
+        return [OptimizerRow(kind, error=OVER_BUDGET) for kind in OPTIMIZERS], numel
+    output, killed = run_until([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--optimizer-rows"], deadline)
+    measured = {}
+    for line in output.splitlines():
+        if line.startswith(OPTIMIZER_ROW):
+            row = OptimizerRow(**json.loads(line.removeprefix(OPTIMIZER_ROW)))
+            measured[row.kind] = row
+            print(f"AdamW {row.kind}: {row.error or f'{row.step_ms:.1f} ms/step'}", flush=True)
+        else:
+            print(line, flush=True)
+    missing = CUT_AT_BUDGET if killed else "no result: the optimizer process failed (its traceback is above)"
+    return [measured.get(kind) or OptimizerRow(kind, error=missing) for kind in OPTIMIZERS], numel
+
+
+def optimizer_rows(settings: Settings, args: argparse.Namespace) -> None:
+    """measure_optimizers' child: an ``OPTIMIZER_ROW`` JSON line per kernel as soon as it is measured."""
     import torch
 
     from pipeline.experiment import OptimConfig
-    from pipeline.model.build import build_model
+    from pipeline.train.ds_config import load_ds_config
     from pipeline.train.module import build_optimizer
 
-    cuda = device.type == "cuda"
-    with torch.device("meta"):
-        numel = sum(p.numel() for p in build_model(settings.presets[-1], settings.vocab).parameters())
-    group = int(float(ds_raw.get("zero_optimization", {}).get("sub_group_size", 1e9)))
-    rows = []
-    for kind in ("none", "torch", "deepspeed"):
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    numel, group = optimizer_layout(settings, load_ds_config(args.ds_config))
+    for kind in OPTIMIZERS:
         row = OptimizerRow(kind)
-        rows.append(row)
         if kind != "none" and not cuda:
             row.error = "CUDA only"
-            continue
-        if time.time() - started > settings.budget_s:
-            row.error = OVER_BUDGET
-            continue
-        params = []
-        try:
-            params = [torch.zeros(min(group, numel - s), device=device, requires_grad=True)
-                      for s in range(0, numel, group)]
-            for p in params:
-                p.grad = torch.randn_like(p)
-            optimizer = build_optimizer([{"params": params, "weight_decay": 0.1}], OptimConfig(fused=kind), kind)
-            times = []  # the first two steps allocate the states (and build the kernels)
-            for _ in range(2 + settings.steps):
-                if cuda:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                optimizer.step()
-                if cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            row.step_ms = statistics.median(times[2:]) * 1e3
-        except Exception as e:  # (DeepSpeed's FusedAdam builds a CUDA extension on first use; it may not build)
-            row.error = _failure(e, cuda)
-        print(f"AdamW {kind}: {row.error or f'{row.step_ms:.1f} ms/step'}", flush=True)
-        params = optimizer = None
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    return rows, numel
+        else:
+            try:
+                params = [torch.zeros(min(group, numel - s), device=device, requires_grad=True)
+                          for s in range(0, numel, group)]
+                for p in params:
+                    p.grad = torch.randn_like(p)
+                optimizer = build_optimizer([{"params": params, "weight_decay": 0.1}], OptimConfig(fused=kind), kind)
+                times = []  # the first two steps allocate the states (and build the kernels)
+                for _ in range(2 + settings.steps):
+                    if cuda:
+                        torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    optimizer.step()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+                row.step_ms = statistics.median(times[2:]) * 1e3
+            except Exception as e:  # (DeepSpeed's FusedAdam builds a CUDA extension on first use; it may not build)
+                row.error = _failure(e, cuda)
+            params = optimizer = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        print(OPTIMIZER_ROW + json.dumps(asdict(row)), flush=True)
 
 
 if __name__ == "__main__":
