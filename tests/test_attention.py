@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -14,6 +15,7 @@ from pipeline.model.attention import (
     FLEX,
     RULES,
     attention_inputs,
+    compiled_flex,
     dense_allowed,
     flex_block_mask,
     resolve_implementation,
@@ -272,6 +274,31 @@ def test_compiled_flex_kernel_equals_dense_sdpa(mode):
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_allowed(mode, doc_ids, span_ids),
                                                            enable_gqa=True)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_flex_does_not_recompile_for_each_batch_width():
+    """Batches of new widths (SSCL's padded views) reuse the compiled kernel once its sizes are symbolic: a
+    compile per width would reach dynamo's recompile limit and fall back to eager FlexAttention."""
+    torch._dynamo.reset()
+    counters.clear()
+
+    def run(width: int) -> None:
+        g = torch.Generator().manual_seed(width)
+        q, k, v = (torch.randn(2, heads, width, 16, generator=g) for heads in (4, 2, 2))
+        doc_ids = torch.zeros(2, width, dtype=torch.int32)
+        doc_ids[0, width // 2:] = 1
+        doc_ids[1, width - 7:] = -1
+        out = compiled_flex()(q, k, v, block_mask=flex_block_mask("causal", doc_ids), enable_gqa=True)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_allowed("causal", doc_ids),
+                                                               enable_gqa=True)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+    for width in (130, 200, 260):  # first shapes, then symbolic lengths, then symbolic block counts
+        run(width)
+    compiled = counters["stats"]["unique_graphs"]
+    for width in (300, 390, 520, 700):
+        run(width)
+    assert counters["stats"]["unique_graphs"] == compiled
 
 
 def test_flex_block_sparsity_counts_the_blocks_the_rule_rules_out():

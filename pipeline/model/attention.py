@@ -31,6 +31,7 @@ compiled: an inductor C++ kernel) but has no backward there, so training on CPU 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -182,18 +183,21 @@ def resolve_implementation(setting: str, cuda: bool) -> str:
     return FLEX if setting == "flex" else setting
 
 
-_compiled_flex = None
+@functools.cache
+def compiled_flex() -> Callable:
+    """FlexAttention compiled once per process. Dynamo's default (``dynamic=None``) specialises the first call's
+    shapes and makes the sizes that change symbolic on the first recompile, so variable batch widths (SSCL's
+    padded views) cost a bounded few compiles; ``dynamic=False`` compiled each new width until dynamo's
+    recompile limit, then fell back to eager FlexAttention, which materialises the whole score matrix."""
+    return torch.compile(flex_attention)
 
 
 def _flex(query: torch.Tensor):
-    """Compiled FlexAttention on CUDA (the fused kernel; compiled once, on first use), eager elsewhere and inside
-    an already compiling region (``model.compile``), where the surrounding graph compiles it."""
-    global _compiled_flex
+    """Compiled FlexAttention on CUDA (the fused kernel), eager elsewhere and inside an already compiling region
+    (``model.compile``), where the surrounding graph compiles it."""
     if not query.is_cuda or torch.compiler.is_compiling():
         return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    return compiled_flex()
 
 
 def _softcapped(softcap: float):
