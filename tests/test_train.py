@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from helpers import launch_training, logged_steps
+from helpers import free_port, launch_training, logged_steps
 
 from pipeline.config import ConfigError
 from pipeline.data.build import run_job
@@ -178,6 +178,45 @@ def test_hf_export_reloads_with_the_trained_weights(baseline, shards, init_dir, 
     assert not torch.allclose(_logits(init_dir, ids), exported, atol=1e-3)  # training changed the weights
     tok = load_tokenizer(os.path.join(baseline, "hf"))
     assert tok.info.fingerprint == load_tokenizer(TOKENIZER).info.fingerprint
+
+
+# One rank builds the engine as the trainer does from a ZeRO-3 DeepSpeed JSON; prints each optimizer group's weight
+# decay and element count. Exits without teardown (DeepSpeed's gloo threads, as launch/train.py leaves a rank).
+ENGINE_OPTIMIZER = """
+import json, os, sys
+import deepspeed
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train.ds_config import load_ds_config, resolve_ds_config
+from pipeline.train.experiment import load_experiment
+from pipeline.train.module import build_engine
+deepspeed.init_distributed(dist_backend="gloo")
+exp = load_experiment(None, ["optim.weight_decay=0.1"])
+_, engine = build_engine(exp, resolve_ds_config(load_ds_config(sys.argv[1]), exp, 1, False),
+                         load_tokenizer(exp.data.tokenizer), False)
+zero = engine.optimizer  # ZeRO-3 keeps each group's (partitioned) parameters in fp16_groups
+print(json.dumps({"optimizer": type(zero.optimizer).__name__,
+                  "groups": [[g["weight_decay"], sum(p.ds_numel for p in params)]
+                             for g, params in zip(zero.param_groups, zero.fp16_groups, strict=True)]}), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.e2e
+def test_ds_config_optimizer_skips_weight_decay_on_norms(tmp_path):
+    """ds_configs/zero3_offload.json builds DeepSpeed's CPU Adam (a JIT build of a few minutes the first time)
+    over the trainer's parameter groups: the norms' elements are exactly those without weight decay."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", ENGINE_OPTIMIZER, os.path.join(REPO, "ds_configs", "zero3_offload.json")],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    tok = load_tokenizer(TOKENIZER)
+    lm = build_model("tiny", tok.info.vocab_size)
+    norms = sum(p.numel() for p in lm.parameters() if p.ndim == 1)
+    assert result["optimizer"] == "DeepSpeedCPUAdam"
+    decayed = {wd: sum(n for w, n in result["groups"] if w == wd) for wd, _ in result["groups"]}
+    assert decayed == {0.1: sum(p.numel() for p in lm.parameters()) - norms, 0.0: norms}
 
 
 @pytest.mark.e2e

@@ -30,10 +30,9 @@ from pipeline.train.experiment import ExperimentConfig
 from pipeline.train.export import export_engine
 from pipeline.train.guard import DivergenceGuard
 from pipeline.train.metrics import MetricsLogger, Throughput, device_peak_tflops
-from pipeline.train.module import build_train_model
+from pipeline.train.module import build_engine
 from pipeline.train.phases import WeightedObjective, data_sources
 from pipeline.train.preflight import Prepared
-from pipeline.train.schedule import lr_scheduler
 from pipeline.train.signals import StopRequest
 from pipeline.train.step import train_step
 
@@ -66,10 +65,7 @@ class Trainer:
         check_compatible(index, tokenizer.info.fingerprint, exp.data.seq_len)
         bf16 = exp.model.dtype == "bf16" or (exp.model.dtype == "auto" and device.type == "cuda")
         ds = resolve_ds_config(ds_raw, exp, world, bf16)
-        lm, model, optimizer = build_train_model(exp, ds, tokenizer, bf16, [o.objective for p in objectives for o in p])
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=None if optimizer
-                                          else [p for p in model.parameters() if p.requires_grad],
-                                          lr_scheduler=lr_scheduler(exp.train.steps, exp.optim), config=ds)
+        lm, engine = build_engine(exp, ds, tokenizer, bf16, [o.objective for p in objectives for o in p])
         run = RunDir(exp.run_dir)
         files = run.run_files(exp, ds, lm.config.to_dict(), DataRecord(index.directory, index.fingerprint,
                                                                        index.num_samples, index.num_tokens))
