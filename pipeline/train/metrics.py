@@ -34,14 +34,14 @@ def memory_gib() -> float:
 
 @dataclass(frozen=True)
 class Throughput:
-    """The ``perf/*`` scalars of a step: tokens per second, the share spent waiting for data, MFU (the model's
-    FLOPs per token against ``world`` devices' dense peak; 0 without a known peak) and peak memory."""
-    flops_per_token: float
+    """The ``perf/*`` scalars of a step: tokens per second, the share spent waiting for data, MFU (the step's model
+    FLOPs, ``pipeline.model.flops.work_flops``, against ``world`` devices' dense peak; 0 without a known peak) and
+    peak memory."""
     peak_tflops: float
     world: int
 
-    def scalars(self, tokens: int, seconds: float, data_seconds: float) -> dict[str, float]:
-        mfu = self.flops_per_token * tokens / seconds / (self.world * self.peak_tflops * 1e12) if self.peak_tflops else 0.0
+    def scalars(self, tokens: int, seconds: float, data_seconds: float, flops: float) -> dict[str, float]:
+        mfu = flops / seconds / (self.world * self.peak_tflops * 1e12) if self.peak_tflops else 0.0
         return {"perf/tokens_per_s": tokens / seconds, "perf/data_wait": data_seconds / seconds, "perf/mfu": mfu,
                 "perf/mem_gib": memory_gib()}
 

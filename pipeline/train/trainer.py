@@ -21,7 +21,7 @@ from pipeline.config import to_dict
 from pipeline.data.loader import ShardLoader, check_compatible, check_source
 from pipeline.data.manifest import DatasetIndex, load_index
 from pipeline.export.record import from_experiment
-from pipeline.model.flops import flops_per_token
+from pipeline.model.flops import work_flops
 from pipeline.run_dir import DataRecord, RunDir, tag
 from pipeline.train.checkpoint import Checkpointer
 from pipeline.train.data_setup import ensure_shards
@@ -82,8 +82,7 @@ class Trainer:
         step, tokens_seen = (client["step"], client["tokens_seen"]) if client else (0, 0)
         return cls(exp, engine, lm, tokenizer, objectives, loaders, checkpoints,
                    MetricsLogger(run, rank == 0, exp.train.log_every, start_step=step),
-                   Throughput(flops_per_token(lm.config, exp.data.seq_len), device_peak_tflops(exp.train.peak_tflops),
-                              world),
+                   Throughput(device_peak_tflops(exp.train.peak_tflops), world),
                    DivergenceGuard(exp.train.max_bad_steps, skipped_before=engine.skipped_steps), stop, device,
                    step, tokens_seen)
 
@@ -96,17 +95,20 @@ class Trainer:
             phase_idx, phase = self.exp.phase_at(self.step)
             batches = self._next_batches(self.objectives[phase_idx])
             t_data = time.time() - t0
-            losses, accuracy, lr = train_step(self.engine, self.objectives[phase_idx], batches,
-                                              dist.get_world_size(), self.exp.train.grad_accum)
+            result = train_step(self.engine, self.objectives[phase_idx], batches, dist.get_world_size(),
+                                self.exp.train.grad_accum)
+            losses = result.losses
             self.step += 1
             tokens = dist.get_world_size() * sum(int((b.doc_ids >= 0).sum()) for bs in batches.values() for b in bs)
             self.tokens_seen += tokens
             seconds = time.time() - t0
             grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
             self.guard.count(losses, grad_norm, self.engine.skipped_steps)
-            scalars = ({f"loss/{n}": v for n, v in losses.items()} | {f"acc/{n}": v for n, v in accuracy.items()}
-                       | {"optim/lr": lr, "optim/grad_norm": grad_norm, "optim/skipped_steps": self.engine.skipped_steps}
-                       | self.throughput.scalars(tokens, seconds, t_data)
+            scalars = ({f"loss/{n}": v for n, v in losses.items()}
+                       | {f"acc/{n}": v for n, v in result.accuracy.items()}
+                       | {"optim/lr": result.lr, "optim/grad_norm": grad_norm,
+                          "optim/skipped_steps": self.engine.skipped_steps}
+                       | self.throughput.scalars(tokens, seconds, t_data, work_flops(self.lm.config, result.work))
                        | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx})
             self.metrics.log(self.step, scalars, phase.name)
             self.guard.check(self.step, losses, grad_norm, self.checkpoints.last_good)
