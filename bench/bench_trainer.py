@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> None:
         losses = result.losses
         start = time.perf_counter()
         tokens = world * sum(int((b.doc_ids >= 0).sum()) for b in batches["packed"])
-        scalars = {"loss/clm": losses["clm"], "optim/lr": result.lr, "optim/grad_norm": float(ours.get_global_grad_norm()),
+        scalars = {"loss/clm": losses["clm"], "optim/lr": result.lr, "optim/grad_norm": result.grad_norm,
                    "perf/tokens_per_s": float(tokens), "perf/data_wait": 0.0, "perf/mem_gib": 0.0}
         metrics.log(ours.global_steps, scalars, "clm")
         stop.agreed(cpu)

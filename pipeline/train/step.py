@@ -19,7 +19,18 @@ class StepResult:
     losses: dict[str, float]  # per output, over the global batch
     accuracy: dict[str, float]  # per output
     lr: float  # the rate this step used
+    grad_norm: float  # the gradients' 2-norm before clipping
     work: Work  # what the forward passes of all ranks ran, for the MFU
+
+
+def _unreported_grad_norm(engine) -> torch.Tensor | None:
+    """The gradients' 2-norm where DeepSpeed measures none: without ZeRO and in fp32 (stage 0) the client optimizer
+    runs unwrapped and ``get_global_grad_norm()`` stays None. Read at the accumulation boundary, after ``backward``
+    has all-reduced the gradients and before ``step()`` clips and clears them, so it is DeepSpeed's norm: the one
+    before clipping. None where DeepSpeed's optimizer (ZeRO, bf16) measures it itself."""
+    if hasattr(engine.optimizer, "_global_grad_norm"):
+        return None
+    return torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters() if p.grad is not None])
 
 
 def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, list], world: int,
@@ -57,8 +68,13 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
                 loss = loss + weights[name] * loss_sum * (world * grad_accum / total[name])
                 sums[names.index(name)] += torch.stack([loss_sum.detach().float(), correct.float()])
         engine.backward(loss)
+        if micro == grad_accum - 1:
+            grad_norm = _unreported_grad_norm(engine)
         engine.step()
+    if grad_norm is None:  # None only where the DeepSpeed config turns it off (zero_optimization.compute_grad_norm)
+        grad_norm = engine.get_global_grad_norm()
     dist.all_reduce(sums)
     return StepResult({n: sums[i, 0].item() / total[n] for i, n in enumerate(names)},
                       {n: sums[i, 1].item() / total[n] for i, n in enumerate(names)}, lr,
+                      float(grad_norm if grad_norm is not None else 0.0),
                       Work(tokens=tokens, head_targets=head_targets, attended_pairs=pairs))

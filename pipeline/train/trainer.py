@@ -102,7 +102,7 @@ class Trainer:
             tokens = dist.get_world_size() * sum(int((b.doc_ids >= 0).sum()) for bs in batches.values() for b in bs)
             self.tokens_seen += tokens
             seconds = time.time() - t0
-            grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
+            grad_norm = result.grad_norm
             self.guard.count(losses, grad_norm, self.engine.skipped_steps)
             scalars = ({f"loss/{n}": v for n, v in losses.items()}
                        | {f"acc/{n}": v for n, v in result.accuracy.items()}
