@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> None:
     def engine_for(use_train_module: bool):
         ds = resolve_ds_config(ds_raw, exp, world, bf16=False)
         lm, module, optimizer = build_train_model(exp, ds, tokenizer, False, [clm.objective])
-        engine, *_ = deepspeed.initialize(model=module if use_train_module else lm, optimizer=optimizer,
+        engine, *_ = deepspeed.initialize(model=module if use_train_module else lm, **optimizer,
                                           lr_scheduler=lr_scheduler(exp.train.steps, exp.optim), config=ds)
         return TimedEngine(engine), module
 

@@ -289,7 +289,7 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
             t0 = time.time()
             lm, module, optimizer = build_train_model(exp, ds, tokenizer, settings.bf16,
                                                       [o.objective for o in built.values()])
-            engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds)
+            engine, *_ = deepspeed.initialize(model=module, **optimizer, config=ds)
             print(f"{preset}: engine built in {time.time() - t0:.0f} s", flush=True)
             loader = ShardLoader(index, micro, 1, 0, 1, exp.train.seed, settings.workers, pin_memory=cuda)
             for row in preset_rows:
