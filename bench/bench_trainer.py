@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> None:
         ds = resolve_ds_config(ds_raw, exp, world, bf16=False)
         lm, module, optimizer = build_train_model(exp, ds, tokenizer, False, [clm.objective],
                                                   attn_implementation="sdpa", fused="none")
-        engine, *_ = deepspeed.initialize(model=module if use_train_module else lm, optimizer=optimizer,
+        engine, *_ = deepspeed.initialize(model=module if use_train_module else lm, **optimizer,
                                           lr_scheduler=lr_scheduler(exp.train.steps, exp.optim), config=ds)
         return TimedEngine(engine), module
 
@@ -174,10 +174,11 @@ def run(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         batches = {"packed": [b.to(cpu) for b in loader.next_global_step()]}
         ours.times["data"] += time.perf_counter() - start
-        losses, _, lr = train_step(ours, [clm], batches, world, args.grad_accum)
+        result = train_step(ours, [clm], batches, world, args.grad_accum)
+        losses = result.losses
         start = time.perf_counter()
         tokens = world * sum(int((b.doc_ids >= 0).sum()) for b in batches["packed"])
-        scalars = {"loss/clm": losses["clm"], "optim/lr": lr, "optim/grad_norm": float(ours.get_global_grad_norm()),
+        scalars = {"loss/clm": losses["clm"], "optim/lr": result.lr, "optim/grad_norm": result.grad_norm,
                    "perf/tokens_per_s": float(tokens), "perf/data_wait": 0.0, "perf/mem_gib": 0.0}
         metrics.log(ours.global_steps, scalars, "clm")
         stop.agreed(cpu)

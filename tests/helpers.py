@@ -137,19 +137,21 @@ def tiny_llama(tokenizer, attention_dropout: float = 0.0, seed: int = 0):
     return model
 
 
+ZERO3 = os.path.join(REPO, "ds_configs", "zero3.json")
+
+
 def train_command(run_dir: str, experiment: str | None, *overrides: str, nproc: int = 2,
-                  launcher: str = "torchrun", port: int | None = None, config: str = "") -> list[str]:
+                  launcher: str = "torchrun", port: int | None = None, ds_config: str = ZERO3) -> list[str]:
     """The command line of ``launch/train.py`` on ``nproc`` CPU ranks under ``torch.distributed.run`` ("torchrun")
-    or the ``deepspeed`` command the README gives ("deepspeed"), with the rendezvous on ``port`` (default: free)
-    and the DeepSpeed JSON ``config`` (default: ds_configs/zero3.json)."""
+    or the ``deepspeed`` command the README gives ("deepspeed"), with the DeepSpeed JSON ``ds_config`` and the
+    rendezvous on ``port`` (default: a free one)."""
     port = port or free_port()
     if launcher == "deepspeed":
         cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(nproc),
                "--master_port", str(port)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}"]
-    cmd += [os.path.join(REPO, "launch", "train.py"), "--config",
-            config or os.path.join(REPO, "ds_configs", "zero3.json")]
+    cmd += [os.path.join(REPO, "launch", "train.py"), "--config", ds_config]
     if experiment:
         cmd += ["--experiment", experiment]
     for item in (f"run_dir={run_dir}", *overrides):
@@ -163,11 +165,13 @@ def cpu_env(env: dict | None = None) -> dict:
 
 
 def launch_training(run_dir: str, experiment: str | None, *overrides: str, nproc: int = 2, env: dict | None = None,
-                    check: bool = True, launcher: str = "torchrun", port: int | None = None, config: str = ""
-                    ) -> subprocess.CompletedProcess:
-    """``launch/train.py`` on ``nproc`` CPU ranks (gloo, DeepSpeed's CPU accelerator) with ZeRO-3 (see
-    :func:`train_command`); raises with the output's tail when it fails and ``check``."""
-    cmd = train_command(run_dir, experiment, *overrides, nproc=nproc, launcher=launcher, port=port, config=config)
+                    check: bool = True, launcher: str = "torchrun", port: int | None = None,
+                    ds_config: str = ZERO3) -> subprocess.CompletedProcess:
+    """``launch/train.py`` on ``nproc`` CPU ranks (gloo, DeepSpeed's CPU accelerator), with ZeRO-3 unless
+    ``ds_config`` names another JSON (see :func:`train_command`); raises with the output's tail when it fails and
+    ``check``."""
+    cmd = train_command(run_dir, experiment, *overrides, nproc=nproc, launcher=launcher, port=port,
+                        ds_config=ds_config)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=cpu_env(env))
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -7,13 +7,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.model.attention import (
     FLEX,
     RULES,
     attention_inputs,
+    compiled_flex,
     dense_allowed,
     flex_block_mask,
     resolve_implementation,
@@ -274,6 +276,31 @@ def test_compiled_flex_kernel_equals_dense_sdpa(mode):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_flex_does_not_recompile_for_each_batch_width():
+    """Batches of new widths (SSCL's padded views) reuse the compiled kernel once its sizes are symbolic: a
+    compile per width would reach dynamo's recompile limit and fall back to eager FlexAttention."""
+    torch._dynamo.reset()
+    counters.clear()
+
+    def run(width: int) -> None:
+        g = torch.Generator().manual_seed(width)
+        q, k, v = (torch.randn(2, heads, width, 16, generator=g) for heads in (4, 2, 2))
+        doc_ids = torch.zeros(2, width, dtype=torch.int32)
+        doc_ids[0, width // 2:] = 1
+        doc_ids[1, width - 7:] = -1
+        out = compiled_flex()(q, k, v, block_mask=flex_block_mask("causal", doc_ids), enable_gqa=True)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_allowed("causal", doc_ids),
+                                                               enable_gqa=True)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+    for width in (130, 200, 260):  # first shapes, then symbolic lengths, then symbolic block counts
+        run(width)
+    compiled = counters["stats"]["unique_graphs"]
+    for width in (300, 390, 520, 700):
+        run(width)
+    assert counters["stats"]["unique_graphs"] == compiled
+
+
 def test_flex_block_sparsity_counts_the_blocks_the_rule_rules_out():
     _, doc_ids, span_ids = layout_batch("many docs")
     for mode in RULES:
@@ -312,6 +339,37 @@ def test_flex_model_without_block_mask_is_sdpa(flex_models):
             flex = models[FLEX].model(input_ids=input_ids, **kwargs).last_hidden_state
             sdpa = models["sdpa"].model(input_ids=input_ids, **kwargs).last_hidden_state
             assert torch.equal(flex, sdpa), kwargs
+
+
+@pytest.fixture(scope="module")
+def gemma2_models() -> dict[str, torch.nn.Module]:
+    """A tiny random Gemma 2 under eager (HF's reference for the softcap) and under FLEX, with weights large
+    enough (init std 0.5, softcap 1) that the softcap changes the hidden states."""
+    torch.manual_seed(0)
+    built = {impl: AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, attn_logit_softcapping=1.0,
+        initializer_range=0.5), attn_implementation=impl).eval() for impl in ("eager", FLEX)}
+    built[FLEX].load_state_dict(built["eager"].state_dict())
+    return built
+
+
+@pytest.mark.parametrize("mode", ["causal", "bidirectional"])
+@pytest.mark.parametrize("needs_mask", [True, False], ids=["block mask", "no mask"])
+def test_flex_applies_gemma2_softcap(gemma2_models, mode, needs_mask):
+    """FLEX equals eager on Gemma 2 both where the builder passes a block mask (packed documents, padding) and
+    where it passes only ``is_causal`` (which HF's SDPA refuses for a softcapped model)."""
+    input_ids, doc_ids = packed_batch()
+    docs = doc_ids if needs_mask else torch.zeros_like(doc_ids)
+    out = {impl: hidden(model, input_ids, docs, mode) for impl, model in gemma2_models.items()}
+    eager_attention = [layer.self_attn for layer in gemma2_models["eager"].model.layers]
+    for attention in eager_attention:
+        attention.attn_logit_softcapping = None
+    uncapped = hidden(gemma2_models["eager"], input_ids, docs, mode)
+    for attention in eager_attention:
+        attention.attn_logit_softcapping = 1.0
+    assert (uncapped - out["eager"]).abs().max() > 0.1  # the softcap matters on these weights
+    torch.testing.assert_close(out[FLEX], out["eager"], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),

@@ -125,7 +125,7 @@ def test_a_checkpoint_of_every_zero_stage_exports_the_trained_weights(shards, tm
     config = tmp_path / "ds.json"
     config.write_text(json.dumps(ds))
     run = str(tmp_path / "run")
-    launch_training(run, None, *TINY, f"data.shards={shards}", "train.steps=3", nproc=1, config=str(config))
+    launch_training(run, None, *TINY, f"data.shards={shards}", "train.steps=3", nproc=1, ds_config=str(config))
     out = str(tmp_path / "offline")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", run, "--output",
                            out], capture_output=True, text=True, cwd=REPO)

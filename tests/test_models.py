@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import BertConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from pipeline.model.build import build_model
-from pipeline.model.flops import flops_per_token, param_counts
+from pipeline.model.flops import body_work, flops_per_token, param_counts, segment_lengths
 from pipeline.model.presets import PRESETS, get_preset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,6 +73,13 @@ def test_flops_per_token_matches_torch_flop_counter():
     head = 6 * 64 * 64
     assert flops_per_token(model.config, seq_len, head_fraction=0.25) == pytest.approx(
         flops_per_token(model.config, seq_len) - 0.75 * head)
+
+
+def test_body_work_squares_each_attention_segment():
+    """Attention counts each document's own square (each row's, without document masking); padding is no token."""
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 0, 0, 0, 0, 0], [-1] * 6])
+    assert body_work(segment_lengths(doc_ids, document_masking=True)).tolist() == [11, 3 * 3 + 2 * 2 + 6 * 6]
+    assert body_work(segment_lengths(doc_ids, document_masking=False)).tolist() == [11, 5 * 5 + 6 * 6]
 
 
 def test_unknown_preset_lists_known_ones():

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_llama, unit_text_batch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import WordLevel
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import PreTrainedTokenizerFast
 
 from pipeline.config import ConfigError, from_tagged
@@ -19,6 +21,7 @@ from pipeline.data.format import UNMASKABLE
 from pipeline.data.packing import Packer
 from pipeline.model.attention import attention_inputs
 from pipeline.model.build import build_model
+from pipeline.model.flops import Work, work_flops
 from pipeline.objectives import (
     CLM,
     MLM,
@@ -281,3 +284,23 @@ def test_each_objective_declares_what_it_is(tokenizer):
                                                                     {"mntp_weight": 0.0, "msg_weight": 2.0})]
     assert [(o.attention_mode, o.loss_weights) for o in magnet] == [
         ("bidirectional", {"mntp": 1.0}), ("magnet_own_span", {"mntp": 1.0, "msg": 1.0}), ("magnet", {"msg": 2.0})]
+
+
+@pytest.mark.parametrize("config", [MLMConfig(), MNTPConfig(), SimCSEConfig(), SSCLConfig(augment="swap")],
+                         ids=lambda c: c.name)
+def test_model_flops_of_a_micro_batch_are_what_its_forward_and_backward_compute(tokenizer, config):
+    """The trainer's MFU counts an objective's body work and the LM head on its token targets only (none for the
+    contrastive objectives, whose units run twice): torch's FLOP count of the forward and backward. Rows of one
+    unpadded unit each, so the model computes nothing the count leaves out (padding, other documents)."""
+    ids = tokenizer.encode_batch([TEXTS[0]])[0]
+    batch = unit_text_batch(tokenizer, [TEXTS[0]] * 4, seq_len=len(ids) + 2)
+    assert (batch.doc_ids == 0).all()
+    objective = make_objective(config, tokenizer)
+    lm = tiny_llama(tokenizer, attention_dropout=0.1)  # SimCSE's and SSCL's dropout views
+    objective.attach(lm)
+    tokens, pairs = objective.body_work(batch).tolist()
+    head_targets = sum(objective.num_targets(batch).values()) if objective.predicts_tokens else 0
+    with FlopCounterMode(display=False) as counter:
+        sum(out.loss_sum for out in objective(lm, batch).values()).backward()
+    expected = work_flops(lm.config, Work(tokens=tokens, head_targets=head_targets, attended_pairs=pairs))
+    assert counter.get_total_flops() == pytest.approx(expected, rel=0.01)  # the norms count as matmul parameters

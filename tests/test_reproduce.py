@@ -11,10 +11,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pipeline.grid import load_grid
 from pipeline.reproduce.data import RealDataError, extract
-from pipeline.reproduce.driver import Driver
+from pipeline.reproduce.driver import Driver, set_rank_defaults
 from pipeline.reproduce.results import Measured, compare, replace_block
 from pipeline.reproduce.studies import STUDIES
 from pipeline.sweep import REPO
@@ -68,6 +69,18 @@ def test_verdicts_follow_the_seed_spread():
     assert compare(Measured((0.5, 0.52)), Measured((0.7, 0.71)))[0] == "not reproduced"
     assert compare(Measured((0.1,)), Measured((0.3,)), lower_is_better=True) == ("reproduced", "0.1 vs 0.3 (one run each)")
     assert compare(None, Measured((0.3,)))[0] == "inconclusive"
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_ranks_train_on_the_machines_accelerator(monkeypatch, cuda):
+    for name in ("DS_ACCELERATOR", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)  # the machine, not the code under test
+    set_rank_defaults()
+    assert (os.environ["DS_ACCELERATOR"], os.environ["OMP_NUM_THREADS"]) == ("cuda" if cuda else "cpu", "1")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    set_rank_defaults()
+    assert os.environ["DS_ACCELERATOR"] == "cpu"  # the user's choice stands
 
 
 def test_replace_block_needs_its_markers():

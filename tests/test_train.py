@@ -12,10 +12,11 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import launch_training, logged_steps
+from helpers import ZERO3, free_port, launch_training, logged_steps
 
 from pipeline.config import ConfigError
 from pipeline.data.build import run_job
@@ -42,10 +43,10 @@ COMMON = ["train.steps=20", "train.micro_batch=2", "train.grad_accum=2", "train.
 
 
 def launch(run_dir: str, shards: str, init: str, *overrides: str, nproc: int = 2, env: dict | None = None,
-           check: bool = True) -> subprocess.CompletedProcess:
+           check: bool = True, ds_config: str = ZERO3) -> subprocess.CompletedProcess:
     """The default experiment with this module's settings, on ``shards`` from the checkpoint ``init``."""
     return launch_training(run_dir, None, *COMMON, f"data.shards={shards}", f"model.init={init}", *overrides,
-                           nproc=nproc, env=env, check=check)
+                           nproc=nproc, env=env, check=check, ds_config=ds_config)
 
 
 def losses(run_dir: str) -> dict[int, float]:
@@ -82,7 +83,14 @@ def baseline(tmp_path_factory, shards, init_dir) -> str:
     return run_dir
 
 
-def reference_losses(shards: str, init_dir: str, run_dir: str) -> tuple[list[float], torch.nn.Module]:
+@dataclass(frozen=True)
+class Reference:
+    losses: list[float]  # per step
+    grad_norms: list[float]  # per step, before clipping
+    lm: torch.nn.Module  # the trained model
+
+
+def reference_losses(shards: str, init_dir: str, run_dir: str) -> Reference:
     """The same training in one process with plain PyTorch: AdamW, LambdaLR, clip-by-norm, no DeepSpeed, and the
     unchunked LM head."""
     exp = load_experiment(None, [*COMMON, f"model.init={init_dir}", f"data.shards={shards}"])
@@ -96,7 +104,7 @@ def reference_losses(shards: str, init_dir: str, run_dir: str) -> tuple[list[flo
     # 2 ranks x micro 2 x accumulation 2 = global batch 8: one rank taking micro-batches of 4, twice
     loader = ShardLoader(load_index(shards), micro_batch=4, grad_accum=2, seed=exp.train.seed)
     (clm,) = build_objectives(exp.phases[0], tok)
-    out = []
+    out, norms = [], []
     for _ in range(STEPS):
         batches = loader.next_global_step()
         count = sum(clm.objective.num_targets(b)["clm"] for b in batches)
@@ -105,22 +113,39 @@ def reference_losses(shards: str, init_dir: str, run_dir: str) -> tuple[list[flo
             loss_sum, _, _ = model(clm.objective, b)["clm"]
             (loss_sum / count).backward()
             total += loss_sum.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), exp.optim.grad_clip)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), exp.optim.grad_clip)))
         opt.step()
         sched.step()
         opt.zero_grad()
         out.append(total / count)
-    return out, lm
+    return Reference(out, norms, lm)
 
 
 @pytest.mark.e2e
 def test_zero3_two_ranks_match_single_process_loop(baseline, shards, init_dir):
     ours = losses(baseline)
-    ref, _ = reference_losses(shards, init_dir, baseline)
+    ref = reference_losses(shards, init_dir, baseline).losses
     assert sorted(ours) == list(range(1, STEPS + 1)) or len(ours) == STEPS
     for step, expected in enumerate(ref, start=1):
         assert abs(ours[step] - expected) <= 1e-5 * abs(expected), (step, ours[step], expected)
     assert ours[STEPS] < ours[1] - 0.5  # it learns
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stage", [0, 2])
+def test_grad_norm_is_measured_on_every_zero_stage(baseline, shards, init_dir, tmp_path, stage):
+    """The logged gradient norm, which the divergence guard reads too, is torch's norm before clipping: on one
+    rank at ZeRO stage 0 (where DeepSpeed measures none) and 2, and on the 2-rank ZeRO-3 baseline."""
+    ds = tmp_path / "ds.json"
+    with open(ZERO3) as f:
+        ds.write_text(json.dumps({**json.load(f), "zero_optimization": {"stage": stage}}))
+    run_dir = str(tmp_path / f"zero{stage}")
+    launch(run_dir, shards, init_dir, "train.micro_batch=4", nproc=1, ds_config=str(ds))  # the reference's batches
+    reference = reference_losses(shards, init_dir, run_dir).grad_norms
+    for run in (run_dir, baseline):
+        logged = [logged_steps(run)[step]["optim/grad_norm"] for step in range(1, STEPS + 1)]
+        # ZeRO sums a million squares in fp32 in its own order (5e-5 apart at step 1), then 20 updates of rounding
+        assert logged == pytest.approx(reference, rel=1e-3), run
 
 
 @pytest.mark.e2e
@@ -172,13 +197,53 @@ def test_hf_export_reloads_with_the_trained_weights(baseline, shards, init_dir, 
     assert torch.equal(_logits(offline, ids), exported)  # 16-bit gather in training == offline fp32 export
     records = [json.load(open(os.path.join(d, "config.json")))["decoder_encoders"] for d in (offline, baseline + "/hf")]
     assert records[0] == records[1] and records[0]["attention"] == "causal"  # both routes record the same training
-    _, reference = reference_losses(shards, init_dir, baseline)
+    reference = reference_losses(shards, init_dir, baseline).lm
     with torch.no_grad():
         ref = reference.eval()(input_ids=ids).logits
     assert torch.allclose(exported, ref, atol=1e-3), (exported - ref).abs().max()
     assert not torch.allclose(_logits(init_dir, ids), exported, atol=1e-3)  # training changed the weights
     tok = load_tokenizer(os.path.join(baseline, "hf"))
     assert tok.info.fingerprint == load_tokenizer(TOKENIZER).info.fingerprint
+
+
+# One rank builds the engine as the trainer does from a ZeRO-3 DeepSpeed JSON; prints each optimizer group's weight
+# decay and element count. Exits without teardown (DeepSpeed's gloo threads, as launch/train.py leaves a rank).
+ENGINE_OPTIMIZER = """
+import json, os, sys
+import deepspeed
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train.ds_config import load_ds_config, resolve_ds_config
+from pipeline.experiment import load_experiment
+from pipeline.train.module import build_engine
+deepspeed.init_distributed(dist_backend="gloo")
+exp = load_experiment(None, ["optim.weight_decay=0.1"])
+_, engine = build_engine(exp, resolve_ds_config(load_ds_config(sys.argv[1]), exp, 1, False),
+                         load_tokenizer(exp.data.tokenizer), False, attn_implementation="sdpa", fused="none")
+zero = engine.optimizer  # ZeRO-3 keeps each group's (partitioned) parameters in fp16_groups
+print(json.dumps({"optimizer": type(zero.optimizer).__name__,
+                  "groups": [[g["weight_decay"], sum(p.ds_numel for p in params)]
+                             for g, params in zip(zero.param_groups, zero.fp16_groups, strict=True)]}), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # the CPU Adam build takes minutes on a new machine
+def test_ds_config_optimizer_skips_weight_decay_on_norms(tmp_path):
+    """ds_configs/zero3_offload.json builds DeepSpeed's CPU Adam (a JIT build of a few minutes the first time)
+    over the trainer's parameter groups: the norms' elements are exactly those without weight decay."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-c", ENGINE_OPTIMIZER, os.path.join(REPO, "ds_configs", "zero3_offload.json")],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    tok = load_tokenizer(TOKENIZER)
+    lm = build_model("tiny", tok.info.vocab_size)
+    norms = sum(p.numel() for p in lm.parameters() if p.ndim == 1)
+    assert result["optimizer"] == "DeepSpeedCPUAdam"
+    decayed = {wd: sum(n for w, n in result["groups"] if w == wd) for wd, _ in result["groups"]}
+    assert decayed == {0.1: sum(p.numel() for p in lm.parameters()) - norms, 0.0: norms}
 
 
 @pytest.mark.e2e

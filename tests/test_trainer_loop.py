@@ -96,7 +96,7 @@ def trainer(tmp_path, stop, steps=8, every=2, max_bad_steps=2, **engine) -> Trai
     return Trainer(exp, fake, lm, None, objectives, EncoderRecord(),
                    {"packed": ShardLoader(load_index(shards), 2, 1, 0, 1, 0)},
                    Checkpointer(fake, run, exp.checkpoint, {}), MetricsLogger(run, True, 100),
-                   Throughput(1.0, 0.0, 1), DivergenceGuard(max_bad_steps), stop, torch.device("cpu"))
+                   Throughput(0.0, 1), DivergenceGuard(max_bad_steps), stop, torch.device("cpu"))
 
 
 def test_a_stop_signal_checkpoints_the_step_it_stops_at(tmp_path, stop, capsys):
@@ -148,8 +148,8 @@ def test_two_objectives_of_one_loss_name_are_refused_or_kept_apart():
     lm = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id,
                      bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
     batch = packed_text_batch(tokenizer, ["The river rises in the hills and flows south to the sea."] * 8)
-    losses, accuracy, _ = train_step(FakeEngine(TrainModule(lm)), objectives, {"packed": [batch]}, 1, 1)
-    assert set(losses) == set(accuracy) == {"mlm", "mlm40", "magnet/mntp", "magnet/msg", "mntp"}
+    result = train_step(FakeEngine(TrainModule(lm)), objectives, {"packed": [batch]}, 1, 1)
+    assert set(result.losses) == set(result.accuracy) == {"mlm", "mlm40", "magnet/mntp", "magnet/msg", "mntp"}
     counts = {name: n for o in objectives for loss, n in o.objective.num_targets(batch).items()
               for name in [o.loss_name(loss)]}
     assert counts["mlm40"] > counts["mlm"] > 0  # each normalised by its own targets, not by their sum

@@ -288,8 +288,8 @@ def measure_all(settings: Settings, args: argparse.Namespace, device, out: str, 
     rewritten after every row."""
     import torch
 
+    from pipeline.model.flops import device_peak_tflops
     from pipeline.train.ds_config import load_ds_config
-    from pipeline.train.metrics import device_peak_tflops
 
     cuda = device.type == "cuda"
     started = time.time()
@@ -359,7 +359,7 @@ def measure_presets(settings: Settings, device, work: str, ds_raw: dict, peak: f
             lm, module, optimizer = build_train_model(
                 exp, ds, tokenizer, settings.bf16, [o.objective for o in built.values()],
                 attn_implementation=attn_implementation(exp.model, cuda), fused=fused_kind(exp.optim, cuda))
-            engine, *_ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds)
+            engine, *_ = deepspeed.initialize(model=module, **optimizer, config=ds)
             print(f"{preset}: engine built in {time.time() - t0:.0f} s", flush=True)
             loader = ShardLoader(index, micro, 1, 0, 1, exp.train.seed, settings.workers, pin_memory=cuda)
             for row in preset_rows:

@@ -16,7 +16,9 @@ The result is what the HF model's forward needs, in the form each attention impl
   dispatches through it takes it): a FlexAttention ``BlockMask`` whose ``mask_mod`` evaluates ``allowed`` on the
   gathered facts of one (query, key) pair, so blocks that ``allowed`` rules out entirely are skipped. One per
   micro-batch, shared by all layers. Anything that is not a ``BlockMask`` (no mask, a 2D padding mask) runs HF's
-  own SDPA, so a ``FLEX`` model is an SDPA model that also takes block masks.
+  own SDPA, so a ``FLEX`` model is an SDPA model that also takes block masks. The exception is an attention
+  logit softcap (Gemma 2), which SDPA cannot apply: it is FlexAttention's ``score_mod`` on every batch, and what
+  SDPA would have read (``is_causal``, a bool mask) becomes a ``BlockMask`` in each layer.
 
 When a batch has no padding and document masking changes nothing (document masking off, or one document per row),
 causal and bidirectional need no mask at all: the builder then passes ``is_causal`` explicitly (so SDPA can use
@@ -29,6 +31,7 @@ compiled: an inductor C++ kernel) but has no backward there, so training on CPU 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -180,31 +183,65 @@ def resolve_implementation(setting: str, cuda: bool) -> str:
     return FLEX if setting == "flex" else setting
 
 
-_compiled_flex = None
+@functools.cache
+def compiled_flex() -> Callable:
+    """FlexAttention compiled once per process. Dynamo's default (``dynamic=None``) specialises the first call's
+    shapes and makes the sizes that change symbolic on the first recompile, so variable batch widths (SSCL's
+    padded views) cost a bounded few compiles; ``dynamic=False`` compiled each new width until dynamo's
+    recompile limit, then fell back to eager FlexAttention, which materialises the whole score matrix."""
+    return torch.compile(flex_attention)
 
 
 def _flex(query: torch.Tensor):
-    """Compiled FlexAttention on CUDA (the fused kernel; compiled once, on first use), eager elsewhere and inside
-    an already compiling region (``model.compile``), where the surrounding graph compiles it."""
-    global _compiled_flex
+    """Compiled FlexAttention on CUDA (the fused kernel), eager elsewhere and inside an already compiling region
+    (``model.compile``), where the surrounding graph compiles it."""
     if not query.is_cuda or torch.compiler.is_compiling():
         return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    return compiled_flex()
+
+
+def _softcapped(softcap: float):
+    """Gemma 2's attention logit softcap as a FlexAttention ``score_mod`` (eager's ``softcap * tanh(s / softcap)``)."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+def _block_mask_of(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                   attention_mask: torch.Tensor | None, is_causal: bool | None) -> BlockMask | None:
+    """What SDPA would have read from ``attention_mask`` / ``is_causal`` as a ``BlockMask`` (None: attend to
+    everything), for softcapped models, whose scores SDPA cannot modify. Same causal default as HF's SDPA."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal = q_len > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        if not causal:
+            return None
+        return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, None, None, q_len, kv_len,
+                                 device=query.device)
+    if attention_mask.dtype != torch.bool:
+        raise TypeError(f"{FLEX}: a softcapped model takes a BlockMask or a bool mask, not a {attention_mask.dtype} "
+                        "mask; build it with pipeline.model.attention.attention_inputs")
+    dense = attention_mask.expand(query.shape[0], 1, q_len, kv_len)  # one mask for all heads (sdpa_mask's form)
+    return create_block_mask(lambda b, h, q_idx, kv_idx: dense[b, 0, q_idx, kv_idx], query.shape[0], None, q_len,
+                             kv_len, device=query.device)
 
 
 def flex_or_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """HF attention function: FlexAttention for a ``BlockMask``, HF's SDPA for anything else."""
+                         attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                         softcap: float | None = None, is_causal: bool | None = None, **kwargs):
+    """HF attention function: FlexAttention for a ``BlockMask``, HF's SDPA for anything else, except that a
+    softcapped model (Gemma 2) always runs FlexAttention with the softcap as its ``score_mod``: SDPA has none."""
     if not isinstance(attention_mask, BlockMask):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        if softcap is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, is_causal=is_causal, **kwargs)
+        attention_mask = _block_mask_of(module, query, key, attention_mask, is_causal)
     if dropout > 0:
         raise ValueError("FlexAttention has no attention dropout; set model.attn_implementation: sdpa for "
                          "model.attention_dropout > 0")
-    out = _flex(query)(query, key, value, block_mask=attention_mask, scale=scaling,
-                       enable_gqa=key.shape[1] != query.shape[1])
+    out = _flex(query)(query, key, value, score_mod=None if softcap is None else _softcapped(softcap),
+                       block_mask=attention_mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

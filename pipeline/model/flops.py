@@ -1,17 +1,33 @@
-"""Parameter and FLOP counts from a model config, for logging and the MFU estimate.
+"""Parameter and FLOP counts from a model config, and devices' peaks, for logging, the planner and the MFU estimate.
 
-FLOPs per token follow the PaLM convention: 6 N for the matmuls of forward and backward (N = parameters that
-take part in matmuls: everything but the input embedding) plus 12 * layers * attention width * sequence length
-for the attention scores and their weighted sum, counted over the full L x L square as is usual (masks are not
-subtracted). The LM head only runs on target positions here, so its share is scaled by the fraction of tokens
-that are targets.
+FLOPs follow the PaLM convention: 6 N per token for the matmuls of forward and backward (N = parameters that
+take part in matmuls: everything but the input embedding) plus 12 * layers * attention width per attended
+(query, key) pair for the attention scores and their weighted sum, counted over the full square of each
+attention segment as is usual (a causal mask is not subtracted). The LM head only runs on target positions here,
+so it counts once per target. ``flops_per_token`` is the planner's per-token average (segments of the sequence
+length, a head share); the trainer's MFU counts each step's real ``Work``: the tokens the body ran (SimCSE and
+SSCL run two views of every unit), the LM head's targets, and the documents' own squares.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from transformers import PretrainedConfig
+
+# Dense bf16 peak TFLOPs per device, for the MFU estimate (matched as a substring of the device name).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0,
+               "MI250X": 383.0, "MI300X": 1307.0, "V100": 125.0}
+
+
+def device_peak_tflops(configured: float) -> float:
+    if configured > 0:
+        return configured
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        return next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
+    return 0.0
 
 
 @dataclass(frozen=True)
@@ -43,12 +59,44 @@ def param_counts(config: PretrainedConfig) -> ParamCounts:
                        head=0 if config.tie_word_embeddings else embedding)
 
 
-def flops_per_token(config: PretrainedConfig, seq_len: int, head_fraction: float = 1.0) -> float:
-    """Training FLOPs (forward + backward) per input token; ``head_fraction`` = targets / tokens."""
-    counts = param_counts(config)
+@dataclass(frozen=True)
+class Work:
+    """What forward passes ran: the model FLOPs of a step follow from it (``work_flops``)."""
+
+    tokens: float  # tokens through the decoder body (padding left out)
+    head_targets: float  # positions through the LM head
+    attended_pairs: float  # (query, key) pairs: the square of each attention segment's length, summed
+
+
+def segment_lengths(doc_ids: torch.Tensor, document_masking: bool) -> torch.Tensor:
+    """Token count of each attention segment of rows ``doc_ids`` [B, L] (document index, -1 = padding): each
+    document, or each row's tokens when document masking is off. Padding belongs to none."""
+    real = (doc_ids >= 0).double()
+    if not document_masking:
+        return real.sum(-1)
+    per_document = torch.zeros(doc_ids.shape[0], doc_ids.shape[1] + 1, dtype=torch.float64, device=doc_ids.device)
+    return per_document.scatter_add_(1, doc_ids.long() + 1, real)[:, 1:]  # column 0 gathered the padding
+
+
+def body_work(lengths: torch.Tensor) -> torch.Tensor:
+    """float64 [2] on ``lengths``' device: (tokens, attended pairs) of attention segments of these lengths; on the
+    device, so the trainer sums it with its other counts and reads everything back at once."""
+    lengths = lengths.double()
+    return torch.stack([lengths.sum(), lengths.square().sum()])
+
+
+def work_flops(config: PretrainedConfig, work: Work) -> float:
+    """Training FLOPs (forward + backward) of ``work``."""
     head_matmul = config.vocab_size * config.hidden_size
-    attention = 12 * config.num_hidden_layers * config.num_attention_heads * _head_dim(config) * seq_len
-    return 6 * (counts.body + head_fraction * head_matmul) + attention
+    attention_per_pair = 12 * config.num_hidden_layers * config.num_attention_heads * _head_dim(config)
+    return (6 * (param_counts(config).body * work.tokens + head_matmul * work.head_targets)
+            + attention_per_pair * work.attended_pairs)
+
+
+def flops_per_token(config: PretrainedConfig, seq_len: int, head_fraction: float = 1.0) -> float:
+    """Training FLOPs (forward + backward) per input token of ``seq_len``-token segments; ``head_fraction`` =
+    targets / tokens."""
+    return work_flops(config, Work(tokens=1.0, head_targets=head_fraction, attended_pairs=float(seq_len)))
 
 
 def mfu(tokens_per_second: float, flops_per_token_: float, peak_flops: float) -> float:

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from pipeline.data.batch import Batch
 from pipeline.data.masking import POLICIES, apply_mask_plan
 from pipeline.model.attention import attention_inputs
+from pipeline.model.flops import body_work, segment_lengths
 from pipeline.model.lm_head import ChunkedLMHead, cross_entropy
 from pipeline.tokenizer import Tokenizer
 
@@ -147,11 +148,12 @@ class Objective(ABC):
     """One training objective: an attention mode plus a way to pick inputs and targets from a batch.
 
     The class declares what callers ask (``masks``, ``predicts_next``, ``causal``, ``needs_tokenizer``,
-    ``source``); ``attention_mode`` and ``loss_weights`` follow from the config. The trainer's contract, which
-    objectives other than token prediction (contrastive ones) implement directly: ``attach`` adds trainable heads
-    before the engine is built, ``num_targets(batch)`` counts targets without the model, and
-    ``__call__(model, batch)`` returns the ``ObjectiveOutput`` of each named loss (``loss_weights``' names;
-    ``{name: output}`` for an objective with one loss), ``num_targets`` the count of each.
+    ``source``, ``predicts_tokens``); ``attention_mode`` and ``loss_weights`` follow from the config. The
+    trainer's contract, which objectives other than token prediction (contrastive ones) implement directly:
+    ``attach`` adds trainable heads before the engine is built, ``num_targets(batch)`` counts targets without the
+    model, ``body_work(batch)`` counts what the forward's body runs (the MFU), and ``__call__(model, batch)``
+    returns the ``ObjectiveOutput`` of each named loss (``loss_weights``' names; ``{name: output}`` for an
+    objective with one loss), ``num_targets`` the count of each.
     """
 
     name: ClassVar[str]
@@ -160,6 +162,7 @@ class Objective(ABC):
     predicts_next: ClassVar[bool] = False  # token i is predicted from the hidden state at position i - 1
     needs_tokenizer: ClassVar[str] = ""  # what it needs the data's Tokenizer for ("": it does not)
     source: ClassVar[Literal["packed", "units"]] = "packed"  # the packed training shards, or sentence-unit shards
+    predicts_tokens: ClassVar[bool] = True  # its targets go through the LM head (contrastive ones count queries)
 
     def __init__(self, config: BaseConfig, document_masking: bool = True):
         self.config = config
@@ -203,6 +206,11 @@ class Objective(ABC):
         """Targets of each loss in ``batch`` without running the model, so the trainer can normalise a step before
         backward."""
         return {self.name: int(self.targets(batch).source.sum())}
+
+    def body_work(self, batch: Batch) -> torch.Tensor:
+        """(tokens, attended pairs) of the decoder body's passes over ``batch`` (``pipeline.model.flops``), on the
+        batch's device, for the step's model FLOPs: one pass, each document its own attention segment."""
+        return body_work(segment_lengths(batch.doc_ids, self.document_masking))
 
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         targets = self.targets(batch)

@@ -62,6 +62,7 @@ class SimCSEConfig(BaseConfig):
 class SimCSE(Objective):
     name = "simcse"
     source = "units"
+    predicts_tokens = False
     needs_tokenizer = "to know which tokens are special (pooling leaves them out)"
 
     def __init__(self, config: SimCSEConfig, tokenizer: Tokenizer, document_masking: bool = True):
@@ -78,6 +79,10 @@ class SimCSE(Objective):
     def num_targets(self, batch: Batch) -> dict[str, int]:
         """One query per unit; padding rows (no text) have none."""
         return {self.name: int(self.text_tokens(batch).any(-1).sum())}
+
+    def body_work(self, batch: Batch) -> torch.Tensor:
+        """Two passes: the batch runs stacked on itself."""
+        return 2 * super().body_work(batch)
 
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         check_units(batch, self.name)

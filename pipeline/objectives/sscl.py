@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 
 from pipeline.config import ConfigError
 from pipeline.data.batch import Batch
+from pipeline.model.flops import body_work
 from pipeline.objectives.augment import edit_tokens
 from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
 from pipeline.objectives.infonce import info_nce
@@ -79,6 +80,7 @@ class SentenceViews:
 class SSCL(Objective):
     name = "sscl"
     source = "units"
+    predicts_tokens = False
     needs_tokenizer = "to encode its instruction"
 
     def __init__(self, config: SSCLConfig, tokenizer: Tokenizer, document_masking: bool = True):
@@ -151,6 +153,12 @@ class SSCL(Objective):
     def num_targets(self, batch: Batch) -> dict[str, int]:
         """One query per unit."""
         return {self.name: int((batch.doc_ids >= 0).any(-1).sum())}
+
+    def body_work(self, batch: Batch) -> torch.Tensor:
+        """Two views of each unit, the instruction prepended to both; the positive counted at the anchor's length
+        (exact for dropout and swap; an edit or a paraphrase changes it a little), so no views are built here."""
+        units = (batch.doc_ids >= 0).sum(-1)
+        return 2 * body_work(torch.where(units > 0, units + len(self.prefix), 0))
 
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         views = self.views(batch)

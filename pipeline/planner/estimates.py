@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from pipeline.model.flops import flops_per_token
+from pipeline.model.flops import PEAK_TFLOPS, flops_per_token
 from pipeline.model.presets import PRESETS, get_preset
 from pipeline.objectives import OBJECTIVES
-from pipeline.train.metrics import PEAK_TFLOPS
 
 GIB = 2**30
 # Shard bytes: 10 per token (int32 ids, uint16 mask ranks, uint32 mask draws) + 5 120 per sample (tar headers and

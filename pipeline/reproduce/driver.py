@@ -237,6 +237,14 @@ class Driver:
               "over all invocations)")
 
 
+def set_rank_defaults() -> None:
+    """What the training ranks inherit unless the user set it: DeepSpeed's accelerator by what this machine has
+    (the studies' grids declare CPU ranks, for which the sweep would otherwise choose the CPU even on a GPU
+    node), and one thread per rank."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     names = [s.name for s in STUDIES]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -246,9 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default="docs/results", help="records, logs and plots go to RESULTS/full|quick")
     p.add_argument("--page", default="docs/results.md", help="the page whose generated blocks are rewritten")
     args = p.parse_args(argv)
-    # the studies' CPU defaults (make reproduce sets them too), inherited by the training ranks (one thread each)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    set_rank_defaults()
     torch.set_num_threads(EVAL_THREADS)
     out = args.out or ("runs/reproduce-quick" if args.quick else "runs/reproduce")
     try:

@@ -12,19 +12,6 @@ import torch
 
 from pipeline.run_dir import RunDir
 
-# Dense bf16 peak TFLOPs per device, for the MFU estimate (matched as a substring of the device name).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "L4": 121.0,
-               "MI250X": 383.0, "MI300X": 1307.0, "V100": 125.0}
-
-
-def device_peak_tflops(configured: float) -> float:
-    if configured > 0:
-        return configured
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        return next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
-    return 0.0
-
 
 def memory_gib() -> float:
     if torch.cuda.is_available():
@@ -34,14 +21,14 @@ def memory_gib() -> float:
 
 @dataclass(frozen=True)
 class Throughput:
-    """The ``perf/*`` scalars of a step: tokens per second, the share spent waiting for data, MFU (the model's
-    FLOPs per token against ``world`` devices' dense peak; 0 without a known peak) and peak memory."""
-    flops_per_token: float
+    """The ``perf/*`` scalars of a step: tokens per second, the share spent waiting for data, MFU (the step's model
+    FLOPs, ``pipeline.model.flops.work_flops``, against ``world`` devices' dense peak; 0 without a known peak) and
+    peak memory."""
     peak_tflops: float
     world: int
 
-    def scalars(self, tokens: int, seconds: float, data_seconds: float) -> dict[str, float]:
-        mfu = self.flops_per_token * tokens / seconds / (self.world * self.peak_tflops * 1e12) if self.peak_tflops else 0.0
+    def scalars(self, tokens: int, seconds: float, data_seconds: float, flops: float) -> dict[str, float]:
+        mfu = flops / seconds / (self.world * self.peak_tflops * 1e12) if self.peak_tflops else 0.0
         return {"perf/tokens_per_s": tokens / seconds, "perf/data_wait": data_seconds / seconds, "perf/mfu": mfu,
                 "perf/mem_gib": memory_gib()}
 

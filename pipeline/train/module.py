@@ -1,7 +1,8 @@
-"""The model as the DeepSpeed engine sees it, and its optimizer (the HF export: :mod:`pipeline.train.export`)."""
+"""The model as the DeepSpeed engine sees it, its optimizer, and the engine (the HF export: :mod:`pipeline.train.export`)."""
 
 from __future__ import annotations
 
+import deepspeed
 import torch
 from torch import nn
 from transformers.integrations import HfDeepSpeedConfig
@@ -12,6 +13,7 @@ from pipeline.model.attention import FLEX, resolve_implementation
 from pipeline.model.build import build_model, compile_body
 from pipeline.model.lm_head import chunk_lm_head
 from pipeline.model.weight_decay import param_groups
+from pipeline.train.schedule import lr_scheduler
 
 
 class TrainModule(nn.Module):
@@ -62,9 +64,11 @@ def build_optimizer(groups: list[dict], o: OptimConfig, kind: str) -> torch.opti
 
 def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=(), *,
                       attn_implementation: str, fused: str):
-    """(HF model, engine module, client optimizer or None when the DeepSpeed config builds its own), with the
-    implementation and kernel preflight chose (:func:`attn_implementation`, :func:`fused_kind`). Objectives attach
-    their trainable heads to the model first, so the engine partitions and optimises them too."""
+    """(HF model, engine module, the optimizer arguments of ``deepspeed.initialize``), with the implementation and
+    kernel preflight chose (:func:`attn_implementation`, :func:`fused_kind`). Objectives attach their trainable
+    heads to the model first, so the engine partitions and optimises them too. The optimizer arguments are the
+    client optimizer, or, when the DeepSpeed config builds its own (CPU Adam for offload), the parameter groups it
+    optimises: either way weight decay skips the norms."""
     stage3 = ds.get("zero_optimization", {}).get("stage") == 3
     # Alive during construction, HfDeepSpeedConfig makes from_config/from_pretrained build the model partitioned
     # under zero.Init while keeping HF's weight init; kept on the module so the weak reference stays valid.
@@ -89,6 +93,17 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
         compile_body(lm)
     model = TrainModule(lm)
     model._hf_ds_config = hf_ds
-    optimizer = None if "optimizer" in ds else build_optimizer(
-        param_groups(model, exp.optim.weight_decay), exp.optim, fused)
+    groups = param_groups(model, exp.optim.weight_decay)
+    optimizer = {"model_parameters": groups} if "optimizer" in ds else {
+        "optimizer": build_optimizer(groups, exp.optim, fused)}
     return lm, model, optimizer
+
+
+def build_engine(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=(), *, attn_implementation: str,
+                 fused: str) -> tuple[nn.Module, deepspeed.DeepSpeedEngine]:
+    """(HF model, the DeepSpeed engine that trains it with the experiment's LR schedule)."""
+    lm, model, optimizer = build_train_model(exp, ds, tokenizer, bf16, objectives,
+                                             attn_implementation=attn_implementation, fused=fused)
+    engine, *_ = deepspeed.initialize(model=model, **optimizer, lr_scheduler=lr_scheduler(exp.train.steps, exp.optim),
+                                      config=ds)
+    return lm, engine

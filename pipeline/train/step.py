@@ -5,33 +5,61 @@ The loop around it (data, checkpoints, metrics, stop signals) is :class:`pipelin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
+from pipeline.model.flops import Work
 from pipeline.train.phases import WeightedObjective
 
 
+@dataclass(frozen=True)
+class StepResult:
+    losses: dict[str, float]  # per output, over the global batch
+    accuracy: dict[str, float]  # per output
+    lr: float  # the rate this step used
+    grad_norm: float  # the gradients' 2-norm before clipping
+    work: Work  # what the forward passes of all ranks ran, for the MFU
+
+
+def _unreported_grad_norm(engine) -> torch.Tensor | None:
+    """The gradients' 2-norm where DeepSpeed measures none: without ZeRO and in fp32 (stage 0) the client optimizer
+    runs unwrapped and ``get_global_grad_norm()`` stays None. Read at the accumulation boundary, after ``backward``
+    has all-reduced the gradients and before ``step()`` clips and clears them, so it is DeepSpeed's norm: the one
+    before clipping. None where DeepSpeed's optimizer (ZeRO, bf16) measures it itself."""
+    if hasattr(engine.optimizer, "_global_grad_norm"):
+        return None
+    return torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters() if p.grad is not None])
+
+
 def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, list], world: int,
-               grad_accum: int) -> tuple[dict[str, float], dict[str, float], float]:
-    """One optimizer step over ``grad_accum`` micro-steps; returns (loss per output, accuracy per output, lr).
+               grad_accum: int) -> StepResult:
+    """One optimizer step over ``grad_accum`` micro-steps.
 
     Every loss is normalised by its target count over the whole global batch (all ranks, all micro-steps), so
     the step equals one big-batch step whatever the split; DeepSpeed averages gradients over ranks and
-    micro-steps, hence the ``world * grad_accum`` factor.
+    micro-steps, hence the ``world * grad_accum`` factor. The step's work is summed in the same all-reduce.
     """
     counts: dict[str, float] = {}
     weights: dict[str, float] = {}
+    head_targets = 0.0
+    device = next(engine.module.parameters()).device
+    body = torch.zeros(2, dtype=torch.float64, device=device)
     for o in step_objs:
         for b in batches[o.objective.source]:
+            body += o.objective.body_work(b)
             for own, n in o.objective.num_targets(b).items():
                 name = o.loss_name(own)
                 counts[name] = counts.get(name, 0.0) + float(n)
                 weights[name] = o.weight * o.objective.loss_weights[own]
+                head_targets += float(n) if o.objective.predicts_tokens else 0.0
     names = list(counts)
-    device = next(engine.module.parameters()).device
-    total = torch.tensor([counts[n] for n in names], device=device)
-    dist.all_reduce(total)
-    total = dict(zip(names, total.clamp(min=1).tolist()))
+    reduced = torch.cat([torch.tensor([*(counts[n] for n in names), head_targets], dtype=torch.float64,
+                                      device=device), body])
+    dist.all_reduce(reduced)
+    *targets, head_targets, tokens, pairs = reduced.tolist()
+    total = {n: max(t, 1.0) for n, t in zip(names, targets)}
     sums = torch.zeros(len(names), 2, device=device)
     lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside the last step()
     for micro in range(grad_accum):
@@ -42,7 +70,13 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
                 loss = loss + weights[name] * loss_sum * (world * grad_accum / total[name])
                 sums[names.index(name)] += torch.stack([loss_sum.detach().float(), correct.float()])
         engine.backward(loss)
+        if micro == grad_accum - 1:
+            grad_norm = _unreported_grad_norm(engine)
         engine.step()
+    if grad_norm is None:  # None only where the DeepSpeed config turns it off (zero_optimization.compute_grad_norm)
+        grad_norm = engine.get_global_grad_norm()
     dist.all_reduce(sums)
-    return ({n: sums[i, 0].item() / total[n] for i, n in enumerate(names)},
-            {n: sums[i, 1].item() / total[n] for i, n in enumerate(names)}, lr)
+    return StepResult({n: sums[i, 0].item() / total[n] for i, n in enumerate(names)},
+                      {n: sums[i, 1].item() / total[n] for i, n in enumerate(names)}, lr,
+                      float(grad_norm if grad_norm is not None else 0.0),
+                      Work(tokens=tokens, head_targets=head_targets, attended_pairs=pairs))

@@ -21,17 +21,16 @@ from pipeline.data.loader import ShardLoader
 from pipeline.data.manifest import DatasetIndex
 from pipeline.experiment import ExperimentConfig
 from pipeline.export.record import EncoderRecord
-from pipeline.model.flops import flops_per_token
+from pipeline.model.flops import device_peak_tflops, work_flops
 from pipeline.run_dir import DataRecord, RunDir, tag
 from pipeline.train.checkpoint import Checkpointer
 from pipeline.train.ds_config import resolve_ds_config
 from pipeline.train.export import export_engine
 from pipeline.train.guard import DivergenceGuard
-from pipeline.train.metrics import MetricsLogger, Throughput, device_peak_tflops
-from pipeline.train.module import build_train_model
+from pipeline.train.metrics import MetricsLogger, Throughput
+from pipeline.train.module import build_engine
 from pipeline.train.phases import WeightedObjective
 from pipeline.train.preflight import Prepared
-from pipeline.train.schedule import lr_scheduler
 from pipeline.train.signals import StopRequest
 from pipeline.train.step import train_step
 
@@ -63,13 +62,8 @@ class Trainer:
         torch.manual_seed(exp.train.seed)
         tokenizer, objectives, index = prepared.tokenizer, prepared.objectives, prepared.indexes["packed"]
         ds = resolve_ds_config(ds_raw, exp, world, prepared.bf16)
-        lm, model, optimizer = build_train_model(exp, ds, tokenizer, prepared.bf16,
-                                                 [o.objective for p in objectives for o in p],
-                                                 attn_implementation=prepared.attn_implementation,
-                                                 fused=prepared.fused)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=None if optimizer
-                                          else [p for p in model.parameters() if p.requires_grad],
-                                          lr_scheduler=lr_scheduler(exp.train.steps, exp.optim), config=ds)
+        lm, engine = build_engine(exp, ds, tokenizer, prepared.bf16, [o.objective for p in objectives for o in p],
+                                  attn_implementation=prepared.attn_implementation, fused=prepared.fused)
         run = RunDir(exp.run_dir)
         files = run.run_files(exp, ds, lm.config.to_dict(), DataRecord(index.directory, index.fingerprint,
                                                                        index.num_samples, index.num_tokens))
@@ -86,8 +80,7 @@ class Trainer:
         step, tokens_seen = (client["step"], client["tokens_seen"]) if client else (0, 0)
         return cls(exp, engine, lm, tokenizer, objectives, prepared.record, loaders, checkpoints,
                    MetricsLogger(run, rank == 0, exp.train.log_every, start_step=step),
-                   Throughput(flops_per_token(lm.config, exp.data.seq_len), device_peak_tflops(exp.train.peak_tflops),
-                              world),
+                   Throughput(device_peak_tflops(exp.train.peak_tflops), world),
                    DivergenceGuard(exp.train.max_bad_steps, skipped_before=engine.skipped_steps), stop, device,
                    step, tokens_seen)
 
@@ -100,17 +93,20 @@ class Trainer:
             phase_idx, phase = self.exp.phase_at(self.step)
             batches = self._next_batches(self.objectives[phase_idx])
             t_data = time.time() - t0
-            losses, accuracy, lr = train_step(self.engine, self.objectives[phase_idx], batches,
-                                              dist.get_world_size(), self.exp.train.grad_accum)
+            result = train_step(self.engine, self.objectives[phase_idx], batches, dist.get_world_size(),
+                                self.exp.train.grad_accum)
+            losses = result.losses
             self.step += 1
             tokens = dist.get_world_size() * sum(int((b.doc_ids >= 0).sum()) for bs in batches.values() for b in bs)
             self.tokens_seen += tokens
             seconds = time.time() - t0
-            grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
+            grad_norm = result.grad_norm
             self.guard.count(losses, grad_norm, self.engine.skipped_steps)
-            scalars = ({f"loss/{n}": v for n, v in losses.items()} | {f"acc/{n}": v for n, v in accuracy.items()}
-                       | {"optim/lr": lr, "optim/grad_norm": grad_norm, "optim/skipped_steps": self.engine.skipped_steps}
-                       | self.throughput.scalars(tokens, seconds, t_data)
+            scalars = ({f"loss/{n}": v for n, v in losses.items()}
+                       | {f"acc/{n}": v for n, v in result.accuracy.items()}
+                       | {"optim/lr": result.lr, "optim/grad_norm": grad_norm,
+                          "optim/skipped_steps": self.engine.skipped_steps}
+                       | self.throughput.scalars(tokens, seconds, t_data, work_flops(self.lm.config, result.work))
                        | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx})
             self.metrics.log(self.step, scalars, phase.name)
             self.guard.check(self.step, losses, grad_norm, self.checkpoints.last_good)
