@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from pipeline.config import ConfigError, apply_overrides, check_ranges, from_dict, load_yaml
+from pipeline.model.lora import LLM2VEC_TARGETS
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import CLMConfig, ObjectiveConfig
 
@@ -30,6 +31,28 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (pipeline/model/lora.py) instead of full-parameter training; ``r`` 0 is off. LLM2Vec's
+    defaults: r 16, alpha 32, dropout 0.05 on every projection."""
+
+    r: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.05
+    targets: list[str] = field(default_factory=lambda: list(LLM2VEC_TARGETS))
+    RANGES: ClassVar[dict[str, str]] = {"r": ">= 0", "alpha": "> 0", "dropout": "[0, 1)"}
+
+    def validate(self) -> None:
+        unknown = [t for t in self.targets if t not in LLM2VEC_TARGETS]
+        if unknown or not self.targets:
+            raise ConfigError(f"model.lora.targets: {unknown or 'empty'}; choose among {list(LLM2VEC_TARGETS)}")
+
+    @property
+    def scale(self) -> float:
+        """What the adapter's product is multiplied by (0 when LoRA is off)."""
+        return self.alpha / self.r if self.r else 0.0
+
+
+@dataclass
 class ModelConfig:
     init: str = "tiny"  # a preset name (tiny, 20m, 210m, 610m, 1b, 7b, 8b) or a local HF checkpoint directory
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
@@ -40,6 +63,7 @@ class ModelConfig:
     activation_checkpointing: bool = False
     attention_dropout: float = 0.0  # dropout on attention probabilities (SimCSE's positives need > 0, e.g. 0.3)
     shape: str = ""  # a preset whose shape the checkpoint in `init` must have (continued pretraining); "": unchecked
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters only (lora.r > 0)
     RANGES: ClassVar[dict[str, str]] = {"attention_dropout": "[0, 1)", "lm_head_chunk": ">= 0"}
 
     def validate(self) -> None:

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from pipeline.export.record import EncoderRecord, from_experiment, write_record
 from pipeline.model.build import DTYPES
+from pipeline.model.lora import merge_lora
 from pipeline.run_dir import RunDir, tag
 
 PREFIX = "lm."  # the HF model's parameter names inside the engine's module (pipeline.train.module.TrainModule.lm)
@@ -30,10 +31,13 @@ class ExportError(ValueError):
     """An export that cannot be written; the message names the run and the fix."""
 
 
-def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: EncoderRecord) -> str:
+def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: EncoderRecord,
+            lora_scale: float = 0.0) -> str:
     """Write an HF ``save_pretrained`` directory (weights, config with the training ``record``, tokenizer) from an
-    engine-module state dict."""
+    engine-module state dict; a LoRA run's adapter (``model.lora.scale``) is merged into the weights."""
     sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in state_dict.items()}
+    if lora_scale:
+        sd = merge_lora(sd, lora_scale)
     os.makedirs(out, exist_ok=True)
     lm.config.use_cache = True
     lm.save_pretrained(out, state_dict=sd, safe_serialization=True)
@@ -83,7 +87,7 @@ def export_checkpoint(run: RunDir, out: str, step: int | None = None, dtype: str
             raise ExportError(str(e)) from None
     sd = checkpoint_state_dict(run, step)
     lm = AutoModelForCausalLM.from_config(run.model_config(), dtype=DTYPES[dtype])
-    save_hf(lm, {k: v.to(DTYPES[dtype]) for k, v in sd.items()}, tokenizer, out, record)
+    save_hf(lm, {k: v.to(DTYPES[dtype]) for k, v in sd.items()}, tokenizer, out, record, exp.model.lora.scale)
     if sentence_transformers:
         write_sentence_transformers(out, record)
     return step

@@ -89,23 +89,24 @@ def largest_layer_params(config: PretrainedConfig) -> int:
 
 
 def model_states(params: int, largest_layer: int, zero: int, offload: bool, nodes: int,
-                 gpus_per_node: int, buffer_factor: float = 1.5) -> ModelStates:
+                 gpus_per_node: int, buffer_factor: float = 1.5, trainable: int | None = None) -> ModelStates:
     """DeepSpeed's accounting (``zero_init`` on, as the trainer builds under zero.Init). ``offload``: ZeRO-3 puts
-    parameters and optimizer states in CPU memory, ZeRO-1/2 the optimizer states."""
+    parameters and optimizer states in CPU memory, ZeRO-1/2 the optimizer states. ``trainable`` (default: all
+    ``params``; a LoRA run's adapter) is what has gradients, master weights and moments."""
     if zero not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {zero}")
     n = nodes * gpus_per_node
+    t = params if trainable is None else trainable
     if zero == 3:
         gathered = 4 * largest_layer
         if offload:  # everything in CPU memory
-            return ModelStates(0, 0, 0, 0, 0, gathered, params * 18 / nodes * buffer_factor)
+            return ModelStates(0, 0, 0, 0, 0, gathered, (2 * params + 16 * t) / nodes * buffer_factor)
         cpu = largest_layer * 4 * gpus_per_node * buffer_factor
-        return ModelStates(2 * params / n, 0, 4 * params / n, 4 * params / n, 8 * params / n, gathered, cpu)
+        return ModelStates(2 * params / n, 0, 4 * t / n, 4 * t / n, 8 * t / n, gathered, cpu)
     if offload:  # the optimizer (fp32 gradients, master weights, moments) in CPU memory
-        return ModelStates(2 * params, 2 * params if zero == 1 else 0, 0, 0, 0, 0,
-                           params * max(4 * n, 16) * buffer_factor)
-    return ModelStates(2 * params, 2 * params / (n if zero == 2 else 1), 4 * params / n, 4 * params / n,
-                       8 * params / n, 0, params * 4 * gpus_per_node * buffer_factor)
+        return ModelStates(2 * params, 2 * t if zero == 1 else 0, 0, 0, 0, 0, t * max(4 * n, 16) * buffer_factor)
+    return ModelStates(2 * params, 2 * t / (n if zero == 2 else 1), 4 * t / n, 4 * t / n, 8 * t / n, 0,
+                       params * 4 * gpus_per_node * buffer_factor)
 
 
 def layer_activation_bytes(config: PretrainedConfig) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pipeline.experiment import ModelConfig
 from pipeline.grid import load_grid
 from pipeline.model.flops import param_counts
+from pipeline.model.lora import LLM2VEC_TARGETS, lora_params
 from pipeline.model.presets import get_preset
 from pipeline.planner.estimates import (
     GIB,
@@ -52,6 +53,7 @@ class PlannerInput:
     targets: float = 1.0  # share of tokens through the LM head: 1 for CLM, the masking ratio for MLM
     lm_head_chunk: int = ModelConfig.lm_head_chunk
     checkpointing: bool = False
+    lora_r: int = 0  # LoRA adapters of this rank on every projection (model.lora); 0: full-parameter training
     vocab: int = 128256  # Llama-3's
     mfu: float = 0.4
     reserve_gib: float = 4.0  # CUDA context, NCCL, DeepSpeed's buckets
@@ -65,6 +67,8 @@ class PlannerInput:
         for name in ("nodes", "gpus_per_node", "seq_len", "micro_batch", "tokens_per_step", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.lora_r < 0:
+            raise ValueError("--lora-r must be >= 0")
         if not 0 < self.mfu <= 1 or not 0 < self.targets <= 1:
             raise ValueError("--mfu and --targets must be in (0, 1]")
         if self.gpu not in GPUS:
@@ -76,7 +80,9 @@ def report(plan: PlannerInput) -> str:
     config = get_preset(plan.model).to_config(plan.vocab)
     cluster = Cluster(plan.nodes, plan.gpus_per_node, GPUS[plan.gpu])
     n, params, largest = cluster.gpus, param_counts(config).total, largest_layer_params(config)
-    states = model_states(params, largest, plan.zero, plan.offload, plan.nodes, plan.gpus_per_node)
+    trainable = lora_params(config, plan.lora_r, LLM2VEC_TARGETS) if plan.lora_r else params
+    states = model_states(params, largest, plan.zero, plan.offload, plan.nodes, plan.gpus_per_node,
+                          trainable=trainable)
     tokens = plan.micro_batch * plan.seq_len
     acts = activation_bytes(config, tokens, plan.targets, plan.checkpointing, plan.lm_head_chunk)
     accum = math.ceil(plan.tokens_per_step / (tokens * n))
@@ -88,7 +94,8 @@ def report(plan: PlannerInput) -> str:
     lines = [
         f"model {plan.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, FFN "
         f"{config.intermediate_size}, {config.num_attention_heads}/{config.num_key_value_heads} heads, vocab "
-        f"{config.vocab_size}: {params / 1e9:.2f} B parameters (largest layer {largest / 1e6:.1f} M)",
+        f"{config.vocab_size}: {params / 1e9:.2f} B parameters (largest layer {largest / 1e6:.1f} M)"
+        + (f"; LoRA r {plan.lora_r} on every projection: {trainable / 1e6:.1f} M trainable" if plan.lora_r else ""),
         f"cluster: {plan.nodes} nodes x {plan.gpus_per_node} {plan.gpu} ({gib:g} GiB, {cluster.gpu.peak_tflops:g} "
         f"TFLOP/s bf16 dense) = {n} GPUs; ZeRO-{plan.zero}" + (", offload" if plan.offload else ""),
         "",
@@ -184,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"target rows per chunk of the LM head loss (model.lm_head_chunk, default "
                         f"{d.lm_head_chunk}); 0: the unchunked head")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing (model.activation_checkpointing)")
+    p.add_argument("--lora-r", type=int, default=d.lora_r,
+                   help="LoRA rank on every projection (model.lora.r): gradients and optimizer states of the adapter "
+                        "only (default 0: full-parameter training)")
     p.add_argument("--vocab", type=int, default=d.vocab, help=f"vocabulary size (default: Llama-3's {d.vocab})")
     p.add_argument("--mfu", type=float, default=d.mfu, help=f"model FLOPs utilisation to assume (default {d.mfu})")
     p.add_argument("--reserve-gib", type=float, default=d.reserve_gib,

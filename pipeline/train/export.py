@@ -10,12 +10,13 @@ from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord
 
 
-def export_engine(engine, lm: PreTrainedModel, tokenizer, out: str, record: EncoderRecord) -> str:
-    """Collective under ZeRO-3: every rank takes part in the 16-bit gather; rank 0 writes."""
+def export_engine(engine, lm: PreTrainedModel, tokenizer, out: str, record: EncoderRecord,
+                  lora_scale: float = 0.0) -> str:
+    """Collective under ZeRO-3: every rank takes part in the 16-bit gather; rank 0 writes (a LoRA adapter merged)."""
     stage3 = engine.zero_optimization_stage() == 3
     sd = engine._zero3_consolidated_16bit_state_dict() if stage3 else engine.module.state_dict()
     if dist.get_rank() == 0:
-        save_hf(lm, sd, tokenizer, out, record)
+        save_hf(lm, sd, tokenizer, out, record, lora_scale)
         print(f"exported HF model to {out}", flush=True)
     dist.barrier()
     return out

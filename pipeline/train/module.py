@@ -12,6 +12,7 @@ from pipeline.experiment import ExperimentConfig, ModelConfig, OptimConfig
 from pipeline.model.attention import FLEX, resolve_implementation
 from pipeline.model.build import build_model, compile_body
 from pipeline.model.lm_head import chunk_lm_head
+from pipeline.model.lora import add_lora
 from pipeline.model.weight_decay import param_groups
 from pipeline.train.schedule import lr_scheduler
 
@@ -77,6 +78,9 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
                      attn_implementation=attn_implementation, pad_token_id=info.pad_id,
                      bos_token_id=info.bos_id, eos_token_id=info.eos_id)
+    lora = exp.model.lora
+    if lora.r:
+        add_lora(lm, lora.r, lora.alpha, lora.dropout, tuple(lora.targets))
     lm.train()  # from_pretrained returns the model in eval mode: dropout (SimCSE's positives) would be off
     lm.config.use_cache = False
     lm.config.attention_dropout = exp.model.attention_dropout

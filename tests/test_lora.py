@@ -1,0 +1,104 @@
+"""LoRA (``model.lora``): only the adapter trains, the export merges it into plain weights that transformers loads
+alone, a resumed LoRA run continues exactly, and the planner counts the adapter's states only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import REPO, launch_training, logged_steps
+from safetensors.torch import load_file
+
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
+from pipeline.experiment import SAMPLE_DIR, load_experiment
+from pipeline.model.build import build_model
+from pipeline.model.lora import LLM2VEC_TARGETS, add_lora, lora_params, merge_lora
+from pipeline.planner.estimates import model_states
+from pipeline.tokenizer import load_tokenizer
+
+TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
+RUN = ["train.steps=6", "train.micro_batch=2", "train.log_every=1", "optim.warmup_steps=0", "optim.decay_steps=0",
+       "optim.lr=0.01", "checkpoint.every=3", "data.seq_len=64", "data.build_if_missing=false",
+       "model.lora.r=4", "model.lora.dropout=0.1", "model.lora.targets=[q_proj, v_proj]"]
+
+
+def test_only_the_adapter_trains_and_the_merge_computes_what_the_adapted_model_computes():
+    torch.manual_seed(0)
+    model = build_model("tiny", 64)
+    add_lora(model, 4, 8.0, 0.0, LLM2VEC_TARGETS)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == lora_params(model.config, 4, LLM2VEC_TARGETS)
+    with torch.no_grad():  # B starts at zero (the adapter's product is 0): make it count
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    ids = torch.randint(4, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        adapted = model.eval()(input_ids=ids).logits
+        plain = build_model("tiny", 64)
+        plain.load_state_dict(merge_lora(model.state_dict(), 8.0 / 4), strict=True)
+        merged = plain.eval()(input_ids=ids).logits
+        unmerged = build_model("tiny", 64)
+        unmerged.load_state_dict(merge_lora(model.state_dict(), 0.0), strict=True)
+        assert not torch.allclose(unmerged.eval()(input_ids=ids).logits, adapted, atol=1e-3)
+    torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=0)
+
+
+def test_lora_is_validated_and_counted_by_the_planner():
+    exp = load_experiment(None, ["model.lora.r=16"])
+    assert exp.model.lora.scale == 2.0 and exp.model.lora.targets == list(LLM2VEC_TARGETS)
+    with pytest.raises(ValueError, match=r"model.lora.targets: \['qproj'\]; choose among"):
+        load_experiment(None, ["model.lora.r=16", "model.lora.targets=[qproj]"])
+    full = model_states(8_000_000_000, 500_000_000, 3, False, 1, 8)
+    lora = model_states(8_000_000_000, 500_000_000, 3, False, 1, 8, trainable=42_000_000)
+    assert lora.params16 == full.params16 and lora.adam == full.adam * 42 / 8000
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("data") / "shards")
+    run_job(BuildConfig(inputs=(os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),), tokenizer=TOKENIZER,
+                        output=out, seq_len=64, samples_per_shard=512, progress=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def init_dir(tmp_path_factory) -> str:
+    tok = load_tokenizer(TOKENIZER)
+    torch.manual_seed(0)
+    lm = build_model("tiny", tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
+                     eos_token_id=tok.info.eos_id)
+    out = str(tmp_path_factory.mktemp("init") / "tiny")
+    lm.save_pretrained(out)
+    tok.hf.save_pretrained(out)
+    return out
+
+
+@pytest.mark.e2e
+def test_a_zero3_lora_run_exports_merged_weights_and_resumes_exactly(shards, init_dir, tmp_path):
+    def run(name, *extra):
+        launch_training(str(tmp_path / name), None, *RUN, f"data.shards={shards}", f"model.init={init_dir}", *extra)
+        return str(tmp_path / name)
+
+    straight = run("straight")
+    start = load_file(os.path.join(init_dir, "model.safetensors"))
+    engine = load_file(os.path.join(straight, "hf", "model.safetensors"))
+    assert engine.keys() == start.keys()  # plain names: no adapter left in the export
+    for name, weight in start.items():
+        adapted = ".q_proj." in name or ".v_proj." in name
+        assert torch.equal(engine[name], weight) != adapted, name  # only the adapted projections moved
+    offline = str(tmp_path / "offline")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", straight,
+                           "--output", offline], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, weight in load_file(os.path.join(offline, "model.safetensors")).items():
+        torch.testing.assert_close(weight, engine[name], atol=1e-6, rtol=0)  # fp32 master vs the 16-bit gather
+    resumed = run("resumed", "train.stop_at_step=3")
+    run("resumed")
+    losses = [{s: r["loss/clm"] for s, r in logged_steps(d).items()} for d in (straight, resumed)]
+    assert losses[0] == losses[1] and len(losses[0]) == 6  # LoRA dropout's RNG resumes too
