@@ -108,6 +108,36 @@ def test_config_range_errors_name_the_key(override, message):
         load_experiment(None, ["optim.warmup_steps=0", "optim.decay_steps=0", override])
 
 
+def handles(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``sig`` (its SigCgt mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(caught >> (sig - 1) & 1)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("config_error", [True, False])
+def test_a_signal_before_the_config_is_read_waits_for_it(tmp_path, config_error):
+    """The launcher terminates the other ranks when one exits with its config error; that SIGTERM used to reach
+    rank 0 first now and then, which then reported a stop ("run the same command again") instead of the error.
+    Here the SIGTERM arrives as soon as the rank handles signals, long before it has imported what reads the
+    config: the error still wins; a valid config still stops cleanly."""
+    cmd = [sys.executable, os.path.join(REPO, "launch", "train.py"), "--set", f"run_dir={tmp_path / 'run'}",
+           *(["--set", "checkpoint.keep_last=0"] if config_error else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={k: v for k, v in cpu_env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+    deadline = time.time() + 60
+    while not handles(proc.pid, signal.SIGTERM) and time.time() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    if config_error:
+        assert proc.returncode == 2 and "config error: checkpoint.keep_last: 0 is out of range" in err, err[-3000:]
+        assert "stopped during start-up" not in err
+    else:
+        assert proc.returncode == 0 and "stopped during start-up on SIGTERM" in err, err[-3000:]
+
+
 @pytest.mark.e2e
 def test_config_error_is_one_line_from_rank_0_before_deepspeed(tmp_path):
     proc = launch_training(str(tmp_path / "run"), None, "checkpoint.keep_last=0", check=False, launcher="deepspeed")
