@@ -11,6 +11,18 @@ import numpy as np
 from pipeline.data.format import Sample, append_sample_tar, index_path, read_sample, tar_end
 from pipeline.io import fsync_replace
 
+SHARD_FIX = ("copy the shard again from where it was built, or rebuild the shard directory with "
+             "data_prep/build_shards.py; data_prep/inspect_shards.py DIR checks every shard")
+
+
+class ShardCorrupt(ValueError):
+    pass
+
+
+def sha256_mismatch(where: str, expected: str, found: str) -> str:
+    return (f"{where}: sha256 mismatch: the manifest records {expected}, the file has {found} (changed after it was "
+            f"written: a disk or copy error); {SHARD_FIX}")
+
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
