@@ -76,6 +76,21 @@ def test_dropped_connection_mid_shard_is_retried_with_the_same_batches(served, t
     assert not [n for n in os.listdir(tmp_path / "cache" / remote.fingerprint[:16]) if ".part" in n]
 
 
+def test_workers_sharing_a_cache_download_each_shard_once_and_clear_a_killed_download(served, tmp_path):
+    directory, server = served
+    local = load_index(directory)
+    stale = tmp_path / "cache" / local.fingerprint[:16] / f"{local.shards[0].name}.part99999999"
+    os.makedirs(stale.parent)
+    stale.write_bytes(b"half a shard")
+    remote = load_index(f"{server.url}/shards", ShardStore(cache_dir=str(tmp_path / "cache")))
+    loaders = [ShardLoader(index, micro_batch=3, grad_accum=2, seed=1, num_workers=workers)
+               for index, workers in ((remote, 2), (local, 0))]
+    streams = [[_arrays(b) for _ in range(6) for b in loader.next_global_step()] for loader in loaders]
+    _assert_same(*streams)
+    assert {server.gets[f"/shards/{s.name}"] for s in local.shards} == {1}  # two processes, one download each
+    assert not stale.exists()
+
+
 def test_cache_beyond_its_bound_evicts_whole_shards(served, tmp_path):
     directory, server = served
     local = load_index(directory)

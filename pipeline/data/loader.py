@@ -106,15 +106,14 @@ class _SampleReader:
         if reader is None:
             info = self.index.shards[shard]
             if self.index.store is not None:
-                path = self.index.store.fetch(info, self.index.fingerprint, self.verify)
+                reader = self.index.store.open(info, self.index.fingerprint, self.verify)
             else:
-                path = info.path
                 if self.verify and shard not in self._hashed:
                     verify_shard_hash(info)
                     self._hashed.add(shard)
-            reader = ShardReader(path)
+                reader = ShardReader(info.path)
             if len(reader) != info.samples:
-                raise ValueError(f"{path}: its index holds {len(reader)} samples, the job manifest says "
+                raise ValueError(f"{reader.path}: its index holds {len(reader)} samples, the job manifest says "
                                  f"{info.samples}; check it with data_prep/inspect_shards.py and rebuild the shard")
             if len(self._open) >= self.max_open:
                 self._open.popitem(last=False)[1].close()

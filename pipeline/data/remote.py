@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from pipeline.data.format import index_path
-from pipeline.data.tar_shard import ShardCorrupt, sha256_mismatch
+from pipeline.data.tar_shard import ShardCorrupt, ShardReader, sha256_mismatch
 
 CHUNK = 1 << 20
 DEFAULT_CACHE = os.path.join(tempfile.gettempdir(), "decoder-encoders-shards")
@@ -137,9 +137,10 @@ class ShardStore:
             raise IncompleteTransfer(f"the connection ended after {got} of {size} bytes")
         return h.hexdigest()
 
-    def fetch(self, info, fingerprint: str, verify: bool) -> str:
-        """The local path of the shard ``info`` (a ``manifest.ShardInfo`` whose path is a URL), its ``.idx.npy``
-        beside it: downloaded unless cached."""
+    def open(self, info, fingerprint: str, verify: bool) -> ShardReader:
+        """A reader of the shard ``info`` (a ``manifest.ShardInfo`` whose path is a URL), downloaded unless cached,
+        and opened while the shard's lock is held: no eviction removes it in between, and once open it stays
+        readable."""
         directory = os.path.join(self.cache_dir or DEFAULT_CACHE, fingerprint[:16])
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, info.name)
@@ -147,7 +148,7 @@ class ShardStore:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one download per shard and node; the others wait and find it cached
             if _cached(path, info.bytes):
                 os.utime(path)  # its mtime is its last use, for the eviction
-                return path
+                return ShardReader(path).open()
             for stale in (p for f in (path, index_path(path)) for p in glob.glob(glob.escape(f) + ".part*")):
                 os.remove(stale)  # left by a killed download: none but ours runs now
             parts = (f"{path}.part{os.getpid()}", f"{index_path(path)}.part{os.getpid()}")
@@ -162,12 +163,14 @@ class ShardStore:
                 for part in parts:
                     if os.path.exists(part):
                         os.remove(part)
+            reader = ShardReader(path).open()
         self._evict(keep=path)
-        return path
+        return reader
 
     def _evict(self, keep: str) -> None:
-        """Remove the least recently used shards (whole, with their sidecars) until the cache fits ``max_bytes``.
-        A shard another process still has open stays readable there until it closes it."""
+        """Remove the least recently used shards (whole, with their sidecars) until the cache fits ``max_bytes``,
+        skipping a shard whose lock another process holds (it is being opened). A shard that a process has open
+        stays readable there until it closes it."""
         root = self.cache_dir or DEFAULT_CACHE
         shards = []
         for sub in os.scandir(root):
@@ -180,11 +183,16 @@ class ShardStore:
                 break
             if path == keep:
                 continue
-            for p in (path, index_path(path)):
+            with open(path + ".lock", "w") as lock:
                 try:
-                    os.remove(p)
-                except FileNotFoundError:  # evicted by another process at the same time
-                    pass
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                for p in (path, index_path(path)):
+                    try:
+                        os.remove(p)
+                    except FileNotFoundError:  # evicted by another process just before
+                        pass
             total -= size
 
 

@@ -109,9 +109,14 @@ class ShardReader:
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, i: int) -> Sample:
-        if self._f is None:  # opened lazily so readers survive fork into dataloader workers
+    def open(self) -> ShardReader:
+        """Open the tar now rather than at the first read (a cached remote shard may be evicted once it is open)."""
+        if self._f is None:
             self._f = open(self.path, "rb")
+        return self
+
+    def __getitem__(self, i: int) -> Sample:
+        self.open()  # lazily by default, so readers survive fork into dataloader workers
         off, length = self.index[i]
         try:
             return read_sample(self._f, int(off), int(length))
