@@ -182,6 +182,15 @@ def launch_training(run_dir: str, experiment: str | None, *overrides: str, nproc
     return proc
 
 
+def one_error(proc: subprocess.CompletedProcess, prefix: str) -> str:
+    """The run failed with exactly one ``prefix:`` line and no traceback of ours; returns the line."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{prefix}:")]
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert len(lines) == 1, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    return lines[0]
+
+
 def logged_steps(run_dir: str) -> dict[int, dict]:
     """Step -> the scalars logged in ``metrics.jsonl``; a step logged twice (replayed after a resume) keeps its last."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

@@ -4,13 +4,14 @@ the local directory gives, through a dropped connection, a bounded cache and a s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
 import fsspec
 import numpy as np
 import pytest
-from helpers import http_server, launch_training, logged_steps, make_shard_dir
+from helpers import http_server, launch_training, logged_steps, make_shard_dir, one_error
 
 from pipeline.config import ConfigError
 from pipeline.data.batch import Batch
@@ -133,17 +134,33 @@ def test_fsspec_url_gives_the_local_batches(tmp_path):
         fs.rm("/remote-test", recursive=True)
 
 
-def test_url_that_never_answers_is_one_line_naming_it(tmp_path):
-    with socket.socket() as listener:  # accepts connections into its backlog, never answers them
+@contextlib.contextmanager
+def _silent_url():
+    """The URL of a loopback server that takes connections into its backlog and never answers them."""
+    with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
-        listener.listen(4)
-        url = f"http://127.0.0.1:{listener.getsockname()[1]}/shards"
-        with pytest.raises(RemoteError) as err:
-            load_index(url, ShardStore(attempts=2, timeout_s=0.2, backoff_s=0.01))
+        listener.listen(16)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/shards"
+
+
+def test_url_that_never_answers_is_one_line_naming_it(tmp_path):
+    with _silent_url() as url, pytest.raises(RemoteError) as err:
+        load_index(url, ShardStore(attempts=2, timeout_s=0.2, backoff_s=0.01))
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith(f"{url}/manifest.json: failed 2 times, the last with TimeoutError")
     assert "data.fetch_timeout_s" in message
+
+
+@pytest.mark.e2e
+def test_training_on_a_url_that_never_answers_stops_with_one_line(tmp_path):
+    with _silent_url() as url:
+        proc = launch_training(str(tmp_path / "run"), None, f"data.shards={url}", "data.fetch_attempts=2",
+                               "data.fetch_timeout_s=1", check=False, launcher="deepspeed")
+    line = one_error(proc, "error")
+    assert line.startswith(f"error: {url}/manifest.json: failed 2 times, the last with TimeoutError"), line
+    assert proc.returncode == 2
+    assert not os.path.exists(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "http:"))
 
 
 def test_url_without_shards_is_a_config_error_and_nothing_is_built(tmp_path, monkeypatch):
