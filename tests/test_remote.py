@@ -14,6 +14,7 @@ import pytest
 from helpers import http_server, launch_training, logged_steps, make_shard_dir, one_error
 
 from pipeline.config import ConfigError
+from pipeline.data import inspection
 from pipeline.data.batch import Batch
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
@@ -193,3 +194,9 @@ def test_two_rank_zero3_run_over_http_has_the_local_losses(tmp_path):
     local, remote = logged_steps(str(tmp_path / "local")), logged_steps(str(tmp_path / "http"))
     assert sorted(local) == sorted(remote) == list(range(1, 7))
     assert [local[s]["loss/clm"] for s in local] == [remote[s]["loss/clm"] for s in local]
+
+
+def test_inspect_shards_refuses_a_url_in_one_line(capsys):
+    assert inspection.main(["https://example.invalid/shards"]) == 1
+    assert capsys.readouterr().err == ("error: https://example.invalid/shards: inspect_shards reads a local shard "
+                                       "directory; copy it here first\n")

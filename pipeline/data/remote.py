@@ -25,6 +25,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+import fsspec
+
 from pipeline.data.format import index_path
 from pipeline.data.tar_shard import ShardCorrupt, ShardReader, sha256_mismatch
 
@@ -45,33 +47,30 @@ class IncompleteTransfer(OSError):
     """The connection ended before the size the manifest records: dropped mid-transfer."""
 
 
-def _open(url: str, timeout_s: float):
-    """A binary stream of the object at ``url``; FileNotFoundError / PermissionError when it is missing or
-    forbidden (not worth a retry)."""
-    if url.startswith(("http://", "https://")):
-        try:
-            return urllib.request.urlopen(url, timeout=timeout_s)
-        except urllib.error.HTTPError as e:
-            if e.code in (401, 403, 404):
-                raise (FileNotFoundError if e.code == 404 else PermissionError)(f"HTTP {e.code} {e.reason}") from e
-            raise
-    import fsspec
+def _http(request: str | urllib.request.Request, timeout_s: float):
+    """The response to ``request``; a missing (404) or forbidden (401, 403) object raises FileNotFoundError or
+    PermissionError (not worth a retry), any other HTTP error stays an OSError to retry."""
+    try:
+        return urllib.request.urlopen(request, timeout=timeout_s)
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403, 404):
+            raise (FileNotFoundError if e.code == 404 else PermissionError)(f"HTTP {e.code} {e.reason}") from e
+        raise
 
-    return fsspec.open(url, "rb").open()
+
+def _is_http(url: str) -> bool:
+    return url.startswith(("http://", "https://"))
+
+
+def _open(url: str, timeout_s: float):
+    """A binary stream of the object at ``url``."""
+    return _http(url, timeout_s) if _is_http(url) else fsspec.open(url, "rb").open()
 
 
 def _size(url: str, timeout_s: float) -> int:
-    if url.startswith(("http://", "https://")):
-        request = urllib.request.Request(url, method="HEAD")
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                return int(response.headers["Content-Length"])
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                raise FileNotFoundError(f"HTTP {e.code} {e.reason}") from e
-            raise
-    import fsspec
-
+    if _is_http(url):
+        with _http(urllib.request.Request(url, method="HEAD"), timeout_s) as response:
+            return int(response.headers["Content-Length"])
     fs, path = fsspec.core.url_to_fs(url)
     return int(fs.size(path))
 
