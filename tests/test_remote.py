@@ -200,3 +200,27 @@ def test_inspect_shards_refuses_a_url_in_one_line(capsys):
     assert inspection.main(["https://example.invalid/shards"]) == 1
     assert capsys.readouterr().err == ("error: https://example.invalid/shards: inspect_shards reads a local shard "
                                        "directory; copy it here first\n")
+
+
+def test_resume_moves_between_the_url_and_the_local_directory(served, tmp_path):
+    directory, server = served
+    local = load_index(directory)
+    remote = load_index(f"{server.url}/shards", ShardStore(cache_dir=str(tmp_path / "cache")))
+    straight = ShardLoader(local, micro_batch=3, grad_accum=2, seed=1)
+    expected = [_arrays(b) for _ in range(5) for b in straight.next_global_step()]
+    first = ShardLoader(remote, micro_batch=3, grad_accum=2, seed=1)
+    got = [_arrays(b) for _ in range(2) for b in first.next_global_step()]
+    resumed = ShardLoader(local, micro_batch=3, grad_accum=2, seed=1)
+    resumed.load_state_dict(first.state_dict())
+    got += [_arrays(b) for _ in range(3) for b in resumed.next_global_step()]
+    _assert_same(got, expected)
+
+
+def test_shard_missing_at_the_url_fails_the_size_check(served, tmp_path):
+    directory, server = served
+    missing = load_index(directory).shards[2]
+    os.remove(missing.path)
+    remote = load_index(f"{server.url}/shards", ShardStore(cache_dir=str(tmp_path / "cache")))
+    with pytest.raises(ShardCorrupt, match=rf"^{server.url}/shards/{missing.name}: listed in the manifests of "
+                                           rf"{server.url}/shards but missing"):
+        check_shard_sizes(remote)
