@@ -67,14 +67,19 @@ def test_loader_over_http_gives_the_local_batches_and_downloads_each_shard_once(
     assert set(tars.values()) == {1}  # two ranks, a loader each, several epochs: one download per shard
 
 
-def test_dropped_connection_mid_shard_is_retried_with_the_same_batches(served, tmp_path, capsys):
+@pytest.mark.parametrize("dropped, warning", [
+    ("shard-00000-000001.tar", "IncompleteTransfer: the connection ended after 35840 of 71680 bytes"),
+    ("shard-00000-000001.idx.npy", "ValueError: "),  # np.load of half an array
+])
+def test_dropped_connection_mid_shard_is_retried_with_the_same_batches(served, tmp_path, capsys, dropped, warning):
     directory, server = served
-    server.drop = "/shards/shard-00000-000001.tar"
+    server.drop = f"/shards/{dropped}"
     remote = load_index(f"{server.url}/shards", ShardStore(cache_dir=str(tmp_path / "cache"), backoff_s=0.01))
     _assert_same(_stream(remote), _stream(load_index(directory)))
-    assert server.drop is None and server.gets["/shards/shard-00000-000001.tar"] == 2
-    assert ("shard-00000-000001.tar: IncompleteTransfer: the connection ended after 35840 of 71680 bytes; "
-            "retrying in 0.01 s (attempt 2 of 5)") in capsys.readouterr().err
+    assert server.drop is None and server.gets[f"/shards/{dropped}"] == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"warning: {server.url}/shards/shard-00000-000001.tar: {warning}"), line
+    assert line.endswith("; retrying in 0.01 s (attempt 2 of 5)"), line
     assert not [n for n in os.listdir(tmp_path / "cache" / remote.fingerprint[:16]) if ".part" in n]
 
 

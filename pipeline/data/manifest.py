@@ -189,8 +189,8 @@ def load_index(directory: str, store: ShardStore | None = None) -> DatasetIndex:
     jobs, unfinished = [], []
     for k in range(manifest["num_jobs"]):
         try:
-            job = _read(directory, job_manifest_name(k), f"prep job {k} has not run; run build_shards.py --job-index {k}",
-                        store)
+            job = _read(directory, job_manifest_name(k),
+                        f"prep job {k} has not run; run build_shards.py --job-index {k}", store)
         except FileNotFoundError:
             job = None
         if job is None or not job.get("complete"):

@@ -26,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass
 
 import fsspec
+import numpy as np
 
 from pipeline.data.format import index_path
 from pipeline.data.tar_shard import ShardCorrupt, ShardReader, sha256_mismatch
@@ -136,6 +137,13 @@ class ShardStore:
             raise IncompleteTransfer(f"the connection ended after {got} of {size} bytes")
         return h.hexdigest()
 
+    def _download_index(self, url: str, dest: str, samples: int) -> None:
+        """The ``.idx.npy`` sidecar, whose size no manifest records: a cut transfer shows as an unreadable array or
+        one of other than ``samples`` rows."""
+        self._download(url, dest, None)
+        if np.load(dest, allow_pickle=False).shape != (samples, 2):
+            raise IncompleteTransfer(f"the index has not the {samples} rows of its shard")
+
     def open(self, info, fingerprint: str, verify: bool) -> ShardReader:
         """A reader of the shard ``info`` (a ``manifest.ShardInfo`` whose path is a URL), downloaded unless cached,
         and opened while the shard's lock is held: no eviction removes it in between, and once open it stays
@@ -155,7 +163,7 @@ class ShardStore:
                 found = self._retry(info.path, lambda: self._download(info.path, parts[0], info.bytes))
                 if verify and found != info.sha256:
                     raise ShardCorrupt(sha256_mismatch(info.path, info.sha256, found))
-                self._retry(info.path, lambda: self._download(index_path(info.path), parts[1], None))
+                self._retry(info.path, lambda: self._download_index(index_path(info.path), parts[1], info.samples))
                 os.replace(parts[1], index_path(path))
                 os.replace(parts[0], path)  # last: a shard under its final name is complete, its sidecar beside it
             finally:
