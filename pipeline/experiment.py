@@ -27,7 +27,14 @@ class DataConfig:
     unit_shards: str = ""  # sentence-unit shards (build_shards.py --units) for contrastive objectives
     unit_micro_batch: int = 0  # sentence units per rank per micro-step (0: train.micro_batch)
     verify_shards: bool = True  # sha256 of each shard on first open, token ids against the vocabulary
-    RANGES: ClassVar[dict[str, str]] = {"seq_len": ">= 8", "num_workers": ">= 0", "unit_micro_batch": ">= 0"}
+    # shards (or unit_shards) at a URL: downloaded whole into cache_dir ("": $TMPDIR/decoder-encoders-shards, shared
+    # by the node's ranks), least recently used evicted beyond cache_max_gb; each transfer tried fetch_attempts times
+    cache_dir: str = ""
+    cache_max_gb: float = 64.0
+    fetch_attempts: int = 5
+    fetch_timeout_s: float = 60.0  # per connect or read on the socket
+    RANGES: ClassVar[dict[str, str]] = {"seq_len": ">= 8", "num_workers": ">= 0", "unit_micro_batch": ">= 0",
+                                        "cache_max_gb": "> 0", "fetch_attempts": ">= 1", "fetch_timeout_s": "> 0"}
 
 
 @dataclass

@@ -7,11 +7,15 @@ masking plans and MAGNET spans from ``make_sample``, real tar shards with ``.idx
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import torch
@@ -178,6 +182,15 @@ def launch_training(run_dir: str, experiment: str | None, *overrides: str, nproc
     return proc
 
 
+def one_error(proc: subprocess.CompletedProcess, prefix: str) -> str:
+    """The run failed with exactly one ``prefix:`` line and no traceback of ours; returns the line."""
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{prefix}:")]
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert len(lines) == 1, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    return lines[0]
+
+
 def logged_steps(run_dir: str) -> dict[int, dict]:
     """Step -> the scalars logged in ``metrics.jsonl``; a step logged twice (replayed after a resume) keeps its last."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -191,3 +204,41 @@ def loss_and_grads(objective, model, batch: Batch) -> tuple[float, int, dict[str
     out.loss_sum.backward()
     return out.loss_sum.item(), int(out.num_targets), {n: p.grad.clone() for n, p in model.named_parameters()
                                                       if p.grad is not None}
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves the server's directory; with ``server.drop`` set to a path, the first GET of it gets half the bytes
+    and a closed connection (a dropped transfer). ``server.gets`` counts the GETs of each path."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.server.gets[self.path] = self.server.gets.get(self.path, 0) + 1
+        if self.path != self.server.drop:
+            return super().do_GET()
+        self.server.drop = None
+        with open(self.translate_path(self.path), "rb") as f:
+            data = f.read()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data[: len(data) // 2])
+        self.close_connection = True
+
+
+@contextlib.contextmanager
+def http_server(directory: str, drop: str | None = None):
+    """A loopback HTTP server of ``directory`` in a thread, for the block; yields it (``server.url`` is its base)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(_QuietHandler, directory=directory))
+    server.drop, server.gets = drop, {}
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

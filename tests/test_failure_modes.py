@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from helpers import REPO, cpu_env, launch_training, logged_steps, make_shard_dir, train_command
+from helpers import REPO, cpu_env, launch_training, logged_steps, make_shard_dir, one_error, train_command
 
 from pipeline.config import ConfigError
 from pipeline.data.build import run_job
@@ -64,15 +64,6 @@ def run_train(run_dir: str, shards: str, *overrides: str, nproc: int = 2, launch
               env: dict | None = None) -> subprocess.CompletedProcess:
     return launch_training(run_dir, None, *TINY, f"data.shards={shards}", *overrides, nproc=nproc, env=env,
                            check=False, launcher=launcher)
-
-
-def one_error(proc: subprocess.CompletedProcess, prefix: str) -> str:
-    """The run failed with exactly one ``prefix:`` line and no traceback of ours; returns the line."""
-    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{prefix}:")]
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    assert len(lines) == 1, proc.stderr[-4000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    return lines[0]
 
 
 # ---------------------------------------------------------------- config values that destroy or crash

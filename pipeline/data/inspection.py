@@ -23,6 +23,7 @@ import torch
 from pipeline.data.format import UNMASKABLE, Sample, parse_key
 from pipeline.data.manifest import INDEX, DatasetIndex, load_index
 from pipeline.data.masking import POLICIES, apply_mask_plan
+from pipeline.data.remote import is_url
 from pipeline.data.tar_shard import ShardReader, sha256_file
 from pipeline.io import read_json
 from pipeline.tokenizer import load_tokenizer
@@ -225,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not 0.0 < a.ratio <= 1.0:
             raise ShardProblem(f"--ratio must be in (0, 1], got {a.ratio}")
+        if is_url(a.directory):
+            raise ShardProblem(f"{a.directory}: inspect_shards reads a local shard directory; copy it here first")
         index = load_index(a.directory)
         check_index_file(index)
         tok_path = a.tokenizer or read_json(os.path.join(index.directory, "manifest.json"), "")["tokenizer_path"]

@@ -11,6 +11,7 @@ import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from pipeline.data.batch import Batch, collate
 from pipeline.data.format import UNMASKABLE, Sample
 from pipeline.data.manifest import DatasetIndex, ShardInfo
 from pipeline.data.order import EvalOrder, TrainOrder
-from pipeline.data.tar_shard import ShardReader, sha256_file
+from pipeline.data.tar_shard import SHARD_FIX, ShardCorrupt, ShardReader, sha256_file, sha256_mismatch
 
 STATE_KEYS = ("fingerprint", "seed", "epoch", "samples_in_epoch", "samples_consumed", "global_batch")
 
@@ -49,14 +50,6 @@ def check_source(index: DatasetIndex, source: str, setting: str, readers: list[s
                          f"{', '.join(readers)} reads packed samples; point {setting} at shards built without --units")
 
 
-_SHARD_FIX = ("copy the shard again from where it was built, or rebuild the shard directory with "
-              "data_prep/build_shards.py; data_prep/inspect_shards.py DIR checks every shard")
-
-
-class ShardCorrupt(ValueError):
-    pass
-
-
 def check_enough_samples(index: DatasetIndex, global_batch: int, detail: str = "") -> None:
     """A loader yields whole global batches: a directory with fewer samples than one would yield nothing."""
     if index.num_samples < global_batch:
@@ -64,33 +57,39 @@ def check_enough_samples(index: DatasetIndex, global_batch: int, detail: str = "
                          f"{global_batch}{detail}; use a smaller batch or build more data")
 
 
+def _shard_size(index: DatasetIndex, info: ShardInfo) -> int:
+    try:
+        return os.path.getsize(info.path) if index.store is None else index.store.size(info.path)
+    except FileNotFoundError:
+        raise ShardCorrupt(f"{info.path}: listed in the manifests of {index.directory} but missing; "
+                           f"{SHARD_FIX}") from None
+
+
 def check_shard_sizes(index: DatasetIndex) -> None:
-    """Every shard of ``index`` exists with the size its manifest records: one stat each, so it runs at start-up
-    (a truncated copy or a missing file stops the run before training, not hours into it)."""
-    for info in index.shards:
-        try:
-            size = os.path.getsize(info.path)
-        except FileNotFoundError:
-            raise ShardCorrupt(f"{info.path}: listed in the manifests of {index.directory} but missing; "
-                               f"{_SHARD_FIX}") from None
+    """Every shard of ``index`` exists with the size its manifest records: one stat each (a HEAD request each at a
+    URL, 16 at a time), so it runs at start-up (a truncated copy or a missing file stops the run before training,
+    not hours into it)."""
+    with ThreadPoolExecutor(16 if index.store else 1) as pool:
+        sizes = list(pool.map(lambda info: _shard_size(index, info), index.shards))
+    for info, size in zip(index.shards, sizes):
         if size != info.bytes:
             raise ShardCorrupt(f"{info.path}: {size} bytes, the manifest records {info.bytes} (truncated or "
-                               f"overwritten); {_SHARD_FIX}")
+                               f"overwritten); {SHARD_FIX}")
 
 
 def verify_shard_hash(info: ShardInfo) -> None:
     """The shard's sha256 against its manifest: a flipped byte would otherwise train on changed data."""
     found = sha256_file(info.path)
     if found != info.sha256:
-        raise ShardCorrupt(f"{info.path}: sha256 mismatch: the manifest records {info.sha256}, the file has {found} "
-                           f"(changed after it was written: a disk or copy error); {_SHARD_FIX}")
+        raise ShardCorrupt(sha256_mismatch(info.path, info.sha256, found))
 
 
 class _SampleReader:
     """Global sample id -> Sample. Keeps at most ``max_open`` shard readers (index + file handle), least recently
     used first out, so a corpus of many thousand shards stays within file-descriptor limits. With ``verify`` each
     shard's sha256 is checked when this process first opens it, and every sample's token ids against the
-    tokenizer's vocabulary."""
+    tokenizer's vocabulary. A shard of a directory at a URL is read from the local cache its ``index.store``
+    downloads it into, where it was hashed on the way in."""
 
     def __init__(self, index: DatasetIndex, max_open: int, verify: bool = True):
         self.index = index
@@ -106,12 +105,15 @@ class _SampleReader:
         reader = self._open.pop(shard, None)
         if reader is None:
             info = self.index.shards[shard]
-            if self.verify and shard not in self._hashed:
-                verify_shard_hash(info)
-                self._hashed.add(shard)
-            reader = ShardReader(info.path)
+            if self.index.store is not None:
+                reader = self.index.store.open(info, self.index.fingerprint, self.verify)
+            else:
+                if self.verify and shard not in self._hashed:
+                    verify_shard_hash(info)
+                    self._hashed.add(shard)
+                reader = ShardReader(info.path)
             if len(reader) != info.samples:
-                raise ValueError(f"{info.path}: its index holds {len(reader)} samples, the job manifest says "
+                raise ValueError(f"{reader.path}: its index holds {len(reader)} samples, the job manifest says "
                                  f"{info.samples}; check it with data_prep/inspect_shards.py and rebuild the shard")
             if len(self._open) >= self.max_open:
                 self._open.popitem(last=False)[1].close()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from pipeline.data.build_config import BuildConfig, BuildError
 from pipeline.data.format import FORMAT_VERSION
+from pipeline.data.remote import ShardStore, is_url
 from pipeline.io import read_json, write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -121,7 +122,7 @@ def maybe_write_index(output: str, manifest: dict) -> bool:
 @dataclass(frozen=True)
 class ShardInfo:
     name: str
-    path: str
+    path: str  # a URL when the directory is one
     samples: int
     tokens: int
     bytes: int
@@ -135,6 +136,7 @@ class DatasetIndex:
     settings: dict
     shards: tuple[ShardInfo, ...]
     jobs: tuple[dict, ...]
+    store: ShardStore | None = None  # how to fetch the shards of a directory at a URL; None for a local one
 
     @property
     def num_samples(self) -> int:
@@ -158,9 +160,15 @@ class DatasetIndex:
         return self.settings.get("units")
 
 
-def load_manifest(directory: str) -> dict:
-    manifest = read_json(os.path.join(directory, MANIFEST),
-                         f"{directory} is not a shard directory; build one with data_prep/build_shards.py")
+def _read(directory: str, name: str, fix: str, store: ShardStore | None) -> dict:
+    if store is None:
+        return read_json(os.path.join(directory, name), fix)
+    return store.read_json(f"{directory}/{name}", fix)
+
+
+def load_manifest(directory: str, store: ShardStore | None = None) -> dict:
+    manifest = _read(directory, MANIFEST, f"{directory} is not a shard directory; build one with "
+                                          f"data_prep/build_shards.py", store)
     if manifest.get("format") != FORMAT_VERSION:
         raise ValueError(f"{directory}/{MANIFEST}: format {manifest.get('format')!r} is not {FORMAT_VERSION!r}; "
                          f"rebuild the shards with this version of data_prep/build_shards.py")
@@ -170,24 +178,32 @@ def load_manifest(directory: str) -> dict:
     return manifest
 
 
-def load_index(directory: str) -> DatasetIndex:
-    """All shards of a finished shard directory; raises naming the prep jobs still to (re)run."""
-    directory = os.path.abspath(directory)
-    manifest = load_manifest(directory)
+def load_index(directory: str, store: ShardStore | None = None) -> DatasetIndex:
+    """All shards of a finished shard directory (local, or at a URL: fetched through ``store``, by default a
+    :class:`ShardStore` with its defaults); raises naming the prep jobs still to (re)run."""
+    if is_url(directory):
+        directory, store = directory.rstrip("/"), store or ShardStore()
+    else:
+        directory, store = os.path.abspath(directory), None
+    manifest = load_manifest(directory, store)
     jobs, unfinished = [], []
     for k in range(manifest["num_jobs"]):
-        path = os.path.join(directory, job_manifest_name(k))
-        job = read_json(path, f"prep job {k} has not run; run build_shards.py --job-index {k}") \
-            if os.path.exists(path) else None
+        try:
+            job = _read(directory, job_manifest_name(k),
+                        f"prep job {k} has not run; run build_shards.py --job-index {k}", store)
+        except FileNotFoundError:
+            job = None
         if job is None or not job.get("complete"):
             unfinished.append(k)
             continue
         if job["fingerprint"] != manifest["fingerprint"]:
-            raise ValueError(f"{path}: fingerprint differs from {MANIFEST}; delete the directory and rebuild it")
+            raise ValueError(f"{directory}/{job_manifest_name(k)}: fingerprint differs from {MANIFEST}; delete the "
+                             f"directory and rebuild it")
         jobs.append(job)
     if unfinished:
         raise RuntimeError(f"{directory}: prep jobs {unfinished} of {manifest['num_jobs']} are not complete; "
                            f"run data_prep/build_shards.py with --job-index for each (re-running is safe)")
-    shards = sorted((ShardInfo(path=os.path.join(directory, s["name"]), **s) for job in jobs for s in job["shards"]),
+    join = (lambda name: f"{directory}/{name}") if store else (lambda name: os.path.join(directory, name))
+    shards = sorted((ShardInfo(path=join(s["name"]), **s) for job in jobs for s in job["shards"]),
                     key=lambda s: s.name)
-    return DatasetIndex(directory, manifest["fingerprint"], manifest["settings"], tuple(shards), tuple(jobs))
+    return DatasetIndex(directory, manifest["fingerprint"], manifest["settings"], tuple(shards), tuple(jobs), store)

@@ -11,6 +11,18 @@ import numpy as np
 from pipeline.data.format import Sample, append_sample_tar, index_path, read_sample, tar_end
 from pipeline.io import fsync_replace
 
+SHARD_FIX = ("copy the shard again from where it was built, or rebuild the shard directory with "
+             "data_prep/build_shards.py; data_prep/inspect_shards.py DIR checks every shard")
+
+
+class ShardCorrupt(ValueError):
+    pass
+
+
+def sha256_mismatch(where: str, expected: str, found: str) -> str:
+    return (f"{where}: sha256 mismatch: the manifest records {expected}, the file has {found} (changed after it was "
+            f"written: a disk or copy error); {SHARD_FIX}")
+
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
@@ -97,9 +109,14 @@ class ShardReader:
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, i: int) -> Sample:
-        if self._f is None:  # opened lazily so readers survive fork into dataloader workers
+    def open(self) -> ShardReader:
+        """Open the tar now rather than at the first read (a cached remote shard may be evicted once it is open)."""
+        if self._f is None:
             self._f = open(self.path, "rb")
+        return self
+
+    def __getitem__(self, i: int) -> Sample:
+        self.open()  # lazily by default, so readers survive fork into dataloader workers
         off, length = self.index[i]
         try:
             return read_sample(self._f, int(off), int(length))

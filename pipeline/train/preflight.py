@@ -20,7 +20,8 @@ from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import check_compatible, check_enough_samples, check_shard_sizes, check_source
 from pipeline.data.manifest import MANIFEST, DatasetIndex, load_index
-from pipeline.experiment import ExperimentConfig
+from pipeline.data.remote import ShardStore, is_url
+from pipeline.experiment import DataConfig, ExperimentConfig
 from pipeline.export.record import EncoderRecord, from_experiment
 from pipeline.lock import DirLock, describe
 from pipeline.model.build import check_checkpoint_shape, check_sliding_window, start_checkpoint_config
@@ -105,8 +106,19 @@ def check_resume_batch(exp: ExperimentConfig, world: int) -> None:
                           f"to resume with the new batch")
 
 
-def _has_shards(directory: str) -> bool:
-    return os.path.exists(os.path.join(directory, MANIFEST))
+def shard_store(d: DataConfig) -> ShardStore:
+    """How shard directories at a URL are fetched and cached."""
+    return ShardStore(d.cache_dir, int(d.cache_max_gb * 2**30), d.fetch_attempts, d.fetch_timeout_s)
+
+
+def _has_shards(directory: str, d: DataConfig) -> bool:
+    if not is_url(directory):
+        return os.path.exists(os.path.join(directory, MANIFEST))
+    try:
+        shard_store(d).size(f"{directory.rstrip('/')}/{MANIFEST}")
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Prepared:
@@ -118,7 +130,12 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
         objectives = [build_objectives(p, tokenizer, f"phases[{i}]") for i, p in enumerate(exp.phases)]
         _check_model(exp, tokenizer)
         d = exp.data
-        if not _has_shards(d.shards) and not d.build_if_missing:
+        has_shards = _has_shards(d.shards, d)
+        if is_url(d.shards) and not has_shards:
+            raise ConfigError(f"data.shards: {d.shards} has no {MANIFEST}, and shards are never built at a URL "
+                              f"(data.build_if_missing builds local directories only); build them with "
+                              f"data_prep/build_shards.py and upload the directory there")
+        if not has_shards and not d.build_if_missing:
             raise ConfigError(f"data.shards: {d.shards} is not a shard directory; build it with "
                               f"data_prep/build_shards.py or set data.build_if_missing=true with data.build_inputs")
         if data_sources(objectives)["units"] and not d.unit_shards:
@@ -140,19 +157,19 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
 def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
     """Rank 0's job: the packed shards from ``data.build_inputs`` when ``data.shards`` has none."""
     d = exp.data
-    if _has_shards(d.shards):
+    if _has_shards(d.shards, d):
         return
     print(f"building shards of {d.build_inputs} into {d.shards} (seq_len {d.seq_len})", flush=True)
     run_job(BuildConfig(inputs=tuple(d.build_inputs), tokenizer=tokenizer.path, output=d.shards, seq_len=d.seq_len,
                         workers=1, progress=False))
 
 
-def _check_index(directory: str, setting: str, tokenizer: Tokenizer, seq_len: int | None, source: str,
-                 readers: list[str], global_batch: int) -> DatasetIndex:
-    if not _has_shards(directory):
+def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
+                 source: str, readers: list[str], global_batch: int) -> DatasetIndex:
+    if not _has_shards(directory, d):
         raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with data_prep/build_shards.py"
                           + (" --units" if source == "units" else ""))
-    index = load_index(directory)
+    index = load_index(directory, shard_store(d))
     check_compatible(index, tokenizer.info.fingerprint, index.seq_len if seq_len is None else seq_len)
     if readers:
         check_source(index, source, setting, readers)
@@ -168,10 +185,10 @@ def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int) -> dict[
     """The index of each data source the run reads, checked against the tokenizer, the objectives and the batch."""
     readers = data_sources(prepared.objectives)
     t, d, tok = exp.train, exp.data, prepared.tokenizer
-    indexes = {"packed": _check_index(d.shards, "data.shards", tok, d.seq_len, "packed", readers["packed"],
+    indexes = {"packed": _check_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"],
                                       t.micro_batch * t.grad_accum * world)}
     if readers["units"]:
-        indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", tok, None, "units", readers["units"],
+        indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
                                         (d.unit_micro_batch or t.micro_batch) * t.grad_accum * world)
     return indexes
 
