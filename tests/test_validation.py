@@ -51,7 +51,7 @@ def test_held_out_fraction_is_never_trained_on(tmp_path):
     index = load_index(make_shard_dir(tmp_path, num_samples=50))
     k = held_out_count(index.num_samples, 0.1)
     train = index.num_samples - k
-    assert k == 5
+    assert k == 5 and held_out_count(100, 0.07) == 7  # 0.07 x 100 is 7.000000000000001 in floats
     for world in (1, 2):
         loaders = [ShardLoader(index, 2, 1, rank, world, num_samples=train) for rank in range(world)]
         epochs = 3
@@ -101,12 +101,16 @@ def test_preflight_refuses_held_out_sets_it_cannot_score(shards, tmp_path, overr
 
 
 def test_preflight_holds_the_last_samples_out(shards, tmp_path):
-    exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}"])
-    prepared = preflight(exp, rank=0, world=1)
-    prepared.lock.release()
+    """Also while validation is off: turning it on at a resume keeps the training order."""
     n = load_index(shards).num_samples
-    held = prepared.held_out
-    assert (held.first, held.count, prepared.train_samples) == (n - math.ceil(0.01 * n), 20, n - math.ceil(0.01 * n))
+    for every in (3, 0):
+        exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}",
+                                     f"eval.every={every}"])
+        prepared = preflight(exp, rank=0, world=1)
+        prepared.lock.release()
+        assert prepared.train_samples == n - 59
+        held = prepared.held_out
+        assert (held.first, held.count) == (n - 59, 20) if every else held is None
 
 
 

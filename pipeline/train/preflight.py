@@ -173,8 +173,8 @@ def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
 
 def held_out_count(num_samples: int, fraction: float) -> int:
     """The last ``ceil(fraction * num_samples)`` samples are held out: a function of the index alone, so training
-    reads the same samples on any number of ranks."""
-    return math.ceil(fraction * num_samples)
+    reads the same samples on any number of ranks. (Rounded first: 0.07 x 100 is 7.000000000000001 in floats.)"""
+    return math.ceil(round(fraction * num_samples, 6))
 
 
 def _check_index(directory: str, setting: str, tokenizer: Tokenizer, seq_len: int | None, source: str,
@@ -211,19 +211,20 @@ def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int) -> dict[
 
 def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer, packed: DatasetIndex) -> tuple[HeldOut | None, int]:
     """(the validation samples, the packed samples training reads): the first ``eval.samples`` of ``eval.shards``,
-    or of the last ``eval.holdout`` of ``data.shards``, which training then stops short of."""
+    or of the last ``eval.holdout`` of ``data.shards``. Training stops short of a holdout even while ``eval.every``
+    is 0, so turning validation on at a resume does not change the training order."""
     v = exp.eval
+    train = packed.num_samples - held_out_count(packed.num_samples, v.holdout)
     if not v.every:
-        return None, packed.num_samples
+        return None, train
     if v.shards:
         index = _check_index(v.shards, "eval.shards", tokenizer, exp.data.seq_len, "packed", ["validation"], 1)
         if index.fingerprint == packed.fingerprint:
             raise ConfigError(f"eval.shards: {v.shards} holds the samples of data.shards, all of which training "
                               f"reads; point it at held-out shards, or hold samples out with eval.holdout")
-        first, train = 0, packed.num_samples
+        first = 0
     else:
-        index, first = packed, packed.num_samples - held_out_count(packed.num_samples, v.holdout)
-        train = first
+        index, first = packed, train
     available = index.num_samples - first
     if v.samples > available:
         raise ConfigError(f"eval.samples: {v.samples} samples to score, but {index.directory} holds out only "
