@@ -245,8 +245,8 @@ def report(args: argparse.Namespace, shape: Shape, world: int, samples: dict[str
         evals = samples["ours"]["eval"]
         step, evaluation = statistics.median(ours), statistics.median(evals)
         print(f"validation: {len(evals)} evaluations of {args.eval_samples} held-out samples, "
-              f"{args.eval_micro_batch or shape.micro_batch} a forward (CLM of the phase + 3 "
-              f"probes), median {evaluation * 1e3:.0f} ms = {evaluation / step:.2f} training steps; every "
+              f"{args.eval_micro_batch or shape.micro_batch} a forward (the phase's CLM, which is the CLM "
+              f"probe, and the MLM and MNTP probes: 3 forwards), median {evaluation * 1e3:.0f} ms = {evaluation / step:.2f} training steps; every "
               f"{args.eval_every} steps: training with validation / without = "
               f"{1 + evaluation / (args.eval_every * step):.3f}x")
 

@@ -9,6 +9,7 @@ once, so the numbers do not depend on the number of ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -31,6 +32,13 @@ def probes(config: ValidationConfig, tokenizer: Tokenizer) -> list[WeightedObjec
     return [WeightedObjective(spec.name, 1.0, make_objective(spec, tokenizer), name) for name, spec in specs.items()]
 
 
+def forward_of(o: WeightedObjective) -> str:
+    """What the objective's forward computes: its class, its config but for the loss's weight and name, and its
+    attention. Objectives alike in these (a phase's CLM and the CLM probe) run once and are logged under both names."""
+    config = dataclasses.replace(o.objective.config, weight=1.0, log_as="")
+    return repr((type(o.objective).__name__, config, o.objective.document_masking))
+
+
 @dataclass
 class Validator:
     config: ValidationConfig
@@ -50,6 +58,7 @@ class Validator:
         started = time.time()
         scored = [("loss", "acc", o) for o in phase if o.objective.source == "packed"]
         scored += [("probe", "probe_acc", p) for p in self.probes]
+        forwards = {forward_of(o): o.objective for _, _, o in scored}
         sums: dict[tuple[str, str, str], torch.Tensor] = {}
         h = self.held_out
         engine.eval()
@@ -57,8 +66,9 @@ class Validator:
             for batch in iter_eval(h.index, self.micro_batch, dist.get_rank(), dist.get_world_size(),
                                    verify=self.verify, first=h.first, count=h.count):
                 batch = batch.to(device)
+                outputs = {f: engine(objective, batch) for f, objective in forwards.items()}
                 for kind, acc, o in scored:
-                    for own, out in engine(o.objective, batch).items():
+                    for own, out in outputs[forward_of(o)].items():
                         key = (kind, acc, o.loss_name(own))
                         total = torch.stack([t.detach().double() for t in out])  # loss sum, targets, correct
                         sums[key] = sums[key] + total if key in sums else total
