@@ -8,6 +8,10 @@ In 2 ranks of ZeRO-3 on CPU (gloo), two identically configured engines start fro
       ``pipeline.train.step.train_step`` with the CLM objective (target-only head, document masking, global
       target-count normalisation), then the loop's per-step bookkeeping (grad norm, stop agreement, metrics).
 
+With ``--eval-every N`` (b) also runs the trainer's validation (``pipeline.train.validation.Validator``: the
+phase's CLM and the three probes on ``--eval-samples`` held-out samples) after every N-th step, timed apart from
+the step, and it prints what validation adds to training: one evaluation against the N steps it follows.
+
 Steps alternate between (a) and (b) so machine noise hits both alike; it prints medians, where the time goes,
 and the ratio (goal <= 1.05): the median over steps of ours / the bare step just before it, which follows a
 shared machine's changing load better than the ratio of medians (also printed). Shards come from the embedded
@@ -16,6 +20,7 @@ vocabulary. Run from the repository root:
 
     python bench/bench_trainer.py --shape tiny      # tiny preset, seq 128
     python bench/bench_trainer.py --shape h256      # hidden 256, 4 layers, seq 256: compute dominates
+    python bench/bench_trainer.py --shape tiny --eval-every 50 --eval-samples 256   # the cost of validation
 
 It relaunches itself under ``torch.distributed.run`` with ``--nproc`` ranks (DS_ACCELERATOR=cpu, 1 thread each).
 """
@@ -104,7 +109,7 @@ def run(args: argparse.Namespace) -> None:
     from pipeline.data.build_config import BuildConfig
     from pipeline.data.loader import ShardLoader
     from pipeline.data.manifest import load_index
-    from pipeline.experiment import load_experiment
+    from pipeline.experiment import ValidationConfig, load_experiment
     from pipeline.model.presets import ModelPreset
     from pipeline.run_dir import RunDir
     from pipeline.tokenizer import load_tokenizer
@@ -112,9 +117,11 @@ def run(args: argparse.Namespace) -> None:
     from pipeline.train.metrics import MetricsLogger
     from pipeline.train.module import build_train_model
     from pipeline.train.phases import build_objectives
+    from pipeline.train.preflight import HeldOut
     from pipeline.train.schedule import lr_scheduler
     from pipeline.train.signals import StopRequest
     from pipeline.train.step import train_step
+    from pipeline.train.validation import Validator, probes
 
     deepspeed.utils.logger.setLevel("WARNING")
     deepspeed.init_distributed(dist_backend="gloo")
@@ -155,7 +162,12 @@ def run(args: argparse.Namespace) -> None:
     bare, _bare_module = engine_for(use_train_module=False)  # the module holds HfDeepSpeedConfig alive
     ours, _ours_module = engine_for(use_train_module=True)
     index = load_index(shards)
-    loader = ShardLoader(index, shape.micro_batch, args.grad_accum, rank, world, exp.train.seed)
+    validation = ValidationConfig(every=args.eval_every, holdout=0.01, samples=args.eval_samples)
+    held = HeldOut(index, index.num_samples - args.eval_samples, args.eval_samples)
+    validator = Validator(validation, held, probes(validation, tokenizer),
+                          args.eval_micro_batch or shape.micro_batch, verify=False)
+    loader = ShardLoader(index, shape.micro_batch, args.grad_accum, rank, world, exp.train.seed,
+                         num_samples=held.first)
     fixed = [b.input_ids for b in ShardLoader(index, shape.micro_batch, args.grad_accum, rank, world,
                                               exp.train.seed).next_global_step()]  # ours' first step's batch
     metrics = MetricsLogger(RunDir(exp.run_dir), rank == 0, exp.train.log_every)
@@ -202,6 +214,12 @@ def run(args: argparse.Namespace) -> None:
                 for part, seconds in engine.times.items():
                     parts[part].append(seconds)
                 parts["other"].append(total - sum(engine.times.values()))
+        if args.eval_every and (i + 1) % args.eval_every == 0:
+            dist.barrier()
+            start = time.perf_counter()
+            validator.run(ours, [clm], cpu)
+            dist.barrier()
+            samples["ours"]["eval"].append(time.perf_counter() - start)
     metrics.close({})
     if rank == 0:
         report(args, shape, world, samples)
@@ -223,6 +241,14 @@ def report(args: argparse.Namespace, shape: Shape, world: int, samples: dict[str
     print(f"trainer / bare DeepSpeed step time: {paired:.3f}x (median of paired steps), "
           f"{med['ours']['total'] / med['bare']['total']:.3f}x (ratio of medians), "
           f"{min(ours) / min(bare):.3f}x (best steps); goal <= 1.05x")
+    if args.eval_every:
+        evals = samples["ours"]["eval"]
+        step, evaluation = statistics.median(ours), statistics.median(evals)
+        print(f"validation: {len(evals)} evaluations of {args.eval_samples} held-out samples, "
+              f"{args.eval_micro_batch or shape.micro_batch} a forward (the phase's CLM, which is the CLM "
+              f"probe, and the MLM and MNTP probes: 3 forwards), median {evaluation * 1e3:.0f} ms = {evaluation / step:.2f} training steps; every "
+              f"{args.eval_every} steps: training with validation / without = "
+              f"{1 + evaluation / (args.eval_every * step):.3f}x")
 
 
 def main() -> int:
@@ -232,6 +258,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps of each loop first")
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--nproc", type=int, default=2, help="ranks (processes)")
+    parser.add_argument("--eval-every", type=int, default=0, help="validation after every N-th step (0: none)")
+    parser.add_argument("--eval-samples", type=int, default=256, help="held-out samples each validation scores")
+    parser.add_argument("--eval-micro-batch", type=int, default=0, help="validation rows per rank per forward "
+                                                                         "(0: the shape's micro-batch)")
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "bench_trainer"),
                         help="shards, initial weights and metrics go here (replaced on every run)")
     args = parser.parse_args()

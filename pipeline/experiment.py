@@ -137,6 +137,31 @@ class CheckpointConfig:
     RANGES: ClassVar[dict[str, str]] = {"every": ">= 1", "keep_last": ">= 1", "keep_every": ">= 0"}
 
 
+@dataclass
+class ValidationConfig:
+    """Validation during training (key ``eval``): a fixed set of held-out samples scored every ``every`` steps and
+    at the end, with the phase's objectives and the fixed probes that compare runs across objectives and phases.
+    Not ``pipeline.eval``'s config: that one evaluates an exported model."""
+
+    every: int = 0  # steps between evaluations, and one at the end; 0: no validation
+    shards: str = ""  # held-out shard directory; "": the last `holdout` of data.shards, which training never reads
+    holdout: float = 0.0  # fraction of data.shards' samples (its last ones) held out from training when shards is ""
+    samples: int = 256  # held-out samples scored each time (the first ones; 0: all): the fixed set
+    micro_batch: int = 0  # rows per rank per forward (0: train.micro_batch)
+    probes: bool = True  # CLM perplexity, MLM at 15 % (80-10-10), MNTP at 20 %, whatever the phase trains
+    mask_token: str | None = None  # the probes' mask token (None: the tokenizer's), as objectives' mask_token
+    RANGES: ClassVar[dict[str, str]] = {"every": ">= 0", "holdout": "[0, 1)", "samples": ">= 0",
+                                        "micro_batch": ">= 0"}
+
+    def validate(self) -> None:
+        if self.shards and self.holdout:
+            raise ConfigError(f"eval.holdout: {self.holdout} holds samples of data.shards out, but eval.shards "
+                              f"({self.shards}) is the held-out directory; set one of them")
+        if self.every and not (self.shards or self.holdout):
+            raise ConfigError("eval.every: validation needs held-out samples; set eval.shards to a held-out shard "
+                              "directory or eval.holdout to a fraction of data.shards (e.g. eval.holdout=0.01)")
+
+
 DEFAULT_NAME = "sample-tiny-clm"  # the embedded default experiment's run
 
 
@@ -150,6 +175,7 @@ class ExperimentConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: ValidationConfig = field(default_factory=ValidationConfig)
 
     def validate(self) -> None:
         self.name = self.name or (os.path.basename(os.path.normpath(self.run_dir)) if self.run_dir else DEFAULT_NAME)

@@ -50,10 +50,14 @@ def check_source(index: DatasetIndex, source: str, setting: str, readers: list[s
                          f"{', '.join(readers)} reads packed samples; point {setting} at shards built without --units")
 
 
-def check_enough_samples(index: DatasetIndex, global_batch: int, detail: str = "") -> None:
-    """A loader yields whole global batches: a directory with fewer samples than one would yield nothing."""
-    if index.num_samples < global_batch:
-        raise ValueError(f"{index.directory} holds {index.num_samples} samples, fewer than one global batch of "
+def check_enough_samples(index: DatasetIndex, global_batch: int, detail: str = "",
+                         num_samples: int | None = None) -> None:
+    """A loader yields whole global batches: a directory with fewer samples than one would yield nothing.
+    ``num_samples``: the samples training reads, when some are held out (default: all)."""
+    n = index.num_samples if num_samples is None else num_samples
+    if n < global_batch:
+        held = f", {n} of them for training ({index.num_samples - n} held out)" if n != index.num_samples else ""
+        raise ValueError(f"{index.directory} holds {index.num_samples} samples{held}, fewer than one global batch of "
                          f"{global_batch}{detail}; use a smaller batch or build more data")
 
 
@@ -203,12 +207,14 @@ class ShardLoader:
     of an unfinished step). The state is global, so it loads into a loader with another ``dp_world``,
     ``micro_batch``, ``grad_accum`` or ``num_workers`` as long as its global batch divides the samples consumed in
     the epoch. ``verify`` checks each shard's sha256 when a process first opens it and every sample's token ids
-    (its cost: BENCHMARKS.md).
+    (its cost: BENCHMARKS.md). ``num_samples``: train on the first ones only (default all), the rest being held
+    out for validation; a function of the index alone, so the held-out samples are the same on any world size.
     """
 
     def __init__(self, index: DatasetIndex, micro_batch: int, grad_accum: int = 1, dp_rank: int = 0,
                  dp_world: int = 1, seed: int = 0, num_workers: int = 0, pin_memory: bool = False,
-                 prefetch_factor: int = 2, max_open_shards: int = 64, verify: bool = True):
+                 prefetch_factor: int = 2, max_open_shards: int = 64, verify: bool = True,
+                 num_samples: int | None = None):
         if micro_batch < 1 or grad_accum < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
             raise ValueError(f"need micro_batch >= 1, grad_accum >= 1 and 0 <= dp_rank < dp_world, got "
                              f"micro_batch={micro_batch} grad_accum={grad_accum} dp_rank={dp_rank} dp_world={dp_world}")
@@ -217,9 +223,10 @@ class ShardLoader:
         self.index = index
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.prefetch_factor, self.max_open_shards, self.verify = prefetch_factor, max_open_shards, verify
-        self._order = TrainOrder(index.num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world)
+        num_samples = index.num_samples if num_samples is None else num_samples
+        self._order = TrainOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world)
         check_enough_samples(index, self.global_batch, f" (micro_batch {micro_batch} x grad_accum {grad_accum} x "
-                                                       f"dp_world {dp_world})")
+                                                       f"dp_world {dp_world})", num_samples)
         self._samples_consumed_at_start = 0
         self._micro_consumed = 0  # micro-batches handed out since the order's start_step
         self._iterator: Iterator[Batch] | None = None
@@ -268,7 +275,7 @@ class ShardLoader:
                 "epoch": step // self.batches_per_epoch,
                 "samples_in_epoch": step % self.batches_per_epoch * self.global_batch,
                 "samples_consumed": self._samples_consumed_at_start + self._steps_done * self.global_batch,
-                "global_batch": self.global_batch}
+                "global_batch": self.global_batch, "num_samples": self._order.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at the global sample where ``state`` stopped; drops any running workers."""
@@ -282,6 +289,11 @@ class ShardLoader:
         if state["seed"] != self._order.seed:
             raise ValueError(f"the loader state was saved with seed {state['seed']}, this loader has seed "
                              f"{self._order.seed}; resume with the run's seed, or start a new run")
+        trained_on = state.get("num_samples", self._order.num_samples)  # states saved before holdouts lack it
+        if trained_on != self._order.num_samples:
+            raise ValueError(f"the loader state was saved training on {trained_on} samples of "
+                             f"{self.index.directory}, this loader trains on {self._order.num_samples} (another "
+                             f"eval.holdout?); resume with the run's holdout, or start a new run")
         if state["samples_in_epoch"] % self.global_batch:
             raise ValueError(f"the run stopped {state['samples_in_epoch']} samples into epoch {state['epoch']}, not a "
                              f"multiple of this loader's global batch {self.global_batch} (micro_batch x grad_accum x "
@@ -300,14 +312,19 @@ class ShardLoader:
 
 
 def iter_eval(index: DatasetIndex, micro_batch: int, dp_rank: int = 0, dp_world: int = 1, num_workers: int = 0,
-              max_open_shards: int = 64, verify: bool = True) -> Iterator[Batch]:
+              max_open_shards: int = 64, verify: bool = True, first: int = 0,
+              count: int | None = None) -> Iterator[Batch]:
     """Every sample exactly once, in stored order, split over ranks. Every rank gets the same number of
     micro-batches of ``micro_batch`` rows, so ZeRO-3's collective forward never waits on a rank that ran out; the
     last round is filled up with padding rows (key "", ``doc_ids`` all -1), which no objective takes targets from.
     The evaluated set is the same for any ``micro_batch`` and ``dp_world``: sum losses and target counts over the
-    batches and reduce once at the end."""
+    batches and reduce once at the end. ``first``, ``count``: only samples [first, first + count) (default all)."""
     if micro_batch < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
         raise ValueError(f"need micro_batch >= 1 and 0 <= dp_rank < dp_world, got micro_batch={micro_batch} "
                          f"dp_rank={dp_rank} dp_world={dp_world}")
-    order = EvalOrder(index.num_samples, micro_batch, dp_rank, dp_world)
+    count = index.num_samples - first if count is None else count
+    if first < 0 or count < 1 or first + count > index.num_samples:
+        raise ValueError(f"samples [{first}, {first + count}) are not within the {index.num_samples} samples of "
+                         f"{index.directory}")
+    order = EvalOrder(count, micro_batch, dp_rank, dp_world, first)
     yield from _data_loader(_MicroBatches(index, order, max_open_shards, verify), num_workers, False, 2)

@@ -85,14 +85,16 @@ class TrainOrder:
 
 @dataclass(frozen=True)
 class EvalOrder:
-    """Every sample once, in stored order. Round t covers [t*M*W, (t+1)*M*W) and rank r takes the r-th slice of M,
-    so all ranks get the same number of micro-batches (ZeRO-3's forward is a collective). Slots past the last
-    sample are -1: the loader fills them with padding rows, so every micro-batch has M rows."""
+    """Samples ``first`` .. ``first + num_samples - 1`` once each, in stored order. Round t covers [t*M*W, (t+1)*M*W)
+    of them and rank r takes the r-th slice of M, so all ranks get the same number of micro-batches (ZeRO-3's
+    forward is a collective). Slots past the last sample are -1: the loader fills them with padding rows, so every
+    micro-batch has M rows."""
 
     num_samples: int
     micro_batch: int
     dp_rank: int
     dp_world: int
+    first: int = 0
 
     @property
     def num_batches(self) -> int:
@@ -100,4 +102,4 @@ class EvalOrder:
 
     def sample_ids(self, j: int) -> np.ndarray:
         ids = np.arange(self.micro_batch) + (j * self.dp_world + self.dp_rank) * self.micro_batch
-        return np.where(ids < self.num_samples, ids, -1)
+        return np.where(ids < self.num_samples, ids + self.first, -1)

@@ -49,7 +49,8 @@ class MetricsLogger:
         self.start = time.time()
 
     def log(self, step: int, scalars: dict[str, float], phase: str) -> None:
-        """Every step goes to metrics.jsonl and TensorBoard; every ``log_every``-th step also to stdout."""
+        """Every step goes to metrics.jsonl and TensorBoard; every ``log_every``-th step, and every step with a
+        validation (``eval/*``), also to stdout."""
         if not self.enabled:
             return
         for k, v in scalars.items():
@@ -63,6 +64,10 @@ class MetricsLogger:
             print(f"step {step:>6} [{phase}] {losses} lr={scalars['optim/lr']:.2e} "
                   f"gnorm={scalars['optim/grad_norm']:.3f}{skipped} tok/s={scalars['perf/tokens_per_s']:,.0f}{mfu} "
                   f"data_wait={scalars['perf/data_wait']:.1%} mem={scalars['perf/mem_gib']:.2f}GiB", flush=True)
+        if "eval/seconds" in scalars:
+            shown = " ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in scalars.items()
+                             if k.startswith(("eval/loss/", "eval/probe/", "eval/probe_ppl/")))
+            print(f"eval {step:>6} [{phase}] {shown} ({scalars['eval/seconds']:.1f}s)", flush=True)
 
     def close(self, summary: dict) -> None:
         if not self.enabled:
@@ -98,7 +103,7 @@ def _step_of(line: str) -> float:
 
 def plot_losses(history_path: str, out: str) -> str:
     """loss.png: every objective's loss against the step (a resumed run's replayed steps keep their last value),
-    with the phase boundaries marked."""
+    the validation losses and probes as dashed lines with a marker at each evaluation, and the phase boundaries."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,9 +116,11 @@ def plot_losses(history_path: str, out: str) -> str:
             by_step[rec["step"]] = rec
     steps = sorted(by_step)
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key in sorted({k for r in by_step.values() for k in r if k.startswith("loss/")}):
+    for key in sorted({k for r in by_step.values() for k in r if k.startswith(("loss/", "eval/loss/", "eval/probe/"))}):
         xs = [s for s in steps if key in by_step[s]]
-        ax.plot(xs, [by_step[s][key] for s in xs], label=key.split("/", 1)[1])
+        held_out = key.startswith("eval/")
+        ax.plot(xs, [by_step[s][key] for s in xs], label=key.split("/", 1)[1] if not held_out else key,
+                **({"linestyle": "--", "marker": "o", "markersize": 3} if held_out else {}))
     for prev, cur in zip(steps, steps[1:]):
         if by_step[cur]["phase"] != by_step[prev]["phase"]:
             ax.axvline(cur, color="grey", linestyle=":")

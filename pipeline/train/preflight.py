@@ -9,6 +9,7 @@ all the trainer needs to build the run: the trainer trusts it and checks nothing
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -26,11 +27,20 @@ from pipeline.export.record import EncoderRecord, from_experiment
 from pipeline.lock import DirLock, describe
 from pipeline.model.build import check_checkpoint_shape, check_sliding_window, start_checkpoint_config
 from pipeline.model.presets import PRESETS
+from pipeline.objectives.base import resolve_mask_id
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 from pipeline.train import errors
 from pipeline.train.module import attn_implementation, fused_kind
 from pipeline.train.phases import WeightedObjective, build_objectives, data_sources
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The fixed validation set: samples [first, first + count) of ``index``."""
+    index: DatasetIndex
+    first: int
+    count: int
 
 
 @dataclass
@@ -42,6 +52,8 @@ class Prepared:
     bf16: bool
     fused: str  # the AdamW kernel (module.fused_kind)
     indexes: dict[str, DatasetIndex] = field(default_factory=dict)  # per data source ("packed", "units")
+    held_out: HeldOut | None = None  # the validation samples (eval.every > 0)
+    train_samples: int | None = None  # the packed samples training reads, the first ones (None: all)
     lock: DirLock | None = None  # held by rank 0 for the run's life
     notes: list[str] = field(default_factory=list)  # for rank 0 to print
 
@@ -142,6 +154,8 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
             raise ConfigError("data.unit_shards: an objective reads sentence units (e.g. simcse, sscl) but "
                               "data.unit_shards is empty; build them with data_prep/build_shards.py --units and "
                               "set data.unit_shards")
+        if exp.eval.every and exp.eval.probes:
+            _check_probe_mask(exp.eval.mask_token, tokenizer)
         check_resume_batch(exp, world)
         prepared = Prepared(tokenizer, objectives, from_experiment(exp, tokenizer),
                             attn_implementation(exp.model, cuda),
@@ -154,6 +168,16 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
     return prepared
 
 
+def _check_probe_mask(mask_token: str | None, tokenizer: Tokenizer) -> None:
+    try:
+        resolve_mask_id(tokenizer, mask_token)
+    except ValueError:
+        what = (f"{mask_token!r} is not a single token of" if mask_token is not None
+                else "null uses the mask token of, but there is none in")
+        raise ConfigError(f"eval.mask_token: the MLM and MNTP probes mask tokens: {what} tokenizer {tokenizer.path}; "
+                          f"set eval.mask_token to a token of its vocabulary, or eval.probes=false") from None
+
+
 def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
     """Rank 0's job: the packed shards from ``data.build_inputs`` when ``data.shards`` has none."""
     d = exp.data
@@ -164,8 +188,14 @@ def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
                         workers=1, progress=False))
 
 
+def held_out_count(num_samples: int, fraction: float) -> int:
+    """The last ``ceil(fraction * num_samples)`` samples are held out: a function of the index alone, so training
+    reads the same samples on any number of ranks. (Rounded first: 0.07 x 100 is 7.000000000000001 in floats.)"""
+    return math.ceil(round(fraction * num_samples, 6))
+
+
 def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
-                 source: str, readers: list[str], global_batch: int) -> DatasetIndex:
+                 source: str, readers: list[str], global_batch: int, holdout: float = 0.0) -> DatasetIndex:
     if not _has_shards(directory, d):
         raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with data_prep/build_shards.py"
                           + (" --units" if source == "units" else ""))
@@ -175,22 +205,49 @@ def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokeniz
         check_source(index, source, setting, readers)
     check_shard_sizes(index)
     try:
-        check_enough_samples(index, global_batch)
+        check_enough_samples(index, global_batch,
+                             num_samples=index.num_samples - held_out_count(index.num_samples, holdout))
     except ValueError as e:
         raise ConfigError(f"{setting}: {e}") from None
     return index
 
 
 def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int) -> dict[str, DatasetIndex]:
-    """The index of each data source the run reads, checked against the tokenizer, the objectives and the batch."""
+    """The index of each data source the run reads, checked against the tokenizer, the objectives and the batch;
+    the held-out samples into ``prepared``."""
     readers = data_sources(prepared.objectives)
     t, d, tok = exp.train, exp.data, prepared.tokenizer
     indexes = {"packed": _check_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"],
-                                      t.micro_batch * t.grad_accum * world)}
+                                      t.micro_batch * t.grad_accum * world, exp.eval.holdout)}
+    prepared.held_out, prepared.train_samples = check_held_out(exp, tok, indexes["packed"])
     if readers["units"]:
         indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
                                         (d.unit_micro_batch or t.micro_batch) * t.grad_accum * world)
     return indexes
+
+
+def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer, packed: DatasetIndex) -> tuple[HeldOut | None, int]:
+    """(the validation samples, the packed samples training reads): the first ``eval.samples`` of ``eval.shards``,
+    or of the last ``eval.holdout`` of ``data.shards``. Training stops short of a holdout even while ``eval.every``
+    is 0, so turning validation on at a resume does not change the training order."""
+    v = exp.eval
+    train = packed.num_samples - held_out_count(packed.num_samples, v.holdout)
+    if not v.every:
+        return None, train
+    if v.shards:
+        index = _check_index(v.shards, "eval.shards", exp.data, tokenizer, exp.data.seq_len, "packed",
+                             ["validation"], 1)
+        if index.fingerprint == packed.fingerprint:
+            raise ConfigError(f"eval.shards: {v.shards} holds the samples of data.shards, all of which training "
+                              f"reads; point it at held-out shards, or hold samples out with eval.holdout")
+        first = 0
+    else:
+        index, first = packed, train
+    available = index.num_samples - first
+    if v.samples > available:
+        raise ConfigError(f"eval.samples: {v.samples} samples to score, but {index.directory} holds out only "
+                          f"{available}; set eval.samples={available} (or 0: all of them), or hold out more")
+    return HeldOut(index, first, v.samples or available), train
 
 
 def preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool = False) -> Prepared:

@@ -5,7 +5,8 @@
 optimizer step, :class:`~pipeline.train.checkpoint.Checkpointer` resume and save,
 :class:`~pipeline.train.metrics.MetricsLogger` metrics.jsonl, TensorBoard and the console line,
 :class:`~pipeline.train.guard.DivergenceGuard` bad steps, :class:`~pipeline.train.signals.StopRequest` the stop
-signal, :func:`~pipeline.train.export.export_engine` the HF export at the end.
+signal, :class:`~pipeline.train.validation.Validator` the held-out evaluation when due,
+:func:`~pipeline.train.export.export_engine` the HF export at the end.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from pipeline.data.loader import ShardLoader
-from pipeline.data.manifest import DatasetIndex
 from pipeline.experiment import ExperimentConfig
 from pipeline.export.record import EncoderRecord
 from pipeline.model.flops import device_peak_tflops, work_flops
@@ -33,6 +33,7 @@ from pipeline.train.phases import WeightedObjective
 from pipeline.train.preflight import Prepared
 from pipeline.train.signals import StopRequest
 from pipeline.train.step import train_step
+from pipeline.train.validation import Validator, probes
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Trainer:
     device: torch.device
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0
+    validator: Validator | None = None  # None without eval.every
 
     @classmethod
     def build(cls, exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopRequest,
@@ -69,7 +71,10 @@ class Trainer:
                                                                        index.num_samples, index.num_tokens))
         if rank == 0:
             run.write_run_files(files)
-        loaders = _open_loaders(exp, prepared.indexes, rank, world, device.type == "cuda")
+        loaders = _open_loaders(exp, prepared, rank, world, device.type == "cuda")
+        v = exp.eval
+        validator = Validator(v, prepared.held_out, probes(v, tokenizer) if v.probes else [],
+                              v.micro_batch or exp.train.micro_batch, exp.data.verify_shards) if v.every else None
         checkpoints = Checkpointer(engine, run, exp.checkpoint, files)
         client = checkpoints.resume()
         if client is not None:
@@ -82,7 +87,7 @@ class Trainer:
                    MetricsLogger(run, rank == 0, exp.train.log_every, start_step=step),
                    Throughput(device_peak_tflops(exp.train.peak_tflops), world),
                    DivergenceGuard(exp.train.max_bad_steps, skipped_before=engine.skipped_steps), stop, device,
-                   step, tokens_seen)
+                   step, tokens_seen, validator)
 
     def fit(self) -> dict:
         """Train to ``train.steps``, or until a stop; returns the summary."""
@@ -108,6 +113,8 @@ class Trainer:
                           "optim/skipped_steps": self.engine.skipped_steps}
                        | self.throughput.scalars(tokens, seconds, t_data, work_flops(self.lm.config, result.work))
                        | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx})
+            if self.validator is not None and self.validator.due(self.step, self.exp.train.steps):
+                scalars |= self.validator.run(self.engine, self.objectives[phase_idx], self.device)
             self.metrics.log(self.step, scalars, phase.name)
             self.guard.check(self.step, losses, grad_norm, self.checkpoints.last_good)
             if self._checkpoint_or_stop():
@@ -155,10 +162,13 @@ class Trainer:
         return summary
 
 
-def _open_loaders(exp: ExperimentConfig, indexes: dict[str, DatasetIndex], rank: int, world: int,
+def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: int,
                   pin: bool) -> dict[str, ShardLoader]:
-    """A loader per data source: the packed shards, and the sentence units when an objective reads them."""
+    """A loader per data source: the packed shards (short of the held-out samples), and the sentence units when an
+    objective reads them."""
     t, d = exp.train, exp.data
     micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch}
+    samples = {"packed": prepared.train_samples}
     return {src: ShardLoader(index, micro[src], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
-                             verify=d.verify_shards) for src, index in indexes.items()}
+                             verify=d.verify_shards, num_samples=samples.get(src))
+            for src, index in prepared.indexes.items()}

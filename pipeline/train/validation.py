@@ -1,0 +1,87 @@
+"""Validation during training: the fixed held-out samples scored with the phase's objectives and the fixed probes.
+
+The probes compare runs whatever they train: CLM perplexity, MLM at 15 % with the 80-10-10 policy (ModernBERT's
+and Ettin's setting) and MNTP at 20 %, each the training objective itself built from its config. The masks come
+from the shards' precomputed plans, so every evaluation scores the same masked positions. Every rank runs the same
+forwards (``iter_eval`` pads the last round), and the sums of losses, targets and correct predictions are reduced
+once, so the numbers do not depend on the number of ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pipeline.data.loader import iter_eval
+from pipeline.experiment import ValidationConfig
+from pipeline.objectives import CLMConfig, MLMConfig, MNTPConfig, make_objective
+from pipeline.tokenizer import Tokenizer
+from pipeline.train.phases import WeightedObjective
+from pipeline.train.preflight import HeldOut
+
+
+def probes(config: ValidationConfig, tokenizer: Tokenizer) -> list[WeightedObjective]:
+    """The fixed probes, named by objective and ratio (``eval/probe/mlm15``)."""
+    specs = {"clm": CLMConfig(), "mlm15": MLMConfig(ratio=0.15, policy="80-10-10", mask_token=config.mask_token),
+             "mntp20": MNTPConfig(ratio=0.2, policy="80-10-10", mask_token=config.mask_token)}
+    return [WeightedObjective(spec.name, 1.0, make_objective(spec, tokenizer), name) for name, spec in specs.items()]
+
+
+def forward_of(o: WeightedObjective) -> str:
+    """What the objective's forward computes: its class, its config but for the loss's weight and name, and its
+    attention. Objectives alike in these (a phase's CLM and the CLM probe) run once and are logged under both names."""
+    config = dataclasses.replace(o.objective.config, weight=1.0, log_as="")
+    return repr((type(o.objective).__name__, config, o.objective.document_masking))
+
+
+@dataclass
+class Validator:
+    config: ValidationConfig
+    held_out: HeldOut
+    probes: list[WeightedObjective]
+    micro_batch: int  # rows per rank per forward
+    verify: bool  # data.verify_shards: checked on the first evaluation, which reads every held-out sample
+
+    def due(self, step: int, last: int) -> bool:
+        return step % self.config.every == 0 or step == last
+
+    @torch.no_grad()
+    def run(self, engine, phase: list[WeightedObjective], device: torch.device) -> dict[str, float]:
+        """``eval/loss/<name>`` and ``eval/acc/<name>`` of the phase's objectives that read packed samples,
+        ``eval/probe/<probe>`` and ``eval/probe_acc/<probe>``, ``eval/probe_ppl/clm``, and ``eval/seconds``.
+        Dropout is off while it runs (eval mode) and the engine is back in train mode after."""
+        started = time.time()
+        scored = [("loss", "acc", o) for o in phase if o.objective.source == "packed"]
+        scored += [("probe", "probe_acc", p) for p in self.probes]
+        forwards = {forward_of(o): o.objective for _, _, o in scored}
+        sums: dict[tuple[str, str, str], torch.Tensor] = {}
+        h = self.held_out
+        engine.eval()
+        try:
+            for batch in iter_eval(h.index, self.micro_batch, dist.get_rank(), dist.get_world_size(),
+                                   verify=self.verify, first=h.first, count=h.count):
+                batch = batch.to(device)
+                outputs = {f: engine(objective, batch) for f, objective in forwards.items()}
+                for kind, acc, o in scored:
+                    for own, out in outputs[forward_of(o)].items():
+                        key = (kind, acc, o.loss_name(own))
+                        total = torch.stack([t.detach().double() for t in out])  # loss sum, targets, correct
+                        sums[key] = sums[key] + total if key in sums else total
+        finally:
+            engine.train()
+        self.verify = False
+        keys = list(sums)
+        reduced = torch.stack([sums[k] for k in keys])
+        dist.all_reduce(reduced)
+        scalars: dict[str, float] = {}
+        for (kind, acc, name), (loss, targets, correct) in zip(keys, reduced.tolist()):
+            scalars[f"eval/{kind}/{name}"] = loss / max(targets, 1.0)
+            scalars[f"eval/{acc}/{name}"] = correct / max(targets, 1.0)
+        if "eval/probe/clm" in scalars:
+            scalars["eval/probe_ppl/clm"] = math.exp(scalars["eval/probe/clm"])
+        return scalars | {"eval/seconds": time.time() - started}
