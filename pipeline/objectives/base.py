@@ -152,9 +152,9 @@ class Objective(ABC):
     ``source``, ``predicts_tokens``); ``attention_mode`` and ``loss_weights`` follow from the config. The
     trainer's contract, which objectives other than token prediction (contrastive ones) implement directly:
     ``attach`` adds trainable heads before the engine is built, ``num_targets(batch)`` counts targets without the
-    model (as tensors on the batch's device), ``body_work(batch)`` counts what the forward's body runs (the MFU), and ``__call__(model, batch)``
-    returns the ``ObjectiveOutput`` of each named loss (``loss_weights``' names; ``{name: output}`` for an
-    objective with one loss), ``num_targets`` the count of each.
+    model (as tensors on the batch's device), ``body_work(batch)`` counts what the forward's body runs (the MFU),
+    and ``__call__(model, batch)`` returns the ``ObjectiveOutput`` of each named loss (``loss_weights``' names;
+    ``{name: output}`` for an objective with one loss), ``num_targets`` the count of each.
     """
 
     name: ClassVar[str]
