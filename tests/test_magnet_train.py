@@ -21,7 +21,9 @@ from pipeline.config import to_dict
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.experiment import load_experiment
+from pipeline.model.attention import FLEX
 from pipeline.tokenizer import load_tokenizer
+from pipeline.train.module import attn_implementation
 from pipeline.train.phases import build_objectives
 
 EXPERIMENTS = os.path.join(REPO, "experiments", "magnet")
@@ -66,6 +68,20 @@ def test_the_variants_are_the_ablations():
                       "no-msg.yaml": {"mntp", "sscl"}, "mntp-only.yaml": {"mntp"}}
     first = load_experiment(os.path.join(EXPERIMENTS, "magnet-two-stage.yaml")).phases[0]
     assert [(o.name, getattr(o, "msg_weight", None)) for o in first.objectives] == [("magnet", 0.0), ("sscl", None)]
+
+
+def test_magnet_trains_on_flex_with_token_edits_for_the_positive_view():
+    """The shipped MAGNET run makes SSCL's x+ by attention dropout, which FlexAttention has not, so on CUDA it trains
+    on dense-mask SDPA; the documented flex recipe (x+ by cropping, no attention dropout) validates, builds its
+    objectives and resolves to the block-sparse kernel (docs/magnet.md, "Attention dropout and FlexAttention")."""
+    recipe = ["model.attention_dropout=0", "phases.0.objectives.1.augment=crop"]
+    for name in ("magnet.yaml", "magnet-smoke.yaml"):
+        path = os.path.join(EXPERIMENTS, name)
+        assert attn_implementation(load_experiment(path).model, cuda=True) == "sdpa"
+        assert attn_implementation(load_experiment(path, recipe).model, cuda=True) == FLEX
+    smoke = load_experiment(os.path.join(EXPERIMENTS, "magnet-smoke.yaml"), recipe)  # the sample tokenizer's
+    magnet, sscl = build_objectives(smoke.phases[0], load_tokenizer(TOKENIZER))
+    assert (magnet.objective.name, sscl.objective.config.augment) == ("magnet", "crop")
 
 
 def build_data(root, docs: list[str], tokenizer: str) -> list[str]:

@@ -299,7 +299,7 @@ def test_model_flops_of_a_micro_batch_are_what_its_forward_and_backward_compute(
     lm = tiny_llama(tokenizer, attention_dropout=0.1)  # SimCSE's and SSCL's dropout views
     objective.attach(lm)
     tokens, pairs = objective.body_work(batch).tolist()
-    head_targets = sum(objective.num_targets(batch).values()) if objective.predicts_tokens else 0
+    head_targets = int(sum(objective.num_targets(batch).values())) if objective.predicts_tokens else 0
     with FlopCounterMode(display=False) as counter:
         sum(out.loss_sum for out in objective(lm, batch).values()).backward()
     expected = work_flops(lm.config, Work(tokens=tokens, head_targets=head_targets, attended_pairs=pairs))

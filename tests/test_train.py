@@ -272,6 +272,20 @@ def test_ds_config_auto_fields_and_conflicts():
         resolve_ds_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, exp, world_size=1, bf16=False)
 
 
+def test_ds_config_reduces_and_accumulates_bf16_gradients_in_fp32():
+    """bf16 weights get fp32 gradient reduction and (with ZeRO) fp32 accumulation unless the JSON chooses; fp32
+    training and stage 0 (where DeepSpeed cannot accumulate bf16 gradients in fp32) are left alone."""
+    exp = load_experiment(None)
+    zero3 = resolve_ds_config({"zero_optimization": {"stage": 3}}, exp, world_size=2, bf16=True)
+    assert zero3["communication_data_type"] == "fp32" and zero3["data_types"] == {"grad_accum_dtype": "fp32"}
+    stage0 = resolve_ds_config({}, exp, world_size=2, bf16=True)
+    assert stage0["communication_data_type"] == "fp32" and "data_types" not in stage0
+    assert not {"communication_data_type", "data_types"} & set(resolve_ds_config({}, exp, world_size=2, bf16=False))
+    theirs = resolve_ds_config({"zero_optimization": {"stage": 2}, "communication_data_type": "bf16",
+                                "data_types": {"grad_accum_dtype": "bf16"}}, exp, world_size=2, bf16=True)
+    assert theirs["communication_data_type"] == "bf16" and theirs["data_types"] == {"grad_accum_dtype": "bf16"}
+
+
 def test_experiment_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"phases.0.objectives.0.name: 'bert' is not allowed; choose one of"):
         load_experiment(None, ["phases=[{objectives: [{name: bert}]}]"])

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import make_shard_dir, packed_text_batch
+from torch.overrides import TorchFunctionMode
 
 from pipeline.config import ConfigError, from_dict
 from pipeline.data.loader import ShardLoader
@@ -153,3 +156,40 @@ def test_two_objectives_of_one_loss_name_are_refused_or_kept_apart():
     counts = {name: n for o in objectives for loss, n in o.objective.num_targets(batch).items()
               for name in [o.loss_name(loss)]}
     assert counts["mlm40"] > counts["mlm"] > 0  # each normalised by its own targets, not by their sum
+
+
+class HostReads(TorchFunctionMode):
+    """Records the project's own calls that read tensor values back to the host (``.item()``, ``.tolist()``,
+    ``bool()``/``int()``/``float()``, ``nonzero``, a boolean index), by the file calling them: on a GPU each waits
+    for everything queued on the device."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero}
+
+    def __init__(self):
+        super().__init__()
+        self.files = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        bool_index = (func is torch.Tensor.__getitem__ and isinstance(args[1], torch.Tensor)
+                      and args[1].dtype == torch.bool)
+        caller = sys._getframe(1).f_code.co_filename
+        if (func in self.READS or bool_index) and os.sep + "pipeline" + os.sep in caller:
+            self.files[os.path.basename(caller)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_reads_back_only_the_target_gathers_the_mask_decision_and_its_results():
+    """A CLM + MAGNET step of 2 micro-batches: no read-back before the forward (the target counts are normalised on
+    the device), one per loss and micro-batch to gather the head's target rows, one a micro-batch for CLM's choice
+    of is_causal or a mask and two for MAGNET's span check, then one for the logged results and one for the grad
+    norm (measured by the trainer at stage 0, as here). Before: 36, with a read of every count and every result."""
+    tokenizer = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
+    objectives = build_objectives(from_dict(PhaseSpec, {"objectives": [{"name": "clm"}, {"name": "magnet"}]}),
+                                  tokenizer)
+    lm = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id,
+                     bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    batch = packed_text_batch(tokenizer, ["The river rises in the hills and flows south to the sea."] * 8)
+    with HostReads() as reads:
+        train_step(FakeEngine(TrainModule(lm)), objectives, {"packed": [batch, batch]}, 1, 2)
+    assert reads.files == {"base.py": 2 * 3, "attention.py": 2, "magnet.py": 2 * 2, "step.py": 2}

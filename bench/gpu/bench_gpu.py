@@ -444,7 +444,7 @@ def measure(row: Row, engine, wobj, loader, device, settings: Settings) -> None:
         if i >= settings.warmup:
             times.append(time.perf_counter() - start)
             tokens += sum(int((b.doc_ids >= 0).sum()) for b in batches)
-            targets += sum(n for b in batches for n in wobj.objective.num_targets(b).values())
+            targets += sum(int(n) for b in batches for n in wobj.objective.num_targets(b).values())
             if row.attention == "flex":  # the block mask this step built, again, timed on its own
                 b, mode = batches[0], wobj.objective.attention_mode
                 t0 = time.perf_counter()

@@ -144,9 +144,10 @@ def skipped_blocks(block_mask: BlockMask) -> float:
 def _needs_mask(mode: str, doc_ids: torch.Tensor, document_masking: bool) -> bool:
     if mode not in _PLAIN_IS_CAUSAL:
         return True
-    if (doc_ids < 0).any():
-        return True
-    return document_masking and bool((doc_ids != doc_ids[:, :1]).any())
+    needs = doc_ids < 0  # padding; and with document masking, a row of several documents
+    if document_masking:
+        needs = needs | (doc_ids != doc_ids[:, :1])
+    return bool(needs.any())  # one host sync: whether the batch runs is_causal without a mask
 
 
 def attention_inputs(mode: str, doc_ids: torch.Tensor, span_ids: torch.Tensor | None = None, *,

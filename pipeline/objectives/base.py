@@ -136,11 +136,12 @@ def next_token_targets(input_ids: torch.Tensor, labels_from: torch.Tensor, doc_i
 def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets) -> ObjectiveOutput:
     """LM head and cross-entropy on the source positions only (fp32 logits); a ``ChunkedLMHead`` (the trainer's,
     ``model.lm_head_chunk``) computes them a chunk of targets at a time."""
-    labels = targets.labels[targets.source]
+    where = targets.source.nonzero(as_tuple=True)  # the one host sync of a loss: the head's row count
+    labels = targets.labels[where]
     if isinstance(lm_head, ChunkedLMHead):
-        loss_sum, correct = lm_head(hidden[targets.source], labels)
+        loss_sum, correct = lm_head(hidden[where], labels)
     else:
-        loss_sum, correct = cross_entropy(lm_head(hidden[targets.source]).float(), labels)
+        loss_sum, correct = cross_entropy(lm_head(hidden[where]).float(), labels)
     return ObjectiveOutput(loss_sum=loss_sum, num_targets=targets.source.sum(), num_correct=correct)
 
 
@@ -151,9 +152,9 @@ class Objective(ABC):
     ``source``, ``predicts_tokens``); ``attention_mode`` and ``loss_weights`` follow from the config. The
     trainer's contract, which objectives other than token prediction (contrastive ones) implement directly:
     ``attach`` adds trainable heads before the engine is built, ``num_targets(batch)`` counts targets without the
-    model, ``body_work(batch)`` counts what the forward's body runs (the MFU), and ``__call__(model, batch)``
-    returns the ``ObjectiveOutput`` of each named loss (``loss_weights``' names; ``{name: output}`` for an
-    objective with one loss), ``num_targets`` the count of each.
+    model (as tensors on the batch's device), ``body_work(batch)`` counts what the forward's body runs (the MFU),
+    and ``__call__(model, batch)`` returns the ``ObjectiveOutput`` of each named loss (``loss_weights``' names;
+    ``{name: output}`` for an objective with one loss), ``num_targets`` the count of each.
     """
 
     name: ClassVar[str]
@@ -202,10 +203,10 @@ class Objective(ABC):
         several losses) need not."""
         raise NotImplementedError(f"objective {self.name!r} has no single token-target set")
 
-    def num_targets(self, batch: Batch) -> dict[str, int]:
-        """Targets of each loss in ``batch`` without running the model, so the trainer can normalise a step before
-        backward."""
-        return {self.name: int(self.targets(batch).source.sum())}
+    def num_targets(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Targets of each loss in ``batch`` (int64 scalars on its device, not read back: no host sync) without
+        running the model, so the trainer can normalise a step before backward."""
+        return {self.name: self.targets(batch).source.sum()}
 
     def body_work(self, batch: Batch) -> torch.Tensor:
         """(tokens, attended pairs) of the decoder body's passes over ``batch`` (``pipeline.model.flops``), on the

@@ -106,8 +106,8 @@ class Magnet(MaskedObjective):
             targets["msg"] = next_token_targets(input_ids, batch.input_ids, batch.doc_ids, in_span)
         return MagnetView(input_ids, span_ids, targets)
 
-    def num_targets(self, batch: Batch) -> dict[str, int]:
-        return {name: int(t.source.sum()) for name, t in self.view(batch).targets.items()}
+    def num_targets(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return {name: t.source.sum() for name, t in self.view(batch).targets.items()}
 
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         view = self.view(batch)
@@ -118,11 +118,12 @@ class Magnet(MaskedObjective):
 def check_spans(batch: Batch) -> None:
     """MSG needs spans, and spans only over document tokens; say which samples are wrong and what to do."""
     over_padding = ((batch.span_ids >= 0) & (batch.doc_ids < 0)).any(-1)
-    if over_padding.any():
+    corrupt, has_spans = torch.stack([over_padding.any(), (batch.span_ids >= 0).any()]).tolist()  # one host sync
+    if corrupt:
         keys = [k for k, bad in zip(batch.keys, over_padding.tolist()) if bad]
         raise ValueError(f"samples {keys}: a MAGNET span overlaps padding; the shards are corrupt or were not "
                          "written by data_prep/build_shards.py (check them with data_prep/inspect_shards.py)")
-    if not (batch.span_ids >= 0).any():
+    if not has_spans:
         raise ValueError(f"samples {batch.keys} have no MAGNET spans, so the MSG loss has no target: the shards were "
                          "built with --span-fraction 0, from documents shorter than --span-min + 1 tokens, or are "
                          "sentence-unit shards; rebuild packed shards with --span-fraction > 0 (e.g. 0.15), or turn "

@@ -76,9 +76,9 @@ class SimCSE(Objective):
         special = torch.isin(batch.input_ids, self.special_ids.to(batch.input_ids.device))
         return (batch.doc_ids >= 0) & ~special
 
-    def num_targets(self, batch: Batch) -> dict[str, int]:
+    def num_targets(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One query per unit; padding rows (no text) have none."""
-        return {self.name: int(self.text_tokens(batch).any(-1).sum())}
+        return {self.name: self.text_tokens(batch).any(-1).sum()}
 
     def body_work(self, batch: Batch) -> torch.Tensor:
         """Two passes: the batch runs stacked on itself."""

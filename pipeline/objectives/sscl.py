@@ -150,9 +150,9 @@ class SSCL(Objective):
                              last=torch.tensor([max(len(r) - 1, 0) for r in rows], device=device),
                              valid=torch.tensor([len(r) > 0 for r in anchors], device=device))
 
-    def num_targets(self, batch: Batch) -> dict[str, int]:
+    def num_targets(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One query per unit."""
-        return {self.name: int((batch.doc_ids >= 0).any(-1).sum())}
+        return {self.name: (batch.doc_ids >= 0).any(-1).sum()}
 
     def body_work(self, batch: Batch) -> torch.Tensor:
         """Two views of each unit, the instruction prepended to both; the positive counted at the anchor's length

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import deepspeed
 import torch
+from deepspeed.utils import set_z3_leaf_modules
 from torch import nn
 from transformers.integrations import HfDeepSpeedConfig
 
@@ -94,6 +95,9 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     if exp.model.activation_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if exp.model.compile:
+        if stage3:  # ZeRO-3's hooks are compiler-disabled: gather each layer whole in its own hook, outside the
+            # compiled forward, instead of one hook per Linear inside it (a graph break at each)
+            set_z3_leaf_modules(lm, list({type(layer) for layer in lm.model.layers}))
         compile_body(lm)
     model = TrainModule(lm)
     model._hf_ds_config = hf_ds

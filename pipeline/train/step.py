@@ -41,25 +41,27 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     the step equals one big-batch step whatever the split; DeepSpeed averages gradients over ranks and
     micro-steps, hence the ``world * grad_accum`` factor. The step's work is summed in the same all-reduce.
     """
-    counts: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    head_targets = 0.0
+    # Everything counted and summed stays on the device until the one read-back at the end: a host sync drains
+    # the device's queue, so one before (or inside) the forward would leave it idle while the host launches.
     device = next(engine.module.parameters()).device
+    counts: dict[str, torch.Tensor] = {}
+    weights: dict[str, float] = {}
+    head_targets = torch.zeros((), dtype=torch.float64, device=device)
     body = torch.zeros(2, dtype=torch.float64, device=device)
     for o in step_objs:
         for b in batches[o.objective.source]:
             body += o.objective.body_work(b)
             for own, n in o.objective.num_targets(b).items():
                 name = o.loss_name(own)
-                counts[name] = counts.get(name, 0.0) + float(n)
+                counts[name] = counts.get(name, 0.0) + n.double()
                 weights[name] = o.weight * o.objective.loss_weights[own]
-                head_targets += float(n) if o.objective.predicts_tokens else 0.0
+                head_targets += n if o.objective.predicts_tokens else 0.0
     names = list(counts)
-    reduced = torch.cat([torch.tensor([*(counts[n] for n in names), head_targets], dtype=torch.float64,
-                                      device=device), body])
+    reduced = torch.cat([torch.stack([counts[n] for n in names]), head_targets[None], body])
     dist.all_reduce(reduced)
-    *targets, head_targets, tokens, pairs = reduced.tolist()
-    total = {n: max(t, 1.0) for n, t in zip(names, targets)}
+    total = reduced[: len(names)].clamp(min=1.0)
+    # fp32 like the Python float it replaces, which multiplied an fp32 loss as fp32: the losses stay bit-identical
+    scale = (world * grad_accum / total).float()
     sums = torch.zeros(len(names), 2, device=device)
     lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside the last step()
     for micro in range(grad_accum):
@@ -67,8 +69,9 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
         for o in step_objs:
             for own, (loss_sum, _, correct) in engine(o.objective, batches[o.objective.source][micro]).items():
                 name = o.loss_name(own)
-                loss = loss + weights[name] * loss_sum * (world * grad_accum / total[name])
-                sums[names.index(name)] += torch.stack([loss_sum.detach().float(), correct.float()])
+                i = names.index(name)
+                loss = loss + weights[name] * loss_sum * scale[i]
+                sums[i] += torch.stack([loss_sum.detach().float(), correct.float()])
         engine.backward(loss)
         if micro == grad_accum - 1:
             grad_norm = _unreported_grad_norm(engine)
@@ -76,7 +79,10 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     if grad_norm is None:  # None only where the DeepSpeed config turns it off (zero_optimization.compute_grad_norm)
         grad_norm = engine.get_global_grad_norm()
     dist.all_reduce(sums)
-    return StepResult({n: sums[i, 0].item() / total[n] for i, n in enumerate(names)},
-                      {n: sums[i, 1].item() / total[n] for i, n in enumerate(names)}, lr,
+    k = len(names)  # the step's one read-back: the logged losses and accuracies, their target counts, the work
+    values = torch.cat([sums.double().flatten(), total, reduced[k:]]).tolist()
+    sums_read, totals, (head_targets, tokens, pairs) = values[: 2 * k], values[2 * k : 3 * k], values[3 * k :]
+    return StepResult({n: sums_read[2 * i] / totals[i] for i, n in enumerate(names)},
+                      {n: sums_read[2 * i + 1] / totals[i] for i, n in enumerate(names)}, lr,
                       float(grad_norm if grad_norm is not None else 0.0),
                       Work(tokens=tokens, head_targets=head_targets, attended_pairs=pairs))

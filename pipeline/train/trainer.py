@@ -96,13 +96,13 @@ class Trainer:
         while self.step < self.exp.train.steps:
             t0 = time.time()
             phase_idx, phase = self.exp.phase_at(self.step)
-            batches = self._next_batches(self.objectives[phase_idx])
+            batches, local_tokens = self._next_batches(self.objectives[phase_idx])
             t_data = time.time() - t0
             result = train_step(self.engine, self.objectives[phase_idx], batches, dist.get_world_size(),
                                 self.exp.train.grad_accum)
             losses = result.losses
             self.step += 1
-            tokens = dist.get_world_size() * sum(int((b.doc_ids >= 0).sum()) for bs in batches.values() for b in bs)
+            tokens = dist.get_world_size() * local_tokens
             self.tokens_seen += tokens
             seconds = time.time() - t0
             grad_norm = result.grad_norm
@@ -121,9 +121,13 @@ class Trainer:
                 break
         return self._finish(started)
 
-    def _next_batches(self, step_objs: list[WeightedObjective]) -> dict[str, list]:
-        return {src: [b.to(self.device) for b in self.loaders[src].next_global_step()]
-                for src in sorted({o.objective.source for o in step_objs})}
+    def _next_batches(self, step_objs: list[WeightedObjective]) -> tuple[dict[str, list], int]:
+        """The step's micro-batches of each source on the device, and this rank's non-padding tokens in them,
+        counted on the host copies (counting on the device would wait for it). The copies are asynchronous: the
+        loaders pin the host memory on CUDA."""
+        host = {src: self.loaders[src].next_global_step() for src in sorted({o.objective.source for o in step_objs})}
+        tokens = sum(int((b.doc_ids >= 0).sum()) for bs in host.values() for b in bs)
+        return {src: [b.to(self.device, non_blocking=True) for b in bs] for src, bs in host.items()}, tokens
 
     def _save(self) -> None:
         self.checkpoints.save(self.step, {
