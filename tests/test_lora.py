@@ -80,6 +80,7 @@ def init_dir(tmp_path_factory) -> str:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # several launches: the slow suite
 def test_a_zero3_lora_run_exports_merged_weights_and_resumes_exactly(shards, init_dir, tmp_path):
     def run(name, *extra):
         launch_training(str(tmp_path / name), None, *RUN, f"data.shards={shards}", f"model.init={init_dir}", *extra)

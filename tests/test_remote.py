@@ -181,6 +181,7 @@ def test_url_without_shards_is_a_config_error_and_nothing_is_built(tmp_path, mon
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # several launches: the slow suite
 def test_two_rank_zero3_run_over_http_has_the_local_losses(tmp_path):
     data = tmp_path / "data"
     run_job(BuildConfig(inputs=(os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),),

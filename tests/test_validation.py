@@ -174,6 +174,7 @@ def test_validation_is_logged_at_its_steps(baseline):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # several launches: the slow suite
 def test_a_resumed_run_logs_the_validation_of_the_uninterrupted_one(baseline, shards, init_dir, tmp_path):
     run_dir = str(tmp_path / "resumed")
     assert "stopped at step 4" in launch(run_dir, shards, init_dir, "train.stop_at_step=4").stdout
@@ -182,6 +183,7 @@ def test_a_resumed_run_logs_the_validation_of_the_uninterrupted_one(baseline, sh
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # several launches: the slow suite
 def test_one_rank_logs_the_validation_of_two(baseline, shards, init_dir, tmp_path):
     """Same global batch (1 rank accumulating 2 micro-batches) and the same eval micro-batches: the numbers differ
     only by fp32 summation order in ZeRO-3's reductions during training (as the trainer's losses, test_train.py)."""
