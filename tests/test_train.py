@@ -107,7 +107,7 @@ def reference_losses(shards: str, init_dir: str, run_dir: str) -> Reference:
     out, norms = [], []
     for _ in range(STEPS):
         batches = loader.next_global_step()
-        count = sum(clm.objective.num_targets(b)["clm"] for b in batches)
+        count = int(sum(clm.objective.num_targets(b)["clm"] for b in batches))
         total = 0.0
         for b in batches:
             loss_sum, _, _ = model(clm.objective, b)["clm"]
