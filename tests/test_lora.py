@@ -12,13 +12,10 @@ import torch
 from helpers import REPO, launch_training, logged_steps
 from safetensors.torch import load_file
 
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
 from pipeline.experiment import SAMPLE_DIR, load_experiment
 from pipeline.model.build import build_model
 from pipeline.model.lora import LLM2VEC_TARGETS, add_lora, lora_params, merge_lora
 from pipeline.planner.estimates import model_states
-from pipeline.tokenizer import load_tokenizer
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 RUN = ["train.steps=6", "train.micro_batch=2", "train.log_every=1", "optim.warmup_steps=0", "optim.decay_steps=0",
@@ -57,26 +54,6 @@ def test_lora_is_validated_and_counted_by_the_planner():
     full = model_states(8_000_000_000, 500_000_000, 3, False, 1, 8)
     lora = model_states(8_000_000_000, 500_000_000, 3, False, 1, 8, trainable=42_000_000)
     assert lora.params16 == full.params16 and lora.adam == full.adam * 42 / 8000
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("data") / "shards")
-    run_job(BuildConfig(inputs=(os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),), tokenizer=TOKENIZER,
-                        output=out, seq_len=64, samples_per_shard=512, progress=False))
-    return out
-
-
-@pytest.fixture(scope="module")
-def init_dir(tmp_path_factory) -> str:
-    tok = load_tokenizer(TOKENIZER)
-    torch.manual_seed(0)
-    lm = build_model("tiny", tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
-                     eos_token_id=tok.info.eos_id)
-    out = str(tmp_path_factory.mktemp("init") / "tiny")
-    lm.save_pretrained(out)
-    tok.hf.save_pretrained(out)
-    return out
 
 
 @pytest.mark.e2e

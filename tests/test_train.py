@@ -19,8 +19,6 @@ import torch
 from helpers import ZERO3, free_port, launch_training, logged_steps
 
 from pipeline.config import ConfigError
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import ShardLoader
 from pipeline.data.manifest import load_index
 from pipeline.experiment import SAMPLE_DIR, load_experiment
@@ -52,28 +50,6 @@ def launch(run_dir: str, shards: str, init: str, *overrides: str, nproc: int = 2
 def losses(run_dir: str) -> dict[int, float]:
     """Step -> loss; a step logged twice (replayed after a resume) keeps its last value."""
     return {step: rec["loss/clm"] for step, rec in logged_steps(run_dir).items()}
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("data") / "shards")
-    run_job(BuildConfig(inputs=(os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),), tokenizer=TOKENIZER,
-                        output=out, seq_len=64, samples_per_shard=512, progress=False))
-    return out
-
-
-@pytest.fixture(scope="module")
-def init_dir(tmp_path_factory) -> str:
-    """A tiny random HF checkpoint, so the ZeRO-3 run and the reference loop start from the same weights (and a
-    run started from an HF checkpoint directory is exercised)."""
-    tok = load_tokenizer(TOKENIZER)
-    torch.manual_seed(0)
-    lm = build_model("tiny", tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
-                     eos_token_id=tok.info.eos_id)
-    out = str(tmp_path_factory.mktemp("init") / "tiny")
-    lm.save_pretrained(out)
-    tok.hf.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import math
 import os
 
 import pytest
-import torch
 from helpers import launch_training, logged_steps, make_shard_dir
 
 from pipeline.config import ConfigError
@@ -20,8 +19,6 @@ from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import ShardLoader, iter_eval
 from pipeline.data.manifest import load_index
 from pipeline.experiment import SAMPLE_DIR, load_experiment
-from pipeline.model.build import build_model
-from pipeline.tokenizer import load_tokenizer
 from pipeline.train.preflight import held_out_count, preflight
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
@@ -125,19 +122,6 @@ def test_preflight_takes_a_separate_held_out_directory_whole(shards, tmp_path):
     held = prepared.held_out
     assert (held.index.directory, held.first, held.count) == (held_dir, 0, load_index(held_dir).num_samples)
     assert prepared.train_samples == load_index(shards).num_samples
-
-
-@pytest.fixture(scope="module")
-def init_dir(tmp_path_factory) -> str:
-    """A tiny random HF checkpoint: 1 and 2 ZeRO-3 ranks start from the same weights."""
-    tok = load_tokenizer(TOKENIZER)
-    torch.manual_seed(0)
-    lm = build_model("tiny", tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
-                     eos_token_id=tok.info.eos_id)
-    out = str(tmp_path_factory.mktemp("init") / "tiny")
-    lm.save_pretrained(out)
-    tok.hf.save_pretrained(out)
-    return out
 
 
 def launch(run_dir: str, shards: str, init: str, *overrides: str, nproc: int = 2):

@@ -1,0 +1,38 @@
+"""Fixtures shared by the training tests (a module that defines its own fixture of the same name uses that one)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
+from pipeline.experiment import SAMPLE_DIR
+from pipeline.model.build import build_model
+from pipeline.tokenizer import load_tokenizer
+
+TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("data") / "shards")
+    run_job(BuildConfig(inputs=(os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),), tokenizer=TOKENIZER,
+                        output=out, seq_len=64, samples_per_shard=512, progress=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def init_dir(tmp_path_factory) -> str:
+    """A tiny random HF checkpoint, so the ZeRO-3 run and the reference loop start from the same weights (and a
+    run started from an HF checkpoint directory is exercised)."""
+    tok = load_tokenizer(TOKENIZER)
+    torch.manual_seed(0)
+    lm = build_model("tiny", tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
+                     eos_token_id=tok.info.eos_id)
+    out = str(tmp_path_factory.mktemp("init") / "tiny")
+    lm.save_pretrained(out)
+    tok.hf.save_pretrained(out)
+    return out
