@@ -26,6 +26,7 @@ class DataConfig:
     build_if_missing: bool = True  # rank 0 builds the shards from build_inputs when the directory has none
     unit_shards: str = ""  # sentence-unit shards (build_shards.py --units) for contrastive objectives
     unit_micro_batch: int = 0  # sentence units per rank per micro-step (0: train.micro_batch)
+    pair_shards: str = ""  # (query, positive, negatives) shards (build_shards.py --pairs) for the supervised objective
     verify_shards: bool = True  # sha256 of each shard on first open, token ids against the vocabulary
     # shards (or unit_shards) at a URL: downloaded whole into cache_dir ("": $TMPDIR/decoder-encoders-shards, shared
     # by the node's ranks), least recently used evicted beyond cache_max_gb; each transfer tried fetch_attempts times
@@ -185,6 +186,7 @@ class ExperimentConfig:
             phase.validate()
             for j, objective in enumerate(phase.objectives):
                 objective.check_attention_dropout(self.model.attention_dropout, f"phases[{i}].objectives[{j}]")
+                objective.check_step(self.train.grad_accum, len(phase.objectives), f"phases[{i}].objectives[{j}]")
         if not math.isclose(sum(p.share for p in self.phases), 1.0, abs_tol=1e-6):
             raise ConfigError(f"phases: shares must sum to 1, got {[p.share for p in self.phases]}")
         if self.optim.schedule == "wsd" and self.optim.warmup_steps + self.optim.decay_steps > self.train.steps:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from pipeline.data.format import Sample
+from pipeline.data.format import UNMASKABLE, Sample
 
 
 @dataclass
@@ -21,6 +21,10 @@ class Batch:
     # int64 [B, L] the units' paraphrases (MAGNET's x+), wrapped and padded like input_ids; None when the shards
     # carry none (built without --paraphrase-field)
     paraphrase_ids: torch.Tensor | None = None
+    # pairs shards only (build_shards.py --pairs): int64 [B, t, 2] each slot's pooled text tokens (positions in the
+    # sample) and int64 [B, t] each slot's text hash; None for other shards
+    pool_spans: torch.Tensor | None = None
+    text_hash: torch.Tensor | None = None
 
     def _map(self, fn) -> Batch:
         return Batch(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
@@ -53,6 +57,23 @@ def _paraphrases(samples: list[Sample]) -> torch.Tensor | None:
                                       for s in samples]).astype(np.int64))
 
 
+def _plan(samples: list[Sample], name: str, fill: int, dtype) -> torch.Tensor:
+    """A masking-plan member stacked; pairs samples have none and read as never masked (``fill``)."""
+    seq_len = len(samples[0].input_ids)
+    return torch.from_numpy(np.stack([np.full(seq_len, fill) if getattr(s, name) is None else getattr(s, name)
+                                      for s in samples]).astype(dtype))
+
+
+def _pairs(samples: list[Sample]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if all(s.pool_spans is None for s in samples):
+        return None, None
+    if any(s.pool_spans is None for s in samples):
+        raise ValueError(f"samples {[s.key for s in samples if s.pool_spans is None][:3]} are not pairs samples "
+                         f"while others in their batch are; point data.pair_shards at shards built with --pairs")
+    return (torch.from_numpy(np.stack([s.pool_spans for s in samples]).astype(np.int64)),
+            torch.from_numpy(np.stack([s.text_hash for s in samples])))
+
+
 def collate(samples: list[Sample]) -> Batch:
     """Stack samples (all of one seq_len) into a Batch; widens the shard dtypes to what torch indexes with."""
     if not samples:
@@ -63,8 +84,9 @@ def collate(samples: list[Sample]) -> Batch:
     for row, sample in enumerate(samples):
         _interval_ids(sample.segments, doc_ids[row])
         _interval_ids(sample.spans, span_ids[row])
+    pool_spans, text_hash = _pairs(samples)
     return Batch(input_ids=torch.from_numpy(input_ids), doc_ids=torch.from_numpy(doc_ids),
-                 mask_rank=torch.from_numpy(np.stack([s.mask_rank for s in samples]).astype(np.int32)),
-                 mask_draw=torch.from_numpy(np.stack([s.mask_draw for s in samples]).astype(np.int64)),
+                 mask_rank=_plan(samples, "mask_rank", UNMASKABLE, np.int32),
+                 mask_draw=_plan(samples, "mask_draw", 0, np.int64),
                  span_ids=torch.from_numpy(span_ids), keys=[s.key for s in samples],
-                 paraphrase_ids=_paraphrases(samples))
+                 paraphrase_ids=_paraphrases(samples), pool_spans=pool_spans, text_hash=text_hash)

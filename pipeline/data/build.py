@@ -40,7 +40,7 @@ from pipeline.data.manifest import (
     maybe_write_index,
     write_job,
 )
-from pipeline.data.sources import expand_inputs
+from pipeline.data.sources import JSONL_SUFFIXES, InputError, expand_inputs
 from pipeline.lock import DirLock, LockHeld
 from pipeline.tokenizer import load_tokenizer
 
@@ -62,13 +62,18 @@ class JobSummary:
     already_complete: bool = False
     index_written: bool = False
     bad_by_reason: dict[str, int] = field(default_factory=dict)
-    truncated_units: int | None = None  # unit mode only
+    truncated_units: int | None = None  # unit mode only (pairs mode: texts cut)
+    tasks: dict[str, int] | None = None  # pairs mode only: rows per task
 
     def lines(self) -> list[str]:
         rate = max(self.elapsed_s, 1e-9)
         bad = ", ".join(f"{k} {v}" for k, v in sorted(self.bad_by_reason.items())) or "none"
         truncated = [] if self.truncated_units is None else \
             [f"units cut to --max-unit-tokens: {self.truncated_units} of {self.samples}"]
+        if self.tasks is not None:
+            tasks = ", ".join(f"{k} {v}" for k, v in sorted(self.tasks.items()))
+            truncated = [f"rows per task: {tasks or 'none'}",
+                         f"texts cut to --max-text-tokens: {self.truncated_units} of {self.samples} rows' texts"]
         return [f"job {self.job_index} of {self.num_jobs}: {self.files} files, {self.documents} documents, "
                 f"{self.samples} samples, {self.tokens} tokens, {self.shards} shards",
                 f"bad records: {self.bad_records} ({bad})", *truncated,
@@ -151,7 +156,8 @@ def _commit(cfg: BuildConfig, job: dict, result: FileResult) -> None:
     _fsync_dir(cfg.output)
     job["files"].append({"file_index": result.file_index, "path": result.path, "documents": result.stats.documents,
                          "samples": result.samples, "tokens": result.tokens, "bad_records": result.stats.bad,
-                         "shards": names} | ({"truncated_units": result.truncated_units} if cfg.units else {}))
+                         "shards": names} | ({"truncated_units": result.truncated_units} if cfg.units else {})
+                        | ({"truncated_texts": result.truncated_units, "tasks": result.tasks} if cfg.pairs else {}))
     write_job(cfg, job)
 
 
@@ -174,6 +180,9 @@ def run_job(cfg: BuildConfig) -> JobSummary:
     cfg.validate()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the tokenizer exists, so forked workers are safe
     inputs = expand_inputs(cfg.inputs)
+    if cfg.pairs and any(not p.endswith(JSONL_SUFFIXES) for p in inputs):
+        raise InputError(f"--pairs reads jsonl rows ({', '.join(JSONL_SUFFIXES)}), got "
+                         f"{[p for p in inputs if not p.endswith(JSONL_SUFFIXES)][:3]}")
     try:
         tok = load_tokenizer(cfg.tokenizer)
     except (FileNotFoundError, ValueError) as e:
@@ -226,8 +235,10 @@ def _build(cfg: BuildConfig, tok, inputs: list[str], manifest: dict, job: dict, 
     spans = 0.0 if cfg.units else cfg.span_fraction  # units have no MAGNET spans
     spec = WorkerSpec(cfg.tokenizer, cfg.text_field, cfg.seq_len, cfg.samples_per_shard, cfg.remainder, cfg.bos,
                       cfg.eos, PlanSettings(cfg.seed, np.asarray(tok.special_ids), cfg.span_min, cfg.span_max,
-                                            spans), work_dir, cfg.units, cfg.paraphrase_field)
-    summary.truncated_units = 0 if cfg.units else None
+                                            spans), work_dir, cfg.units, cfg.paraphrase_field,
+                      cfg.pairs_settings() if cfg.pairs else None)
+    summary.truncated_units = 0 if cfg.units or cfg.pairs else None
+    summary.tasks = {} if cfg.pairs else None
     bar = _ProgressBar(cfg.progress, len(tasks))
     results = _results(tasks, spec, tok, cfg.workers, bar.show)
     try:
@@ -240,8 +251,10 @@ def _build(cfg: BuildConfig, tok, inputs: list[str], manifest: dict, job: dict, 
             summary.tokens += result.tokens
             summary.shards += len(result.shards)
             summary.bad_records += result.stats.num_bad
-            if cfg.units:
+            if cfg.units or cfg.pairs:
                 summary.truncated_units += result.truncated_units
+            for name, n in result.tasks.items():
+                summary.tasks[name] = summary.tasks.get(name, 0) + n
             for reason, n in result.stats.bad.items():
                 summary.bad_by_reason[reason] = summary.bad_by_reason.get(reason, 0) + n
             bar.file_done()

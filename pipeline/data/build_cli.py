@@ -8,6 +8,11 @@ Sentence units (one sentence a sample, 128 tokens, for SimCSE / MAGNET's SSCL) i
 
     python data_prep/build_shards.py --input ... --tokenizer TOKENIZER_DIR --output units/ --units sentence
 
+(query, positive, hard negatives) rows with task instructions, one row a sample (LLM2Vec's supervised stage):
+
+    python data_prep/build_shards.py --input 'echo-data/*.jsonl' --pairs --negatives 1 --max-text-tokens 512 \
+        --instructions data_prep/instructions/e5.json --tokenizer TOKENIZER_DIR --output pairs/
+
 Job k of K takes the sorted inputs k::K; under a SLURM array the job index and count default to the array task's.
 Re-running is safe: a finished job does nothing, a killed one redoes only what is missing. See docs/data_prep.md.
 """
@@ -25,6 +30,7 @@ from pipeline.data.sources import InputError
 from pipeline.data.units import UNIT_MODES
 
 DEFAULT_UNIT_TOKENS = 128  # LLM2Vec's SimCSE max_seq_length
+DEFAULT_TEXT_TOKENS = 512  # LLM2Vec's supervised max_seq_length
 
 
 def slurm_array_defaults(env: dict) -> tuple[int, int]:
@@ -63,6 +69,21 @@ def parse_args(argv: list[str] | None = None) -> BuildConfig:
                             f"{DEFAULT_UNIT_TOKENS})")
     units.add_argument("--paraphrase-field", default="",
                        help="with --units record: the field holding a paraphrase of the text, stored beside it")
+    pairs = p.add_argument_group("(query, positive, negatives) rows for the supervised objective instead of packing")
+    pairs.add_argument("--pairs", action="store_true",
+                       help="jsonl rows {query, positive, negative: str | [str], instruction?, doc_instruction?, "
+                            "task?} (the task defaults to the file's stem), one a sample (docs/data_prep.md)")
+    pairs.add_argument("--negatives", type=int, default=d.negatives,
+                       help="hard negatives kept per row; rows with fewer are bad records")
+    pairs.add_argument("--max-text-tokens", type=int, default=None,
+                       help=f"tokens a text (BOS, instruction and EOS included); longer ones are cut (default "
+                            f"{DEFAULT_TEXT_TOKENS})")
+    pairs.add_argument("--instructions", default="",
+                       help='JSON {task: {"query": str | [str], "document": str | null | [str | null]}}: the '
+                            "instructions of rows that have no instruction field")
+    pairs.add_argument("--instruction-format", default=d.instruction_format,
+                       help="how an instruction becomes a text's prefix (the trained model's exports format "
+                            "queries' instructions the same way)")
     plan = p.add_argument_group("masking plan and MAGNET spans")
     plan.add_argument("--seed", type=int, default=d.seed,
                       help="seeds every sample's masking plan and spans (the plan serves every mask ratio)")
@@ -80,17 +101,22 @@ def parse_args(argv: list[str] | None = None) -> BuildConfig:
                      help="fail when a file has more bad records than this fraction")
     run.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     a = p.parse_args(argv)
-    if a.units and a.seq_len is not None:
-        p.error("--seq-len is for packed samples; unit samples are --max-unit-tokens long")
+    if (a.units or a.pairs) and a.seq_len is not None:
+        p.error("--seq-len is for packed samples; unit samples are --max-unit-tokens long, pairs' texts "
+                "--max-text-tokens")
     if not a.units and a.max_unit_tokens is not None:
         p.error("--max-unit-tokens needs --units")
-    seq_len = (a.max_unit_tokens or DEFAULT_UNIT_TOKENS) if a.units else (a.seq_len or d.seq_len)
+    if not a.pairs and (a.max_text_tokens is not None or a.instructions):
+        p.error("--max-text-tokens and --instructions need --pairs")
+    seq_len = ((a.max_unit_tokens or DEFAULT_UNIT_TOKENS) if a.units else
+               (a.max_text_tokens or DEFAULT_TEXT_TOKENS) if a.pairs else (a.seq_len or d.seq_len))
     return BuildConfig(inputs=tuple(a.input), tokenizer=a.tokenizer, output=a.output, seq_len=seq_len, seed=a.seed,
                        text_field=a.text_field, num_jobs=a.num_jobs, job_index=a.job_index, workers=a.workers,
                        prefix=a.prefix, samples_per_shard=a.samples_per_shard, bos=a.bos, eos=a.eos,
                        remainder=a.remainder, span_min=a.span_min, span_max=a.span_max,
                        span_fraction=a.span_fraction, max_bad_fraction=a.max_bad_fraction, progress=a.progress,
-                       units=a.units or "", paraphrase_field=a.paraphrase_field)
+                       units=a.units or "", paraphrase_field=a.paraphrase_field, pairs=a.pairs,
+                       negatives=a.negatives, instructions=a.instructions, instruction_format=a.instruction_format)
 
 
 def main(argv: list[str] | None = None) -> int:

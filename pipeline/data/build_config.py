@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pipeline.data.format import MAX_SEQ_LEN
 from pipeline.data.packing import REMAINDER_POLICIES
+from pipeline.data.pairs import DEFAULT_FORMAT, PairsSettings, check_format, load_instructions
 from pipeline.data.sources import input_size
 from pipeline.data.units import UNIT_MODES
 
@@ -41,9 +42,34 @@ class BuildConfig:
     progress: bool = True
     units: str = ""  # "": pack documents; "sentence", "paragraph", "record": one unit per sample of seq_len tokens
     paraphrase_field: str = ""  # with units "record": the record field holding the text's paraphrase
+    # pairs mode (pairs.py): one (query, positive, negatives) row a sample, seq_len tokens a text
+    pairs: bool = False
+    negatives: int = 1  # hard negatives kept per row (rows with fewer are bad)
+    instructions: str = ""  # JSON {task: {"query": ..., "document": ...}}; "": rows' own instructions only
+    instruction_format: str = DEFAULT_FORMAT
+
+    def pairs_settings(self) -> PairsSettings:
+        """The pairs layout, with the instruction table read (its contents, not its path, fix the bytes)."""
+        try:
+            table = load_instructions(self.instructions) if self.instructions else {}
+        except (OSError, ValueError) as e:
+            raise BuildError(f"--instructions: {e}") from e
+        return PairsSettings(self.negatives, self.seq_len, self.instruction_format, table)
 
     def validate(self) -> None:
+        if self.pairs:
+            try:
+                check_format(self.instruction_format)
+            except ValueError as e:
+                raise BuildError(f"--instruction-format: {e}") from None
         checks = [
+            (not (self.pairs and self.units), "--pairs and --units are two modes; pick one"),
+            (self.negatives >= 0, f"--negatives must be >= 0, got {self.negatives}"),
+            (not self.pairs or (2 + self.negatives) * self.seq_len <= MAX_SEQ_LEN,
+             f"--pairs: {2 + self.negatives} texts of --max-text-tokens {self.seq_len} exceed {MAX_SEQ_LEN} tokens a "
+             f"sample"),
+            (not self.pairs or self.seq_len >= 2 + self.bos + self.eos,
+             f"--max-text-tokens {self.seq_len} leaves no room for text between BOS and EOS"),
             (1 <= self.seq_len <= MAX_SEQ_LEN, f"--seq-len must be in [1, {MAX_SEQ_LEN}], got {self.seq_len}"),
             (0 <= self.seed < 1 << 64, f"--seed must be in [0, 2**64), got {self.seed}"),
             (self.num_jobs >= 1, f"--num-jobs must be >= 1, got {self.num_jobs}"),
@@ -90,8 +116,15 @@ class BuildConfig:
             "prefix": self.prefix,
             "samples_per_shard": self.samples_per_shard,
         }
-        if self.units:
+        if self.units or self.pairs:
             for unused in ("remainder", "span_min", "span_max", "span_fraction"):
                 del settings[unused]
+        if self.units:
             settings |= {"units": self.units, "paraphrase_field": self.paraphrase_field or None}
+        if self.pairs:
+            p = self.pairs_settings()
+            del settings["text_field"]
+            settings |= {"seq_len": p.slots * p.width,
+                         "pairs": {"slots": p.slots, "width": p.width, "negatives": p.negatives,
+                                   "instruction_format": p.instruction_format, "instructions": p.instructions}}
         return settings

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 
 import numpy as np
 
 from pipeline.data.build_sample import PlanSettings, make_sample
+from pipeline.data.format import Sample
 from pipeline.data.packing import Packer
-from pipeline.data.sources import RecordStats, read_records
+from pipeline.data.pairs import PairsSettings, default_task, pair_samples, parse_row
+from pipeline.data.sources import RecordStats, read_objects, read_records
 from pipeline.data.tar_shard import ShardWriter
 from pipeline.data.units import split_units, unit_sample
 from pipeline.tokenizer import load_tokenizer
@@ -39,6 +41,7 @@ class WorkerSpec:
     work_dir: str
     units: str = ""
     paraphrase_field: str = ""
+    pairs: PairsSettings | None = None
 
 
 @dataclass
@@ -49,7 +52,8 @@ class FileResult:
     shards: list[dict]  # ShardWriter.close() entries plus "work_path", the shard's name in the work directory
     samples: int = 0
     tokens: int = 0
-    truncated_units: int = 0  # units (or paraphrases) longer than seq_len, cut to fit
+    truncated_units: int = 0  # units (or paraphrases; pairs: texts) longer than seq_len, cut to fit
+    tasks: dict = field(default_factory=dict)  # pairs mode: rows per task
 
 
 def pad_id(tok) -> int:
@@ -92,6 +96,30 @@ def _unit_samples(records: list[tuple[str, ...]], spec: WorkerSpec, tok, result:
     return samples, sum(map(len, encoded)) + (sum(map(len, paraphrases)) if spec.paraphrase_field else 0)
 
 
+def _count(records: int, tokens: int) -> None:
+    """Progress for the main process's bar."""
+    with _worker["docs"].get_lock():
+        _worker["docs"].value += records
+    with _worker["tokens"].get_lock():
+        _worker["tokens"].value += tokens
+
+
+def _pairs_file(path: str, spec: WorkerSpec, tok, result: FileResult, emit) -> None:
+    """The (query, positive, negatives) rows of one jsonl file as pairs samples (``pairs.py``)."""
+    task = default_task(path)
+    objects = enumerate(read_objects(path, result.stats))
+    for chunk in _batches(objects, ENCODE_BATCH_DOCS):
+        rows = [parse_row(where, record, i, task, spec.pairs, result.stats) for i, (where, _, record) in chunk]
+        rows = [r for r in rows if r is not None]
+        samples, tokens, cut, tasks = pair_samples(rows, spec.pairs, tok, spec.bos, spec.eos, pad_id(tok),
+                                                   result.file_index, result.samples, result.stats)
+        emit(samples)
+        result.truncated_units += cut
+        for name, n in tasks.items():
+            result.tasks[name] = result.tasks.get(name, 0) + n
+        _count(len(chunk), tokens)
+
+
 def process_file(task: tuple[int, str]) -> FileResult:
     """Pack one input file into shards of the work directory (named by file index, renamed by the main process)."""
     file_index, path = task
@@ -102,13 +130,14 @@ def process_file(task: tuple[int, str]) -> FileResult:
                     tok.eos_id if spec.eos else None, spec.remainder)
     writer: ShardWriter | None = None
 
-    def emit(samples: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray | None]]) -> None:
+    def emit(samples: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray | None] | Sample]) -> None:
         nonlocal writer
-        for input_ids, segments, paraphrase in samples:
+        for sample in samples:
             if writer is None:
                 name = f"f{file_index:06d}-{len(result.shards):06d}.tar"
                 writer = ShardWriter(os.path.join(spec.work_dir, name))
-            writer.write(make_sample(input_ids, segments, file_index, result.samples, spec.plan, paraphrase))
+            writer.write(sample if isinstance(sample, Sample) else
+                         make_sample(*sample[:2], file_index, result.samples, spec.plan, sample[2]))
             result.samples += 1
             if writer.num_samples == spec.samples_per_shard:
                 close()
@@ -120,6 +149,11 @@ def process_file(task: tuple[int, str]) -> FileResult:
         result.tokens += entry["tokens"]
         writer = None
 
+    if spec.pairs is not None:
+        _pairs_file(path, spec, tok, result, emit)
+        if writer is not None:
+            close()
+        return result
     fields = (spec.text_field, spec.paraphrase_field) if spec.paraphrase_field else (spec.text_field,)
     for records in _batches(read_records(path, fields, result.stats), ENCODE_BATCH_DOCS):
         if spec.units:
@@ -130,10 +164,7 @@ def process_file(task: tuple[int, str]) -> FileResult:
             for ids in encoded:
                 emit((input_ids, segments, None) for input_ids, segments in packer.add(ids))
             tokens = sum(map(len, encoded))
-        with _worker["docs"].get_lock():
-            _worker["docs"].value += len(records)
-        with _worker["tokens"].get_lock():
-            _worker["tokens"].value += tokens
+        _count(len(records), tokens)
     emit((input_ids, segments, None) for input_ids, segments in packer.finish())
     if writer is not None:
         close()

@@ -13,6 +13,14 @@ members (numpy ``.npy`` each, so plain ``webdataset.WebDataset(...).decode()`` r
 - ``paraphrase.npy`` int32 [seq_len]     OPTIONAL, in every sample of unit shards built with ``--paraphrase-field``
                                          and in no other: the record's paraphrase (MAGNET's x+), wrapped in BOS/EOS
                                          and padded with ``pad_id`` like ``input_ids``
+- ``pool_spans.npy`` int32 [t, 2]        PAIRS only (``--pairs``, ``pairs.py``): per slot (query, positive,
+                                         negatives) the [start, end) of the text tokens pooling reads, inside
+                                         the slot's segment (the instruction, BOS and EOS left out)
+- ``text_hash.npy``  int64 [t]           PAIRS only: a 64-bit hash of each slot's text (without instruction), so
+                                         the objective can tell equal texts apart from in-batch negatives
+
+Pairs samples carry no masking plan: ``mask_rank`` and ``mask_draw`` are absent from them (``spans`` is empty);
+the loader fills the batch with "never masked" for them.
 
 Keys are ``f{file_index:06d}s{sample_index:08d}``: ``file_index`` is the input file's position in the sorted input
 list, ``sample_index`` the sample's position in that file's packed stream. Both are independent of how many prep
@@ -42,7 +50,8 @@ FIELDS = {
     "mask_draw": np.uint32,
     "spans": np.int32,
 }
-OPTIONAL_FIELDS = {"paraphrase": np.int32}
+OPTIONAL_FIELDS = {"paraphrase": np.int32, "pool_spans": np.int32, "text_hash": np.int64}
+PLAN_FIELDS = ("mask_rank", "mask_draw")  # required in every sample but pairs samples (those with pool_spans)
 
 
 def sample_key(file_index: int, sample_index: int) -> str:
@@ -58,23 +67,28 @@ class Sample:
     key: str
     input_ids: np.ndarray
     segments: np.ndarray
-    mask_rank: np.ndarray
-    mask_draw: np.ndarray
+    mask_rank: np.ndarray | None  # None in pairs samples only
+    mask_draw: np.ndarray | None
     spans: np.ndarray
     paraphrase: np.ndarray | None = None
+    pool_spans: np.ndarray | None = None
+    text_hash: np.ndarray | None = None
 
     def fields(self) -> dict[str, type]:
         """Name -> dtype of the members this sample has: every required one, and the optional ones it carries."""
-        return FIELDS | {name: dtype for name, dtype in OPTIONAL_FIELDS.items() if getattr(self, name) is not None}
+        return {name: dtype for name, dtype in (FIELDS | OPTIONAL_FIELDS).items() if getattr(self, name) is not None}
 
     def validate(self, seq_len: int) -> None:
         """Raise ValueError when arrays are out of bounds: checked by inspect_shards and the loader's first read."""
         fields = self.fields()
+        missing = [n for n in PLAN_FIELDS if n not in fields and self.pool_spans is None]
+        if missing:
+            raise ValueError(f"sample {self.key}: missing members {missing}")
         for name, dtype in fields.items():
             arr = getattr(self, name)
             if arr.dtype != dtype:
                 raise ValueError(f"sample {self.key}: {name} has dtype {arr.dtype}, expected {np.dtype(dtype)}")
-        for name in ("input_ids", "mask_rank", "mask_draw", *(n for n in OPTIONAL_FIELDS if n in fields)):
+        for name in ("input_ids", *(n for n in (*PLAN_FIELDS, "paraphrase") if n in fields)):
             if getattr(self, name).shape != (seq_len,):
                 raise ValueError(f"sample {self.key}: {name} has shape {getattr(self, name).shape}, expected ({seq_len},)")
         for name in ("segments", "spans"):
@@ -89,6 +103,18 @@ class Sample:
         for s, e in self.spans:
             if not ((seg[:, 0] <= s) & (e <= seg[:, 1])).any():
                 raise ValueError(f"sample {self.key}: span [{s}, {e}) crosses a document boundary or padding")
+        if self.pool_spans is not None:
+            self._validate_pairs()
+
+    def _validate_pairs(self) -> None:
+        """A pairs sample: one pool span and one text hash per slot (segment), each span inside its segment."""
+        seg, pool = self.segments, self.pool_spans
+        if pool.shape != seg.shape or self.text_hash is None or self.text_hash.shape != (len(seg),):
+            raise ValueError(f"sample {self.key}: pool_spans {pool.shape} and text_hash "
+                             f"{None if self.text_hash is None else self.text_hash.shape} must have one entry per "
+                             f"segment ({len(seg)})")
+        if ((pool[:, 0] < seg[:, 0]) | (pool[:, 0] > pool[:, 1]) | (pool[:, 1] > seg[:, 1])).any():
+            raise ValueError(f"sample {self.key}: pool_spans {pool.tolist()} leave their segments {seg.tolist()}")
 
 
 def _header_template() -> bytes:
@@ -163,10 +189,10 @@ def decode_members(blob: bytes) -> Sample:
             if stem != key:
                 raise ValueError(f"members of two samples ({key}, {stem}) in one index entry")
             arrays[field] = np.load(io.BytesIO(tar.extractfile(member).read()), allow_pickle=False)
-    missing = set(FIELDS) - set(arrays)
+    missing = set(FIELDS) - set(arrays) - (set(PLAN_FIELDS) if "pool_spans" in arrays else set())
     if missing:
         raise ValueError(f"sample {key}: missing members {sorted(missing)}")
-    return Sample(key=key, **arrays)
+    return Sample(key=key, **{n: None for n in PLAN_FIELDS} | arrays)
 
 
 def index_path(shard_path: str) -> str:

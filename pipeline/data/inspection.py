@@ -44,7 +44,7 @@ class Stats:
 
     def add(self, sample: Sample, ratio: float) -> None:
         lengths = sample.segments[:, 1] - sample.segments[:, 0]
-        maskable = int((sample.mask_rank != UNMASKABLE).sum())
+        maskable = 0 if sample.mask_rank is None else int((sample.mask_rank != UNMASKABLE).sum())
         self.samples += 1
         self.tokens += int(lengths.sum())
         self.pieces += len(lengths)
@@ -56,6 +56,8 @@ class Stats:
 def check_plan(sample: Sample, special_ids: np.ndarray) -> None:
     """The ranks of the maskable tokens are a permutation of 0..n-1, and no special token or padding is maskable."""
     rank = sample.mask_rank
+    if rank is None:  # a pairs sample: no plan (Sample.validate checked its pool spans)
+        return
     maskable = rank != UNMASKABLE
     if not np.array_equal(np.sort(rank[maskable]), np.arange(int(maskable.sum()))):
         raise ShardProblem(f"sample {sample.key}: mask ranks are not a permutation of the maskable tokens")
@@ -141,8 +143,19 @@ def statistics(index: DatasetIndex, stats: Stats | None, ratio: float) -> str:
         truncated = sum(f["truncated_units"] for job in index.jobs for f in job["files"])
         paraphrases = f", with paraphrases ({s['paraphrase_field']!r})" if s["paraphrase_field"] else ""
         lines.append(f"units: one {s['units']} a sample{paraphrases}; {truncated} cut to {index.seq_len} tokens")
+    if s.get("pairs"):
+        p = s["pairs"]
+        tasks: dict[str, int] = {}
+        for job in index.jobs:
+            for f in job["files"]:
+                for task, n in f["tasks"].items():
+                    tasks[task] = tasks.get(task, 0) + n
+        truncated = sum(f["truncated_texts"] for job in index.jobs for f in job["files"])
+        lines.append(f"pairs: {p['slots']} texts a row (query, positive, {p['negatives']} negatives) of {p['width']} "
+                     f"tokens, instructions joined as {p['instruction_format']!r}; rows per task: {tasks}; "
+                     f"{truncated} texts cut")
     if stats is not None:
-        spans = "" if s.get("units") else (
+        spans = "" if s.get("units") or s.get("pairs") else (
             f"; MAGNET span fraction: {stats.span_tokens / max(stats.tokens, 1):.2%} "
             f"(target {s['span_fraction']}, lengths {s['span_min']}-{s['span_max']})")
         lines.append(f"document pieces per sample: {stats.pieces / max(stats.samples, 1):.2f}; masked at ratio "
@@ -168,8 +181,23 @@ def _visible(text: str) -> str:
     return text.replace("\n", "\\n").replace("\t", "\\t") or "\u00b7"
 
 
+def render_pairs(sample: Sample, tok) -> str:
+    """A pairs sample as text: each slot's instruction (not pooled) and its pooled text as {{...}}."""
+    names = ["query", "positive"] + [f"negative {k + 1}" for k in range(len(sample.segments) - 2)]
+    lines = []
+    for name, (s, e), (a, b), h in zip(names, sample.segments.tolist(), sample.pool_spans.tolist(),
+                                       sample.text_hash.tolist()):
+        ids = sample.input_ids
+        lines.append(f"--- {name}: tokens [{s}, {e}), pooled [{a}, {b}), text hash {h & (2**64 - 1):016x} ---")
+        lines.append(f"{tok.decode(ids[s:a].tolist())}{{{{{tok.decode(ids[a:b].tolist())}}}}}"
+                     f"{tok.decode(ids[b:e].tolist())}")
+    return "\n".join(lines)
+
+
 def render_sample(sample: Sample, tok, ratio: float, policy: str) -> str:
     """The sample as text, masked targets as [MASK:word] / [RAND:word>new] / [KEEP:word], spans as <<...>>."""
+    if sample.pool_spans is not None:
+        return render_pairs(sample, tok)
     ids = torch.from_numpy(sample.input_ids.astype(np.int64))
     mask_id = -1 if tok.mask_id is None else tok.mask_id  # a tokenizer without one (Llama) still shows [MASK:x]
     pool = torch.from_numpy(tok.regular_ids())

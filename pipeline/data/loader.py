@@ -41,6 +41,13 @@ def check_compatible(index: DatasetIndex, tokenizer_fingerprint: str, seq_len: i
 def check_source(index: DatasetIndex, source: str, setting: str, readers: list[str]) -> None:
     """Refuse packed shards where the objectives ``readers`` read sentence units (source "units"), and unit shards
     where they read packed samples (source "packed"): ``setting`` names the config key that chose the directory."""
+    if source == "pairs" and index.pairs is None:
+        raise ValueError(f"{setting} {index.directory} holds {'units' if index.units else 'packed samples'}, but "
+                         f"{', '.join(readers)} reads (query, positive, negatives) rows; build pairs shards with "
+                         f"data_prep/build_shards.py --pairs and set {setting} to them")
+    if source != "pairs" and index.pairs is not None:
+        raise ValueError(f"{setting} {index.directory} holds (query, positive, negatives) rows (built with --pairs), "
+                         f"but {', '.join(readers)} reads {source}; point {setting} at shards built without --pairs")
     if source == "units" and index.units is None:
         raise ValueError(f"{setting} {index.directory} holds packed samples (several documents a sample), but "
                          f"{', '.join(readers)} reads sentence units, one a sample; build unit shards with "

@@ -159,6 +159,12 @@ class DatasetIndex:
         """The unit mode of sentence-unit shards (``build_shards.py --units``); None for packed shards."""
         return self.settings.get("units")
 
+    @property
+    def pairs(self) -> dict | None:
+        """The layout of pairs shards (``build_shards.py --pairs``: slots, width, instruction format, ...); None
+        for other shards."""
+        return self.settings.get("pairs")
+
 
 def _read(directory: str, name: str, fix: str, store: ShardStore | None) -> dict:
     if store is None:

@@ -32,6 +32,10 @@ BAD_REASONS = {
     "not_string": "the text field is not a string; set --text-field to a string field",
     "empty": "the document is empty or only whitespace; drop it from the input",
     "invalid_utf8": "the record is not valid UTF-8; re-encode the file as UTF-8",
+    "bad_pair": "a pairs row needs a non-empty string query and positive and --negatives non-empty string "
+                "negatives (negative: a string or a list); fix or drop the row",
+    "long_instruction": "the row's instruction leaves no room for its text; shorten it or raise --max-text-tokens",
+    "no_instruction": "the row has no instruction field and its task none in --instructions; add one of them",
 }
 
 
@@ -191,7 +195,7 @@ def _check_record(values: tuple, where: str, fields: tuple[str, ...], stats: Rec
     return values
 
 
-def _has_surrogate(text: str) -> bool:
+def has_surrogate(text: str) -> bool:
     """A JSON \\u escape can encode a lone surrogate, which is not text any tokenizer can take."""
     try:
         text.encode("utf-8")
@@ -200,7 +204,9 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
-def _read_jsonl(path: str, fields: tuple[str, ...], stats: RecordStats) -> Iterator[tuple]:
+def read_objects(path: str, stats: RecordStats) -> Iterator[tuple[str, str, dict]]:
+    """(``path:line``, the line, its JSON object) of each line of a jsonl input that is one; other lines are
+    counted in ``stats`` (``invalid_utf8``, ``not_json``). Blank lines are skipped."""
     for lineno, raw in _lines(path, stats):
         if not raw.strip():
             continue
@@ -218,8 +224,13 @@ def _read_jsonl(path: str, fields: tuple[str, ...], stats: RecordStats) -> Itera
         if not isinstance(record, dict):
             stats.add_bad("not_json", where, f"a JSON {type(record).__name__}, not an object")
             continue
+        yield where, line, record
+
+
+def _read_jsonl(path: str, fields: tuple[str, ...], stats: RecordStats) -> Iterator[tuple]:
+    for where, line, record in read_objects(path, stats):
         values = tuple(record.get(name) for name in fields)
-        if ("\\ud" in line or "\\uD" in line) and any(isinstance(v, str) and _has_surrogate(v) for v in values):
+        if ("\\ud" in line or "\\uD" in line) and any(isinstance(v, str) and has_surrogate(v) for v in values):
             stats.add_bad("invalid_utf8", where, "the text holds a lone surrogate (a \\ud800-\\udfff escape)")
             continue
         values = _check_record(values, where, fields, stats)

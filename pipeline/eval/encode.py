@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pipeline.data.pairs import format_instruction, instructed_rows
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
 from pipeline.eval.load import EvalModel
 from pipeline.export.record import LAYOUTS, POOLINGS
@@ -58,19 +59,19 @@ def special_tokens(tokenizer: Tokenizer, layout: str) -> tuple[list[int], list[i
 
 def rows_for(model: EvalModel, texts: Sequence[str], instruction: str | None, max_length: int, layout: str
              ) -> list[tuple[list[int], int, int]]:
-    """(ids, first text position, end of text) per text; the text is cut to fit ``max_length`` tokens."""
-    tok = model.tokenizer
-    head, tail = special_tokens(tok, layout)
-    skip = len(tok.encode_batch([instruction])[0]) if instruction else 0
-    room = max_length - len(head) - len(tail)
-    if room <= skip:
-        raise ValueError(f"the instruction takes {len(head) + skip} of the {max_length} tokens allowed; shorten it "
-                         f"or raise max_length")
-    rows = []
-    for ids in tok.encode_batch([(instruction or "") + t for t in texts]):
-        ids = ids[:room]
-        rows.append((head + ids + tail, len(head) + min(skip, len(ids)), len(head) + len(ids)))
-    return rows
+    """(ids, first text position, end of text) per text; ``instruction`` is the verbatim prefix (already
+    formatted, :func:`query_prefix`); the text is cut to fit ``max_length`` tokens. The layout is data prep's for
+    pairs shards (``pipeline.data.pairs.instructed_rows``), so supervised training pools what this pools."""
+    head, tail = special_tokens(model.tokenizer, layout)
+    return instructed_rows(model.tokenizer, texts, [instruction or ""] * len(texts), max_length, head, tail)
+
+
+def query_prefix(model: EvalModel, instruction: str | None) -> str:
+    """The prefix an instruction becomes: the model's recorded ``instruction_format`` (a supervised run's, e.g.
+    ``"{instruction}: "``) filled with it, or the instruction verbatim for a model recorded without one;
+    ``None`` is the recorded default instruction."""
+    record = model.record
+    return format_instruction(record.instruction_format, record.instruction if instruction is None else instruction)
 
 
 def pool(hidden: torch.Tensor, rows: Sequence[tuple[list[int], int, int]], pooling: str) -> torch.Tensor:
@@ -91,8 +92,10 @@ def encode(model: EvalModel, texts: Sequence[str], instruction: str | None = Non
            batch_size: int = 32, attention: str | None = None, max_length: int = 512, progress: bool = False,
            layout: str | None = None) -> np.ndarray:
     """float32 [len(texts), hidden] embeddings; ``instruction`` (``""``: none), ``pooling``, ``layout`` and
-    ``attention`` default to the model's (its training record, ``model.record``; ``attention``: ``model.attention``)."""
-    instruction = model.record.instruction if instruction is None else instruction
+    ``attention`` default to the model's (its training record, ``model.record``; ``attention``: ``model.attention``).
+    A model whose record has an ``instruction_format`` (supervised training) takes bare task instructions and
+    formats them as it was trained (``"Retrieve semantically similar text"`` -> ``"Retrieve ...: "``)."""
+    instruction = query_prefix(model, instruction)
     pooling = pooling or model.record.pooling
     if pooling not in POOLINGS:
         raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}")

@@ -5,6 +5,11 @@ MTEB hands an encoder a DataLoader of batches (``{"text": [...]}``) with the tas
 layout and attention. The instruction is MTEB's prompt lookup over ``instructions`` (keys: a task name, a task type
 such as ``"STS"``, a prompt type such as ``"query"``, or ``"TaskName-query"``; MTEB's own priority order), else
 ``instruction``, else the model's recorded one. Similarity is cosine. Needs ``mteb`` (the ``embeddings`` extra).
+
+A model trained by the supervised objective (its record has an ``instruction_format``) takes bare task
+instructions, formatted as in training (``encode`` does it), and, as LLM2Vec trains and evaluates it, instructs the
+queries of a retrieval task only: its documents get no instruction unless a key names them (``"document"``,
+``"TaskName-document"``, ...).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
+from mteb.types import PromptType
 
 from pipeline.eval.encode import encode
 from pipeline.eval.load import EvalModel, load_model
@@ -38,5 +44,8 @@ class MTEBEncoder(AbsEncoder):
         texts = [text for batch in inputs for text in batch["text"]]
         name = self.get_prompt_name(task_metadata, prompt_type)  # the key of model_prompts MTEB's priority picks
         instruction = self.model_prompts[name] if name else self.instruction
+        documents = prompt_type is not None and PromptType(prompt_type) == PromptType.document
+        if documents and self.model.record.instruction_format is not None and not (name or "").endswith("document"):
+            instruction = ""  # supervised training instructs queries only
         return encode(self.model, texts, instruction, self.pooling, kwargs.get("batch_size", 32), self.attention,
                       self.max_length, kwargs.get("show_progress_bar", False), self.layout)

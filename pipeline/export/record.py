@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields
 from transformers import PretrainedConfig
 
 from pipeline.experiment import ExperimentConfig
-from pipeline.objectives import OBJECTIVES, SSCLConfig
+from pipeline.objectives import OBJECTIVES, SSCLConfig, SupervisedConfig
 from pipeline.tokenizer import Tokenizer
 
 KEY = "decoder_encoders"
@@ -40,6 +40,9 @@ class EncoderRecord:
     pooling: str = "mean"  # default pooling of encode() and of the sentence-transformers export
     layout: str = "bos_eos"  # default layout of encode() (LAYOUTS)
     instruction: str | None = None  # default instruction (SSCL trains with one), left out of pooling
+    # how an instruction becomes the prefix of a query, e.g. "{instruction}: " (supervised training joined its
+    # task instructions so); None: instructions are verbatim prefixes
+    instruction_format: str | None = None
     objectives: tuple[str, ...] = ()  # per phase, e.g. ("clm", "mlm"); empty for a model not trained here
 
     def __post_init__(self) -> None:
@@ -73,12 +76,17 @@ def from_experiment(exp: ExperimentConfig, tokenizer: Tokenizer) -> EncoderRecor
     if masked and mask_token is None and tokenizer.mask_id is not None:
         mask_token = tokenizer.hf.convert_ids_to_tokens(tokenizer.mask_id)
     sscl = next((o for o in last if isinstance(o, SSCLConfig)), None)
+    supervised = next((o for o in last if isinstance(o, SupervisedConfig)), None)
+    if supervised is not None:
+        instruction, instruction_format = supervised.instruction or None, supervised.instruction_format
+    else:
+        instruction, instruction_format = (sscl.instruction if sscl else None), None
     return EncoderRecord(attention="causal" if all(OBJECTIVES[o.name].causal for o in last) else "bidirectional",
                          reads_previous=start.reads_previous or any(OBJECTIVES[o.name].masks
                                                                     and OBJECTIVES[o.name].predicts_next
                                                                     for o in trained),
                          mask_token=mask_token, pooling="last" if sscl else "mean", layout="bos_eos",
-                         instruction=sscl.instruction if sscl else None,
+                         instruction=instruction, instruction_format=instruction_format,
                          objectives=start.objectives + tuple("+".join(o.name for o in p.objectives) for p in exp.phases))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 
+from pipeline.data.pairs import format_instruction
 from pipeline.export.record import EncoderRecord
 
 ST_POOLING = {"mean": "mean", "last": "lasttoken"}
@@ -61,7 +62,8 @@ def write_sentence_transformers(hf_dir: str, record: EncoderRecord) -> None:
         "processing_kwargs": {"text": {"add_special_tokens": record.layout != "text"}}})
     _write(os.path.join(hf_dir, "1_Pooling", "config.json"), {
         "embedding_dimension": hidden, "pooling_mode": ST_POOLING[record.pooling], "include_prompt": False})
-    prompts = {"instruction": record.instruction} if record.instruction else {}
+    prompt = format_instruction(record.instruction_format, record.instruction)
+    prompts = {"instruction": prompt} if prompt else {}
     _write(os.path.join(hf_dir, "config_sentence_transformers.json"), {
         "model_type": "SentenceTransformer", "prompts": prompts,
         "default_prompt_name": "instruction" if prompts else None, "similarity_fn_name": "cosine"})

@@ -17,15 +17,18 @@ from pipeline.objectives.mlm import MLM, MLMConfig
 from pipeline.objectives.mntp import MNTP, MNTPConfig
 from pipeline.objectives.simcse import SimCSE, SimCSEConfig
 from pipeline.objectives.sscl import SSCL, SSCLConfig
+from pipeline.objectives.supervised import Supervised, SupervisedConfig
 from pipeline.tokenizer import Tokenizer
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (CLM, MLM, MNTP, Magnet, SSCL, SimCSE)}
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (CLM, MLM, MNTP, Magnet, SSCL, SimCSE, Supervised)}
 # an experiment's objective: its ``name`` picks the config (pipeline.config.from_tagged)
-ObjectiveConfig = CLMConfig | MLMConfig | MNTPConfig | MagnetConfig | SSCLConfig | SimCSEConfig
+ObjectiveConfig = (CLMConfig | MLMConfig | MNTPConfig | MagnetConfig | SSCLConfig | SimCSEConfig
+                   | SupervisedConfig)
 
 __all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "SSCL", "BaseConfig", "CLMConfig", "MLMConfig", "MNTPConfig", "Magnet",
            "MagnetConfig", "MaskedConfig", "MaskedObjective", "Masking", "MaskingConfig", "Objective",
-           "ObjectiveConfig", "ObjectiveOutput", "SSCLConfig", "SimCSE", "SimCSEConfig", "make_objective"]
+           "ObjectiveConfig", "ObjectiveOutput", "SSCLConfig", "SimCSE", "SimCSEConfig", "Supervised",
+           "SupervisedConfig", "make_objective"]
 
 
 def make_objective(config: ObjectiveConfig, tokenizer: Tokenizer | None = None,

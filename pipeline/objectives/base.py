@@ -40,6 +40,11 @@ class BaseConfig:
         contrastive objectives whose views differ by dropout alone need it > 0)."""
         return None
 
+    def check_step(self, grad_accum: int, objectives: int, where: str) -> None:
+        """Refuse a ``train.grad_accum`` or a phase of ``objectives`` objectives this objective cannot train with
+        (a config error at load time; the supervised objective's contrastive batch spans the step)."""
+        return None
+
 
 @dataclass
 class MaskedConfig(BaseConfig):
@@ -162,7 +167,8 @@ class Objective(ABC):
     masks: ClassVar[bool] = False  # reads the batch's masking plan (its config is a ``MaskedConfig``)
     predicts_next: ClassVar[bool] = False  # token i is predicted from the hidden state at position i - 1
     needs_tokenizer: ClassVar[str] = ""  # what it needs the data's Tokenizer for ("": it does not)
-    source: ClassVar[Literal["packed", "units"]] = "packed"  # the packed training shards, or sentence-unit shards
+    # the packed training shards, sentence-unit shards, or (query, positive, negatives) pairs shards
+    source: ClassVar[Literal["packed", "units", "pairs"]] = "packed"
     predicts_tokens: ClassVar[bool] = True  # its targets go through the LM head (contrastive ones count queries)
 
     def __init__(self, config: BaseConfig, document_masking: bool = True):

@@ -45,18 +45,39 @@ def gather_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return _GatherRows.apply(x, counts), sum(counts[: dist.get_rank()])
 
 
-def info_nce(queries: torch.Tensor, keys: torch.Tensor, scale: float = 20.0) -> ObjectiveOutput:
-    """Row i of ``queries`` must pick row i of ``keys`` among the keys of every rank (one direction, q -> k).
-    ``scale`` is 1 / temperature (LLM2Vec: 20, i.e. tau = 0.05)."""
+def collisions(key_hashes: torch.Tensor, column_hashes: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Bool [n, m]: the candidates of each query whose text equals its positive's (``key_hashes`` [n]), other than
+    the positive itself (column ``labels[i]``): another row's identical positive or hard negative, a false
+    negative that must not be scored against the query (llm2vec issue #178)."""
+    same = column_hashes[None, :] == key_hashes[:, None]
+    same[torch.arange(len(labels), device=labels.device), labels] = False
+    return same
+
+
+def info_nce(queries: torch.Tensor, keys: torch.Tensor, scale: float = 20.0, negatives: torch.Tensor | None = None,
+             key_hashes: torch.Tensor | None = None, negative_hashes: torch.Tensor | None = None) -> ObjectiveOutput:
+    """Row i of ``queries`` must pick row i of ``keys`` among the keys of every rank (one direction, q -> k), and
+    the ``negatives`` of every rank after them (LLM2Vec's HardNegativeNLLLoss order: all positives, then all hard
+    negatives). ``scale`` is 1 / temperature (LLM2Vec: 20 for SimCSE, 50 for supervised training). With
+    ``key_hashes`` (int64 [n], the keys' text hashes; ``negative_hashes`` those of the negatives) a candidate with
+    the text of query i's own key is left out of query i's softmax (:func:`collisions`)."""
     if queries.shape != keys.shape or queries.ndim != 2:
         raise ValueError(f"info_nce needs queries and keys of the same [n, d] shape, got {tuple(queries.shape)} "
                          f"and {tuple(keys.shape)}")
     all_keys, offset = gather_rows(keys)
-    if all_keys.shape[0] < 2:
+    candidates = all_keys if negatives is None else torch.cat([all_keys, gather_rows(negatives)[0]])
+    if candidates.shape[0] < 2:
         raise ValueError("the contrastive batch holds fewer than 2 examples over all ranks, so there is no negative; "
                          "raise the unit micro batch (data.unit_micro_batch)")
-    logits = scale * F.normalize(queries.float(), dim=-1) @ F.normalize(all_keys.float(), dim=-1).T
+    logits = scale * F.normalize(queries.float(), dim=-1) @ F.normalize(candidates.float(), dim=-1).T
     labels = torch.arange(queries.shape[0], device=queries.device) + offset
+    if key_hashes is not None:
+        with torch.no_grad():
+            columns = gather_rows(key_hashes)[0]
+            if negatives is not None:
+                columns = torch.cat([columns, gather_rows(negative_hashes)[0]])
+            masked = collisions(key_hashes, columns, labels)
+        logits = logits.masked_fill(masked, float("-inf"))
     return ObjectiveOutput(loss_sum=F.cross_entropy(logits, labels, reduction="sum"),
                            num_targets=torch.tensor(queries.shape[0], device=queries.device),
                            num_correct=(logits.argmax(-1) == labels).sum())

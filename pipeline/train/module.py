@@ -27,8 +27,11 @@ class TrainModule(nn.Module):
         self.lm = lm
 
     def forward(self, objective, batch):
+        out = objective(self.lm, batch)
+        if isinstance(out, torch.Tensor):  # an embedding pass (``grad_cache.EmbedPass``)
+            return out
         # plain tuples in a dict: ZeRO-3's hooks only see through tuples, lists and dicts
-        return {name: (o.loss_sum, o.num_targets, o.num_correct) for name, o in objective(self.lm, batch).items()}
+        return {name: (o.loss_sum, o.num_targets, o.num_correct) for name, o in out.items()}
 
 
 def attn_implementation(config: ModelConfig, cuda: bool) -> str:

@@ -73,6 +73,6 @@ def check_loss_names(objectives: list[WeightedObjective], key: str) -> None:
 
 
 def data_sources(objectives: list[list[WeightedObjective]]) -> dict[str, list[str]]:
-    """Source ("packed", "units") -> the objectives of any phase that read it."""
+    """Source ("packed", "units", "pairs") -> the objectives of any phase that read it."""
     return {src: sorted({o.name for phase in objectives for o in phase if o.objective.source == src})
-            for src in ("packed", "units")}
+            for src in ("packed", "units", "pairs")}

@@ -154,6 +154,10 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
             raise ConfigError("data.unit_shards: an objective reads sentence units (e.g. simcse, sscl) but "
                               "data.unit_shards is empty; build them with data_prep/build_shards.py --units and "
                               "set data.unit_shards")
+        if data_sources(objectives)["pairs"] and not d.pair_shards:
+            raise ConfigError("data.pair_shards: the supervised objective reads (query, positive, negatives) rows but "
+                              "data.pair_shards is empty; build them with data_prep/build_shards.py --pairs and set "
+                              "data.pair_shards")
         if exp.eval.every and exp.eval.probes:
             _check_probe_mask(exp.eval.mask_token, tokenizer)
         check_resume_batch(exp, world)
@@ -198,7 +202,7 @@ def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokeniz
                  source: str, readers: list[str], global_batch: int, holdout: float = 0.0) -> DatasetIndex:
     if not _has_shards(directory, d):
         raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with data_prep/build_shards.py"
-                          + (" --units" if source == "units" else ""))
+                          + {"units": " --units", "pairs": " --pairs"}.get(source, ""))
     index = load_index(directory, shard_store(d))
     check_compatible(index, tokenizer.info.fingerprint, index.seq_len if seq_len is None else seq_len)
     if readers:
@@ -223,7 +227,23 @@ def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int) -> dict[
     if readers["units"]:
         indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
                                         (d.unit_micro_batch or t.micro_batch) * t.grad_accum * world)
+    if readers["pairs"]:
+        indexes["pairs"] = _check_index(d.pair_shards, "data.pair_shards", d, tok, None, "pairs", readers["pairs"],
+                                        t.micro_batch * t.grad_accum * world)
+        check_instruction_format(exp, indexes["pairs"])
     return indexes
+
+
+def check_instruction_format(exp: ExperimentConfig, index: DatasetIndex) -> None:
+    """The supervised objective records the instruction format its export applies to queries: it must be the one
+    data prep joined the shards' instructions with."""
+    built = index.pairs["instruction_format"]
+    for i, phase in enumerate(exp.phases):
+        for j, o in enumerate(phase.objectives):
+            if getattr(o, "instruction_format", built) != built:
+                raise ConfigError(f"phases[{i}].objectives[{j}].instruction_format: {o.instruction_format!r}, but "
+                                  f"data.pair_shards {index.directory} joined its instructions with {built!r}; set "
+                                  f"it to {built!r} (or rebuild the shards with --instruction-format)")
 
 
 def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer, packed: DatasetIndex) -> tuple[HeldOut | None, int]:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.model.flops import Work
+from pipeline.train.grad_cache import EmbedPass, grad_cache
 from pipeline.train.phases import WeightedObjective
 
 
@@ -33,13 +34,58 @@ def _unreported_grad_norm(engine) -> torch.Tensor | None:
     return torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters() if p.grad is not None])
 
 
+def _micro_steps(engine, step_objs: list[WeightedObjective], batches: dict[str, list], names: list[str],
+                 weights: dict[str, float], scale: torch.Tensor, sums: torch.Tensor, grad_accum: int):
+    """Forward, backward and (at the boundary, inside DeepSpeed) the update of each micro-batch; the gradients'
+    norm where DeepSpeed measures none."""
+    grad_norm = None
+    for micro in range(grad_accum):
+        loss = 0.0
+        for o in step_objs:
+            for own, (loss_sum, _, correct) in engine(o.objective, batches[o.objective.source][micro]).items():
+                name = o.loss_name(own)
+                i = names.index(name)
+                loss = loss + weights[name] * loss_sum * scale[i]
+                sums[i] += torch.stack([loss_sum.detach().float(), correct.float()])
+        engine.backward(loss)
+        if micro == grad_accum - 1:
+            grad_norm = _unreported_grad_norm(engine)
+        engine.step()
+    return grad_norm
+
+
+def _cached_micro_steps(engine, o: WeightedObjective, micro: list, factor: torch.Tensor, sums: torch.Tensor,
+                        grad_accum: int):
+    """The micro-batches as one contrastive batch (``grad_cache``): embedded without a graph, the loss of all of
+    them and its embedding gradient, then each re-run with its RNG state and back-propagated through the engine,
+    which accumulates, clips and steps as for any micro-step. ``factor`` is the loss's weight times its
+    normalisation (``world * grad_accum / global queries``)."""
+    objective, result, grad_norm = o.objective, {}, None
+
+    def loss(embeddings: torch.Tensor) -> torch.Tensor:
+        result["out"] = out = objective.loss(embeddings, micro)
+        return out.loss_sum * factor
+
+    def backward(m: int, surrogate: torch.Tensor) -> None:
+        nonlocal grad_norm
+        engine.backward(surrogate)
+        if m == grad_accum - 1:
+            grad_norm = _unreported_grad_norm(engine)
+        engine.step()
+
+    grad_cache(lambda m: engine(EmbedPass(objective), micro[m]), grad_accum, loss, backward)
+    sums += torch.stack([result["out"].loss_sum.detach().float(), result["out"].num_correct.float()])
+    return grad_norm
+
+
 def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, list], world: int,
                grad_accum: int) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-steps.
 
     Every loss is normalised by its target count over the whole global batch (all ranks, all micro-steps), so
     the step equals one big-batch step whatever the split; DeepSpeed averages gradients over ranks and
-    micro-steps, hence the ``world * grad_accum`` factor. The step's work is summed in the same all-reduce.
+    micro-steps, hence the ``world * grad_accum`` factor. The step's work is summed in the same all-reduce. An
+    objective with ``grad_cache`` (alone in its phase) takes its micro-batches as one contrastive batch.
     """
     # Everything counted and summed stays on the device until the one read-back at the end: a host sync drains
     # the device's queue, so one before (or inside) the forward would leave it idle while the host launches.
@@ -64,18 +110,14 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     scale = (world * grad_accum / total).float()
     sums = torch.zeros(len(names), 2, device=device)
     lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside the last step()
-    for micro in range(grad_accum):
-        loss = 0.0
-        for o in step_objs:
-            for own, (loss_sum, _, correct) in engine(o.objective, batches[o.objective.source][micro]).items():
-                name = o.loss_name(own)
-                i = names.index(name)
-                loss = loss + weights[name] * loss_sum * scale[i]
-                sums[i] += torch.stack([loss_sum.detach().float(), correct.float()])
-        engine.backward(loss)
-        if micro == grad_accum - 1:
-            grad_norm = _unreported_grad_norm(engine)
-        engine.step()
+    cached = [o for o in step_objs if getattr(o.objective, "grad_cache", False)]
+    if cached:  # the config allows a grad-cache objective only alone in its phase
+        o = cached[0]
+        name = o.loss_name(o.objective.name)
+        grad_norm = _cached_micro_steps(engine, o, batches[o.objective.source], weights[name] * scale[names.index(name)],
+                                        sums[names.index(name)], grad_accum)
+    else:
+        grad_norm = _micro_steps(engine, step_objs, batches, names, weights, scale, sums, grad_accum)
     if grad_norm is None:  # None only where the DeepSpeed config turns it off (zero_optimization.compute_grad_norm)
         grad_norm = engine.get_global_grad_norm()
     dist.all_reduce(sums)

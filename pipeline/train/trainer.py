@@ -171,7 +171,7 @@ def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: i
     """A loader per data source: the packed shards (short of the held-out samples), and the sentence units when an
     objective reads them."""
     t, d = exp.train, exp.data
-    micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch}
+    micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch, "pairs": t.micro_batch}
     samples = {"packed": prepared.train_samples}
     return {src: ShardLoader(index, micro[src], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
                              verify=d.verify_shards, num_samples=samples.get(src))

@@ -1,0 +1,66 @@
+"""Gradient caching (GradCache, Gao et al. 2021, luyug/GradCache): a contrastive batch larger than memory allows.
+
+The loss of a contrastive batch couples all of its rows (each query is scored against every key), so gradient
+accumulation over micro-batches would train smaller batches with fewer negatives. GradCache keeps the big batch:
+
+1. embed every chunk without a graph, saving the RNG state before each (dropout must draw the same masks again);
+2. concatenate the embeddings into one leaf, compute the loss of the whole batch and its gradient G with respect to
+   the embeddings (in the cross-rank gather's backward, every rank's key gradients reach their owner);
+3. re-embed each chunk with a graph, its RNG state restored, and back-propagate ``sum(e_m * G_m)``.
+
+By the chain rule the parameters then hold the gradient of the whole batch's loss; only one chunk's activations
+are alive at a time, at the cost of one more forward per chunk. The RNG state after the call is the one after the
+first pass, as a single forward of the whole batch would have left it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """Torch's CPU and CUDA generator states (dropout draws from them)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
+def set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+class EmbedPass:
+    """An objective's embedding pass as the engine's forward runs it (``TrainModule.forward``), so ZeRO-3 gathers
+    the parameters for it as for any forward."""
+
+    def __init__(self, objective):
+        self.objective = objective
+
+    def __call__(self, model, batch) -> torch.Tensor:
+        return self.objective.embed(model, batch)
+
+
+def grad_cache(embed: Callable[[int], torch.Tensor], chunks: int, loss: Callable[[torch.Tensor], torch.Tensor],
+               backward: Callable[[int, torch.Tensor], None], replay_rng: bool = True) -> torch.Tensor:
+    """Run GradCache over ``chunks`` chunks: ``embed(m)`` embeds chunk m ([rows_m, d]); ``loss(E)`` is the scalar to
+    differentiate of all chunks' embeddings E (concatenated, fp32); ``backward(m, surrogate)`` back-propagates chunk
+    m's surrogate (``loss.backward()``, or the engine's ``backward`` and ``step``). Returns the loss, detached.
+    ``replay_rng=False`` exists for the test that shows the replay matters."""
+    states, parts = [], []
+    for m in range(chunks):
+        states.append(rng_state())
+        with torch.no_grad():
+            parts.append(embed(m).float())
+    cache = torch.cat(parts).requires_grad_()
+    value = loss(cache)
+    (grad,) = torch.autograd.grad(value, cache)
+    after = rng_state()
+    for m, g in enumerate(grad.split([len(p) for p in parts])):
+        if replay_rng:
+            set_rng_state(states[m])
+        backward(m, (embed(m).float() * g).sum())
+    set_rng_state(after)
+    return value.detach()

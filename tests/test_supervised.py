@@ -1,0 +1,322 @@
+"""LLM2Vec's supervised stage: pairs shards (layout, bad rows, determinism, K jobs), pooling as encode() pools, the
+loss against a transcription of LLM2Vec's HardNegativeNLLLoss, the collision mask on real rows, GradCache against
+one big batch (CPU, with dropout replayed) and under ZeRO-3 on 2 ranks, and the export record's instruction format."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import REPO, ZERO3, free_port, tiny_llama
+
+from pipeline.config import ConfigError
+from pipeline.data.batch import collate
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
+from pipeline.data.manifest import load_index
+from pipeline.data.pairs import format_instruction, instructed_rows, text_hash
+from pipeline.data.pairs_sample import write_pairs_sample
+from pipeline.data.tar_shard import ShardReader
+from pipeline.experiment import load_experiment
+from pipeline.export.record import from_experiment
+from pipeline.objectives import Supervised, SupervisedConfig
+from pipeline.objectives.infonce import info_nce
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train.grad_cache import grad_cache
+
+PAIRS = os.path.join(REPO, "data", "sample", "pairs")
+TOKENIZER = os.path.join(REPO, "data", "sample", "tokenizer")
+WIDTH = 40
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(TOKENIZER)
+
+
+def build(output: str, inputs: tuple[str, ...], **kw) -> str:
+    cfg = dict(tokenizer=TOKENIZER, output=output, seq_len=WIDTH, pairs=True, progress=False,
+               instructions=os.path.join(PAIRS, "instructions.json"), samples_per_shard=50) | kw
+    run_job(BuildConfig(inputs=inputs, **cfg))
+    return output
+
+
+@pytest.fixture(scope="module")
+def pair_dir(tmp_path_factory) -> str:
+    return build(str(tmp_path_factory.mktemp("pairs") / "shards"), (os.path.join(PAIRS, "*.jsonl"),))
+
+
+def samples(directory: str) -> list:
+    return [s for info in load_index(directory).shards for s in ShardReader(info.path)]
+
+
+def test_sample_set_is_the_documented_rule_of_the_training_split(tmp_path):
+    """data/sample/pairs is what data_prep/make_pairs_sample.py makes from the sample corpus, byte for byte; its
+    rows share texts as SQuAD's do (a row's negative is the next row's positive)."""
+    for path in write_pairs_sample(REPO, str(tmp_path)):
+        with open(path, "rb") as ours, open(os.path.join(PAIRS, os.path.basename(path)), "rb") as shipped:
+            assert ours.read() == shipped.read(), path
+    with open(os.path.join(PAIRS, "replies.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 128 and sum(a["negative"] == b["positive"] for a, b in zip(rows, rows[1:])) > 100
+
+
+def test_pairs_shards_layout_and_pooling_as_encode(pair_dir, tokenizer):
+    index = load_index(pair_dir)
+    assert index.pairs["slots"] == 3 and index.seq_len == 3 * WIDTH and index.num_samples == 256
+    assert {t: n for f in index.jobs[0]["files"] for t, n in f["tasks"].items()} == {"continuations": 128,
+                                                                                     "replies": 128}
+    with open(os.path.join(PAIRS, "replies.jsonl")) as f:
+        row = json.loads(f.readline())
+    sample = next(s for s in samples(pair_dir) if s.key == "f000001s00000000")  # replies is the second input
+    sample.validate(index.seq_len)
+    instruction = format_instruction("{instruction}: ", "Given a line of a play, retrieve the line that answers it")
+    texts, prefixes = [row["query"], row["positive"], row["negative"]], [instruction, "", ""]
+    head, tail = [tokenizer.bos_id], [tokenizer.eos_id]
+    for s, (ids, start, end) in enumerate(instructed_rows(tokenizer, texts, prefixes, WIDTH, head, tail)):
+        seg, pool = sample.segments[s], sample.pool_spans[s]
+        assert sample.input_ids[seg[0]:seg[1]].tolist() == ids and (seg[0] == s * WIDTH)
+        assert pool.tolist() == [s * WIDTH + start, s * WIDTH + end]
+    pooled = tokenizer.hf.decode(sample.input_ids[sample.pool_spans[0, 0]:sample.pool_spans[0, 1]].tolist())
+    assert row["query"].startswith(pooled.strip()) and "retrieve" not in pooled  # the instruction is not pooled
+    assert sample.text_hash.tolist() == [text_hash(t) for t in texts]
+    assert text_hash(row["positive"]) == text_hash(row["positive"])  # the hash ignores the instruction
+    assert sample.mask_rank is None and sample.mask_draw is None and len(sample.spans) == 0
+
+
+def test_bad_rows_are_counted_with_file_and_line_and_k_jobs_equal_one(tmp_path, pair_dir, capsys):
+    bad = tmp_path / "mixed.jsonl"
+    rows = [{"query": "q one", "positive": "p one", "negative": ["n one", "n two"], "instruction": "Find it"},
+            {"query": "q two", "positive": "", "negative": "n"},
+            "not json",
+            {"query": "q three", "positive": "p", "negative": 5},
+            {"query": "q four", "positive": "p four", "negative": "n four", "task": "no-such-task"}]
+    bad.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    summary = run_job(BuildConfig(inputs=(str(bad),), tokenizer=TOKENIZER, output=str(tmp_path / "bad"),
+                                  seq_len=WIDTH, pairs=True, progress=False, max_bad_fraction=1.0,
+                                  instructions=os.path.join(PAIRS, "instructions.json")))
+    assert summary.samples == 1 and summary.bad_by_reason == {"bad_pair": 2, "not_json": 1, "no_instruction": 1}
+    err = capsys.readouterr().err
+    assert f"{bad}:2: positive is missing, empty or not a string" in err and f"{bad}:5: task 'no-such-task'" in err
+    one = samples(str(tmp_path / "bad"))[0]
+    assert one.pool_spans[0, 0] > 1 and one.text_hash[2] == text_hash("n one")  # its own instruction; first negative
+    # two jobs (each input file to one of them) write the samples of one job, byte for byte
+    two = str(tmp_path / "two")
+    for k in range(2):
+        build(two, (os.path.join(PAIRS, "*.jsonl"),), num_jobs=2, job_index=k)
+
+    def digest(directory):
+        return {s.key: hashlib.sha256(b"".join(getattr(s, f).tobytes() for f in s.fields())).hexdigest()
+                for s in samples(directory)}
+
+    assert digest(two) == digest(pair_dir)
+    again = build(str(tmp_path / "again"), (os.path.join(PAIRS, "*.jsonl"),))
+    assert [s["sha256"] for s in load_index(again).jobs[0]["shards"]] == \
+        [s["sha256"] for s in load_index(pair_dir).jobs[0]["shards"]]
+
+
+def hard_negative_nll(q, p, n, scale):
+    """LLM2Vec's HardNegativeNLLLoss (llm2vec/loss/HardNegativeNLLLoss.py), transcribed: candidates are all
+    positives then all negatives, cosine x scale, cross-entropy with label i, mean over queries."""
+    docs = torch.cat([p, n])
+    scores = scale * F.normalize(q, dim=-1) @ F.normalize(docs, dim=-1).T
+    return F.cross_entropy(scores, torch.arange(len(q)))
+
+
+def test_loss_is_hard_negative_nll_and_collisions_leave_only_their_query():
+    g = torch.Generator().manual_seed(0)
+    q, p, n = (torch.randn(6, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    out = info_nce(q, p, 50.0, negatives=n)
+    assert out.loss_sum.item() / 6 == pytest.approx(hard_negative_nll(q, p, n, 50.0).item(), rel=1e-6)
+    assert int(out.num_targets) == 6
+    # row 0's positive is row 3's hard negative (column 6 + 3) and row 5's positive (column 5)
+    hashes = torch.arange(6) * 10
+    neg_hashes = torch.arange(6) * 10 + 1
+    hashes[5], neg_hashes[3] = hashes[0], hashes[0]
+    masked = info_nce(q, p, 50.0, negatives=n, key_hashes=hashes, negative_hashes=neg_hashes)
+    logits = 50.0 * F.normalize(q, dim=-1) @ F.normalize(torch.cat([p, n]), dim=-1).T
+    logits[0, [5, 9]] = float("-inf")  # query 0 loses both; query 5 loses column 0 (query 0's positive) alike
+    logits[5, [0, 9]] = float("-inf")
+    ref = F.cross_entropy(logits, torch.arange(6), reduction="sum")
+    assert masked.loss_sum.item() == pytest.approx(ref.item(), rel=1e-6) and masked.loss_sum < out.loss_sum
+
+
+def real_batch(directory: str, keys: list[str]):
+    by_key = {s.key: s for s in samples(directory)}
+    return collate([by_key[k] for k in keys])
+
+
+def test_objective_pools_each_text_alone_and_masks_real_collisions(pair_dir, tokenizer):
+    """The [B, 3W] rows unpack to texts, each embedded as if alone (its own tokens, bidirectional, mean over the
+    pool span); on consecutive replies rows the next row's positive (this row's negative) is masked for it."""
+    keys = [f"f000001s{i:08d}" for i in range(4)]
+    batch = real_batch(pair_dir, keys)
+    model = tiny_llama(tokenizer).eval()
+    objective = Supervised(SupervisedConfig())
+    with torch.no_grad():
+        e = objective.embed(model, batch).view(4, 3, -1)
+        for b in range(4):
+            for s in range(3):
+                start, end = batch.pool_spans[b, s].tolist()
+                seg = torch.nonzero(batch.doc_ids[b] == s).flatten()
+                ids = batch.input_ids[b, seg]
+                n = len(ids)
+                hidden = model.model(input_ids=ids[None], attention_mask=torch.zeros(1, 1, n, n)).last_hidden_state
+                a, z = start - int(seg[0]), end - int(seg[0])
+                torch.testing.assert_close(e[b, s], hidden[0, a:z].mean(0), atol=1e-5, rtol=1e-5)
+    hashes = batch.text_hash
+    assert all(hashes[i, 2] == hashes[i + 1, 1] for i in range(3))  # the sample set's collisions
+    with torch.no_grad():
+        plain = Supervised(SupervisedConfig(mask_collisions=False))(model, batch)["supervised"]
+        masked = objective(model, batch)["supervised"]
+        q, p, n = e[:, 0], e[:, 1], e[:, 2]
+        logits = 50.0 * F.normalize(q, dim=-1) @ F.normalize(torch.cat([p, n]), dim=-1).T
+        for i in range(3):
+            logits[i + 1, 4 + i] = float("-inf")
+    assert plain.loss_sum.item() == pytest.approx(4 * hard_negative_nll(q, p, n, 50.0).item(), rel=1e-5)
+    assert masked.loss_sum.item() == pytest.approx(F.cross_entropy(logits, torch.arange(4), reduction="sum").item(),
+                                                   rel=1e-5)
+
+
+def cached_and_reference(tokenizer, batch, dropout: float, replay: bool = True, reference: str = "graph"):
+    """(loss, grads) of GradCache over 3 chunks of ``batch``'s rows and of the reference: ``graph`` keeps the three
+    chunks' graphs (the same RNG sequence) and runs one backward, ``one`` embeds the whole batch in one pass."""
+    objective = Supervised(SupervisedConfig())
+    chunks = [collate_rows(batch, list(range(i, i + 2))) for i in range(0, 6, 2)]
+    results = []
+    for mode in ("cached", reference):
+        model = tiny_llama(tokenizer, attention_dropout=dropout).train()
+        torch.manual_seed(7)
+        if mode == "cached":
+            loss = grad_cache(lambda m, model=model: objective.embed(model, chunks[m]), 3,
+                              lambda e: objective.loss(e, chunks).loss_sum,
+                              lambda m, surrogate: surrogate.backward(), replay_rng=replay)
+        elif mode == "graph":
+            e = torch.cat([objective.embed(model, c) for c in chunks])
+            loss = objective.loss(e, chunks).loss_sum
+            loss.backward()
+        else:
+            loss = objective(model, batch)["supervised"].loss_sum
+            loss.backward()
+        results.append((loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
+    return results
+
+
+def collate_rows(batch, rows: list[int]):
+    from dataclasses import fields, replace
+    return replace(batch, **{f.name: getattr(batch, f.name)[rows] for f in fields(batch)
+                             if isinstance(getattr(batch, f.name), torch.Tensor)}, keys=[batch.keys[r] for r in rows])
+
+
+def assert_same(a, b, tol=1e-5):
+    """Equal losses, and every parameter's gradient equal to within ``tol`` of its largest entry (fp32 sums in
+    another order differ by rounding, which scale 50 magnifies in single entries)."""
+    assert a[0] == pytest.approx(b[0], rel=tol)
+    assert set(a[1]) == set(b[1]) and a[1]
+    for name, grad in b[1].items():
+        assert (a[1][name] - grad).abs().max() <= tol * grad.abs().max(), name
+
+
+def test_grad_cache_equals_one_big_batch_and_replays_dropout(pair_dir, tokenizer):
+    batch = real_batch(pair_dir, [f"f000000s{i:08d}" for i in range(6)])
+    cached, one = cached_and_reference(tokenizer, batch, 0.0, reference="one")
+    assert_same(cached, one)
+    assert max(g.abs().max().item() for g in one[1].values()) > 1e-3
+    cached, graph = cached_and_reference(tokenizer, batch, 0.1)
+    assert_same(cached, graph)
+    unreplayed, graph = cached_and_reference(tokenizer, batch, 0.1, replay=False)
+    assert unreplayed[0] == pytest.approx(graph[0], rel=1e-6)  # the first pass is the reference's forward ...
+    with pytest.raises(AssertionError):  # ... but the re-run draws other dropout masks: wrong gradients
+        assert_same(unreplayed, graph, tol=1e-4)
+
+
+def test_config_checks_and_the_export_record(tokenizer):
+    with pytest.raises(ConfigError, match=r"grad_accum 3 would make each micro-step its own contrastive batch"):
+        load_experiment(None, ["train.grad_accum=3", "phases=[{objectives: [{name: supervised}]}]"])
+    with pytest.raises(ConfigError, match="must be the phase's only objective"):
+        load_experiment(None, ["phases=[{objectives: [{name: supervised, grad_cache: true}, {name: clm}]}]"])
+    with pytest.raises(ConfigError, match="instruction_format.*must hold '{instruction}'"):
+        load_experiment(None, ["phases=[{objectives: [{name: supervised, instruction_format: 'x: '}]}]"])
+    exp = load_experiment(None, ["train.grad_accum=3", "phases=[{objectives: [{name: supervised, grad_cache: true, "
+                                 "instruction: Retrieve semantically similar text}]}]"])
+    record = from_experiment(exp, tokenizer)
+    assert (record.instruction, record.instruction_format, record.pooling, record.attention) == (
+        "Retrieve semantically similar text", "{instruction}: ", "mean", "bidirectional")
+
+
+# Rank r of 2 under ZeRO-3: 3 micro-batches of 2 rows of the pairs shards (rows 6r..6r+5), one grad-cache step;
+# prints the loss and writes the full (averaged) gradients at the accumulation boundary.
+ZERO3_STEP = """
+import json, os, sys
+import deepspeed, torch
+from deepspeed.utils import safe_get_full_grad
+sys.path.insert(0, os.path.join(sys.argv[4], "tests"))
+from test_supervised import real_batch
+from pipeline.experiment import load_experiment
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train.ds_config import load_ds_config, resolve_ds_config
+from pipeline.train.module import build_engine
+from pipeline.train.phases import build_objectives
+from pipeline.train.step import train_step
+deepspeed.init_distributed(dist_backend="gloo")
+rank = int(os.environ["RANK"])
+exp = load_experiment(None, json.loads(sys.argv[1]))
+tok = load_tokenizer(exp.data.tokenizer)
+objectives = build_objectives(exp.phases[0], tok)
+ds = resolve_ds_config(load_ds_config(sys.argv[3]), exp, 2, False)
+_, engine = build_engine(exp, ds, tok, False, [o.objective for o in objectives], attn_implementation="sdpa",
+                         fused="none")
+micro = [real_batch(sys.argv[2], [f"f000000s{6 * rank + i:08d}" for i in range(m, m + 2)]) for m in (0, 2, 4)]
+grads = {}
+step = engine.step
+def capture():
+    if engine.is_gradient_accumulation_boundary():
+        for name, p in engine.module.lm.named_parameters():
+            g = safe_get_full_grad(p)
+            if g is not None:
+                grads[name] = g.clone()
+    step()
+engine.step = capture
+result = train_step(engine, objectives, {"pairs": micro}, 2, 3)
+if rank == 0:
+    torch.save({"loss": result.losses["supervised"], "grads": grads}, sys.argv[5])
+print("done", flush=True)
+os._exit(0)
+"""
+
+
+def test_grad_cache_under_zero3_on_two_ranks_equals_one_big_batch(pair_dir, tokenizer, init_dir, tmp_path):
+    """2 ranks x micro 2 x grad_accum 3 with grad_cache: the logged loss and the gradients DeepSpeed reduces are
+    those of one process embedding the 12 rows in one batch, without cache (dropout off, so the split is the only
+    difference)."""
+    overrides = [f"model.init={init_dir}", f"data.tokenizer={TOKENIZER}", "train.micro_batch=2", "train.grad_accum=3",
+                 "optim.grad_clip=0.0", "phases=[{objectives: [{name: supervised, grad_cache: true}]}]"]
+    out = str(tmp_path / "rank0.pt")
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE="2", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+                   PYTHONPATH=REPO)
+        procs.append(subprocess.Popen([sys.executable, "-c", ZERO3_STEP, json.dumps(overrides), pair_dir, ZERO3,
+                                       REPO, out], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    ranks = torch.load(out)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(init_dir).train()
+    batch = real_batch(pair_dir, [f"f000000s{i:08d}" for i in range(12)])
+    loss = Supervised(SupervisedConfig())(model, batch)["supervised"].loss_sum / 12
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    unused = {n: g for n, g in ranks["grads"].items() if n not in grads}
+    assert list(unused) == ["lm_head.weight"] and not unused["lm_head.weight"].any()  # ZeRO-3 holds zeros for it
+    assert_same((ranks["loss"], {n: g for n, g in ranks["grads"].items() if n in grads}), (loss.item(), grads))
