@@ -39,6 +39,8 @@ from pipeline.objectives import (
     SimCSE,
     SimCSEConfig,
     SSCLConfig,
+    Supervised,
+    SupervisedConfig,
     make_objective,
 )
 from pipeline.objectives.base import resolve_mask_id
@@ -256,7 +258,8 @@ def test_masking_fields_on_an_objective_that_does_not_mask_are_an_error(name, ke
 
 def test_configs_are_picked_by_name_and_build_their_objective(tokenizer):
     expected = {"clm": (CLMConfig, CLM), "mlm": (MLMConfig, MLM), "mntp": (MNTPConfig, MNTP),
-                "magnet": (MagnetConfig, Magnet), "sscl": (SSCLConfig, SSCL), "simcse": (SimCSEConfig, SimCSE)}
+                "magnet": (MagnetConfig, Magnet), "sscl": (SSCLConfig, SSCL), "simcse": (SimCSEConfig, SimCSE),
+                "supervised": (SupervisedConfig, Supervised)}
     assert {n: OBJECTIVES[n] for n in expected} == {n: cls for n, (_, cls) in expected.items()}
     for name, (config_type, cls) in expected.items():
         config = from_tagged(ObjectiveConfig, {"name": name, "weight": 2.0})
@@ -272,14 +275,15 @@ def test_each_objective_declares_what_it_is(tokenizer):
              for name, cls in OBJECTIVES.items()}
     assert facts == {"clm": (False, True, True, False, "packed"), "mlm": (True, False, False, True, "packed"),
                      "mntp": (True, True, False, True, "packed"), "magnet": (True, True, False, True, "packed"),
-                     "sscl": (False, False, False, True, "units"), "simcse": (False, False, False, True, "units")}
+                     "sscl": (False, False, False, True, "units"), "simcse": (False, False, False, True, "units"),
+                     "supervised": (False, False, False, False, "pairs")}
     built = {name: make_objective(from_tagged(ObjectiveConfig, {"name": name}), tokenizer) for name in OBJECTIVES}
     assert {n: o.attention_mode for n, o in built.items()} == {
         "clm": "causal", "mlm": "bidirectional", "mntp": "bidirectional", "magnet": "magnet",
-        "sscl": "bidirectional", "simcse": "bidirectional"}
+        "sscl": "bidirectional", "simcse": "bidirectional", "supervised": "bidirectional"}
     assert {n: o.loss_weights for n, o in built.items()} == {
         "clm": {"clm": 1.0}, "mlm": {"mlm": 1.0}, "mntp": {"mntp": 1.0}, "magnet": {"mntp": 1.0, "msg": 1.0},
-        "sscl": {"sscl": 1.0}, "simcse": {"simcse": 1.0}}
+        "sscl": {"sscl": 1.0}, "simcse": {"simcse": 1.0}, "supervised": {"supervised": 1.0}}
     magnet = [make_objective(MagnetConfig(**w), tokenizer) for w in ({"msg_weight": 0.0}, {"own_span_only": True},
                                                                     {"mntp_weight": 0.0, "msg_weight": 2.0})]
     assert [(o.attention_mode, o.loss_weights) for o in magnet] == [

@@ -84,7 +84,7 @@ def test_pairs_shards_layout_and_pooling_as_encode(pair_dir, tokenizer):
         assert sample.input_ids[seg[0]:seg[1]].tolist() == ids and (seg[0] == s * WIDTH)
         assert pool.tolist() == [s * WIDTH + start, s * WIDTH + end]
     pooled = tokenizer.hf.decode(sample.input_ids[sample.pool_spans[0, 0]:sample.pool_spans[0, 1]].tolist())
-    assert row["query"].startswith(pooled.strip()) and "retrieve" not in pooled  # the instruction is not pooled
+    assert pooled.strip() in row["query"] and "retrieve" not in pooled  # the instruction is not pooled
     assert sample.text_hash.tolist() == [text_hash(t) for t in texts]
     assert text_hash(row["positive"]) == text_hash(row["positive"])  # the hash ignores the instruction
     assert sample.mask_rank is None and sample.mask_draw is None and len(sample.spans) == 0
@@ -291,6 +291,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.e2e
 def test_grad_cache_under_zero3_on_two_ranks_equals_one_big_batch(pair_dir, tokenizer, init_dir, tmp_path):
     """2 ranks x micro 2 x grad_accum 3 with grad_cache: the logged loss and the gradients DeepSpeed reduces are
     those of one process embedding the 12 rows in one batch, without cache (dropout off, so the split is the only

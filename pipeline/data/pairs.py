@@ -93,20 +93,20 @@ def text_hash(text: str) -> int:
 def _tokenize(tok, texts: Sequence[str], prefixes: Sequence[str], max_length: int, head: list[int],
               tail: list[int]) -> tuple[list[tuple[list[int], int, int, bool] | None], int]:
     """(per text: (ids, first text position, end of text, whether it was cut), or None where the prefix leaves no
-    room for the text; the longest prefix's token count). The text starts after the tokens the joined string shares
-    with the prefix alone: a prefix's trailing space that the tokenizer merges into the text's first word ("X: " is
-    ``▁X : ▁`` alone but ``▁X : ▁Norfolk`` joined) must not take that word out of pooling."""
+    room for the text; the longest prefix's token count). The text starts after as many tokens as the prefix has
+    alone, sentence-transformers' rule (``include_prompt: false``), so its export pools what this pools. A prefix
+    ending in a space the tokenizer merges into the text's first word ("X: " is ``▁X : ▁`` alone but
+    ``▁X : ▁Norfolk`` joined) thus leaves that word out of pooling, in training and in use alike."""
     distinct = sorted({p for p in prefixes if p})
-    alone = dict(zip(distinct, tok.encode_batch(distinct))) | {"": []}
+    skips = dict(zip(distinct, (len(ids) for ids in tok.encode_batch(distinct)))) | {"": 0}
     room = max_length - len(head) - len(tail)
     out = []
     for ids, prefix in zip(tok.encode_batch([p + t for p, t in zip(prefixes, texts)]), prefixes):
-        own = alone[prefix]
-        skip = next((i for i, (a, b) in enumerate(zip(own, ids)) if a != b), min(len(own), len(ids)))
+        skip = skips[prefix]
         cut = ids[:room]
         out.append(None if room <= skip else
                    (head + cut + tail, len(head) + min(skip, len(cut)), len(head) + len(cut), len(ids) > room))
-    return out, max((len(alone[p]) for p in prefixes), default=0)
+    return out, max((skips[p] for p in prefixes), default=0)
 
 
 def instructed_rows(tok, texts: Sequence[str], prefixes: Sequence[str], max_length: int, head: list[int],
