@@ -38,7 +38,8 @@ def experiment(name: str, *overrides: str):
 
 
 def test_experiment_files_carry_llm2vec_settings():
-    assert sorted(os.listdir(EXPERIMENTS)) == ["mntp-smoke.yaml", "mntp.yaml", "simcse-smoke.yaml", "simcse.yaml"]
+    assert sorted(os.listdir(EXPERIMENTS)) == ["mntp-smoke.yaml", "mntp.yaml", "simcse-smoke.yaml", "simcse.yaml",
+                                               "supervised-smoke.yaml", "supervised.yaml"]
     mntp, simcse = experiment("mntp.yaml"), experiment("simcse.yaml")
     (spec,) = mntp.phases[0].objectives
     assert (spec.name, spec.ratio, spec.policy, spec.mask_token) == ("mntp", 0.2, "80-10-10", "_")
@@ -59,6 +60,17 @@ def test_experiment_files_carry_llm2vec_settings():
     assert experiment("simcse-smoke.yaml").model.init == os.path.join(experiment("mntp-smoke.yaml").run_dir, "hf")
     objective = make_objective(simcse.phases[0].objectives[0], load_tokenizer(TOKENIZER))
     assert isinstance(objective, SimCSE) and objective.scale == 20.0
+    supervised, smoke = experiment("supervised.yaml"), experiment("supervised-smoke.yaml")
+    (spec,) = supervised.phases[0].objectives
+    assert (spec.name, spec.scale, spec.hard_negatives, spec.mask_collisions, spec.grad_cache) == (
+        "supervised", 50.0, True, True, True)
+    t = supervised.train
+    assert (t.steps, t.micro_batch * t.grad_accum * GPUS, supervised.data.seq_len) == (1000, 512, 3 * 512)
+    assert (supervised.optim.lr, supervised.optim.warmup_steps, supervised.optim.weight_decay) == (2e-4, 300, 0.0)
+    assert supervised.model.init == os.path.join(mntp.run_dir, "hf")  # LLM2Vec starts it from MNTP, not SimCSE
+    assert supervised.data.pair_shards == supervised.data.shards and not supervised.data.build_if_missing
+    assert to_dict(smoke.phases[0].objectives) == to_dict(supervised.phases[0].objectives)
+    assert smoke.model.init == os.path.join(experiment("mntp-smoke.yaml").run_dir, "hf")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,9 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import fields, replace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -209,7 +211,6 @@ def cached_and_reference(tokenizer, batch, dropout: float, replay: bool = True, 
 
 
 def collate_rows(batch, rows: list[int]):
-    from dataclasses import fields, replace
     return replace(batch, **{f.name: getattr(batch, f.name)[rows] for f in fields(batch)
                              if isinstance(getattr(batch, f.name), torch.Tensor)}, keys=[batch.keys[r] for r in rows])
 
@@ -321,3 +322,26 @@ def test_grad_cache_under_zero3_on_two_ranks_equals_one_big_batch(pair_dir, toke
     unused = {n: g for n, g in ranks["grads"].items() if n not in grads}
     assert list(unused) == ["lm_head.weight"] and not unused["lm_head.weight"].any()  # ZeRO-3 holds zeros for it
     assert_same((ranks["loss"], {n: g for n, g in ranks["grads"].items() if n in grads}), (loss.item(), grads))
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_smoke_twin_trains_on_two_zero3_ranks_and_its_export_formats_instructions(tmp_path, init_dir):
+    """supervised-smoke.yaml through launch/train.py (GradCache, 2 x 2 x 2 rows a step): 8 finite steps, and an export
+    whose record makes encode() format a bare instruction as the shards did."""
+    from helpers import launch_training, logged_steps
+
+    from pipeline.eval import encode, load_model
+    shards = build(str(tmp_path / "pairs"), (os.path.join(PAIRS, "*.jsonl"),), seq_len=32)
+    run = str(tmp_path / "run")
+    launch_training(run, os.path.join(REPO, "experiments", "llm2vec", "supervised-smoke.yaml"),
+                    f"data.shards={shards}", f"data.pair_shards={shards}", f"model.init={init_dir}")
+    steps = logged_steps(run)
+    assert sorted(steps) == list(range(1, 9)) and all(0 < s["loss/supervised"] < 100 for s in steps.values())
+    model = load_model(os.path.join(run, "hf"))
+    assert model.record.instruction_format == "{instruction}: "
+    texts = ["Where is he?"]
+    bare = encode(model, texts, instruction="Given a line of a play, retrieve the line that answers it")
+    model.record = replace(model.record, instruction_format=None)  # instructions then are verbatim prefixes
+    verbatim = encode(model, texts, instruction="Given a line of a play, retrieve the line that answers it: ")
+    assert np.allclose(bare, verbatim, atol=1e-6)
