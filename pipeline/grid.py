@@ -69,6 +69,7 @@ class SmokeSpec:
     preset: str = "tiny"  # replaces every preset name in model.init and model.shape
     global_batch: int = 8
     resources: Resources = field(default_factory=lambda: Resources(nodes=1, gpus_per_node=2, gpu=False))
+    ds_config: str = ""  # the twins' DeepSpeed JSON (relative to the grid file); "": the grid's
     set: dict = field(default_factory=dict)  # overrides applied last (data paths, sequence length, ...)
 
     def validate(self) -> None:
@@ -105,6 +106,7 @@ class Variant:
     values: dict  # axis -> value name
     experiment: ExperimentConfig
     resources: Resources
+    ds_config: str  # the DeepSpeed JSON it trains with (absolute)
     after: tuple[str, ...] = ()  # variants whose output this one reads (run first)
 
 
@@ -115,11 +117,12 @@ class Grid:
     base: dict
     groups: dict[str, GroupSpec]
 
-    @property
-    def ds_config(self) -> str:
-        if not self.spec.ds_config:
+    def ds_config(self, smoke: bool = False) -> str:
+        """The runs' DeepSpeed JSON (the twins' own where smoke.ds_config names one)."""
+        path = (smoke and self.spec.smoke.ds_config) or self.spec.ds_config
+        if not path:
             return os.path.join(REPO, "ds_configs", "zero3.json")
-        return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(self.path)), self.spec.ds_config))
+        return os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(self.path)), path))
 
     def variants(self, smoke: bool = False, out: str = "runs", overrides: dict | None = None,
                  resources: Resources | None = None) -> list[Variant]:
@@ -197,7 +200,8 @@ class Grid:
                                   f"{exp.train.micro_batch} x {resources.world_size} ranks ({resources.nodes} nodes "
                                   f"x {resources.gpus_per_node}); change the resources or train.micro_batch")
             exp.train.grad_accum = global_batch // per_step
-        return Variant(exp.name, group, values, exp, resources, tuple(r + suffix for r in refs))
+        return Variant(exp.name, group, values, exp, resources, self.ds_config(smoke),
+                       tuple(r + suffix for r in refs))
 
     def _experiment(self, name: str, data: dict) -> ExperimentConfig:
         try:

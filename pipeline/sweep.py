@@ -173,7 +173,7 @@ def job_script(grid: Grid, variant: Variant) -> str:
         "# The directives are launch/slurm/train.sbatch's, with this run's name, size and log file.",
         *_sbatch_directives(r, variant.name, run.slurm_log),
         *env,
-        f"exec bash {TRAIN_SBATCH} --config {os.path.abspath(grid.ds_config)} "
+        f"exec bash {TRAIN_SBATCH} --config {variant.ds_config} "
         f"--experiment {run.experiment_yaml}",
         ""])
 
@@ -248,19 +248,19 @@ def submit(variant: Variant, after_jobs: list[int]) -> int:
     return job
 
 
-def run_local(grid: Grid, variant: Variant) -> None:
+def run_local(variant: Variant) -> None:
     """Train the run on this machine: torchrun with the run's ranks (one node), the command train.sbatch runs."""
     r = variant.resources
     if r.nodes != 1:
         raise ConfigError(f"{variant.name} needs {r.nodes} nodes; run it with --submit, or give it one node "
                           "(--nodes 1 --gpus-per-node N)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r.gpus_per_node}",
-           "-m", "pipeline.train.entry", "--config", os.path.abspath(grid.ds_config),
+           "-m", "pipeline.train.entry", "--config", variant.ds_config,
            "--experiment", RunDir(os.path.abspath(variant.experiment.run_dir)).experiment_yaml]
     env = dict(os.environ)
-    if not r.gpu:
+    if not r.gpu:  # the machine's cores split among the ranks (one rank: all of them; BENCHMARKS.md "CPU layouts")
         env.setdefault("DS_ACCELERATOR", "cpu")
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // r.gpus_per_node)))
     print(f"== {variant.name}: {' '.join(cmd)}", flush=True)
     rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
     if rc != 0:
@@ -340,7 +340,7 @@ def act(sweep: Sweep) -> None:
                                                                 if after else ""))
     elif request.action == "local":
         for v in sweep.todo:
-            run_local(sweep.grid, v)
+            run_local(v)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,16 @@ from pipeline.model.build import build_model
 from pipeline.tokenizer import load_tokenizer
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> str:
+    """The real SmolLM2-135M as an HF directory (launch/import_gguf.py), imported once for the slow suite's runs."""
+    out = str(tmp_path_factory.mktemp("smollm2") / "hf")
+    subprocess.run([sys.executable, os.path.join(REPO, "launch", "import_gguf.py"), "--output", out], check=True,
+                   capture_output=True, cwd=REPO)
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,16 @@ def test_variants_combine_axes_in_order_and_derive_grad_accum(tmp_path):
     assert bigger["pre-210m-clm50"].experiment.train.grad_accum == 4  # same global batch on fewer ranks
 
 
+def test_twins_train_with_their_own_deepspeed_config_where_smoke_names_one(tmp_path):
+    grid = load_grid(write_grid(tmp_path, ds_config="zero2.json",
+                                smoke={"step_divisor": 100, "global_batch": 8, "ds_config": "zero0.json",
+                                       "resources": {"nodes": 1, "gpus_per_node": 1, "gpu": False}}))
+    full, twin = grid.variants()[0], grid.variants(smoke=True)[0]
+    assert (full.ds_config, twin.ds_config) == (str(tmp_path / "zero2.json"), str(tmp_path / "zero0.json"))
+    assert twin.experiment.train.grad_accum == 8 // (4 * 1)  # one rank carries the twins' whole global batch
+    assert load_grid(write_grid(tmp_path)).variants(smoke=True)[0].ds_config.endswith("ds_configs/zero3.json")
+
+
 def test_smoke_twins_divide_steps_and_keep_the_switch(tmp_path):
     grid = load_grid(write_grid(tmp_path))
     twins = {v.name: v for v in grid.variants(smoke=True, out="out")}

@@ -240,9 +240,8 @@ class Driver:
 def set_rank_defaults() -> None:
     """What the training ranks inherit unless the user set it: DeepSpeed's accelerator by what this machine has
     (the studies' grids declare CPU ranks, for which the sweep would otherwise choose the CPU even on a GPU
-    node), and one thread per rank."""
+    node). Threads are the sweep's: the cores split among a run's ranks."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
