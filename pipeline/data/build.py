@@ -34,6 +34,7 @@ from pipeline.data.build_file import FileResult, WorkerSpec, init_worker, pad_id
 from pipeline.data.build_sample import PlanSettings
 from pipeline.data.manifest import (
     INDEX,
+    add_source_counts,
     ensure_manifest,
     job_manifest_name,
     load_job,
@@ -63,15 +64,19 @@ class JobSummary:
     index_written: bool = False
     bad_by_reason: dict[str, int] = field(default_factory=dict)
     truncated_units: int | None = None  # unit mode only
+    sources: dict[str, dict[str, int]] | None = None  # with sources: {"documents", "samples", "tokens"} of each
 
     def lines(self) -> list[str]:
         rate = max(self.elapsed_s, 1e-9)
         bad = ", ".join(f"{k} {v}" for k, v in sorted(self.bad_by_reason.items())) or "none"
         truncated = [] if self.truncated_units is None else \
             [f"units cut to --max-unit-tokens: {self.truncated_units} of {self.samples}"]
+        sources = [] if self.sources is None else [
+            "sources: " + ", ".join(f"{name} {c['documents']} documents, {c['samples']} samples, {c['tokens']} tokens"
+                                    for name, c in sorted(self.sources.items()))]
         return [f"job {self.job_index} of {self.num_jobs}: {self.files} files, {self.documents} documents, "
                 f"{self.samples} samples, {self.tokens} tokens, {self.shards} shards",
-                f"bad records: {self.bad_records} ({bad})", *truncated,
+                f"bad records: {self.bad_records} ({bad})", *truncated, *sources,
                 f"elapsed {self.elapsed_s:.1f} s (+ {self.tokenizer_s:.1f} s loading the tokenizer, not counted): "
                 f"{self.documents / rate:.0f} docs/s, {self.tokens / rate:.0f} tokens/s"]
 
@@ -151,7 +156,8 @@ def _commit(cfg: BuildConfig, job: dict, result: FileResult) -> None:
     _fsync_dir(cfg.output)
     job["files"].append({"file_index": result.file_index, "path": result.path, "documents": result.stats.documents,
                          "samples": result.samples, "tokens": result.tokens, "bad_records": result.stats.bad,
-                         "shards": names} | ({"truncated_units": result.truncated_units} if cfg.units else {}))
+                         "shards": names} | ({"truncated_units": result.truncated_units} if cfg.units else {})
+                        | ({"sources": result.sources} if result.sources is not None else {}))
     write_job(cfg, job)
 
 
@@ -226,8 +232,9 @@ def _build(cfg: BuildConfig, tok, inputs: list[str], manifest: dict, job: dict, 
     spans = 0.0 if cfg.units else cfg.span_fraction  # units have no MAGNET spans
     spec = WorkerSpec(cfg.tokenizer, cfg.text_field, cfg.seq_len, cfg.samples_per_shard, cfg.remainder, cfg.bos,
                       cfg.eos, PlanSettings(cfg.seed, np.asarray(tok.special_ids), cfg.span_min, cfg.span_max,
-                                            spans), work_dir, cfg.units, cfg.paraphrase_field)
+                                            spans), work_dir, cfg.units, cfg.paraphrase_field, cfg.source)
     summary.truncated_units = 0 if cfg.units else None
+    summary.sources = {} if cfg.source else None
     bar = _ProgressBar(cfg.progress, len(tasks))
     results = _results(tasks, spec, tok, cfg.workers, bar.show)
     try:
@@ -242,6 +249,8 @@ def _build(cfg: BuildConfig, tok, inputs: list[str], manifest: dict, job: dict, 
             summary.bad_records += result.stats.num_bad
             if cfg.units:
                 summary.truncated_units += result.truncated_units
+            if result.sources is not None:
+                add_source_counts(summary.sources, result.sources)
             for reason, n in result.stats.bad.items():
                 summary.bad_by_reason[reason] = summary.bad_by_reason.get(reason, 0) + n
             bar.file_done()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pipeline.data.format import MAX_SEQ_LEN
 from pipeline.data.packing import REMAINDER_POLICIES
-from pipeline.data.sources import input_size
+from pipeline.data.sources import SourceField, input_size
 from pipeline.data.units import UNIT_MODES
 
 
@@ -41,6 +41,14 @@ class BuildConfig:
     progress: bool = True
     units: str = ""  # "": pack documents; "sentence", "paragraph", "record": one unit per sample of seq_len tokens
     paraphrase_field: str = ""  # with units "record": the record field holding the text's paraphrase
+    source_field: str = ""  # the record field naming its source, dotted into objects (meta.redpajama_set_name)
+    source_default: str = ""  # the source of records without one ("": such a record is bad); alone: every record's
+
+    @property
+    def source(self) -> SourceField | None:
+        """Where records name their source; None when the shards record no sources (one unnamed source)."""
+        return SourceField(self.source_field, self.source_default) if self.source_field or self.source_default \
+            else None
 
     def validate(self) -> None:
         checks = [
@@ -62,6 +70,8 @@ class BuildConfig:
             (not self.paraphrase_field or self.units == "record",
              f"--paraphrase-field needs --units record (each record is one unit, its paraphrase beside it), got "
              f"--units {self.units or '(none: packed)'}"),
+            (not self.source_default or self.source_default.strip() == self.source_default,
+             f"--source-default must be a name without surrounding blanks, got {self.source_default!r}"),
             (not self.units or self.seq_len >= 1 + self.bos + self.eos,
              f"--max-unit-tokens {self.seq_len} leaves no room for text between BOS and EOS"),
         ]
@@ -73,7 +83,7 @@ class BuildConfig:
         """Everything that determines the shard bytes (fingerprinted; a later job with other settings is
         refused). Unit shards record their mode (and paraphrase field) instead of the packing and span settings they
         do not use; packed shards have no ``units`` key, so their settings (and fingerprints) are those of earlier
-        versions."""
+        versions. Likewise ``source_field`` and ``source_default`` are there only when sources are recorded."""
         settings = {
             "tokenizer": tokenizer_info,
             "pad_id": pad_id,
@@ -94,4 +104,6 @@ class BuildConfig:
             for unused in ("remainder", "span_min", "span_max", "span_fraction"):
                 del settings[unused]
             settings |= {"units": self.units, "paraphrase_field": self.paraphrase_field or None}
+        if self.source is not None:
+            settings |= {"source_field": self.source_field, "source_default": self.source_default}
         return settings
