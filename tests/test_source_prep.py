@@ -8,13 +8,15 @@ import glob
 import json
 import os
 
+import numpy as np
 import pytest
 from shard_corpus import ROOT, TOKENIZER, genre, sourced_corpus
 
 from pipeline.data import inspection
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
-from pipeline.data.manifest import INDEX, job_manifest_name, load_index
+from pipeline.data.loader import ShardLoader
+from pipeline.data.manifest import INDEX, UNNAMED_SOURCE, job_manifest_name, load_index
 from pipeline.data.sources import RecordStats, SourceField, read_records
 from pipeline.data.tar_shard import ShardReader
 from pipeline.tokenizer import load_tokenizer
@@ -138,3 +140,26 @@ def test_parquet_with_a_nested_source_gives_the_jsonl_sources(corpus, tmp_path):
     got = list(read_records(str(tmp_path / "in.parquet"), ("text",), RecordStats(),
                             SourceField("meta.redpajama_set_name")))
     assert got == docs
+
+
+def test_shards_without_sources_are_one_source_and_carry_no_source_ids(corpus, tmp_path):
+    """A directory built without --source-field (or before sources existed: its manifests name none) is the one
+    source 'default'; its batches are as before, without source ids."""
+    out = tmp_path / "plain"
+    run_job(config(corpus[:1], out, source_field="", seq_len=64))
+    index = load_index(str(out))
+    assert "source_field" not in index.settings and "sources" not in json.load(open(out / INDEX))
+    assert all("source" not in s for s in json.load(open(out / job_manifest_name(0)))["shards"])
+    assert index.sources == (UNNAMED_SOURCE,) and list(index.source_counts()) == [UNNAMED_SOURCE]
+    batch = ShardLoader(index, micro_batch=4).next_global_step()[0]
+    assert batch.source_ids is None
+
+
+def test_batches_of_a_directory_of_sources_carry_each_rows_source(built):
+    out, _ = built
+    index = load_index(str(out))
+    loader = ShardLoader(index, micro_batch=8, grad_accum=2, seed=3)
+    source_of_key = {s.key: shard.source for shard in index.shards for s in ShardReader(shard.path)}
+    for batch in loader.next_global_step():
+        assert [index.sources[i] for i in batch.source_ids.tolist()] == [source_of_key[k] for k in batch.keys]
+    assert np.all(batch.source_ids.numpy() >= 0)

@@ -21,6 +21,9 @@ class Batch:
     # int64 [B, L] the units' paraphrases (MAGNET's x+), wrapped and padded like input_ids; None when the shards
     # carry none (built without --paraphrase-field)
     paraphrase_ids: torch.Tensor | None = None
+    # int64 [B] each row's source (its position in the shard directory's sorted sources), -1 on padding rows; None
+    # when the directory has one source
+    source_ids: torch.Tensor | None = None
 
     def _map(self, fn) -> Batch:
         return Batch(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
