@@ -1,7 +1,7 @@
 """Source mixtures (``data.mixture``, ``pipeline/data/mixture.py``): the order's index arithmetic (ratios at every
 prefix, maximum repetition, the error of a source too small for its share), the loader's world-size independent and
-resumable order, the config's and preflight's errors, on the sample corpus split into named sources
-(``shard_corpus.genre``)."""
+resumable order, the config's and preflight's errors, and a real 2-rank ZeRO-3 CPU
+run on the sample corpus split into named sources (``shard_corpus.genre``) that logs its losses per source."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import os
 
 import numpy as np
 import pytest
-from shard_corpus import ROOT, TOKENIZER, sourced_corpus
+from helpers import launch_training, logged_steps
+from shard_corpus import HOLDOUT, ROOT, TOKENIZER, sourced_corpus
 
 from pipeline.config import ConfigError
 from pipeline.data.build import run_job
@@ -184,3 +185,36 @@ def test_preflight_reports_the_plan_and_the_sources_left_out(shards, tmp_path):
     assert prepared.notes[0] == "mixture of 2 sources over 8 steps x 8 samples x 64 tokens (4,096 tokens):"
     assert prepared.notes[1].startswith("  histories: ratio 0.4, 26 samples (1,664 tokens) of its 2,")
     assert prepared.notes[-1] == f"note: data.mixture leaves out poems of {shards}: not trained on"
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> str:
+    """A held-out directory of two sources: three plays' and the one poem's documents of the sample corpus's
+    validation split, cut to 1000 characters (about 25 samples of 64 tokens)."""
+    corpus = sourced_corpus(tmp_path_factory.mktemp("held"), [HOLDOUT], per_source=3, max_chars=1000)
+    out = str(tmp_path_factory.mktemp("data") / "held")
+    run_job(BuildConfig(inputs=tuple(corpus), tokenizer=TOKENIZER, output=out, seq_len=64, progress=False,
+                        source_field="meta.redpajama_set_name"))
+    return out
+
+
+@pytest.mark.e2e
+def test_two_rank_run_on_a_mixture_logs_losses_and_tokens_per_source(shards, held_out, init_dir, tmp_path):
+    """The run reads the plan's samples (its tokens per source are the plan's counts: the samples are full), logs
+    each source's loss (the overall loss is their mean weighted by targets, so it lies between them), in training
+    and in validation."""
+    run_dir = str(tmp_path / "run")
+    launch_training(run_dir, None, *COMMON, f"data.shards={shards}", f"model.init={init_dir}", "train.steps=6",
+                    "eval.every=3", f"eval.shards={held_out}", "eval.samples=0", "eval.micro_batch=8")
+    steps = logged_steps(run_dir)
+    plan = MixturePlan.build(load_index(shards), RATIOS, seed=0)
+    for step in steps:
+        counts = plan.counts(step * 8)
+        assert {n: steps[step][f"progress/source_tokens/{n}"] for n in RATIOS} == {n: c * 64 for n, c in counts.items()}
+        per_source = [v for k, v in steps[step].items() if k.startswith("source_loss/clm/")]
+        assert len(per_source) >= 2 and min(per_source) <= steps[step]["loss/clm"] <= max(per_source), step
+    assert load_index(held_out).sources == ("plays", "poems")
+    for step in (3, 6):
+        held = [steps[step][f"eval/source_loss/clm/{n}"] for n in ("plays", "poems")]
+        assert min(held) <= steps[step]["eval/loss/clm"] <= max(held)
+        assert {"eval/source_probe/mlm15/plays", "eval/source_probe/mntp20/poems"} <= set(steps[step])

@@ -27,8 +27,11 @@ class TrainModule(nn.Module):
         self.lm = lm
 
     def forward(self, objective, batch):
-        # plain tuples in a dict: ZeRO-3's hooks only see through tuples, lists and dicts
-        return {name: (o.loss_sum, o.num_targets, o.num_correct) for name, o in objective(self.lm, batch).items()}
+        # plain tuples in a dict: ZeRO-3's hooks only see through tuples, lists and dicts; each row's loss and
+        # targets follow when the objective made them (a batch with source ids)
+        return {name: (o.loss_sum, o.num_targets, o.num_correct)
+                + ((o.row_loss, o.row_targets) if o.row_loss is not None else ())
+                for name, o in objective(self.lm, batch).items()}
 
 
 def attn_implementation(config: ModelConfig, cuda: bool) -> str:
