@@ -1,6 +1,6 @@
 """Source mixtures (``data.mixture``, ``pipeline/data/mixture.py``): the order's index arithmetic (ratios at every
 prefix, maximum repetition, the error of a source too small for its share), the loader's world-size independent and
-resumable order, the config's and preflight's errors, and a real 2-rank ZeRO-3 CPU
+resumable order, the config's and preflight's errors, the planner's tokens per source, and a real 2-rank ZeRO-3 CPU
 run on the sample corpus split into named sources (``shard_corpus.genre``) that logs its losses per source."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pipeline.data.loader import ShardLoader
 from pipeline.data.manifest import DatasetIndex, ShardInfo, load_index
 from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget, source_samples
 from pipeline.experiment import load_experiment
+from pipeline.planner.report import PlannerInput, report
 from pipeline.train.preflight import preflight
 
 RATIOS = {"histories": 0.3, "plays": 0.5, "poems": 0.2}
@@ -185,6 +186,20 @@ def test_preflight_reports_the_plan_and_the_sources_left_out(shards, tmp_path):
     assert prepared.notes[0] == "mixture of 2 sources over 8 steps x 8 samples x 64 tokens (4,096 tokens):"
     assert prepared.notes[1].startswith("  histories: ratio 0.4, 26 samples (1,664 tokens) of its 2,")
     assert prepared.notes[-1] == f"note: data.mixture leaves out poems of {shards}: not trained on"
+
+
+def test_planner_reports_tokens_per_source(shards):
+    plan = PlannerInput(model="tiny", nodes=1, gpus_per_node=2, gpu="h100", seq_len=64, micro_batch=4,
+                        tokens_per_step=8 * 64, steps=100, mixture=RATIOS, shards=shards)
+    plan.validate()
+    text = report(plan)
+    assert "mixture of 3 sources over 800 samples of 64 tokens (0.00 B tokens):" in text
+    held = load_index(shards).source_counts()["poems"]["samples"]
+    assert f"  poems                        0.2      0.000B           160{held:>14,}{160 / held:>8.2f}x" in text
+    short = report(PlannerInput(**{**plan.__dict__, "steps": 100_000}))
+    assert "SHORT: beyond max repetition 1" in short.split("poems")[1].splitlines()[0]
+    with pytest.raises(ValueError, match="--mixture: ratios must sum to 1"):
+        PlannerInput(**{**plan.__dict__, "mixture": {"poems": 0.5}}).validate()
 
 
 @pytest.fixture(scope="module")
