@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import launch_training, logged_steps
+from helpers import http_server, launch_training, logged_steps
 from shard_corpus import HOLDOUT, ROOT, TOKENIZER, sourced_corpus
 
 from pipeline.config import ConfigError
@@ -233,3 +233,36 @@ def test_two_rank_run_on_a_mixture_logs_losses_and_tokens_per_source(shards, hel
         held = [steps[step][f"eval/source_loss/clm/{n}"] for n in ("plays", "poems")]
         assert min(held) <= steps[step]["eval/loss/clm"] <= max(held)
         assert {"eval/source_probe/mlm15/plays", "eval/source_probe/mntp20/poems"} <= set(steps[step])
+
+
+def _trained_numbers(run_dir: str) -> dict[int, dict[str, float]]:
+    """What a run computes, step by step: losses (overall and per source), accuracies, tokens per source,
+    validation; not its timings."""
+    keep = ("loss/", "acc/", "source_loss/", "progress/", "eval/")
+    return {step: {k: v for k, v in rec.items() if k.startswith(keep) and k != "eval/seconds"}
+            for step, rec in logged_steps(run_dir).items()}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # three launches: the slow suite
+def test_mixture_over_http_with_validation_resumes_after_kill_as_the_local_run(shards, init_dir, tmp_path):
+    """Issue 21's "done when": a 2-rank ZeRO-3 run on a mixture, validating every 3 steps, reading its shards over
+    HTTP, killed (SIGKILL of rank 0 while it writes its last checkpoint, step 6) and resumed from step 3, logs
+    exactly what the same run from the local directory logs uninterrupted: losses, per-source losses and tokens,
+    validation."""
+    run = [*COMMON, f"model.init={init_dir}", "train.steps=6", "checkpoint.every=3", "eval.every=3",
+           "eval.holdout=0.01", "eval.samples=16", "eval.micro_batch=4"]
+    launch_training(str(tmp_path / "local"), None, *run, f"data.shards={shards}")
+    parent, name = os.path.split(shards)
+    with http_server(parent) as server:
+        remote = [*run, f"data.shards={server.url}/{name}", f"data.cache_dir={tmp_path / 'cache'}"]
+        killed = launch_training(str(tmp_path / "http"), None, *remote, env={"PIPELINE_FAULT": "kill-before-marker:6"},
+                                 check=False)
+        assert killed.returncode != 0
+        resumed = launch_training(str(tmp_path / "http"), None, *remote)
+    assert "resumed from step00000003" in resumed.stdout
+    local, http = _trained_numbers(str(tmp_path / "local")), _trained_numbers(str(tmp_path / "http"))
+    assert sorted(local) == sorted(http) == list(range(1, 7))
+    assert {k for rec in local.values() for k in rec} >= {"source_loss/clm/poems", "progress/source_tokens/poems",
+                                                          "eval/loss/clm", "eval/probe/mlm15"}
+    assert http == local
