@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pipeline.config import ConfigError, apply_overrides, check_ranges, from_dict, load_yaml
 from pipeline.model.lora import LLM2VEC_TARGETS
@@ -14,6 +14,17 @@ from pipeline.objectives import CLMConfig, ObjectiveConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_DIR = os.path.join(REPO, "data", "sample")
+
+
+@dataclass
+class MixtureSource:
+    """One source of ``data.mixture`` (written ``SOURCE: ratio``, or ``SOURCE: {ratio: R, max_repetition: M}``)."""
+
+    ratio: float  # target share of the run's training samples; the ratios of all sources sum to 1
+    max_repetition: float | None = None  # times over its samples may be read (None: data.mixture_max_repetition)
+
+
+MIN_RATIO = 1e-6  # mixture ratios are quantised to 2**-20 (pipeline.data.mixture)
 
 
 @dataclass
@@ -34,8 +45,44 @@ class DataConfig:
     cache_max_gb: float = 64.0
     fetch_attempts: int = 5
     fetch_timeout_s: float = 60.0  # per connect or read on the socket
+    # source -> target ratio (or {ratio, max_repetition}) of data.shards' sources (built with --source-field);
+    # {}: no mixture, the directory's samples in one permutation. docs/training.md, "Source mixtures"
+    mixture: dict[str, Any] = field(default_factory=dict)
+    mixture_max_repetition: float = 1.0  # times over a source's samples may be read, unless its own says otherwise
     RANGES: ClassVar[dict[str, str]] = {"seq_len": ">= 8", "num_workers": ">= 0", "unit_micro_batch": ">= 0",
-                                        "cache_max_gb": "> 0", "fetch_attempts": ">= 1", "fetch_timeout_s": "> 0"}
+                                        "cache_max_gb": "> 0", "fetch_attempts": ">= 1", "fetch_timeout_s": "> 0",
+                                        "mixture_max_repetition": "> 0"}
+
+    def validate(self) -> None:
+        self.mixture_sources()
+
+    def mixture_sources(self) -> dict[str, MixtureSource]:
+        """``mixture`` typed and checked (each source's ``max_repetition`` filled in), sorted by name."""
+        out = {}
+        for name in sorted(self.mixture):
+            key, value = f"data.mixture.{name}", self.mixture[name]
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"data.mixture: {name!r} is not a source name; the keys are source names as "
+                                  f"data_prep recorded them (pipeline-inspect-shards lists them)")
+            if isinstance(value, dict):
+                src = from_dict(MixtureSource, value, key)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                src = MixtureSource(float(value))
+            else:
+                raise ConfigError(f"{key}: {value!r} is not a ratio; write {name}: 0.25 or "
+                                  f"{name}: {{ratio: 0.25, max_repetition: 2}}")
+            if not MIN_RATIO <= src.ratio <= 1:
+                raise ConfigError(f"{key}: ratio {src.ratio} is out of range; it must be in [{MIN_RATIO:g}, 1] "
+                                  f"(drop a source to leave it out)")
+            repetition = self.mixture_max_repetition if src.max_repetition is None else src.max_repetition
+            if not (math.isfinite(repetition) and repetition > 0):
+                raise ConfigError(f"{key}.max_repetition: {repetition} is out of range; it must be > 0")
+            out[name] = MixtureSource(src.ratio, float(repetition))
+        total = sum(s.ratio for s in out.values())
+        if out and not math.isclose(total, 1.0, abs_tol=1e-6):
+            scaled = ", ".join(f"{n}: {s.ratio / total:.4g}" for n, s in out.items())
+            raise ConfigError(f"data.mixture: ratios must sum to 1, got {total:.6g}; e.g. {{{scaled}}}")
+        return out
 
 
 @dataclass
@@ -182,6 +229,7 @@ class ExperimentConfig:
         self.name = self.name or (os.path.basename(os.path.normpath(self.run_dir)) if self.run_dir else DEFAULT_NAME)
         self.run_dir = self.run_dir or os.path.join("runs", self.name)
         check_ranges(self)
+        self.data.validate()
         for i, phase in enumerate(self.phases):  # defaults are built without from_dict, so validate (and name) them here
             phase.validate()
             for j, objective in enumerate(phase.objectives):

@@ -37,3 +37,36 @@ def split_corpus(directory, num_files: int, path: str = HOLDOUT, max_chars: int 
     docs = documents(path, max_chars)
     return [write_jsonl_zst(os.path.join(directory, f"part-{f:02d}.jsonl.zst"), docs[f::num_files])
             for f in range(num_files)]
+
+
+def genre(title: str) -> str:
+    """The rule that splits the sample corpus into named sources: the histories ("King ..."), the poems, the other
+    plays (about 34 %, 5 % and 61 % of its text)."""
+    if title.startswith("King "):
+        return "histories"
+    if title in ("Sonnets", "The Rape of Lucrece", "The Passionate Pilgrim", "The Phoenix and the Turtle",
+                 "Venus and Adonis", "A Lover's Complaint"):
+        return "poems"
+    return "plays"
+
+
+def sourced_corpus(directory, paths: list[str], max_docs: int | None = None, per_source: int | None = None,
+                   max_chars: int | None = None) -> list[str]:
+    """The sample-corpus files ``paths`` rewritten into ``directory`` with SlimPajama's source field
+    (``meta.redpajama_set_name``) set by :func:`genre` of each document's title; the first ``max_docs`` documents of
+    each file (default all), at most ``per_source`` of each source, each cut to ``max_chars``. Their paths, sorted."""
+    out = []
+    for i, path in enumerate(paths):
+        with open(path, "rb") as f:
+            records = [json.loads(line) for line in zstandard.ZstdDecompressor().stream_reader(f).read().splitlines()]
+        kept, taken = [], {}
+        for r in records[:max_docs]:
+            source = genre(r["meta"]["title"])
+            taken[source] = taken.get(source, 0) + 1
+            if per_source is None or taken[source] <= per_source:
+                kept.append({**r, "text": r["text"][:max_chars], "meta": {**r["meta"], "redpajama_set_name": source}})
+        lines = b"".join(json.dumps(r).encode() + b"\n" for r in kept)
+        out.append(os.path.join(directory, f"part-{i:02d}.jsonl.zst"))
+        with open(out[-1], "wb") as f:
+            f.write(zstandard.ZstdCompressor().compress(lines))
+    return out

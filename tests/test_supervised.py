@@ -20,7 +20,7 @@ from helpers import REPO, ZERO3, free_port, tiny_llama
 from pipeline.config import ConfigError
 from pipeline.data.batch import collate
 from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
+from pipeline.data.build_config import BuildConfig, BuildError
 from pipeline.data.manifest import load_index
 from pipeline.data.pairs import format_instruction, instructed_rows, text_hash
 from pipeline.data.pairs_sample import write_pairs_sample
@@ -121,6 +121,15 @@ def test_bad_rows_are_counted_with_file_and_line_and_k_jobs_equal_one(tmp_path, 
     again = build(str(tmp_path / "again"), (os.path.join(PAIRS, "*.jsonl"),))
     assert [s["sha256"] for s in load_index(again).jobs[0]["shards"]] == \
         [s["sha256"] for s in load_index(pair_dir).jobs[0]["shards"]]
+
+
+def test_pairs_refuse_sources_before_any_work(tmp_path):
+    """Pairs shards are one stream without sources (data.mixture mixes data.shards' sources, not
+    data.pair_shards'): --pairs with --source-field or --source-default is refused before the output exists."""
+    for kw in ({"source_field": "meta.source"}, {"source_default": "echo"}):
+        with pytest.raises(BuildError, match="--pairs takes no --source-field / --source-default"):
+            build(str(tmp_path / "refused"), (os.path.join(PAIRS, "*.jsonl"),), **kw)
+    assert not (tmp_path / "refused").exists()
 
 
 def hard_negative_nll(q, p, n, scale):

@@ -193,3 +193,36 @@ def test_a_step_reads_back_only_the_target_gathers_the_mask_decision_and_its_res
     with HostReads() as reads:
         train_step(FakeEngine(TrainModule(lm)), objectives, {"packed": [batch, batch]}, 1, 2)
     assert reads.files == {"base.py": 2 * 3, "attention.py": 2, "magnet.py": 2 * 2, "step.py": 2}
+
+
+def test_losses_per_source_add_no_host_read_and_average_to_the_loss():
+    """A batch of two sources: the step's losses are those of the same step without sources (bit for bit), each
+    source's loss is its own targets' mean (so the target-weighted mean of the sources' losses is the loss), the
+    tokens per source are counted, and no host read is added: the sums stay on the device to the step's one
+    read-back."""
+    tokenizer = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
+    spec = {"objectives": [{"name": "clm"}, {"name": "mlm", "ratio": 0.4}, {"name": "magnet", "log_as": "magnet"}]}
+    objectives = build_objectives(from_dict(PhaseSpec, spec), tokenizer)
+    texts = ["The river rises in the hills and flows south to the sea.", "Now is the winter of our discontent."]
+    batch = packed_text_batch(tokenizer, texts * 4)
+    results, reads = [], []
+    for sources in ((), ("a", "b")):
+        torch.manual_seed(0)
+        lm = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id,
+                         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+        batch.source_ids = torch.tensor([0, 1, 1, 0]) if sources else None
+        with HostReads() as counted:
+            results.append(train_step(FakeEngine(TrainModule(lm)), objectives, {"packed": [batch, batch]}, 1, 2,
+                                      sources))
+        reads.append(counted.files)
+    plain, by_source = results
+    assert by_source.losses == plain.losses and reads[1] == reads[0]
+    assert set(by_source.source_losses) == {"clm", "mlm", "magnet/mntp", "magnet/msg"} and not plain.source_losses
+    batch.source_ids = torch.tensor([0, 1, 1, 0])
+    for o in objectives[:2]:
+        rows = o.objective.targets(batch).source.sum(-1).double()
+        targets = {"a": float(rows[[0, 3]].sum()), "b": float(rows[[1, 2]].sum())}
+        mean = sum(by_source.source_losses[o.name][s] * n for s, n in targets.items()) / sum(targets.values())
+        assert mean == pytest.approx(by_source.losses[o.name], rel=1e-6)
+    tokens = (batch.doc_ids >= 0).sum(-1)
+    assert by_source.source_tokens == {"a": 2 * int(tokens[[0, 3]].sum()), "b": 2 * int(tokens[[1, 2]].sum())}

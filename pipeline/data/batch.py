@@ -25,6 +25,9 @@ class Batch:
     # sample) and int64 [B, t] each slot's text hash; None for other shards
     pool_spans: torch.Tensor | None = None
     text_hash: torch.Tensor | None = None
+    # int64 [B] each row's source (its position in the shard directory's sorted sources), -1 on padding rows; None
+    # when the directory has one source
+    source_ids: torch.Tensor | None = None
 
     def _map(self, fn) -> Batch:
         return Batch(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))

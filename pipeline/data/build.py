@@ -34,6 +34,7 @@ from pipeline.data.build_file import FileResult, WorkerSpec, init_worker, pad_id
 from pipeline.data.build_sample import PlanSettings
 from pipeline.data.manifest import (
     INDEX,
+    add_source_counts,
     ensure_manifest,
     job_manifest_name,
     load_job,
@@ -64,6 +65,7 @@ class JobSummary:
     bad_by_reason: dict[str, int] = field(default_factory=dict)
     truncated_units: int | None = None  # unit mode only (pairs mode: texts cut)
     tasks: dict[str, int] | None = None  # pairs mode only: rows per task
+    sources: dict[str, dict[str, int]] | None = None  # with sources: {"documents", "samples", "tokens"} of each
 
     def lines(self) -> list[str]:
         rate = max(self.elapsed_s, 1e-9)
@@ -74,9 +76,12 @@ class JobSummary:
             tasks = ", ".join(f"{k} {v}" for k, v in sorted(self.tasks.items()))
             truncated = [f"rows per task: {tasks or 'none'}",
                          f"texts cut to --max-text-tokens: {self.truncated_units} of {self.samples} rows' texts"]
+        sources = [] if self.sources is None else [
+            "sources: " + ", ".join(f"{name} {c['documents']} documents, {c['samples']} samples, {c['tokens']} tokens"
+                                    for name, c in sorted(self.sources.items()))]
         return [f"job {self.job_index} of {self.num_jobs}: {self.files} files, {self.documents} documents, "
                 f"{self.samples} samples, {self.tokens} tokens, {self.shards} shards",
-                f"bad records: {self.bad_records} ({bad})", *truncated,
+                f"bad records: {self.bad_records} ({bad})", *truncated, *sources,
                 f"elapsed {self.elapsed_s:.1f} s (+ {self.tokenizer_s:.1f} s loading the tokenizer, not counted): "
                 f"{self.documents / rate:.0f} docs/s, {self.tokens / rate:.0f} tokens/s"]
 
@@ -157,7 +162,8 @@ def _commit(cfg: BuildConfig, job: dict, result: FileResult) -> None:
     job["files"].append({"file_index": result.file_index, "path": result.path, "documents": result.stats.documents,
                          "samples": result.samples, "tokens": result.tokens, "bad_records": result.stats.bad,
                          "shards": names} | ({"truncated_units": result.truncated_units} if cfg.units else {})
-                        | ({"truncated_texts": result.truncated_units, "tasks": result.tasks} if cfg.pairs else {}))
+                        | ({"truncated_texts": result.truncated_units, "tasks": result.tasks} if cfg.pairs else {})
+                        | ({"sources": result.sources} if result.sources is not None else {}))
     write_job(cfg, job)
 
 
@@ -235,10 +241,11 @@ def _build(cfg: BuildConfig, tok, inputs: list[str], manifest: dict, job: dict, 
     spans = 0.0 if cfg.units else cfg.span_fraction  # units have no MAGNET spans
     spec = WorkerSpec(cfg.tokenizer, cfg.text_field, cfg.seq_len, cfg.samples_per_shard, cfg.remainder, cfg.bos,
                       cfg.eos, PlanSettings(cfg.seed, np.asarray(tok.special_ids), cfg.span_min, cfg.span_max,
-                                            spans), work_dir, cfg.units, cfg.paraphrase_field,
+                                            spans), work_dir, cfg.units, cfg.paraphrase_field, cfg.source,
                       cfg.pairs_settings() if cfg.pairs else None)
     summary.truncated_units = 0 if cfg.units or cfg.pairs else None
     summary.tasks = {} if cfg.pairs else None
+    summary.sources = {} if cfg.source else None
     bar = _ProgressBar(cfg.progress, len(tasks))
     results = _results(tasks, spec, tok, cfg.workers, bar.show)
     try:
@@ -255,6 +262,8 @@ def _build(cfg: BuildConfig, tok, inputs: list[str], manifest: dict, job: dict, 
                 summary.truncated_units += result.truncated_units
             for name, n in result.tasks.items():
                 summary.tasks[name] = summary.tasks.get(name, 0) + n
+            if result.sources is not None:
+                add_source_counts(summary.sources, result.sources)
             for reason, n in result.stats.bad.items():
                 summary.bad_by_reason[reason] = summary.bad_by_reason.get(reason, 0) + n
             bar.file_done()

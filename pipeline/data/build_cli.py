@@ -49,6 +49,12 @@ def parse_args(argv: list[str] | None = None) -> BuildConfig:
     io.add_argument("--input", nargs="+", required=True, metavar="GLOB",
                     help=".jsonl/.jsonl.zst/.jsonl.gz/.parquet files (globs, quoted) or saved HF dataset directories")
     io.add_argument("--text-field", default=d.text_field, help="record field holding the document text")
+    io.add_argument("--source-field", default=d.source_field, metavar="FIELD",
+                    help="record field naming the document's source, dotted into nested objects (SlimPajama: "
+                         "meta.redpajama_set_name); each source is packed apart and counted in the manifest")
+    io.add_argument("--source-default", default=d.source_default, metavar="NAME",
+                    help="the source of records without --source-field (default: such records are bad); "
+                         "alone, the source of every record")
     io.add_argument("--tokenizer", required=True, help="HF tokenizer directory or sentencepiece .model file")
     io.add_argument("--output", required=True, help="shard directory (shared by all jobs)")
     io.add_argument("--prefix", default=d.prefix, help="shard names are PREFIX-JOB-N.tar")
@@ -115,8 +121,9 @@ def parse_args(argv: list[str] | None = None) -> BuildConfig:
                        prefix=a.prefix, samples_per_shard=a.samples_per_shard, bos=a.bos, eos=a.eos,
                        remainder=a.remainder, span_min=a.span_min, span_max=a.span_max,
                        span_fraction=a.span_fraction, max_bad_fraction=a.max_bad_fraction, progress=a.progress,
-                       units=a.units or "", paraphrase_field=a.paraphrase_field, pairs=a.pairs,
-                       negatives=a.negatives, instructions=a.instructions, instruction_format=a.instruction_format)
+                       units=a.units or "", paraphrase_field=a.paraphrase_field, source_field=a.source_field,
+                       source_default=a.source_default, pairs=a.pairs, negatives=a.negatives,
+                       instructions=a.instructions, instruction_format=a.instruction_format)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pipeline.data.format import MAX_SEQ_LEN
 from pipeline.data.packing import REMAINDER_POLICIES
 from pipeline.data.pairs import DEFAULT_FORMAT, PairsSettings, check_format, load_instructions
-from pipeline.data.sources import input_size
+from pipeline.data.sources import SourceField, input_size
 from pipeline.data.units import UNIT_MODES
 
 
@@ -42,6 +42,8 @@ class BuildConfig:
     progress: bool = True
     units: str = ""  # "": pack documents; "sentence", "paragraph", "record": one unit per sample of seq_len tokens
     paraphrase_field: str = ""  # with units "record": the record field holding the text's paraphrase
+    source_field: str = ""  # the record field naming its source, dotted into objects (meta.redpajama_set_name)
+    source_default: str = ""  # the source of records without one ("": such a record is bad); alone: every record's
     # pairs mode (pairs.py): one (query, positive, negatives) row a sample, seq_len tokens a text
     pairs: bool = False
     negatives: int = 1  # hard negatives kept per row (rows with fewer are bad)
@@ -56,6 +58,12 @@ class BuildConfig:
             raise BuildError(f"--instructions: {e}") from e
         return PairsSettings(self.negatives, self.seq_len, self.instruction_format, table)
 
+    @property
+    def source(self) -> SourceField | None:
+        """Where records name their source; None when the shards record no sources (one unnamed source)."""
+        return SourceField(self.source_field, self.source_default) if self.source_field or self.source_default \
+            else None
+
     def validate(self) -> None:
         if self.pairs:
             try:
@@ -64,6 +72,9 @@ class BuildConfig:
                 raise BuildError(f"--instruction-format: {e}") from None
         checks = [
             (not (self.pairs and self.units), "--pairs and --units are two modes; pick one"),
+            (not (self.pairs and self.source is not None),
+             "--pairs takes no --source-field / --source-default: pairs shards have no sources (data.mixture mixes "
+             "the sources of data.shards, not of data.pair_shards; a pairs row counts under its task instead)"),
             (self.negatives >= 0, f"--negatives must be >= 0, got {self.negatives}"),
             (not self.pairs or (2 + self.negatives) * self.seq_len <= MAX_SEQ_LEN,
              f"--pairs: {2 + self.negatives} texts of --max-text-tokens {self.seq_len} exceed {MAX_SEQ_LEN} tokens a "
@@ -88,6 +99,8 @@ class BuildConfig:
             (not self.paraphrase_field or self.units == "record",
              f"--paraphrase-field needs --units record (each record is one unit, its paraphrase beside it), got "
              f"--units {self.units or '(none: packed)'}"),
+            (not self.source_default or self.source_default.strip() == self.source_default,
+             f"--source-default must be a name without surrounding blanks, got {self.source_default!r}"),
             (not self.units or self.seq_len >= 1 + self.bos + self.eos,
              f"--max-unit-tokens {self.seq_len} leaves no room for text between BOS and EOS"),
         ]
@@ -99,7 +112,7 @@ class BuildConfig:
         """Everything that determines the shard bytes (fingerprinted; a later job with other settings is
         refused). Unit shards record their mode (and paraphrase field) instead of the packing and span settings they
         do not use; packed shards have no ``units`` key, so their settings (and fingerprints) are those of earlier
-        versions."""
+        versions. Likewise ``source_field`` and ``source_default`` are there only when sources are recorded."""
         settings = {
             "tokenizer": tokenizer_info,
             "pad_id": pad_id,
@@ -127,4 +140,6 @@ class BuildConfig:
             settings |= {"seq_len": p.slots * p.width,
                          "pairs": {"slots": p.slots, "width": p.width, "negatives": p.negatives,
                                    "instruction_format": p.instruction_format, "instructions": p.instructions}}
+        if self.source is not None:
+            settings |= {"source_field": self.source_field, "source_default": self.source_default}
         return settings

@@ -3,6 +3,12 @@
 A worker packs (or splits into units) the file's records, gives every sample its masking plan and spans
 (``build_sample.py``) and writes the shards into the job's private work directory, named by file index; the main
 process renames them to their final names when it commits the file.
+
+With sources (``WorkerSpec.source``), each source of the file is packed in its own stream into its own shards, so
+every sample, and every document piece in it, has one source: its shard's, which the shard's manifest entry
+records. Samples are numbered in the order the streams emit them (one count over the file's sources), so the keys
+of one file stay 0..n-1, each source's shards holding an increasing subsequence of them. Pairs mode
+(``WorkerSpec.pairs``) writes its rows' samples in one stream: pairs shards have no sources.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.data.format import Sample
 from pipeline.data.packing import Packer
 from pipeline.data.pairs import PairsSettings, default_task, pair_samples, parse_row
-from pipeline.data.sources import RecordStats, read_objects, read_records
+from pipeline.data.sources import RecordStats, SourceField, read_objects, read_records
 from pipeline.data.tar_shard import ShardWriter
 from pipeline.data.units import split_units, unit_sample
 from pipeline.tokenizer import load_tokenizer
@@ -41,7 +47,8 @@ class WorkerSpec:
     work_dir: str
     units: str = ""
     paraphrase_field: str = ""
-    pairs: PairsSettings | None = None
+    source: SourceField | None = None  # where records name their source; None: one stream, no sources recorded
+    pairs: PairsSettings | None = None  # pairs mode (one stream: BuildConfig refuses sources with it)
 
 
 @dataclass
@@ -54,6 +61,8 @@ class FileResult:
     tokens: int = 0
     truncated_units: int = 0  # units (or paraphrases; pairs: texts) longer than seq_len, cut to fit
     tasks: dict = field(default_factory=dict)  # pairs mode: rows per task
+    # with sources: per source name, its {"documents", "samples", "tokens"} in this file
+    sources: dict[str, dict[str, int]] | None = None
 
 
 def pad_id(tok) -> int:
@@ -79,9 +88,11 @@ def _batches(items: Iterable, n: int) -> Iterator[list]:
 
 
 def _unit_samples(records: list[tuple[str, ...]], spec: WorkerSpec, tok, result: FileResult
-                  ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray | None]], int]:
-    """(samples (input ids, segments, paraphrase ids or None), tokens read) of the units of ``records``."""
+                  ) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray | None]], list[int], int]:
+    """(samples (input ids, segments, paraphrase ids or None), the record each came from, tokens read) of the
+    units of ``records``."""
     bos, eos = tok.bos_id if spec.bos else None, tok.eos_id if spec.eos else None
+    owners = [i for i, record in enumerate(records) for _ in split_units(record[0], spec.units)]
     units = [u for record in records for u in split_units(record[0], spec.units)]
     encoded = tok.encode_batch(units)
     paraphrases = tok.encode_batch([r[1] for r in records]) if spec.paraphrase_field else [None] * len(encoded)
@@ -93,7 +104,15 @@ def _unit_samples(records: list[tuple[str, ...]], spec: WorkerSpec, tok, result:
             cut = cut or cut_paraphrase
         result.truncated_units += cut
         samples.append((input_ids, np.array([[0, n]], dtype=np.int32), paraphrase))
-    return samples, sum(map(len, encoded)) + (sum(map(len, paraphrases)) if spec.paraphrase_field else 0)
+    return samples, owners, sum(map(len, encoded)) + (sum(map(len, paraphrases)) if spec.paraphrase_field else 0)
+
+
+@dataclass
+class _Stream:
+    """One source's packer and its open shard (None between shards)."""
+
+    packer: Packer
+    writer: ShardWriter | None = None
 
 
 def _count(records: int, tokens: int) -> None:
@@ -121,51 +140,74 @@ def _pairs_file(path: str, spec: WorkerSpec, tok, result: FileResult, emit) -> N
 
 
 def process_file(task: tuple[int, str]) -> FileResult:
-    """Pack one input file into shards of the work directory (named by file index, renamed by the main process)."""
+    """Pack one input file into shards of the work directory (named by file index, renamed by the main process):
+    one stream of samples, or one per source with ``spec.source``."""
     file_index, path = task
     spec: WorkerSpec = _worker["spec"]
     tok = _worker["tokenizer"]
-    result = FileResult(file_index, path, RecordStats(), [])
-    packer = Packer(spec.seq_len, pad_id(tok), tok.bos_id if spec.bos else None,
-                    tok.eos_id if spec.eos else None, spec.remainder)
-    writer: ShardWriter | None = None
+    result = FileResult(file_index, path, RecordStats(), [], sources={} if spec.source else None)
+    streams: dict[str, _Stream] = {}  # by source name ("" without sources)
+    opened = 0  # shards opened so far: their names in the work directory
 
-    def emit(samples: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray | None] | Sample]) -> None:
-        nonlocal writer
+    def stream(source: str) -> _Stream:
+        if source not in streams:
+            streams[source] = _Stream(Packer(spec.seq_len, pad_id(tok), tok.bos_id if spec.bos else None,
+                                             tok.eos_id if spec.eos else None, spec.remainder))
+            if result.sources is not None:
+                result.sources[source] = {"documents": 0, "samples": 0, "tokens": 0}
+        return streams[source]
+
+    def emit(source: str, samples: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray | None] | Sample]) -> None:
+        """Write ``samples`` (packed or unit: (input ids, segments, paraphrase ids or None); pairs: whole Samples)
+        to the open shard of ``source``'s stream."""
+        nonlocal opened
+        s = stream(source)
         for sample in samples:
-            if writer is None:
-                name = f"f{file_index:06d}-{len(result.shards):06d}.tar"
-                writer = ShardWriter(os.path.join(spec.work_dir, name))
-            writer.write(sample if isinstance(sample, Sample) else
-                         make_sample(*sample[:2], file_index, result.samples, spec.plan, sample[2]))
+            if s.writer is None:
+                s.writer = ShardWriter(os.path.join(spec.work_dir, f"f{file_index:06d}-{opened:06d}.tar"))
+                opened += 1
+            s.writer.write(sample if isinstance(sample, Sample) else
+                           make_sample(*sample[:2], file_index, result.samples, spec.plan, sample[2]))
             result.samples += 1
-            if writer.num_samples == spec.samples_per_shard:
-                close()
+            if s.writer.num_samples == spec.samples_per_shard:
+                close(source)
 
-    def close() -> None:
-        nonlocal writer
-        entry = writer.close()
-        result.shards.append({**entry, "work_path": writer.path})
+    def close(source: str) -> None:
+        s = streams[source]
+        entry = s.writer.close() | ({"source": source} if result.sources is not None else {})
+        result.shards.append({**entry, "work_path": s.writer.path})
         result.tokens += entry["tokens"]
-        writer = None
+        if result.sources is not None:
+            result.sources[source]["samples"] += entry["samples"]
+            result.sources[source]["tokens"] += entry["tokens"]
+        s.writer = None
 
-    if spec.pairs is not None:
-        _pairs_file(path, spec, tok, result, emit)
-        if writer is not None:
-            close()
+    def finish() -> FileResult:
+        for source in sorted(streams):  # the remainders, then the open shards, in a fixed order
+            emit(source, ((input_ids, segments, None) for input_ids, segments in streams[source].packer.finish()))
+        for source in sorted(streams):
+            if streams[source].writer is not None:
+                close(source)
         return result
+
+    if spec.pairs is not None:  # one stream: pairs shards have no sources
+        _pairs_file(path, spec, tok, result, lambda samples: emit("", samples))
+        return finish()
     fields = (spec.text_field, spec.paraphrase_field) if spec.paraphrase_field else (spec.text_field,)
-    for records in _batches(read_records(path, fields, result.stats), ENCODE_BATCH_DOCS):
+    for records in _batches(read_records(path, fields, result.stats, spec.source), ENCODE_BATCH_DOCS):
+        sources = [r[-1] for r in records] if spec.source else [""] * len(records)
+        for source in sources:
+            stream(source)
+            if result.sources is not None:
+                result.sources[source]["documents"] += 1
         if spec.units:
-            samples, tokens = _unit_samples(records, spec, tok, result)
-            emit(samples)
+            samples, owners, tokens = _unit_samples(records, spec, tok, result)
+            for sample, owner in zip(samples, owners):
+                emit(sources[owner], [sample])
         else:
-            encoded = tok.encode_batch([text for (text,) in records])
-            for ids in encoded:
-                emit((input_ids, segments, None) for input_ids, segments in packer.add(ids))
+            encoded = tok.encode_batch([r[0] for r in records])
+            for ids, source in zip(encoded, sources):
+                emit(source, ((input_ids, segments, None) for input_ids, segments in stream(source).packer.add(ids)))
             tokens = sum(map(len, encoded))
         _count(len(records), tokens)
-    emit((input_ids, segments, None) for input_ids, segments in packer.finish())
-    if writer is not None:
-        close()
-    return result
+    return finish()

@@ -73,7 +73,11 @@ def check_plan(sample: Sample, special_ids: np.ndarray) -> None:
 def verify(index: DatasetIndex, special_ids: np.ndarray, ratio: float) -> Stats:
     """Check every shard and sample against the job manifests; returns statistics over all samples."""
     stats = Stats()
-    next_sample: dict[int, int] = {}  # per input file; its samples come in order through its job's shards
+    expected = {f["file_index"]: f["samples"] for job in index.jobs for f in job["files"]}
+    # per input file: the sample indices seen (freed once all are); each source's come in order through its shards
+    seen: dict[int, set[int]] = {}
+    done: set[int] = set()
+    last: dict[tuple[int, str], int] = {}
     for n, shard in enumerate(index.shards):
         where = f"shard {shard.path}"
         if not os.path.exists(shard.path):
@@ -92,10 +96,13 @@ def verify(index: DatasetIndex, special_ids: np.ndarray, ratio: float) -> Stats:
             except ValueError as e:
                 raise ShardProblem(f"{where}, sample {i}: {e}") from e
             file_index, sample_index = parse_key(sample.key)
-            if sample_index != next_sample.get(file_index, 0):
-                raise ShardProblem(f"{where}, sample {i}: key {sample.key} out of order, expected sample "
-                                   f"{next_sample.get(file_index, 0)} of input file {file_index}")
-            next_sample[file_index] = sample_index + 1
+            _check_key(where, i, sample.key, expected.get(file_index, 0), last.get((file_index, shard.source), -1),
+                       seen.setdefault(file_index, set()) if file_index not in done else None)
+            last[(file_index, shard.source)] = sample_index
+            seen[file_index].add(sample_index)
+            if len(seen[file_index]) == expected[file_index]:
+                del seen[file_index]
+                done.add(file_index)
             tokens += int((sample.segments[:, 1] - sample.segments[:, 0]).sum())
             stats.add(sample, ratio)
         reader.close()
@@ -107,10 +114,23 @@ def verify(index: DatasetIndex, special_ids: np.ndarray, ratio: float) -> Stats:
         print(file=sys.stderr)
     for job in index.jobs:
         for f in job["files"]:
-            if next_sample.get(f["file_index"], 0) != f["samples"]:
+            held = f["samples"] if f["file_index"] in done else len(seen.get(f["file_index"], ()))
+            if held != f["samples"]:
                 raise ShardProblem(f"input {f['path']} (file {f['file_index']}): the shards hold "
-                                   f"{next_sample.get(f['file_index'], 0)} samples, the job manifest says {f['samples']}")
+                                   f"{held} samples, the job manifest says {f['samples']}")
     return stats
+
+
+def _check_key(where: str, i: int, key: str, expected: int, last: int, seen: set[int] | None) -> None:
+    """A sample's key: within its file's count, after the previous sample of its file and source, not seen before
+    (``seen`` None: all of the file's samples were seen already)."""
+    file_index, sample_index = parse_key(key)
+    if sample_index <= last:
+        raise ShardProblem(f"{where}, sample {i}: key {key} out of order, after sample {last} of input file "
+                           f"{file_index}")
+    if seen is None or sample_index >= expected or sample_index in seen:
+        raise ShardProblem(f"{where}, sample {i}: key {key} is a duplicate or beyond the {expected} samples the job "
+                           f"manifest records for input file {file_index}")
 
 
 def check_index_file(index: DatasetIndex) -> None:
@@ -139,6 +159,10 @@ def statistics(index: DatasetIndex, stats: Stats | None, ratio: float) -> str:
              f"documents: {documents}, mean document length: {index.num_tokens / max(documents, 1):.1f} tokens "
              "(with BOS/EOS; remainders dropped at file ends)",
              f"bad records skipped: {sum(bad.values())}" + (f" ({bad})" if bad else "")]
+    if "source_field" in s:
+        lines.append(f"sources (field {s['source_field']!r}, default {s['source_default']!r}): " + ", ".join(
+            f"{name} {c['documents']} documents, {c['samples']} samples, {c['tokens']} tokens"
+            for name, c in index.source_counts().items()))
     if s.get("units"):
         truncated = sum(f["truncated_units"] for job in index.jobs for f in job["files"])
         paraphrases = f", with paraphrases ({s['paraphrase_field']!r})" if s["paraphrase_field"] else ""

@@ -7,6 +7,7 @@ order in which torch's DataLoader collects them, so the stream does not depend o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections import OrderedDict
@@ -20,7 +21,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.data.batch import Batch, collate
 from pipeline.data.format import UNMASKABLE, Sample
 from pipeline.data.manifest import DatasetIndex, ShardInfo
-from pipeline.data.order import EvalOrder, TrainOrder
+from pipeline.data.mixture import MixturePlan
+from pipeline.data.order import EvalOrder, MixtureOrder, TrainOrder
 from pipeline.data.tar_shard import SHARD_FIX, ShardCorrupt, ShardReader, sha256_file, sha256_mismatch
 
 STATE_KEYS = ("fingerprint", "seed", "epoch", "samples_in_epoch", "samples_consumed", "global_batch")
@@ -100,11 +102,15 @@ class _SampleReader:
     used first out, so a corpus of many thousand shards stays within file-descriptor limits. With ``verify`` each
     shard's sha256 is checked when this process first opens it, and every sample's token ids against the
     tokenizer's vocabulary. A shard of a directory at a URL is read from the local cache its ``index.store``
-    downloads it into, where it was hashed on the way in."""
+    downloads it into, where it was hashed on the way in. Batches of a directory with several sources carry each
+    row's source id (its position in ``index.sources``)."""
 
     def __init__(self, index: DatasetIndex, max_open: int, verify: bool = True):
         self.index = index
         self.starts = np.cumsum([0] + [s.samples for s in index.shards])
+        names = index.sources
+        self.shard_source = np.array([names.index(s.source) for s in index.shards], dtype=np.int64) \
+            if len(names) > 1 else None
         self.max_open = max_open
         self.verify = verify
         self.vocab_size = index.tokenizer.get("vocab_size")
@@ -164,8 +170,12 @@ class _SampleReader:
                       np.zeros(seq_len, np.uint32), none)
 
     def batch(self, sample_ids: np.ndarray) -> Batch:
-        """Id -1 stands for a padding row."""
-        return collate([self.read(int(i)) if i >= 0 else self.filler() for i in sample_ids])
+        """Id -1 stands for a padding row (source id -1)."""
+        batch = collate([self.read(int(i)) if i >= 0 else self.filler() for i in sample_ids])
+        if self.shard_source is not None:
+            shard = np.searchsorted(self.starts, sample_ids, side="right") - 1
+            batch.source_ids = torch.from_numpy(np.where(np.asarray(sample_ids) >= 0, self.shard_source[shard], -1))
+        return batch
 
     def close(self) -> None:
         for reader in self._open.values():
@@ -216,12 +226,14 @@ class ShardLoader:
     the epoch. ``verify`` checks each shard's sha256 when a process first opens it and every sample's token ids
     (its cost: BENCHMARKS.md). ``num_samples``: train on the first ones only (default all), the rest being held
     out for validation; a function of the index alone, so the held-out samples are the same on any world size.
+    ``mixture``: target ratios of the index's sources (``pipeline.data.mixture``) instead of one permutation of all
+    samples; the state records it, and a resume with another mixture is refused.
     """
 
     def __init__(self, index: DatasetIndex, micro_batch: int, grad_accum: int = 1, dp_rank: int = 0,
                  dp_world: int = 1, seed: int = 0, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int = 2, max_open_shards: int = 64, verify: bool = True,
-                 num_samples: int | None = None):
+                 num_samples: int | None = None, mixture: dict[str, float] | None = None):
         if micro_batch < 1 or grad_accum < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
             raise ValueError(f"need micro_batch >= 1, grad_accum >= 1 and 0 <= dp_rank < dp_world, got "
                              f"micro_batch={micro_batch} grad_accum={grad_accum} dp_rank={dp_rank} dp_world={dp_world}")
@@ -231,7 +243,12 @@ class ShardLoader:
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.prefetch_factor, self.max_open_shards, self.verify = prefetch_factor, max_open_shards, verify
         num_samples = index.num_samples if num_samples is None else num_samples
-        self._order = TrainOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world)
+        self.mixture = dict(sorted(mixture.items())) if mixture else None
+        if self.mixture:
+            self._order = MixtureOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world,
+                                       plan=MixturePlan.build(index, self.mixture, seed, num_samples))
+        else:
+            self._order = TrainOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world)
         check_enough_samples(index, self.global_batch, f" (micro_batch {micro_batch} x grad_accum {grad_accum} x "
                                                        f"dp_world {dp_world})", num_samples)
         self._samples_consumed_at_start = 0
@@ -282,7 +299,8 @@ class ShardLoader:
                 "epoch": step // self.batches_per_epoch,
                 "samples_in_epoch": step % self.batches_per_epoch * self.global_batch,
                 "samples_consumed": self._samples_consumed_at_start + self._steps_done * self.global_batch,
-                "global_batch": self.global_batch, "num_samples": self._order.num_samples}
+                "global_batch": self.global_batch, "num_samples": self._order.num_samples,
+                **({"mixture": self.mixture} if self.mixture else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at the global sample where ``state`` stopped; drops any running workers."""
@@ -301,6 +319,10 @@ class ShardLoader:
             raise ValueError(f"the loader state was saved training on {trained_on} samples of "
                              f"{self.index.directory}, this loader trains on {self._order.num_samples} (another "
                              f"eval.holdout?); resume with the run's holdout, or start a new run")
+        if state.get("mixture") != self.mixture:
+            raise ValueError(f"the loader state was saved training on data.mixture {state.get('mixture') or '(none)'}, "
+                             f"this loader has {self.mixture or '(none)'}; resume with the run's data.mixture, or "
+                             f"start a new run")
         if state["samples_in_epoch"] % self.global_batch:
             raise ValueError(f"the run stopped {state['samples_in_epoch']} samples into epoch {state['epoch']}, not a "
                              f"multiple of this loader's global batch {self.global_batch} (micro_batch x grad_accum x "
@@ -308,8 +330,7 @@ class ShardLoader:
                              f"{state['global_batch']}")
         self.close()
         start = state["epoch"] * self.batches_per_epoch + state["samples_in_epoch"] // self.global_batch
-        self._order = TrainOrder(self._order.num_samples, self._order.seed, self._order.micro_batch,
-                               self._order.grad_accum, self._order.dp_rank, self._order.dp_world, start_step=start)
+        self._order = dataclasses.replace(self._order, start_step=start)
         self._samples_consumed_at_start = state["samples_consumed"]
         self._micro_consumed = 0
 

@@ -4,8 +4,14 @@
   ``settings`` (everything that determines the shard bytes: tokenizer, seq_len, seed, mask and span settings,
   packing, input file list) and ``num_jobs``.
 - ``job-{k:05d}.json``: each prep job's own progress: the input files it finished (with their shards, counts and
-  bad-record counts), its shards with sample/token counts and sha256, and ``complete``.
-- ``index.json``: the merged shard list, written (atomically, idempotently) by whichever job finishes last.
+  bad-record counts), its shards with sample/token counts and sha256, and ``complete``. Shards built with sources
+  (``--source-field`` / ``--source-default``) name theirs (``"source"``: each shard holds one source), and each
+  file counts documents, samples and tokens per source (``"sources"``).
+- ``index.json``: the merged shard list, written (atomically, idempotently) by whichever job finishes last; with
+  sources, also ``sources``: documents, samples and tokens of each.
+
+A directory whose shards name no source (built without ``--source-field``, or before sources existed) is one
+source, :data:`UNNAMED_SOURCE`.
 
 Prep jobs (``build.py``) write them through :func:`ensure_manifest`, :func:`load_job`, :func:`write_job` and
 :func:`maybe_write_index`; readers call :func:`load_index`, which trusts only the job manifests, so a missing
@@ -26,6 +32,15 @@ from pipeline.io import read_json, write_json_atomic
 
 MANIFEST = "manifest.json"
 INDEX = "index.json"
+UNNAMED_SOURCE = "default"  # the one source of shards that record none
+
+
+def add_source_counts(total: dict[str, dict[str, int]], counts: dict[str, dict[str, int]]) -> None:
+    """Add per-source counts ({name: {"documents", "samples", "tokens"}}) into ``total``."""
+    for name, c in counts.items():
+        into = total.setdefault(name, {k: 0 for k in c})
+        for k, v in c.items():
+            into[k] = into.get(k, 0) + v
 
 
 def job_manifest_name(job_index: int) -> str:
@@ -110,6 +125,12 @@ def maybe_write_index(output: str, manifest: dict) -> bool:
     index = {"format": FORMAT_VERSION, "fingerprint": manifest["fingerprint"], "num_jobs": manifest["num_jobs"],
              "num_samples": sum(s["samples"] for s in shards), "num_tokens": sum(s["tokens"] for s in shards),
              "shards": shards}
+    if any("source" in s for s in shards):
+        sources: dict[str, dict[str, int]] = {}
+        for k in range(manifest["num_jobs"]):
+            for f in read_json(os.path.join(output, job_manifest_name(k)), "")["files"]:
+                add_source_counts(sources, f.get("sources", {}))
+        index["sources"] = dict(sorted(sources.items()))
     path = os.path.join(output, INDEX)
     if not os.path.exists(path) or read_json(path, "delete it; the next prep job rewrites it") != index:
         write_json_atomic(path, index)
@@ -127,6 +148,7 @@ class ShardInfo:
     tokens: int
     bytes: int
     sha256: str
+    source: str = UNNAMED_SOURCE  # the source of all its samples
 
 
 @dataclass(frozen=True)
@@ -145,6 +167,23 @@ class DatasetIndex:
     @property
     def num_tokens(self) -> int:
         return sum(s.tokens for s in self.shards)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The names of the directory's sources, sorted: a sample's source id is its position here."""
+        return tuple(sorted({s.source for s in self.shards}))
+
+    def source_counts(self) -> dict[str, dict[str, int]]:
+        """Documents, samples and tokens of each source (documents from the job manifests: counted per file)."""
+        counts = {name: {"documents": 0, "samples": 0, "tokens": 0} for name in self.sources}
+        for s in self.shards:
+            counts[s.source]["samples"] += s.samples
+            counts[s.source]["tokens"] += s.tokens
+        for job in self.jobs:
+            for f in job["files"]:
+                for name, c in f.get("sources", {UNNAMED_SOURCE: {"documents": f["documents"]}}).items():
+                    counts.setdefault(name, {"documents": 0, "samples": 0, "tokens": 0})["documents"] += c["documents"]
+        return counts
 
     @property
     def seq_len(self) -> int:

@@ -9,8 +9,14 @@ sample costs nothing and does not depend on the number of ranks or dataloader wo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.data.mixture import MixturePlan
+
+MAX_POSITION = 1 << 42  # positions of a mixture order (pipeline.data.mixture keeps positions * 2**20 in int64)
 
 _ROUNDS = 6
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -23,17 +29,19 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def permute(positions: np.ndarray, num_samples: int, seed: int, epoch: int) -> np.ndarray:
+def permute(positions: np.ndarray, num_samples: int, seed: int, epoch: int, stream: int | None = None) -> np.ndarray:
     """The sample ids at ``positions`` of epoch ``epoch``'s order: a seeded bijection of [0, num_samples).
 
     A Feistel network over the next even power of two, cycle-walked back into range, instead of a materialized
     ``rng.permutation(num_samples)``: the order of a 300M-sample corpus then costs no memory and no start-up time
     in each rank and worker. Round keys come from ``np.random.SeedSequence``, whose output numpy guarantees
-    across versions, so a resumed run sees the same order after an upgrade.
+    across versions, so a resumed run sees the same order after an upgrade. ``stream`` gives an independent
+    permutation for each of several sequences under one seed (a mixture's sources).
     """
     half = max(1, ((num_samples - 1).bit_length() + 1) // 2)
     shift, low = np.uint64(half), np.uint64((1 << half) - 1)
-    keys = np.random.SeedSequence([seed, epoch]).generate_state(_ROUNDS, dtype=np.uint64)
+    entropy = [seed, epoch] if stream is None else [seed, epoch, stream]
+    keys = np.random.SeedSequence(entropy).generate_state(_ROUNDS, dtype=np.uint64)
 
     def feistel(x: np.ndarray) -> np.ndarray:
         left, right = x >> shift, x & low
@@ -80,7 +88,26 @@ class TrainOrder:
         step, micro = divmod(self.start_step * self.grad_accum + j, self.grad_accum)
         epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
         first = step_in_epoch * self.global_batch + (self.dp_rank * self.grad_accum + micro) * self.micro_batch
-        return permute(np.arange(first, first + self.micro_batch), self.num_samples, self.seed, epoch)
+        return self._at(np.arange(first, first + self.micro_batch), epoch)
+
+    def _at(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        return permute(positions, self.num_samples, self.seed, epoch)
+
+
+@dataclass(frozen=True)
+class MixtureOrder(TrainOrder):
+    """:class:`TrainOrder` over a source mixture (``pipeline.data.mixture``): one endless epoch whose positions
+    ``plan`` maps to sample ids; batches and ranks slice the positions as in :class:`TrainOrder`. The sources'
+    own epochs live inside the plan."""
+
+    plan: MixturePlan | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return MAX_POSITION // self.global_batch
+
+    def _at(self, positions: np.ndarray, epoch: int) -> np.ndarray:
+        return self.plan.sample_ids(positions)
 
 
 @dataclass(frozen=True)

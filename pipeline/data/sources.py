@@ -1,7 +1,8 @@
 """Reading documents from input files, with bad records counted instead of crashing the job.
 
 Supported inputs: ``.jsonl``, ``.jsonl.zst``, ``.jsonl.gz`` (one JSON object a line), ``.parquet`` and a local
-HF ``datasets`` directory (``datasets.save_to_disk``). Each bad record is counted under one of ``BAD_REASONS`` and the
+HF ``datasets`` directory (``datasets.save_to_disk``). With a :class:`SourceField` each record's source (its data
+set, e.g. SlimPajama's ``meta.redpajama_set_name``) is read beside its text. Each bad record is counted under one of ``BAD_REASONS`` and the
 first few are kept as messages naming the file and line; the caller decides, through ``--max-bad-fraction``,
 whether there were too many. A truncated or corrupt compressed file yields every record decoded before the damage
 and then counts one ``corrupt_file`` record: a shard job must not lose a whole file to one bad block.
@@ -36,6 +37,8 @@ BAD_REASONS = {
                 "negatives (negative: a string or a list); fix or drop the row",
     "long_instruction": "the row's instruction leaves no room for its text; shorten it or raise --max-text-tokens",
     "no_instruction": "the row has no instruction field and its task none in --instructions; add one of them",
+    "missing_source": "the record names no source (the --source-field is missing, null, empty or not a string); "
+                      "fix the input, or set --source-default NAME to give such records a source",
 }
 
 
@@ -65,6 +68,43 @@ class RecordStats:
     def bad_fraction(self) -> float:
         total = self.documents + self.num_bad
         return self.num_bad / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class SourceField:
+    """Where a record names its source: ``path`` is a record field, dotted into nested objects (SlimPajama's
+    ``meta.redpajama_set_name``; a field whose own name holds the dots is taken first); "" reads none. A record
+    without a source (missing, null, empty or not a string) gets ``default``, or is a bad record
+    (``missing_source``) when ``default`` is ""."""
+
+    path: str
+    default: str = ""
+
+    def column(self, columns: list[str]) -> str | None:
+        """The column of a columnar input (parquet, HF dataset) that holds the source, None when it has none."""
+        if not self.path:
+            return None
+        head = self.path if self.path in columns else self.path.split(".")[0]
+        return head if head in columns else None
+
+    def lookup(self, record: dict):
+        """The raw value at ``path`` in ``record``, None when some part of the path is missing."""
+        if not self.path:
+            return None
+        if self.path in record:
+            return record[self.path]
+        value = record
+        for part in self.path.split("."):
+            if not isinstance(value, dict):
+                return None
+            value = value.get(part)
+        return value
+
+    def name(self, value) -> str | None:
+        """The source of a record whose field holds ``value`` (``default`` for none), None when it has none."""
+        if isinstance(value, str) and value.strip():
+            return value
+        return self.default or None
 
 
 def is_hf_dataset_dir(path: str) -> bool:
@@ -183,14 +223,23 @@ def _text_problem(value, name: str, first: bool) -> tuple[str, str] | None:
     return None
 
 
-def _check_record(values: tuple, where: str, fields: tuple[str, ...], stats: RecordStats) -> tuple | None:
-    """The record's field values, or None after counting why the record is bad (its first bad field)."""
+def _check_record(values: tuple, where: str, fields: tuple[str, ...], stats: RecordStats,
+                  source: SourceField | None = None, raw_source=None) -> tuple | None:
+    """The record's field values (and its source's name last, with ``source``), or None after counting why the
+    record is bad (its first bad field)."""
     for i, (value, name) in enumerate(zip(values, fields)):
         problem = _text_problem(value, name, i == 0)
         if problem is not None:
             reason, detail = problem
             stats.add_bad(reason, where, detail)
             return None
+    if source is not None:
+        name = source.name(raw_source)
+        if name is None:
+            stats.add_bad("missing_source", where, f"field {source.path!r} is "
+                          + ("missing or null" if raw_source is None else f"{raw_source!r}"))
+            return None
+        values = (*values, name)
     stats.documents += 1
     return values
 
@@ -227,65 +276,80 @@ def read_objects(path: str, stats: RecordStats) -> Iterator[tuple[str, str, dict
         yield where, line, record
 
 
-def _read_jsonl(path: str, fields: tuple[str, ...], stats: RecordStats) -> Iterator[tuple]:
+def _read_jsonl(path: str, fields: tuple[str, ...], stats: RecordStats,
+                source: SourceField | None) -> Iterator[tuple]:
     for where, line, record in read_objects(path, stats):
         values = tuple(record.get(name) for name in fields)
         if ("\\ud" in line or "\\uD" in line) and any(isinstance(v, str) and has_surrogate(v) for v in values):
             stats.add_bad("invalid_utf8", where, "the text holds a lone surrogate (a \\ud800-\\udfff escape)")
             continue
-        values = _check_record(values, where, fields, stats)
+        values = _check_record(values, where, fields, stats, source, source and source.lookup(record))
         if values is not None:
             yield values
 
 
+def _columns_to_read(fields: tuple[str, ...], columns: list[str], source: SourceField | None) -> list[str]:
+    """The text fields, then the source's column when the input has it."""
+    column = source.column(columns) if source is not None else None
+    return list(fields) + ([column] if column is not None else [])
+
+
 def _read_columns(path: str, fields: tuple[str, ...], columns: list[str], num_rows: int, batches: Iterable[list],
-                  stats: RecordStats) -> Iterator[tuple]:
-    """Rows of a columnar input (parquet file or HF dataset), where a missing column makes every row bad.
-    ``batches`` yields, per batch, one list of values per field."""
+                  stats: RecordStats, source: SourceField | None) -> Iterator[tuple]:
+    """Rows of a columnar input (parquet file or HF dataset), where a missing text column makes every row bad.
+    ``batches`` yields, per batch, one list of values per column of :func:`_columns_to_read`."""
     missing = [name for name in fields if name not in columns]
     if missing:
         stats.add_bad("missing_field", f"{path}: rows 1-{num_rows}", f"no column {missing[0]!r} "
                       f"(columns: {columns})", count=num_rows)
         return
+    column = source.column(columns) if source is not None else None
     row = 0
     for values in batches:
         for record in zip(*values):
             row += 1
-            record = _check_record(record, f"{path}: row {row}", fields, stats)
+            raw = source.lookup({column: record[-1]}) if column is not None else None
+            record = _check_record(record[: len(fields)], f"{path}: row {row}", fields, stats, source, raw)
             if record is not None:
                 yield record
 
 
-def _read_parquet(path: str, fields: tuple[str, ...], stats: RecordStats) -> Iterator[tuple]:
+def _read_parquet(path: str, fields: tuple[str, ...], stats: RecordStats,
+                  source: SourceField | None) -> Iterator[tuple]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
         columns = pf.schema_arrow.names
-        batches = ([c.to_pylist() for c in b.columns] for b in pf.iter_batches(columns=list(fields)))
-        yield from _read_columns(path, fields, columns, pf.metadata.num_rows, batches, stats)
+        read = _columns_to_read(fields, columns, source)
+        batches = ([c.to_pylist() for c in b.columns] for b in pf.iter_batches(columns=read))
+        yield from _read_columns(path, fields, columns, pf.metadata.num_rows, batches, stats, source)
     except (pa.ArrowException, OSError) as e:
         stats.add_bad("corrupt_file", path, f"cannot read parquet ({e})")
 
 
-def _read_hf_dataset(path: str, fields: tuple[str, ...], stats: RecordStats) -> Iterator[tuple]:
+def _read_hf_dataset(path: str, fields: tuple[str, ...], stats: RecordStats,
+                     source: SourceField | None) -> Iterator[tuple]:
     import datasets
 
     ds = datasets.load_from_disk(path)
-    batches = ([batch[name] for name in fields] for batch in ds.select_columns(list(fields)).iter(batch_size=1024)) \
+    read = _columns_to_read(fields, ds.column_names, source)
+    batches = ([batch[name] for name in read] for batch in ds.select_columns(read).iter(batch_size=1024)) \
         if all(name in ds.column_names for name in fields) else iter(())
-    yield from _read_columns(path, fields, ds.column_names, ds.num_rows, batches, stats)
+    yield from _read_columns(path, fields, ds.column_names, ds.num_rows, batches, stats, source)
 
 
-def read_records(path: str, fields: tuple[str, ...], stats: RecordStats) -> Iterator[tuple[str, ...]]:
-    """The values of ``fields`` (all non-empty strings) of each record of one input, in file order; a record with
-    a bad field is counted in ``stats`` and skipped."""
+def read_records(path: str, fields: tuple[str, ...], stats: RecordStats,
+                 source: SourceField | None = None) -> Iterator[tuple[str, ...]]:
+    """The values of ``fields`` (all non-empty strings) of each record of one input, in file order, followed by
+    the record's source name when ``source`` is given; a record with a bad field (or no source) is counted in
+    ``stats`` and skipped."""
     if os.path.isdir(path):
-        return _read_hf_dataset(path, fields, stats)
+        return _read_hf_dataset(path, fields, stats, source)
     if path.endswith(".parquet"):
-        return _read_parquet(path, fields, stats)
-    return _read_jsonl(path, fields, stats)
+        return _read_parquet(path, fields, stats, source)
+    return _read_jsonl(path, fields, stats, source)
 
 
 def read_texts(path: str, text_field: str, stats: RecordStats) -> Iterator[str]:

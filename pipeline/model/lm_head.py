@@ -28,9 +28,12 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (hidden @ weight.T).float()
 
 
-def _chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, grads: bool):
-    """(loss sum, correct count, d loss / d hidden, d loss / d weight), the gradients None unless ``grads``."""
+def _chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, grads: bool,
+             per_target: bool = False):
+    """(loss sum, correct count, d loss / d hidden, d loss / d weight, each row's loss), the gradients None unless
+    ``grads``, the rows' losses (detached) None unless ``per_target``."""
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    rows_loss = torch.empty(len(labels), dtype=torch.float32, device=hidden.device) if per_target else None
     correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if grads else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
@@ -40,6 +43,8 @@ def _chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, c
         lse = logits.logsumexp(-1)
         label_logit = logits.gather(-1, labels[rows, None]).squeeze(-1)
         loss += (lse - label_logit).sum()
+        if per_target:
+            rows_loss[rows] = (lse - label_logit).detach()
         # a label is right when its logit is the largest (amax: CPU argmax costs ~30x more)
         correct += (label_logit >= logits.amax(-1)).sum()
         if grads:  # d loss / d logits = softmax - onehot(label), in the logits' buffer
@@ -51,56 +56,65 @@ def _chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, c
                 grad_weight.addmm_(grad_logits.T, hidden[rows])
             else:
                 grad_weight += (grad_logits.T @ hidden[rows]).float()
-    return loss, correct, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
+    return loss, correct, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), rows_loss
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int):
-        loss, correct, grad_hidden, grad_weight = _chunked(hidden, weight, labels, chunk_size, grads=True)
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                per_target: bool):
+        loss, correct, grad_hidden, grad_weight, rows = _chunked(hidden, weight, labels, chunk_size, True, per_target)
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+        rows = rows if per_target else correct.new_empty(0, dtype=torch.float32)
+        ctx.mark_non_differentiable(correct, rows)
+        return loss, correct, rows
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, _grad_correct):
+    def backward(ctx, grad_loss: torch.Tensor, _grad_correct, _grad_rows):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of cross-entropy, number of rows whose label has the largest logit) of materialised fp32 logits."""
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, per_target: bool = False) -> tuple[torch.Tensor, ...]:
+    """(sum of cross-entropy, number of rows whose label has the largest logit) of materialised fp32 logits; with
+    ``per_target`` also each row's cross-entropy (detached: a metric; one more pass over the logits)."""
     with torch.no_grad():  # a label is right when its logit is the largest: amax, as CPU argmax costs ~30x more
-        correct = (logits.gather(-1, labels[:, None]).squeeze(-1) >= logits.amax(-1)).sum()
-    return F.cross_entropy(logits, labels, reduction="sum"), correct
+        label_logit = logits.gather(-1, labels[:, None]).squeeze(-1)
+        correct = (label_logit >= logits.amax(-1)).sum()
+        rows = (logits.logsumexp(-1) - label_logit,) if per_target else ()
+    return F.cross_entropy(logits, labels, reduction="sum"), correct, *rows
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk_size: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk_size: int = DEFAULT_CHUNK, per_target: bool = False) -> tuple[torch.Tensor, ...]:
     """(fp32 sum of cross-entropy of ``hidden @ weight.T`` against ``labels``, number of rows whose label has the
-    largest logit), ``chunk_size`` rows at a time. ``hidden`` [N, H], ``weight`` [V, H], ``labels`` [N].
+    largest logit), ``chunk_size`` rows at a time. ``hidden`` [N, H], ``weight`` [V, H], ``labels`` [N]. With
+    ``per_target``, each row's cross-entropy (detached) as a third value.
 
     Up to ``chunk_size`` rows the logits are one chunk anyway: they go through the plain head's autograd path,
     within the same memory bound. Without gradients (evaluation) no gradient is made."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if len(labels) <= chunk_size:
-        return cross_entropy(_chunk_logits(hidden, weight), labels)
+        return cross_entropy(_chunk_logits(hidden, weight), labels, per_target)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size)
-    return _chunked(hidden, weight, labels, chunk_size, grads=False)[:2]
+        out = _LinearCrossEntropy.apply(hidden, weight, labels, chunk_size, per_target)
+    else:
+        out = _chunked(hidden, weight, labels, chunk_size, False, per_target)
+        out = (out[0], out[1], out[4])
+    return out if per_target else out[:2]
 
 
 class ChunkedLMHead(nn.Linear):
     """The model's ``lm_head`` (same weight), whose forward with ``labels`` returns ``linear_cross_entropy``'s
-    (loss sum, correct count) instead of logits; without labels it is the plain linear layer."""
+    (loss sum, correct count[, each row's loss]) instead of logits; without labels it is the plain linear layer."""
 
     chunk_size: int = DEFAULT_CHUNK
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, per_target: bool = False):
         if labels is None:
             return super().forward(hidden)
-        return linear_cross_entropy(hidden, self.weight, labels, self.chunk_size)
+        return linear_cross_entropy(hidden, self.weight, labels, self.chunk_size, per_target)
 
 
 def chunk_lm_head(model: nn.Module, chunk_size: int = DEFAULT_CHUNK) -> ChunkedLMHead:

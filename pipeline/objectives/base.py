@@ -65,6 +65,10 @@ class ObjectiveOutput:
     loss_sum: torch.Tensor  # fp32 scalar: sum of cross-entropy over the targets (differentiable)
     num_targets: torch.Tensor  # int64 scalar
     num_correct: torch.Tensor  # int64 scalar: targets whose arg-max prediction is right
+    # fp32 / int64 [B]: each batch row's loss sum (detached) and targets, when the batch carries source ids (the
+    # trainer logs losses per source); None otherwise and for objectives without token targets
+    row_loss: torch.Tensor | None = None
+    row_targets: torch.Tensor | None = None
 
 
 @dataclass
@@ -138,16 +142,21 @@ def next_token_targets(input_ids: torch.Tensor, labels_from: torch.Tensor, doc_i
     return Targets(input_ids=input_ids, source=source, labels=labels)
 
 
-def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets) -> ObjectiveOutput:
+def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets, rows: bool = False) -> ObjectiveOutput:
     """LM head and cross-entropy on the source positions only (fp32 logits); a ``ChunkedLMHead`` (the trainer's,
-    ``model.lm_head_chunk``) computes them a chunk of targets at a time."""
+    ``model.lm_head_chunk``) computes them a chunk of targets at a time. ``rows``: also each batch row's loss sum
+    and target count (on the device: no host sync)."""
     where = targets.source.nonzero(as_tuple=True)  # the one host sync of a loss: the head's row count
     labels = targets.labels[where]
     if isinstance(lm_head, ChunkedLMHead):
-        loss_sum, correct = lm_head(hidden[where], labels)
+        loss_sum, correct, *per_target = lm_head(hidden[where], labels, per_target=rows)
     else:
-        loss_sum, correct = cross_entropy(lm_head(hidden[where]).float(), labels)
-    return ObjectiveOutput(loss_sum=loss_sum, num_targets=targets.source.sum(), num_correct=correct)
+        loss_sum, correct, *per_target = cross_entropy(lm_head(hidden[where]).float(), labels, per_target=rows)
+    out = ObjectiveOutput(loss_sum=loss_sum, num_targets=targets.source.sum(), num_correct=correct)
+    if rows:
+        out.row_loss = per_target[0].new_zeros(len(targets.source)).index_add_(0, where[0], per_target[0])
+        out.row_targets = targets.source.sum(-1)
+    return out
 
 
 class Objective(ABC):
@@ -222,7 +231,7 @@ class Objective(ABC):
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         targets = self.targets(batch)
         hidden = self.hidden_states(model, targets.input_ids, batch.doc_ids, batch.span_ids)
-        return {self.name: target_loss(model.lm_head, hidden, targets)}
+        return {self.name: target_loss(model.lm_head, hidden, targets, rows=batch.source_ids is not None)}
 
     def hidden_states(self, model: PreTrainedModel, input_ids: torch.Tensor, doc_ids: torch.Tensor,
                       span_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -112,7 +112,8 @@ class Magnet(MaskedObjective):
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         view = self.view(batch)
         hidden = self.hidden_states(model, view.input_ids, batch.doc_ids, view.span_ids)
-        return {name: target_loss(model.lm_head, hidden, t) for name, t in view.targets.items()}
+        return {name: target_loss(model.lm_head, hidden, t, rows=batch.source_ids is not None)
+                for name, t in view.targets.items()}
 
 
 def check_spans(batch: Batch) -> None:

@@ -1,11 +1,12 @@
 """The cluster planner's report and command line:
 ``python launch/plan.py --model 7b --nodes 4 --gpus-per-node 8 --gpu h100 [--zero 3] [--offload] [--seq-len N]
-[--micro-batch N] [--lm-head-chunk N] [--tokens-per-step N] [--steps N] [--corpus-tokens N] [--grid GRID]``
-(or ``pipeline-plan ...``).
+[--micro-batch N] [--lm-head-chunk N] [--tokens-per-step N] [--steps N] [--corpus-tokens N] [--grid GRID]
+[--mixture SOURCE=RATIO,... [--shards DIR] [--max-repetition R]]`` (or ``pipeline-plan ...``).
 
 Prints the memory per GPU (model states as DeepSpeed's estimators count them, activations, a runtime reserve) with
 the verdict whether it fits, the step time and tokens per day at a stated MFU, the days for the whole run or a grid
-of runs, and the data prep's core-hours, shard count and disk for a corpus. How each number is made:
+of runs, the tokens of each source of a mixture (against a shard directory's), and the data prep's core-hours,
+shard count and disk for a corpus. How each number is made:
 pipeline/planner/estimates.py and docs/planning.md.
 """
 
@@ -16,6 +17,8 @@ import math
 import sys
 from dataclasses import dataclass
 
+from pipeline.data.manifest import load_index
+from pipeline.data.mixture import MixturePlan
 from pipeline.experiment import ModelConfig
 from pipeline.grid import load_grid
 from pipeline.model.flops import param_counts
@@ -61,6 +64,9 @@ class PlannerInput:
     corpus_tokens: int | None = None  # data prep for a corpus of this many tokens
     prep_rate: float = PREP_TOKENS_PER_CORE_S
     samples_per_shard: int = 4096
+    mixture: dict[str, float] | None = None  # source -> target ratio: the run's tokens per source
+    max_repetition: float = 1.0  # with shards: the most times over a source's samples may be read
+    shards: str | None = None  # a shard directory: its samples per source against the mixture's needs
 
     def validate(self) -> None:
         """Raise ValueError naming the option (as the command line spells it) that is out of range."""
@@ -73,6 +79,10 @@ class PlannerInput:
             raise ValueError("--mfu and --targets must be in (0, 1]")
         if self.gpu not in GPUS:
             raise ValueError(f"--gpu {self.gpu!r}: choose one of {sorted(GPUS)}")
+        if self.mixture is not None and not math.isclose(sum(self.mixture.values()), 1.0, abs_tol=1e-6):
+            raise ValueError(f"--mixture: ratios must sum to 1, got {sum(self.mixture.values()):.6g}")
+        if self.shards and not self.mixture:
+            raise ValueError("--shards: the planner reads a shard directory to check a --mixture against it")
 
 
 def report(plan: PlannerInput) -> str:
@@ -129,6 +139,8 @@ def report(plan: PlannerInput) -> str:
         f"  {plan.steps:,} steps ({plan.steps * step_tokens / 1e9:.1f} B tokens): {days:.2f} days, "
         f"{days * 24 * n:,.0f} GPU-hours",
     ]
+    if plan.mixture:
+        lines += ["", *mixture_report(plan, plan.steps * step_tokens // plan.seq_len)]
     if plan.grid:
         lines += ["", *grid_report(plan, cluster)]
     if plan.corpus_tokens:
@@ -144,6 +156,36 @@ def report(plan: PlannerInput) -> str:
     return "\n".join(lines)
 
 
+def mixture_report(plan: PlannerInput, samples: int) -> list[str]:
+    """Tokens (and samples) of each source of ``plan.mixture`` over the run's ``samples``; with ``plan.shards``,
+    what each source holds and how many times over the run reads it (SHORT beyond ``plan.max_repetition``)."""
+    counts = MixturePlan.of_ratios(plan.mixture).counts(samples)
+    held = load_index(plan.shards).source_counts() if plan.shards else {}
+    lines = [f"mixture of {len(counts)} sources over {samples:,} samples of {plan.seq_len} tokens "
+             f"({samples * plan.seq_len / 1e9:.2f} B tokens):",
+             f"  {'source':<24}{'ratio':>8}{'tokens':>12}{'samples':>14}" + (
+                 f"{'it holds':>14}{'reads':>9}" if held else "")]
+    for name, n in counts.items():
+        line = f"  {name:<24}{plan.mixture[name]:>8.4g}{n * plan.seq_len / 1e9:>11.3f}B{n:>14,}"
+        if held:
+            have = held.get(name, {}).get("samples", 0)
+            times = n / have if have else math.inf
+            line += f"{have:>14,}{times:>8.2f}x" + (f"  SHORT: beyond max repetition {plan.max_repetition:g}"
+                                                     if times > plan.max_repetition else "")
+        lines.append(line)
+    return lines
+
+
+def parse_mixture(text: str) -> dict[str, float]:
+    """``A=0.7,B=0.3`` -> {"A": 0.7, "B": 0.3}."""
+    try:
+        pairs = [item.split("=") for item in text.split(",") if item.strip()]
+        return {name.strip(): float(ratio) for name, ratio in pairs}
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mixture (e.g. RedPajamaBook=0.7,RedPajamaArXiv=0.3)"
+                                         ) from e
+
+
 def grid_report(plan: PlannerInput, cluster: Cluster) -> list[str]:
     """GPU-hours and days of every run of the grid ``plan.grid`` on ``cluster``, and their total."""
     lines = [f"grid {plan.grid} at {plan.mfu:.0%} MFU on {cluster.gpus} {plan.gpu}:",
@@ -156,6 +198,12 @@ def grid_report(plan: PlannerInput, cluster: Cluster) -> list[str]:
         total += hours
         lines.append(f"  {v.name:<26}{t.steps * step_tokens / 1e9:>9.1f}B{hours:>12,.0f}"
                      f"{hours / cluster.gpus / 24:>8.2f}")
+        sources = v.experiment.data.mixture_sources()
+        if sources:
+            seq_len = v.experiment.data.seq_len
+            counts = MixturePlan.of_ratios({n: s.ratio for n, s in sources.items()}).counts(
+                t.steps * step_tokens // seq_len)
+            lines.append("    " + ", ".join(f"{n} {c * seq_len / 1e9:.2f}B" for n, c in counts.items()))
     lines.append(f"  {'total':<26}{'':>10}{total:>12,.0f}{total / cluster.gpus / 24:>8.1f}")
     return lines
 
@@ -203,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prep-rate", type=float, default=d.prep_rate,
                    help=f"build_shards tokens per core-second (default {d.prep_rate:.3g}, BENCHMARKS.md)")
     p.add_argument("--samples-per-shard", type=int, default=d.samples_per_shard)
+    p.add_argument("--mixture", type=parse_mixture, metavar="SOURCE=RATIO,...",
+                   help="the run's source mixture (data.mixture): tokens of each source over the run")
+    p.add_argument("--shards", help="with --mixture: a shard directory, whose samples per source the run's needs "
+                                    "are checked against")
+    p.add_argument("--max-repetition", type=float, default=d.max_repetition,
+                   help="with --shards: times over a source's samples may be read (data.mixture_max_repetition)")
     plan = PlannerInput(**vars(p.parse_args(argv)))
     try:
         plan.validate()

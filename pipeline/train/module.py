@@ -30,8 +30,11 @@ class TrainModule(nn.Module):
         out = objective(self.lm, batch)
         if isinstance(out, torch.Tensor):  # an embedding pass (``grad_cache.EmbedPass``)
             return out
-        # plain tuples in a dict: ZeRO-3's hooks only see through tuples, lists and dicts
-        return {name: (o.loss_sum, o.num_targets, o.num_correct) for name, o in out.items()}
+        # plain tuples in a dict: ZeRO-3's hooks only see through tuples, lists and dicts; each row's loss and
+        # targets follow when the objective made them (a batch with source ids)
+        return {name: (o.loss_sum, o.num_targets, o.num_correct)
+                + ((o.row_loss, o.row_targets) if o.row_loss is not None else ())
+                for name, o in out.items()}
 
 
 def attn_implementation(config: ModelConfig, cuda: bool) -> str:

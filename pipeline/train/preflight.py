@@ -21,6 +21,7 @@ from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import check_compatible, check_enough_samples, check_shard_sizes, check_source
 from pipeline.data.manifest import MANIFEST, DatasetIndex, load_index
+from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget
 from pipeline.data.remote import ShardStore, is_url
 from pipeline.experiment import DataConfig, ExperimentConfig
 from pipeline.export.record import EncoderRecord, from_experiment
@@ -216,14 +217,35 @@ def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokeniz
     return index
 
 
-def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int) -> dict[str, DatasetIndex]:
-    """The index of each data source the run reads, checked against the tokenizer, the objectives and the batch;
-    the held-out samples into ``prepared``."""
+def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int, world: int) -> list[str]:
+    """``data.mixture`` against the sources of ``index`` and the run's budget (``train.steps`` x global batch):
+    every source named exists and can supply its share within its maximum repetition. Returns the plan's lines
+    for rank 0 to print."""
+    d, t = exp.data, exp.train
+    sources = d.mixture_sources()
+    budget = Budget(t.steps, t.micro_batch * t.grad_accum * world, d.seq_len)
+    try:
+        plan = MixturePlan.build(index, {name: s.ratio for name, s in sources.items()}, t.seed, train_samples)
+        lines = check_budget(plan, budget, {name: s.max_repetition for name, s in sources.items()})
+    except MixtureError as e:
+        raise ConfigError(str(e)) from None
+    left_out = [name for name in index.sources if name not in sources]
+    return ([f"mixture of {len(sources)} sources over {budget.describe()}:", *(f"  {line}" for line in lines)]
+            + ([f"note: data.mixture leaves out {', '.join(left_out)} of {index.directory}: not trained on"]
+               if left_out else []))
+
+
+def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: int = 0) -> dict[str, DatasetIndex]:
+    """The index of each data source the run reads, checked against the tokenizer, the objectives, the batch and
+    the mixture; the held-out samples into ``prepared`` (and the mixture's plan into its notes, on rank 0)."""
     readers = data_sources(prepared.objectives)
     t, d, tok = exp.train, exp.data, prepared.tokenizer
     indexes = {"packed": _check_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"],
                                       t.micro_batch * t.grad_accum * world, exp.eval.holdout)}
     prepared.held_out, prepared.train_samples = check_held_out(exp, tok, indexes["packed"])
+    if d.mixture:
+        lines = check_mixture(exp, indexes["packed"], prepared.train_samples, world)
+        prepared.notes += lines if rank == 0 else []
     if readers["units"]:
         indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
                                         (d.unit_micro_batch or t.micro_batch) * t.grad_accum * world)
@@ -276,7 +298,7 @@ def preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool = False) 
     try:
         if rank == 0:
             build_missing_shards(exp, prepared.tokenizer)
-        prepared.indexes = check_shards(exp, prepared, world)
+        prepared.indexes = check_shards(exp, prepared, world, rank)
     except BaseException:
         if prepared.lock is not None:
             prepared.lock.release()
@@ -315,7 +337,7 @@ def agreed_preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool,
         prepared = _agreed(rank, world, lambda: check_setup(exp, rank, world, cuda), on_failure)
         _agreed(rank, world, lambda: build_missing_shards(exp, prepared.tokenizer) if rank == 0 else None,
                 on_failure)
-        prepared.indexes = _agreed(rank, world, lambda: check_shards(exp, prepared, world), on_failure)
+        prepared.indexes = _agreed(rank, world, lambda: check_shards(exp, prepared, world, rank), on_failure)
     except PreflightFailed:
         if prepared is not None and prepared.lock is not None:
             prepared.lock.release()

@@ -5,7 +5,7 @@ The loop around it (data, checkpoints, metrics, stop signals) is :class:`pipelin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,41 @@ class StepResult:
     lr: float  # the rate this step used
     grad_norm: float  # the gradients' 2-norm before clipping
     work: Work  # what the forward passes of all ranks ran, for the MFU
+    # with sources: per output, each source's loss over the global batch (sources without targets this step left
+    # out), and each source's non-padding tokens in the step's packed micro-batches
+    source_losses: dict[str, dict[str, float]] = field(default_factory=dict)
+    source_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class _SourceSums:
+    """Per-source loss sums and targets of each output, and tokens per source, of one step, on the device: added
+    per micro-batch with ``index_add_`` (no host sync) and reduced and read back with the step's other numbers."""
+
+    def __init__(self, sources: tuple[str, ...], device: torch.device):
+        self.sources, self.device = sources, device
+        self.sums: dict[str, torch.Tensor] = {}  # output -> float64 [S, 2] (loss sum, targets)
+        self.tokens = torch.zeros(len(sources), dtype=torch.float64, device=device)
+
+    def add_tokens(self, batch) -> None:
+        self.tokens.index_add_(0, batch.source_ids.clamp(min=0), (batch.doc_ids >= 0).sum(-1).double())
+
+    def add(self, name: str, batch, row_loss: torch.Tensor, row_targets: torch.Tensor) -> None:
+        into = self.sums.setdefault(name, torch.zeros(len(self.sources), 2, dtype=torch.float64, device=self.device))
+        # padding rows (source -1) have no targets: adding them to source 0 adds nothing
+        into.index_add_(0, batch.source_ids.clamp(min=0), torch.stack([row_loss.double(), row_targets.double()], -1))
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([*(s.flatten() for s in self.sums.values()), self.tokens])
+
+    def read(self, values: list[float]) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
+        """(losses, tokens) from the reduced :meth:`flat` as host floats."""
+        n, losses = len(self.sources), {}
+        for i, name in enumerate(self.sums):
+            pairs = values[2 * n * i : 2 * n * (i + 1)]
+            losses[name] = {src: pairs[2 * j] / pairs[2 * j + 1] for j, src in enumerate(self.sources)
+                            if pairs[2 * j + 1] > 0}
+        tokens = values[2 * n * len(self.sums):]
+        return losses, {src: int(t) for src, t in zip(self.sources, tokens)}
 
 
 def _unreported_grad_norm(engine) -> torch.Tensor | None:
@@ -35,18 +70,24 @@ def _unreported_grad_norm(engine) -> torch.Tensor | None:
 
 
 def _micro_steps(engine, step_objs: list[WeightedObjective], batches: dict[str, list], names: list[str],
-                 weights: dict[str, float], scale: torch.Tensor, sums: torch.Tensor, grad_accum: int):
+                 weights: dict[str, float], scale: torch.Tensor, sums: torch.Tensor, by_source: _SourceSums | None,
+                 grad_accum: int):
     """Forward, backward and (at the boundary, inside DeepSpeed) the update of each micro-batch; the gradients'
-    norm where DeepSpeed measures none."""
+    norm where DeepSpeed measures none. With ``by_source``, each packed output's row losses are summed per
+    source too."""
     grad_norm = None
     for micro in range(grad_accum):
         loss = 0.0
         for o in step_objs:
-            for own, (loss_sum, _, correct) in engine(o.objective, batches[o.objective.source][micro]).items():
+            batch = batches[o.objective.source][micro]
+            for own, out in engine(o.objective, batch).items():
+                loss_sum, correct = out[0], out[2]
                 name = o.loss_name(own)
                 i = names.index(name)
                 loss = loss + weights[name] * loss_sum * scale[i]
                 sums[i] += torch.stack([loss_sum.detach().float(), correct.float()])
+                if by_source is not None and o.objective.source == "packed" and len(out) == 5:
+                    by_source.add(name, batch, out[3], out[4])
         engine.backward(loss)
         if micro == grad_accum - 1:
             grad_norm = _unreported_grad_norm(engine)
@@ -79,13 +120,15 @@ def _cached_micro_steps(engine, o: WeightedObjective, micro: list, factor: torch
 
 
 def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, list], world: int,
-               grad_accum: int) -> StepResult:
+               grad_accum: int, sources: tuple[str, ...] = ()) -> StepResult:
     """One optimizer step over ``grad_accum`` micro-steps.
 
     Every loss is normalised by its target count over the whole global batch (all ranks, all micro-steps), so
     the step equals one big-batch step whatever the split; DeepSpeed averages gradients over ranks and
     micro-steps, hence the ``world * grad_accum`` factor. The step's work is summed in the same all-reduce. An
     objective with ``grad_cache`` (alone in its phase) takes its micro-batches as one contrastive batch.
+    ``sources``: the names of the packed shards' sources when their batches carry source ids; each output of a
+    packed objective is then also summed per source (its loss over that source's targets in the global batch).
     """
     # Everything counted and summed stays on the device until the one read-back at the end: a host sync drains
     # the device's queue, so one before (or inside) the forward would leave it idle while the host launches.
@@ -109,6 +152,10 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     # fp32 like the Python float it replaces, which multiplied an fp32 loss as fp32: the losses stay bit-identical
     scale = (world * grad_accum / total).float()
     sums = torch.zeros(len(names), 2, device=device)
+    by_source = _SourceSums(sources, device) if sources else None
+    if by_source is not None:
+        for b in batches.get("packed", []):
+            by_source.add_tokens(b)
     lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside the last step()
     cached = [o for o in step_objs if getattr(o.objective, "grad_cache", False)]
     if cached:  # the config allows a grad-cache objective only alone in its phase
@@ -117,14 +164,18 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
         grad_norm = _cached_micro_steps(engine, o, batches[o.objective.source], weights[name] * scale[names.index(name)],
                                         sums[names.index(name)], grad_accum)
     else:
-        grad_norm = _micro_steps(engine, step_objs, batches, names, weights, scale, sums, grad_accum)
+        grad_norm = _micro_steps(engine, step_objs, batches, names, weights, scale, sums, by_source, grad_accum)
     if grad_norm is None:  # None only where the DeepSpeed config turns it off (zero_optimization.compute_grad_norm)
         grad_norm = engine.get_global_grad_norm()
     dist.all_reduce(sums)
+    per_source = by_source.flat() if by_source is not None else torch.zeros(0, dtype=torch.float64, device=device)
+    if by_source is not None:
+        dist.all_reduce(per_source)
     k = len(names)  # the step's one read-back: the logged losses and accuracies, their target counts, the work
-    values = torch.cat([sums.double().flatten(), total, reduced[k:]]).tolist()
-    sums_read, totals, (head_targets, tokens, pairs) = values[: 2 * k], values[2 * k : 3 * k], values[3 * k :]
+    values = torch.cat([sums.double().flatten(), total, reduced[k:], per_source]).tolist()
+    sums_read, totals, (head_targets, tokens, pairs) = values[: 2 * k], values[2 * k : 3 * k], values[3 * k : 3 * k + 3]
+    source_losses, source_tokens = by_source.read(values[3 * k + 3 :]) if by_source is not None else ({}, {})
     return StepResult({n: sums_read[2 * i] / totals[i] for i, n in enumerate(names)},
                       {n: sums_read[2 * i + 1] / totals[i] for i, n in enumerate(names)}, lr,
                       float(grad_norm if grad_norm is not None else 0.0),
-                      Work(tokens=tokens, head_targets=head_targets, attended_pairs=pairs))
+                      Work(tokens=tokens, head_targets=head_targets, attended_pairs=pairs), source_losses, source_tokens)

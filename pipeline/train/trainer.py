@@ -54,6 +54,8 @@ class Trainer:
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0
     validator: Validator | None = None  # None without eval.every
+    sources: tuple[str, ...] = ()  # the packed shards' sources when there are several: losses are logged per source
+    source_tokens: dict[str, int] | None = None  # tokens seen of each source (with sources)
 
     @classmethod
     def build(cls, exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopRequest,
@@ -83,11 +85,13 @@ class Trainer:
             if rank == 0:
                 print(f"resumed from {tag(client['step'])} ({client['tokens_seen']:,} tokens seen)")
         step, tokens_seen = (client["step"], client["tokens_seen"]) if client else (0, 0)
+        sources = index.sources if len(index.sources) > 1 else ()
+        source_tokens = {src: (client or {}).get("source_tokens", {}).get(src, 0) for src in sources}
         return cls(exp, engine, lm, tokenizer, objectives, prepared.record, loaders, checkpoints,
                    MetricsLogger(run, rank == 0, exp.train.log_every, start_step=step),
                    Throughput(device_peak_tflops(exp.train.peak_tflops), world),
                    DivergenceGuard(exp.train.max_bad_steps, skipped_before=engine.skipped_steps), stop, device,
-                   step, tokens_seen, validator)
+                   step, tokens_seen, validator, sources, source_tokens)
 
     def fit(self) -> dict:
         """Train to ``train.steps``, or until a stop; returns the summary."""
@@ -99,7 +103,7 @@ class Trainer:
             batches, local_tokens = self._next_batches(self.objectives[phase_idx])
             t_data = time.time() - t0
             result = train_step(self.engine, self.objectives[phase_idx], batches, dist.get_world_size(),
-                                self.exp.train.grad_accum)
+                                self.exp.train.grad_accum, self.sources)
             losses = result.losses
             self.step += 1
             tokens = dist.get_world_size() * local_tokens
@@ -112,7 +116,8 @@ class Trainer:
                        | {"optim/lr": result.lr, "optim/grad_norm": grad_norm,
                           "optim/skipped_steps": self.engine.skipped_steps}
                        | self.throughput.scalars(tokens, seconds, t_data, work_flops(self.lm.config, result.work))
-                       | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx})
+                       | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx}
+                       | self._source_scalars(result))
             if self.validator is not None and self.validator.due(self.step, self.exp.train.steps):
                 scalars |= self.validator.run(self.engine, self.objectives[phase_idx], self.device)
             self.metrics.log(self.step, scalars, phase.name)
@@ -120,6 +125,13 @@ class Trainer:
             if self._checkpoint_or_stop():
                 break
         return self._finish(started)
+
+    def _source_scalars(self, result) -> dict[str, float]:
+        """``source_loss/<output>/<source>`` of the step, ``progress/source_tokens/<source>`` so far."""
+        for src, n in result.source_tokens.items():
+            self.source_tokens[src] += n
+        return ({f"source_loss/{name}/{src}": v for name, by in result.source_losses.items() for src, v in by.items()}
+                | {f"progress/source_tokens/{src}": n for src, n in (self.source_tokens or {}).items()})
 
     def _next_batches(self, step_objs: list[WeightedObjective]) -> tuple[dict[str, list], int]:
         """The step's micro-batches of each source on the device, and this rank's non-padding tokens in them,
@@ -133,6 +145,7 @@ class Trainer:
         self.checkpoints.save(self.step, {
             "step": self.step, "tokens_seen": self.tokens_seen,
             "loaders": {src: loader.state_dict() for src, loader in self.loaders.items()},
+            **({"source_tokens": dict(self.source_tokens)} if self.sources else {}),
             "phase": self.exp.phase_at(max(self.step - 1, 0))[1].name})
 
     def _checkpoint_or_stop(self) -> bool:
@@ -168,11 +181,12 @@ class Trainer:
 
 def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: int,
                   pin: bool) -> dict[str, ShardLoader]:
-    """A loader per data source: the packed shards (short of the held-out samples), and the sentence units when an
-    objective reads them."""
+    """A loader per data source: the packed shards (short of the held-out samples, in ``data.mixture`` when set),
+    and the sentence units when an objective reads them."""
     t, d = exp.train, exp.data
     micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch, "pairs": t.micro_batch}
     samples = {"packed": prepared.train_samples}
+    mixture = {"packed": {name: s.ratio for name, s in d.mixture_sources().items()}}
     return {src: ShardLoader(index, micro[src], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
-                             verify=d.verify_shards, num_samples=samples.get(src))
+                             verify=d.verify_shards, num_samples=samples.get(src), mixture=mixture.get(src))
             for src, index in prepared.indexes.items()}

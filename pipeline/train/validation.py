@@ -53,7 +53,9 @@ class Validator:
     @torch.no_grad()
     def run(self, engine, phase: list[WeightedObjective], device: torch.device) -> dict[str, float]:
         """``eval/loss/<name>`` and ``eval/acc/<name>`` of the phase's objectives that read packed samples,
-        ``eval/probe/<probe>`` and ``eval/probe_acc/<probe>``, ``eval/probe_ppl/clm``, and ``eval/seconds``.
+        ``eval/probe/<probe>`` and ``eval/probe_acc/<probe>``, ``eval/probe_ppl/clm``, and ``eval/seconds``; for
+        held-out shards of several sources also ``eval/source_loss/<name>/<source>`` and
+        ``eval/source_probe/<probe>/<source>``.
         Dropout is off while it runs (eval mode) and the engine is back in train mode after."""
         started = time.time()
         scored = [("loss", "acc", o) for o in phase if o.objective.source == "packed"]
@@ -61,6 +63,8 @@ class Validator:
         forwards = {forward_of(o): o.objective for _, _, o in scored}
         sums: dict[tuple[str, str, str], torch.Tensor] = {}
         h = self.held_out
+        sources = h.index.sources
+        by_source: dict[tuple[str, str, str], torch.Tensor] = {}  # with sources: [S, 2] loss sum, targets
         engine.eval()
         try:
             for batch in iter_eval(h.index, self.micro_batch, dist.get_rank(), dist.get_world_size(),
@@ -70,18 +74,32 @@ class Validator:
                 for kind, acc, o in scored:
                     for own, out in outputs[forward_of(o)].items():
                         key = (kind, acc, o.loss_name(own))
-                        total = torch.stack([t.detach().double() for t in out])  # loss sum, targets, correct
+                        total = torch.stack([t.detach().double() for t in out[:3]])  # loss sum, targets, correct
                         sums[key] = sums[key] + total if key in sums else total
+                        if len(out) == 5:  # each row's loss and targets: the batch has source ids
+                            into = by_source.setdefault(key, torch.zeros(len(sources), 2, dtype=torch.float64,
+                                                                         device=device))
+                            into.index_add_(0, batch.source_ids.clamp(min=0),
+                                            torch.stack([out[3].double(), out[4].double()], -1))
         finally:
             engine.train()
         self.verify = False
-        keys = list(sums)
-        reduced = torch.stack([sums[k] for k in keys])
+        keys, source_keys = list(sums), list(by_source)
+        reduced = torch.cat([torch.stack([sums[k] for k in keys]).flatten(),
+                             *(by_source[k].flatten() for k in source_keys)])
         dist.all_reduce(reduced)
+        values = reduced.tolist()
         scalars: dict[str, float] = {}
-        for (kind, acc, name), (loss, targets, correct) in zip(keys, reduced.tolist()):
+        for i, (kind, acc, name) in enumerate(keys):
+            loss, targets, correct = values[3 * i : 3 * i + 3]
             scalars[f"eval/{kind}/{name}"] = loss / max(targets, 1.0)
             scalars[f"eval/{acc}/{name}"] = correct / max(targets, 1.0)
+        per_source = values[3 * len(keys):]
+        for i, (kind, _, name) in enumerate(source_keys):
+            for j, src in enumerate(sources):
+                loss, targets = per_source[2 * (i * len(sources) + j) : 2 * (i * len(sources) + j) + 2]
+                if targets:
+                    scalars[f"eval/source_{kind}/{name}/{src}"] = loss / targets
         if "eval/probe/clm" in scalars:
             scalars["eval/probe_ppl/clm"] = math.exp(scalars["eval/probe/clm"])
         return scalars | {"eval/seconds": time.time() - started}

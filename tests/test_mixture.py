@@ -1,0 +1,268 @@
+"""Source mixtures (``data.mixture``, ``pipeline/data/mixture.py``): the order's index arithmetic (ratios at every
+prefix, maximum repetition, the error of a source too small for its share), the loader's world-size independent and
+resumable order, the config's and preflight's errors, the planner's tokens per source, and a real 2-rank ZeRO-3 CPU
+run on the sample corpus split into named sources (``shard_corpus.genre``) that logs its losses per source."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+from helpers import http_server, launch_training, logged_steps
+from shard_corpus import HOLDOUT, ROOT, TOKENIZER, sourced_corpus
+
+from pipeline.config import ConfigError
+from pipeline.data.build import run_job
+from pipeline.data.build_config import BuildConfig
+from pipeline.data.loader import ShardLoader
+from pipeline.data.manifest import DatasetIndex, ShardInfo, load_index
+from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget, source_samples
+from pipeline.experiment import load_experiment
+from pipeline.planner.report import PlannerInput, report
+from pipeline.train.preflight import preflight
+
+RATIOS = {"histories": 0.3, "plays": 0.5, "poems": 0.2}
+
+
+def index_of(sizes: list[tuple[str, int]]) -> DatasetIndex:
+    """An index of shards (source, samples), in this order: the plan reads only the manifest's counts."""
+    shards = tuple(ShardInfo(f"s{i:03d}.tar", f"/nowhere/s{i:03d}.tar", n, n * 8, 0, "", source)
+                   for i, (source, n) in enumerate(sizes))
+    return DatasetIndex("/nowhere", "f" * 64, {"seq_len": 8}, shards, ())
+
+
+# sources interleaved over the shards, as K prep jobs of files that each mix them write them
+INDEX = index_of([("a", 40), ("b", 30), ("c", 9), ("a", 25), ("d", 3), ("b", 41), ("c", 7), ("a", 50)])
+FOUR = {"a": 0.5, "b": 0.3, "c": 0.15, "d": 0.05}
+
+
+def test_every_prefix_and_every_batch_holds_the_ratios():
+    plan = MixturePlan.build(INDEX, FOUR, seed=1)
+    n = 20_000
+    source, local = plan.locate(np.arange(n))
+    for s, name in enumerate(plan.names):
+        mine = source == s
+        assert np.array_equal(local[mine], np.arange(mine.sum()))  # each source's items in order, none skipped
+        prefix = np.cumsum(mine)
+        # within two samples (one per tree level) of the ratio at every prefix
+        assert np.abs(prefix - np.arange(1, n + 1) * plan.ratios[name]).max() <= 2, name
+        batches = mine.reshape(-1, 40).sum(1)  # global batches of 40
+        assert np.abs(batches - 40 * plan.ratios[name]).max() <= 2, name
+    for k in (0, 1, 39, 40, 12_345, n):
+        assert plan.counts(k) == {name: int((source[:k] == s).sum()) for s, name in enumerate(plan.names)}
+    assert plan.ratios == pytest.approx(FOUR, abs=1e-6)
+
+
+def test_order_is_deterministic_and_each_repetition_reads_each_sample_once():
+    plan = MixturePlan.build(INDEX, FOUR, seed=1)
+    positions = np.arange(3000)
+    ids = plan.sample_ids(positions)
+    assert np.array_equal(ids, MixturePlan.build(INDEX, FOUR, seed=1).sample_ids(positions))
+    assert np.array_equal(ids[1000:1100], plan.sample_ids(positions[1000:1100]))  # any slice, computed alone
+    assert not np.array_equal(ids, MixturePlan.build(INDEX, FOUR, seed=2).sample_ids(positions))
+    owned = source_samples(INDEX)
+    source, local = plan.locate(positions)
+    for s, name in enumerate(plan.names):
+        samples = owned[name]
+        mine = ids[source == s]
+        members = {int(i) for i in samples.global_ids(np.arange(samples.count))}
+        assert set(mine.tolist()) <= members  # only its own samples
+        for e in range(len(mine) // samples.count):  # every full repetition is a permutation of them
+            assert sorted(mine[e * samples.count:(e + 1) * samples.count].tolist()) == sorted(members)
+        counts = np.bincount(mine)
+        assert counts.max() <= math.ceil(len(mine) / samples.count)
+
+
+def test_held_out_samples_are_never_in_the_mixture():
+    train = INDEX.num_samples - 30  # the last shard's last 30 samples held out
+    ids = MixturePlan.build(INDEX, FOUR, seed=0, num_samples=train).sample_ids(np.arange(5000))
+    assert ids.max() < train and source_samples(INDEX, train)["a"].count == 115 - 30
+
+
+def test_a_source_short_of_its_share_is_an_error_naming_it_and_the_fixes():
+    plan = MixturePlan.build(INDEX, FOUR, seed=0)
+    budget = Budget(steps=50, global_batch=8, seq_len=8)  # 400 samples: d (3 samples) must give 20
+    with pytest.raises(MixtureError) as e:
+        check_budget(plan, budget, {"a": 4.0, "b": 4.0, "c": 4.0, "d": 4.0})
+    message = str(e.value)
+    assert message.startswith("data.mixture: source 'd' cannot supply its share of the run: ratio 0.05 of 50 steps "
+                              "x 8 samples x 8 tokens (3,200 tokens) needs 20 of its samples (160 tokens), but it has "
+                              "3 (24 tokens) and max_repetition 4 allows 12 (6.67x needed)")
+    assert "lower its ratio to at most 0.03" in message and "max_repetition) to 6.67 or more" in message
+    steps = int(message.split("shorten train.steps to ")[1].split(",")[0])
+    lines = check_budget(plan, Budget(steps, 8, 8), {n: 4.0 for n in FOUR})  # the suggested steps fit
+    assert plan.counts(steps * 8)["d"] <= 12 < plan.counts((steps + 1) * 8)["d"]
+    assert lines[3].startswith("d: ratio 0.05, ")
+    check_budget(plan, budget, {"a": 4.0, "b": 4.0, "c": 4.0, "d": 6.67})  # or the suggested repetition
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> str:
+    """One train file of the sample corpus split into its three sources, 64-token samples: about 5.8k samples
+    (histories 2.1k, plays 3.4k, poems 0.3k)."""
+    corpus = sourced_corpus(tmp_path_factory.mktemp("corpus"),
+                            [os.path.join(ROOT, "data/sample/train/chunk1/example_train_0.jsonl.zst")])
+    out = str(tmp_path_factory.mktemp("data") / "shards")
+    run_job(BuildConfig(inputs=tuple(corpus), tokenizer=TOKENIZER, output=out, seq_len=64, samples_per_shard=512,
+                        progress=False, source_field="meta.redpajama_set_name"))
+    return out
+
+
+def _global_batches(index, world: int, grad_accum: int, steps: int, state=None) -> tuple[list[list], dict]:
+    """([(key, source id) of each row of each global batch], the loader state after them)."""
+    loaders = [ShardLoader(index, 2, grad_accum, rank, world, seed=5, mixture=RATIOS, verify=False)
+               for rank in range(world)]
+    if state is not None:
+        for loader in loaders:
+            loader.load_state_dict(state)
+    return [[(k, int(i)) for loader in loaders for b in loader.next_global_step() for k, i in zip(b.keys, b.source_ids)]
+            for _ in range(steps)], loaders[0].state_dict()
+
+
+def test_loader_order_is_world_size_independent_and_resumes_exactly(shards):
+    index = load_index(shards)
+    one, _ = _global_batches(index, 1, 4, 6)
+    two, _ = _global_batches(index, 2, 2, 6)
+    assert one == two
+    first, state = _global_batches(index, 2, 2, 2)
+    rest, _ = _global_batches(index, 1, 4, 4, state)  # resumed on another world size
+    assert first + rest == one
+    assert state["mixture"] == RATIOS
+    with pytest.raises(ValueError, match=r"saved training on data.mixture \{'histories': 0.3, 'plays': 0.5, "
+                                         r"'poems': 0.2\}, this loader has \(none\)"):
+        ShardLoader(index, 2, seed=5).load_state_dict(state)
+    served = [index.sources[i] for batch in one for _, i in batch]
+    assert {name: served.count(name) for name in RATIOS} == MixturePlan.build(index, RATIOS, 5).counts(len(served))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.mixture={histories: 0.3, plays: 0.5}"], "data.mixture: ratios must sum to 1, got 0.8; e.g. "
+                                                    "{histories: 0.375, plays: 0.625}"),
+    (["data.mixture={histories: 0.3, plays: high}"], "data.mixture.plays: 'high' is not a ratio; write plays: 0.25"),
+    (["data.mixture={histories: 1.0, plays: 0}"], "data.mixture.plays: ratio 0.0 is out of range; it must be in "
+                                                  "[1e-06, 1]"),
+    (["data.mixture={plays: {ratio: 1, max_repetition: 0}}"], "data.mixture.plays.max_repetition: 0.0 is out of "
+                                                              "range; it must be > 0"),
+    (["data.mixture={plays: {ratio: 1, repeat: 2}}"], "data.mixture.plays.repeat: unknown key"),
+    (["data.mixture_max_repetition=0"], "data.mixture_max_repetition: 0.0 is out of range; it must be > 0"),
+])
+def test_mixture_config_errors_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_experiment(None, overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+COMMON = ["train.steps=8", "train.micro_batch=4", "train.log_every=4", "optim.warmup_steps=2",
+          "optim.decay_steps=2", "optim.lr=0.002", "checkpoint.every=4", "data.seq_len=64",
+          "data.build_if_missing=false", "train.export_hf=false",
+          "data.mixture={histories: 0.3, plays: 0.5, poems: 0.2}"]
+
+
+@pytest.mark.parametrize("overrides, message, end", [
+    (["data.mixture={histories: 0.5, sonnets: 0.5}"], "data.mixture: 'sonnets' not among the sources of {shards}: "
+                                                      "histories (2", ""),
+    (["train.steps=300"], "data.mixture: source 'poems' cannot supply its share of the run: ratio 0.2 of 300 steps x "
+                          "8 samples x 64 tokens (153,600 tokens) needs 480 of its samples (30,720 tokens), but it has "
+                          "137 (8,768 tokens) and max_repetition 1 allows 137", ""),
+    # the shortest source first, the others after
+    (["train.steps=2000"], "data.mixture: source 'poems' cannot supply", "or add data of that source (also short: "
+                                                                         "histories, plays)"),
+])
+def test_preflight_refuses_a_mixture_the_shards_cannot_serve(shards, tmp_path, overrides, message, end):
+    exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}", *overrides])
+    with pytest.raises(ConfigError) as e:
+        preflight(exp, rank=0, world=2).lock.release()
+    assert str(e.value).startswith(message.format(shards=shards)) and "\n" not in str(e.value)
+    assert str(e.value).endswith(end)
+
+
+def test_preflight_reports_the_plan_and_the_sources_left_out(shards, tmp_path):
+    exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}",
+                                 "data.mixture={histories: 0.4, plays: 0.6}"])
+    prepared = preflight(exp, rank=0, world=2)
+    prepared.lock.release()
+    assert prepared.notes[0] == "mixture of 2 sources over 8 steps x 8 samples x 64 tokens (4,096 tokens):"
+    assert prepared.notes[1].startswith("  histories: ratio 0.4, 26 samples (1,664 tokens) of its 2,")
+    assert prepared.notes[-1] == f"note: data.mixture leaves out poems of {shards}: not trained on"
+
+
+def test_planner_reports_tokens_per_source(shards):
+    plan = PlannerInput(model="tiny", nodes=1, gpus_per_node=2, gpu="h100", seq_len=64, micro_batch=4,
+                        tokens_per_step=8 * 64, steps=100, mixture=RATIOS, shards=shards)
+    plan.validate()
+    text = report(plan)
+    assert "mixture of 3 sources over 800 samples of 64 tokens (0.00 B tokens):" in text
+    held = load_index(shards).source_counts()["poems"]["samples"]
+    assert f"  poems                        0.2      0.000B           160{held:>14,}{160 / held:>8.2f}x" in text
+    short = report(PlannerInput(**{**plan.__dict__, "steps": 100_000}))
+    assert "SHORT: beyond max repetition 1" in short.split("poems")[1].splitlines()[0]
+    with pytest.raises(ValueError, match="--mixture: ratios must sum to 1"):
+        PlannerInput(**{**plan.__dict__, "mixture": {"poems": 0.5}}).validate()
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> str:
+    """A held-out directory of two sources: three plays' and the one poem's documents of the sample corpus's
+    validation split, cut to 1000 characters (about 25 samples of 64 tokens)."""
+    corpus = sourced_corpus(tmp_path_factory.mktemp("held"), [HOLDOUT], per_source=3, max_chars=1000)
+    out = str(tmp_path_factory.mktemp("data") / "held")
+    run_job(BuildConfig(inputs=tuple(corpus), tokenizer=TOKENIZER, output=out, seq_len=64, progress=False,
+                        source_field="meta.redpajama_set_name"))
+    return out
+
+
+@pytest.mark.e2e
+def test_two_rank_run_on_a_mixture_logs_losses_and_tokens_per_source(shards, held_out, init_dir, tmp_path):
+    """The run reads the plan's samples (its tokens per source are the plan's counts: the samples are full), logs
+    each source's loss (the overall loss is their mean weighted by targets, so it lies between them), in training
+    and in validation."""
+    run_dir = str(tmp_path / "run")
+    launch_training(run_dir, None, *COMMON, f"data.shards={shards}", f"model.init={init_dir}", "train.steps=6",
+                    "eval.every=3", f"eval.shards={held_out}", "eval.samples=0", "eval.micro_batch=8")
+    steps = logged_steps(run_dir)
+    plan = MixturePlan.build(load_index(shards), RATIOS, seed=0)
+    for step in steps:
+        counts = plan.counts(step * 8)
+        assert {n: steps[step][f"progress/source_tokens/{n}"] for n in RATIOS} == {n: c * 64 for n, c in counts.items()}
+        per_source = [v for k, v in steps[step].items() if k.startswith("source_loss/clm/")]
+        assert len(per_source) >= 2 and min(per_source) <= steps[step]["loss/clm"] <= max(per_source), step
+    assert load_index(held_out).sources == ("plays", "poems")
+    for step in (3, 6):
+        held = [steps[step][f"eval/source_loss/clm/{n}"] for n in ("plays", "poems")]
+        assert min(held) <= steps[step]["eval/loss/clm"] <= max(held)
+        assert {"eval/source_probe/mlm15/plays", "eval/source_probe/mntp20/poems"} <= set(steps[step])
+
+
+def _trained_numbers(run_dir: str) -> dict[int, dict[str, float]]:
+    """What a run computes, step by step: losses (overall and per source), accuracies, tokens per source,
+    validation; not its timings."""
+    keep = ("loss/", "acc/", "source_loss/", "progress/", "eval/")
+    return {step: {k: v for k, v in rec.items() if k.startswith(keep) and k != "eval/seconds"}
+            for step, rec in logged_steps(run_dir).items()}
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # three launches: the slow suite
+def test_mixture_over_http_with_validation_resumes_after_kill_as_the_local_run(shards, init_dir, tmp_path):
+    """Issue 21's "done when": a 2-rank ZeRO-3 run on a mixture, validating every 3 steps, reading its shards over
+    HTTP, killed (SIGKILL of rank 0 while it writes its last checkpoint, step 6) and resumed from step 3, logs
+    exactly what the same run from the local directory logs uninterrupted: losses, per-source losses and tokens,
+    validation."""
+    run = [*COMMON, f"model.init={init_dir}", "train.steps=6", "checkpoint.every=3", "eval.every=3",
+           "eval.holdout=0.01", "eval.samples=16", "eval.micro_batch=4"]
+    launch_training(str(tmp_path / "local"), None, *run, f"data.shards={shards}")
+    parent, name = os.path.split(shards)
+    with http_server(parent) as server:
+        remote = [*run, f"data.shards={server.url}/{name}", f"data.cache_dir={tmp_path / 'cache'}"]
+        killed = launch_training(str(tmp_path / "http"), None, *remote, env={"PIPELINE_FAULT": "kill-before-marker:6"},
+                                 check=False)
+        assert killed.returncode != 0
+        resumed = launch_training(str(tmp_path / "http"), None, *remote)
+    assert "resumed from step00000003" in resumed.stdout
+    local, http = _trained_numbers(str(tmp_path / "local")), _trained_numbers(str(tmp_path / "http"))
+    assert sorted(local) == sorted(http) == list(range(1, 7))
+    assert {k for rec in local.values() for k in rec} >= {"source_loss/clm/poems", "progress/source_tokens/poems",
+                                                          "eval/loss/clm", "eval/probe/mlm15"}
+    assert http == local
