@@ -51,11 +51,11 @@ demo: setup
 	  launch/train.py --config ds_configs/zero3.json
 
 test: setup real-data
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15
 
 # the slow suite: the real SmolLM2 checkpoint, every smoke twin, SLURM requeue, the quick reproduction (~16 min)
 test-slow: setup real-model real-data
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow --durations=15
 
 lint: setup
 	$(BIN)/ruff check .
