@@ -20,7 +20,7 @@ from pipeline.config import ConfigError
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import check_compatible, check_enough_samples, check_shard_sizes, check_source
-from pipeline.data.manifest import MANIFEST, DatasetIndex, load_index
+from pipeline.data.manifest import MANIFEST, UNNAMED_SOURCE, DatasetIndex, load_index
 from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget
 from pipeline.data.remote import ShardStore, is_url
 from pipeline.experiment import DataConfig, ExperimentConfig
@@ -151,6 +151,13 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
         if not has_shards and not d.build_if_missing:
             raise ConfigError(f"data.shards: {d.shards} is not a shard directory; build it with "
                               f"data_prep/build_shards.py or set data.build_if_missing=true with data.build_inputs")
+        if not has_shards and set(d.mixture) - {UNNAMED_SOURCE} and not (d.build_source_field or
+                                                                        d.build_source_default):
+            raise ConfigError(f"data.mixture: mixes sources, but the shards data.build_if_missing would build into "
+                              f"{d.shards} record none (one source {UNNAMED_SOURCE!r}); set data.build_source_field "
+                              f"to the record field naming each document's source (SlimPajama: "
+                              f"meta.redpajama_set_name), or build the shards with data_prep/build_shards.py "
+                              f"--source-field")
         if data_sources(objectives)["units"] and not d.unit_shards:
             raise ConfigError("data.unit_shards: an objective reads sentence units (e.g. simcse, sscl) but "
                               "data.unit_shards is empty; build them with data_prep/build_shards.py --units and "
@@ -188,9 +195,12 @@ def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
     d = exp.data
     if _has_shards(d.shards, d):
         return
-    print(f"building shards of {d.build_inputs} into {d.shards} (seq_len {d.seq_len})", flush=True)
+    sources = f", sources from {d.build_source_field or d.build_source_default!r}" if d.build_source_field or \
+        d.build_source_default else ""
+    print(f"building shards of {d.build_inputs} into {d.shards} (seq_len {d.seq_len}{sources})", flush=True)
     run_job(BuildConfig(inputs=tuple(d.build_inputs), tokenizer=tokenizer.path, output=d.shards, seq_len=d.seq_len,
-                        workers=1, progress=False))
+                        workers=1, progress=False, source_field=d.build_source_field,
+                        source_default=d.build_source_default))
 
 
 def held_out_count(num_samples: int, fraction: float) -> int:
