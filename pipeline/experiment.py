@@ -201,9 +201,9 @@ class ValidationConfig:
     Not ``pipeline.eval``'s config: that one evaluates an exported model."""
 
     every: int = 0  # steps between evaluations, and one at the end; 0: no validation
-    shards: str = ""  # held-out shard directory; "": the last `holdout` of data.shards, which training never reads
-    holdout: float = 0.0  # fraction of data.shards' samples (its last ones) held out from training when shards is ""
-    samples: int = 256  # held-out samples scored each time (the first ones; 0: all): the fixed set
+    shards: str = ""  # held-out shard directory; "": the `holdout` of data.shards, which training never reads
+    holdout: float = 0.0  # fraction of each source's samples of data.shards (its last ones) held out when shards is ""
+    samples: int = 256  # held-out samples scored each time (each source's first ones, in proportion; 0: all)
     micro_batch: int = 0  # rows per rank per forward (0: train.micro_batch)
     probes: bool = True  # CLM perplexity, MLM at 15 % (80-10-10), MNTP at 20 %, whatever the phase trains
     mask_token: str | None = None  # the probes' mask token (None: the tokenizer's), as objectives' mask_token
