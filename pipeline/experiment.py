@@ -35,6 +35,9 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes per rank; the order does not depend on it
     build_inputs: list[str] = field(default_factory=lambda: [os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")])
     build_if_missing: bool = True  # rank 0 builds the shards from build_inputs when the directory has none
+    # the build's --source-field / --source-default (docs/data_prep.md, "Sources"): the sources data.mixture mixes
+    build_source_field: str = ""  # record field naming each document's source (SlimPajama: meta.redpajama_set_name)
+    build_source_default: str = ""  # the source of records without one ("": such a record is bad)
     unit_shards: str = ""  # sentence-unit shards (build_shards.py --units) for contrastive objectives
     unit_micro_batch: int = 0  # sentence units per rank per micro-step (0: train.micro_batch)
     pair_shards: str = ""  # (query, positive, negatives) shards (build_shards.py --pairs) for the supervised objective
@@ -54,6 +57,12 @@ class DataConfig:
                                         "mixture_max_repetition": "> 0"}
 
     def validate(self) -> None:
+        if self.build_source_default.strip() != self.build_source_default:
+            raise ConfigError(f"data.build_source_default: {self.build_source_default!r} must be a source name "
+                              f"without surrounding blanks")
+        if self.build_source_field.strip() != self.build_source_field:
+            raise ConfigError(f"data.build_source_field: {self.build_source_field!r} must be a record field, dotted "
+                              f"into objects (meta.redpajama_set_name), without surrounding blanks")
         self.mixture_sources()
 
     def mixture_sources(self) -> dict[str, MixtureSource]:
@@ -192,9 +201,9 @@ class ValidationConfig:
     Not ``pipeline.eval``'s config: that one evaluates an exported model."""
 
     every: int = 0  # steps between evaluations, and one at the end; 0: no validation
-    shards: str = ""  # held-out shard directory; "": the last `holdout` of data.shards, which training never reads
-    holdout: float = 0.0  # fraction of data.shards' samples (its last ones) held out from training when shards is ""
-    samples: int = 256  # held-out samples scored each time (the first ones; 0: all): the fixed set
+    shards: str = ""  # held-out shard directory; "": the `holdout` of data.shards, which training never reads
+    holdout: float = 0.0  # fraction of each source's samples of data.shards (its last ones) held out when shards is ""
+    samples: int = 256  # held-out samples scored each time (each source's first ones, in proportion; 0: all)
     micro_batch: int = 0  # rows per rank per forward (0: train.micro_batch)
     probes: bool = True  # CLM perplexity, MLM at 15 % (80-10-10), MNTP at 20 %, whatever the phase trains
     mask_token: str | None = None  # the probes' mask token (None: the tokenizer's), as objectives' mask_token

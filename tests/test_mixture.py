@@ -10,15 +10,17 @@ import os
 
 import numpy as np
 import pytest
-from helpers import http_server, launch_training, logged_steps
+from helpers import http_server, launch_training, logged_steps, make_shard_dir
 from shard_corpus import HOLDOUT, ROOT, TOKENIZER, sourced_corpus
 
 from pipeline.config import ConfigError
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
-from pipeline.data.loader import ShardLoader
+from pipeline.data.holdout import split
+from pipeline.data.loader import ShardLoader, iter_eval
 from pipeline.data.manifest import DatasetIndex, ShardInfo, load_index
 from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget, source_samples
+from pipeline.data.order import TrainOrder
 from pipeline.experiment import load_experiment
 from pipeline.planner.report import PlannerInput, report
 from pipeline.train.preflight import preflight
@@ -266,3 +268,85 @@ def test_mixture_over_http_with_validation_resumes_after_kill_as_the_local_run(s
     assert {k for rec in local.values() for k in rec} >= {"source_loss/clm/poems", "progress/source_tokens/poems",
                                                           "eval/loss/clm", "eval/probe/mlm15"}
     assert http == local
+
+
+def _source_ids(index: DatasetIndex) -> dict[str, list[int]]:
+    """Each source's global sample ids, ascending, by the test's own walk over the shards."""
+    out, start = {}, 0
+    for shard in index.shards:
+        out.setdefault(shard.source, []).extend(range(start, start + shard.samples))
+        start += shard.samples
+    return out
+
+
+def test_holdout_takes_the_tail_of_each_source_and_training_never_reads_it():
+    """eval.holdout of a directory of sources: each source's last ceil(fraction x N_s) samples; the order without a
+    mixture (1 or 2 ranks, several epochs) and with one read the others only; the scored subset is apportioned."""
+    h = split(INDEX, 0.1)
+    assert h.held_counts == {"a": 12, "b": 8, "c": 2, "d": 1} and not h.prefix
+    own = _source_ids(INDEX)
+    held = {name: ids[len(ids) - h.held_counts[name]:] for name, ids in own.items()}
+    assert {n: h.held[n].global_ids(np.arange(h.held[n].count)).tolist() for n in own} == held
+    train = sorted(set(range(INDEX.num_samples)) - {i for ids in held.values() for i in ids})
+    assert h.train.global_ids(np.arange(h.train_count)).tolist() == train
+    for world in (1, 2):
+        orders = [TrainOrder(h.train_count, 3, 2, 1, rank, world, ids=h.train) for rank in range(world)]
+        steps = 3 * orders[0].steps_per_epoch
+        seen = [int(i) for j in range(steps) for o in orders for i in o.sample_ids(j)]
+        per_epoch = h.train_count - h.train_count % (2 * world)
+        assert set(seen) <= set(train) and len(seen) == 3 * per_epoch, world
+        assert all(len(set(seen[e * per_epoch:(e + 1) * per_epoch])) == per_epoch for e in range(3))
+    mixed = MixturePlan.build(INDEX, FOUR, seed=0, num_samples=h.limit).sample_ids(np.arange(5000))
+    assert set(mixed.tolist()) <= set(train) and set(mixed.tolist()) >= set(train) - set(own["d"])
+    assert h.scored(h.held_count).tolist() == sorted(i for ids in held.values() for i in ids)
+    scored = h.scored(10).tolist()  # 10 of 23: a 5.2, b 3.5, c 0.9, d 0.4 -> 5, 4, 1, 0 (largest remainders)
+    assert scored == sorted(held["a"][:5] + held["b"][:4] + held["c"][:1])
+
+
+def test_holdout_of_one_source_is_the_directory_tail(tmp_path):
+    """As before sources: the last samples, and a loader given the split is the loader given their count, state
+    and all."""
+    h = split(index_of([("default", 30), ("default", 20)]), 0.1)
+    assert h.prefix and h.limit == 45 == h.train_count and h.held_counts == {"default": 5}
+    assert h.scored(3).tolist() == [45, 46, 47]
+    index = load_index(make_shard_dir(tmp_path, num_samples=50))
+    by_split, by_count = (ShardLoader(index, 2, 2, seed=3, **kw) for kw in ({"holdout": split(index, 0.1)},
+                                                                             {"num_samples": 45}))
+    for _ in range(14):  # past an epoch
+        assert [b.keys for b in by_split.next_global_step()] == [b.keys for b in by_count.next_global_step()]
+    assert by_split.state_dict() == by_count.state_dict()
+
+
+def test_preflight_and_loader_hold_out_each_sources_tail(shards, tmp_path):
+    """On the sample corpus's three sources: every source is in the scored set in proportion, training on 1 or 2
+    ranks reads none of it, and a loader state of another split is refused."""
+    index = load_index(shards)
+    exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}", "data.mixture={}",
+                                 "eval.every=4", "eval.holdout=0.01", "eval.samples=30"])
+    prepared = preflight(exp, rank=0, world=2)
+    prepared.lock.release()
+    h = prepared.holdout
+    counts = {n: c["samples"] for n, c in index.source_counts().items()}
+    assert h.held_counts == {n: math.ceil(c / 100) for n, c in counts.items()}
+    assert prepared.train_samples == index.num_samples - h.held_count
+    held = prepared.held_out
+    scored = [(k, index.sources[i]) for rank in range(2) for b in
+              iter_eval(index, 4, rank, 2, first=held.first, count=held.count, ids=held.ids)
+              for k, i in zip(b.keys, b.source_ids) if k]
+    assert len(scored) == len(set(scored)) == 30
+    per_source = {n: [s for _, s in scored].count(n) for n in index.sources}
+    assert h.held_counts == {"histories": 21, "plays": 37, "poems": 2}
+    assert per_source == {"histories": 11, "plays": 18, "poems": 1}  # 10.5, 18.5, 1: the tie to the first name
+    held_keys = {k for k, _ in scored}
+    loaders = [ShardLoader(index, 2, 2, rank, 2, seed=5, verify=False, holdout=h) for rank in range(2)]
+    trained = {k for _ in range(4) for loader in loaders for b in loader.next_global_step() for k in b.keys}
+    assert len(trained) == 32 and not trained & held_keys
+    state = loaders[0].state_dict()
+    assert state["held_out"] == h.held_counts and state["num_samples"] == h.train_count
+    with pytest.raises(ValueError, match=r"saved holding out the last samples of each source \(\{'histories'"):
+        ShardLoader(index, 2, seed=5, num_samples=h.train_count).load_state_dict(state)
+    resumed = ShardLoader(index, 2, 4, seed=5, verify=False, holdout=h)
+    resumed.load_state_dict(state)  # another world size, the same order
+    straight = [ShardLoader(index, 2, 2, rank, 2, seed=5, verify=False, holdout=h) for rank in range(2)]
+    expected = [k for _ in range(6) for loader in straight for b in loader.next_global_step() for k in b.keys][32:]
+    assert [k for _ in range(2) for b in resumed.next_global_step() for k in b.keys] == expected

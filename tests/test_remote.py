@@ -11,7 +11,7 @@ import socket
 import fsspec
 import numpy as np
 import pytest
-from helpers import http_server, launch_training, logged_steps, make_shard_dir, one_error
+from helpers import free_port, http_server, launch_training, logged_steps, make_shard_dir, one_error
 
 from pipeline.config import ConfigError
 from pipeline.data import inspection
@@ -230,3 +230,49 @@ def test_shard_missing_at_the_url_fails_the_size_check(served, tmp_path):
     with pytest.raises(ShardCorrupt, match=rf"^{server.url}/shards/{missing.name}: listed in the manifests of "
                                            rf"{server.url}/shards but missing"):
         check_shard_sizes(remote)
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """(s3fs filesystem, bucket) of moto's S3-compatible server on a free loopback port, reached through the
+    environment alone (AWS_ENDPOINT_URL and dummy credentials), as a run on real object storage is."""
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (the dev extra has it)")
+    s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (the dev extra has it)")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for name, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(name, value)
+        s3fs.S3FileSystem.clear_instance_cache()  # a cached client would keep another test's endpoint
+        fs = s3fs.S3FileSystem()
+        fs.mkdir("shards-bucket")
+        yield fs, "shards-bucket"
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+def test_s3_bucket_on_loopback_gives_the_local_batches_and_refuses_a_changed_object(s3_bucket, tmp_path):
+    """A real shard directory uploaded to an S3-compatible server (moto): the manifest comes from the bucket, the
+    loader yields exactly the local samples, and an object changed in the bucket is refused by its sha256."""
+    fs, bucket = s3_bucket
+    directory = make_shard_dir(tmp_path / "data")
+    fs.put(directory + "/", f"{bucket}/corpus/shards/", recursive=True)
+    local = load_index(directory)
+    remote = load_index(f"s3://{bucket}/corpus/shards", ShardStore(cache_dir=str(tmp_path / "cache")))
+    assert (remote.fingerprint, remote.num_samples) == (local.fingerprint, local.num_samples)
+    assert remote.shards[0].path == f"s3://{bucket}/corpus/shards/{local.shards[0].name}"
+    check_shard_sizes(remote)
+    _assert_same(_stream(remote, steps=2), _stream(local, steps=2))
+
+    bad = local.shards[1]
+    with open(bad.path, "rb") as f:
+        data = bytearray(f.read())
+    data[bad.bytes // 2] ^= 1
+    fs.pipe_file(f"{bucket}/corpus/shards/{bad.name}", bytes(data))  # same size: only the hash sees it
+    changed = load_index(f"s3://{bucket}/corpus/shards", ShardStore(cache_dir=str(tmp_path / "cache2")))
+    check_shard_sizes(changed)
+    with pytest.raises(ShardCorrupt, match=rf"^s3://{bucket}/corpus/shards/{bad.name}: sha256 mismatch"):
+        ShardLoader(changed, micro_batch=local.num_samples - 1).next_global_step()

@@ -163,3 +163,40 @@ def test_batches_of_a_directory_of_sources_carry_each_rows_source(built):
     for batch in loader.next_global_step():
         assert [index.sources[i] for i in batch.source_ids.tolist()] == [source_of_key[k] for k in batch.keys]
     assert np.all(batch.source_ids.numpy() >= 0)
+
+
+def _experiment(tmp_path, *overrides: str):
+    from pipeline.experiment import load_experiment
+
+    return load_experiment(None, [f"run_dir={tmp_path / 'run'}", f"data.shards={tmp_path / 'shards'}",
+                                  "data.seq_len=64", "train.steps=2", "train.micro_batch=2", "optim.warmup_steps=1",
+                                  "optim.decay_steps=1", *overrides])
+
+
+@pytest.mark.parametrize("key", ["build_source_field", "build_source_default"])
+def test_build_source_settings_with_blanks_are_config_errors(key, tmp_path):
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^data.{key}: ' plays' must be .* without surrounding blanks$"):
+        _experiment(tmp_path, f"data.{key}=' plays'")
+
+
+def test_build_if_missing_builds_the_sources_a_mixture_mixes(corpus, tmp_path):
+    """``data.build_source_field`` reaches the build (its shards name their sources and data.mixture mixes them);
+    a mixture over shards that would be built without sources is refused before anything is built."""
+    from pipeline.config import ConfigError
+    from pipeline.train.preflight import preflight
+
+    mixture = ["data.mixture={histories: 0.3, plays: 0.5, poems: 0.2}", f"data.build_inputs={json.dumps(corpus)}"]
+    with pytest.raises(ConfigError, match=r"^data.mixture: mixes sources, but the shards data.build_if_missing would "
+                                          r"build into .* set data.build_source_field"):
+        preflight(_experiment(tmp_path, *mixture), rank=0, world=1)
+    assert not os.path.exists(tmp_path / "shards")
+    prepared = preflight(_experiment(tmp_path, *mixture, "data.build_source_field=meta.redpajama_set_name"),
+                         rank=0, world=1)
+    prepared.lock.release()
+    index = prepared.indexes["packed"]
+    assert index.sources == ("histories", "plays", "poems")
+    assert any(line.startswith("mixture of 3 sources") for line in prepared.notes)
+    settings = json.load(open(tmp_path / "shards" / "manifest.json"))["settings"]
+    assert settings["source_field"] == "meta.redpajama_set_name"

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.batch import Batch, collate
 from pipeline.data.format import UNMASKABLE, Sample
+from pipeline.data.holdout import Holdout
 from pipeline.data.manifest import DatasetIndex, ShardInfo
 from pipeline.data.mixture import MixturePlan
 from pipeline.data.order import EvalOrder, MixtureOrder, TrainOrder
@@ -227,13 +228,17 @@ class ShardLoader:
     (its cost: BENCHMARKS.md). ``num_samples``: train on the first ones only (default all), the rest being held
     out for validation; a function of the index alone, so the held-out samples are the same on any world size.
     ``mixture``: target ratios of the index's sources (``pipeline.data.mixture``) instead of one permutation of all
-    samples; the state records it, and a resume with another mixture is refused.
+    samples; the state records it, and a resume with another mixture is refused. ``holdout`` (instead of
+    ``num_samples``): ``eval.holdout``'s split (``pipeline.data.holdout``), training on its training samples only:
+    the first ones of a directory of one source (as ``num_samples``), each source's first ones of several; the
+    state then records each source's held-out count, and a resume with another split is refused.
     """
 
     def __init__(self, index: DatasetIndex, micro_batch: int, grad_accum: int = 1, dp_rank: int = 0,
                  dp_world: int = 1, seed: int = 0, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int = 2, max_open_shards: int = 64, verify: bool = True,
-                 num_samples: int | None = None, mixture: dict[str, float] | None = None):
+                 num_samples: int | None = None, mixture: dict[str, float] | None = None,
+                 holdout: Holdout | None = None):
         if micro_batch < 1 or grad_accum < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
             raise ValueError(f"need micro_batch >= 1, grad_accum >= 1 and 0 <= dp_rank < dp_world, got "
                              f"micro_batch={micro_batch} grad_accum={grad_accum} dp_rank={dp_rank} dp_world={dp_world}")
@@ -242,13 +247,20 @@ class ShardLoader:
         self.index = index
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.prefetch_factor, self.max_open_shards, self.verify = prefetch_factor, max_open_shards, verify
-        num_samples = index.num_samples if num_samples is None else num_samples
+        if holdout is not None and num_samples is not None:
+            raise ValueError("pass num_samples or holdout, not both: a holdout says which samples train")
+        limit = holdout.limit if holdout is not None else num_samples
+        num_samples = (index.num_samples if num_samples is None else num_samples) if holdout is None \
+            else holdout.train_count
+        spread = holdout is not None and not holdout.prefix  # training samples of several sources, not a prefix
+        self._held_out = dict(holdout.held_counts) if spread else None
         self.mixture = dict(sorted(mixture.items())) if mixture else None
         if self.mixture:
             self._order = MixtureOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world,
-                                       plan=MixturePlan.build(index, self.mixture, seed, num_samples))
+                                       plan=MixturePlan.build(index, self.mixture, seed, limit))
         else:
-            self._order = TrainOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world)
+            self._order = TrainOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world,
+                                     ids=holdout.train if spread else None)
         check_enough_samples(index, self.global_batch, f" (micro_batch {micro_batch} x grad_accum {grad_accum} x "
                                                        f"dp_world {dp_world})", num_samples)
         self._samples_consumed_at_start = 0
@@ -300,7 +312,8 @@ class ShardLoader:
                 "samples_in_epoch": step % self.batches_per_epoch * self.global_batch,
                 "samples_consumed": self._samples_consumed_at_start + self._steps_done * self.global_batch,
                 "global_batch": self.global_batch, "num_samples": self._order.num_samples,
-                **({"mixture": self.mixture} if self.mixture else {})}
+                **({"mixture": self.mixture} if self.mixture else {}),
+                **({"held_out": self._held_out} if self._held_out else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at the global sample where ``state`` stopped; drops any running workers."""
@@ -319,6 +332,13 @@ class ShardLoader:
             raise ValueError(f"the loader state was saved training on {trained_on} samples of "
                              f"{self.index.directory}, this loader trains on {self._order.num_samples} (another "
                              f"eval.holdout?); resume with the run's holdout, or start a new run")
+        if state.get("held_out") != self._held_out:
+            def held(counts: dict | None) -> str:
+                return f"the last samples of each source ({counts})" if counts else "the directory's last samples"
+            raise ValueError(f"the loader state was saved holding out {held(state.get('held_out'))} of "
+                             f"{self.index.directory}, this loader holds out {held(self._held_out)} (another "
+                             f"eval.holdout, or a state from before held-out samples were taken per source?); resume "
+                             f"with the run's holdout, or start a new run")
         if state.get("mixture") != self.mixture:
             raise ValueError(f"the loader state was saved training on data.mixture {state.get('mixture') or '(none)'}, "
                              f"this loader has {self.mixture or '(none)'}; resume with the run's data.mixture, or "
@@ -341,18 +361,25 @@ class ShardLoader:
 
 def iter_eval(index: DatasetIndex, micro_batch: int, dp_rank: int = 0, dp_world: int = 1, num_workers: int = 0,
               max_open_shards: int = 64, verify: bool = True, first: int = 0,
-              count: int | None = None) -> Iterator[Batch]:
+              count: int | None = None, ids: np.ndarray | None = None) -> Iterator[Batch]:
     """Every sample exactly once, in stored order, split over ranks. Every rank gets the same number of
     micro-batches of ``micro_batch`` rows, so ZeRO-3's collective forward never waits on a rank that ran out; the
     last round is filled up with padding rows (key "", ``doc_ids`` all -1), which no objective takes targets from.
     The evaluated set is the same for any ``micro_batch`` and ``dp_world``: sum losses and target counts over the
-    batches and reduce once at the end. ``first``, ``count``: only samples [first, first + count) (default all)."""
+    batches and reduce once at the end. ``first``, ``count``: only samples [first, first + count) (default all);
+    ``ids``: only these samples (ascending; ``holdout.Holdout.scored``), instead of a range."""
     if micro_batch < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
         raise ValueError(f"need micro_batch >= 1 and 0 <= dp_rank < dp_world, got micro_batch={micro_batch} "
                          f"dp_rank={dp_rank} dp_world={dp_world}")
+    if ids is not None:
+        ids = np.asarray(ids, dtype=np.int64)
+        if not len(ids) or ids.min() < 0 or ids.max() >= index.num_samples or (np.diff(ids) <= 0).any():
+            raise ValueError(f"ids must be distinct ascending samples within the {index.num_samples} samples of "
+                             f"{index.directory}")
+        first, count = 0, len(ids)
     count = index.num_samples - first if count is None else count
     if first < 0 or count < 1 or first + count > index.num_samples:
         raise ValueError(f"samples [{first}, {first + count}) are not within the {index.num_samples} samples of "
                          f"{index.directory}")
-    order = EvalOrder(count, micro_batch, dp_rank, dp_world, first)
+    order = EvalOrder(count, micro_batch, dp_rank, dp_world, first, ids)
     yield from _data_loader(_MicroBatches(index, order, max_open_shards, verify), num_workers, False, 2)

@@ -57,6 +57,18 @@ class SourceSamples:
     starts: np.ndarray  # int64 [runs]
     offsets: np.ndarray  # int64 [runs + 1], from 0 to the source's sample count
 
+    @classmethod
+    def of(cls, runs: list[tuple[int, int]]) -> SourceSamples:
+        """The samples of ``runs`` (first id, count), ascending; empty runs dropped, adjacent ones joined."""
+        joined: list[tuple[int, int]] = []
+        for start, n in runs:
+            if n and joined and sum(joined[-1]) == start:
+                joined[-1] = (joined[-1][0], joined[-1][1] + n)
+            elif n:
+                joined.append((start, n))
+        return cls(np.array([s for s, _ in joined], dtype=np.int64),
+                   np.cumsum([0] + [n for _, n in joined], dtype=np.int64))
+
     @property
     def count(self) -> int:
         return int(self.offsets[-1])
@@ -66,22 +78,20 @@ class SourceSamples:
         return self.starts[run] + (j - self.offsets[run])
 
 
-def source_samples(index: DatasetIndex, num_samples: int | None = None) -> dict[str, SourceSamples]:
-    """Each source's samples among the first ``num_samples`` global ids (default all: the rest are held out)."""
-    limit = index.num_samples if num_samples is None else num_samples
+def source_samples(index: DatasetIndex, num_samples: int | dict[str, int] | None = None) -> dict[str, SourceSamples]:
+    """Each source's training samples: those among the first ``num_samples`` global ids (default all: the rest are
+    held out), or with a mapping ``{source: n}`` (``holdout.Holdout.limit``) each source's first n."""
     runs: dict[str, list[tuple[int, int]]] = {name: [] for name in index.sources}
-    start = 0
+    seen, start = dict.fromkeys(runs, 0), 0
     for shard in index.shards:
-        n = max(0, min(shard.samples, limit - start))
-        if n:
-            own = runs[shard.source]
-            if own and own[-1][0] + own[-1][1] == start:
-                own[-1] = (own[-1][0], own[-1][1] + n)
-            else:
-                own.append((start, n))
+        if isinstance(num_samples, dict):
+            n = min(max(num_samples[shard.source] - seen[shard.source], 0), shard.samples)
+        else:
+            n = max(0, min(shard.samples, (index.num_samples if num_samples is None else num_samples) - start))
+        runs[shard.source].append((start, n))
+        seen[shard.source] += shard.samples
         start += shard.samples
-    return {name: SourceSamples(np.array([s for s, _ in r], dtype=np.int64),
-                                np.cumsum([0] + [n for _, n in r], dtype=np.int64)) for name, r in runs.items()}
+    return {name: SourceSamples.of(r) for name, r in runs.items()}
 
 
 @dataclass(frozen=True)
@@ -95,8 +105,9 @@ class MixturePlan:
 
     @classmethod
     def build(cls, index: DatasetIndex, ratios: dict[str, float], seed: int,
-              num_samples: int | None = None) -> MixturePlan:
-        """The plan of ``ratios`` over the sources of ``index`` (its first ``num_samples`` samples)."""
+              num_samples: int | dict[str, int] | None = None) -> MixturePlan:
+        """The plan of ``ratios`` over the training samples of ``index`` (``num_samples`` as in
+        :func:`source_samples`)."""
         available = source_samples(index, num_samples)
         unknown = sorted(set(ratios) - set(available))
         if unknown:

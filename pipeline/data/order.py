@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from pipeline.data.mixture import MixturePlan
+    from pipeline.data.mixture import MixturePlan, SourceSamples
 
 MAX_POSITION = 1 << 42  # positions of a mixture order (pipeline.data.mixture keeps positions * 2**20 in int64)
 
@@ -61,7 +61,10 @@ def permute(positions: np.ndarray, num_samples: int, seed: int, epoch: int, stre
 class TrainOrder:
     """Rank ``dp_rank``'s endless micro-batch sequence, starting at absolute global step ``start_step``
     (``epoch * steps_per_epoch + step``). Global batch ``s`` of an epoch is positions [s*G, (s+1)*G) of its order;
-    rank r takes the contiguous slice [r*M*GA, (r+1)*M*GA) of it, cut into GA micro-batches of M."""
+    rank r takes the contiguous slice [r*M*GA, (r+1)*M*GA) of it, cut into GA micro-batches of M. The order
+    permutes [0, num_samples), which are the sample ids themselves, or with ``ids`` (``num_samples`` of them: the
+    training samples of a directory whose held-out ones are not its last, ``holdout.Holdout.train``) indexes into
+    them."""
 
     num_samples: int
     seed: int
@@ -70,6 +73,7 @@ class TrainOrder:
     dp_rank: int
     dp_world: int
     start_step: int = 0
+    ids: SourceSamples | None = None
 
     @property
     def num_batches(self) -> None:
@@ -91,7 +95,8 @@ class TrainOrder:
         return self._at(np.arange(first, first + self.micro_batch), epoch)
 
     def _at(self, positions: np.ndarray, epoch: int) -> np.ndarray:
-        return permute(positions, self.num_samples, self.seed, epoch)
+        order = permute(positions, self.num_samples, self.seed, epoch)
+        return order if self.ids is None else self.ids.global_ids(order)
 
 
 @dataclass(frozen=True)
@@ -115,13 +120,15 @@ class EvalOrder:
     """Samples ``first`` .. ``first + num_samples - 1`` once each, in stored order. Round t covers [t*M*W, (t+1)*M*W)
     of them and rank r takes the r-th slice of M, so all ranks get the same number of micro-batches (ZeRO-3's
     forward is a collective). Slots past the last sample are -1: the loader fills them with padding rows, so every
-    micro-batch has M rows."""
+    micro-batch has M rows. With ``ids`` (``num_samples`` sample ids, ascending) slot i is ``ids[i]`` instead of
+    ``first + i``: a held-out set that is not one range (``holdout.Holdout.scored``)."""
 
     num_samples: int
     micro_batch: int
     dp_rank: int
     dp_world: int
     first: int = 0
+    ids: np.ndarray | None = None
 
     @property
     def num_batches(self) -> int:
@@ -129,4 +136,7 @@ class EvalOrder:
 
     def sample_ids(self, j: int) -> np.ndarray:
         ids = np.arange(self.micro_batch) + (j * self.dp_world + self.dp_rank) * self.micro_batch
-        return np.where(ids < self.num_samples, ids + self.first, -1)
+        inside = ids < self.num_samples
+        if self.ids is not None:
+            return np.where(inside, self.ids[np.where(inside, ids, 0)], -1)
+        return np.where(inside, ids + self.first, -1)

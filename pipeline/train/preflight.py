@@ -9,18 +9,20 @@ all the trainer needs to build the run: the trainer trusts it and checks nothing
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pipeline.config import ConfigError
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
+from pipeline.data.holdout import Holdout, held_out_count, split  # noqa: F401 - held_out_count: also preflight's
 from pipeline.data.loader import check_compatible, check_enough_samples, check_shard_sizes, check_source
-from pipeline.data.manifest import MANIFEST, DatasetIndex, load_index
+from pipeline.data.manifest import MANIFEST, UNNAMED_SOURCE, DatasetIndex, load_index
 from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget
 from pipeline.data.remote import ShardStore, is_url
 from pipeline.experiment import DataConfig, ExperimentConfig
@@ -38,10 +40,12 @@ from pipeline.train.phases import WeightedObjective, build_objectives, data_sour
 
 @dataclass(frozen=True)
 class HeldOut:
-    """The fixed validation set: samples [first, first + count) of ``index``."""
+    """The fixed validation set: samples [first, first + count) of ``index``, or with ``ids`` those ``count``
+    samples (ascending): held out per source, they are no one range (``holdout.Holdout.scored``)."""
     index: DatasetIndex
     first: int
     count: int
+    ids: np.ndarray | None = None
 
 
 @dataclass
@@ -54,7 +58,8 @@ class Prepared:
     fused: str  # the AdamW kernel (module.fused_kind)
     indexes: dict[str, DatasetIndex] = field(default_factory=dict)  # per data source ("packed", "units")
     held_out: HeldOut | None = None  # the validation samples (eval.every > 0)
-    train_samples: int | None = None  # the packed samples training reads, the first ones (None: all)
+    train_samples: int | None = None  # how many packed samples training reads (None: all)
+    holdout: Holdout | None = None  # which ones: eval.holdout's split of data.shards
     lock: DirLock | None = None  # held by rank 0 for the run's life
     notes: list[str] = field(default_factory=list)  # for rank 0 to print
 
@@ -151,6 +156,13 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
         if not has_shards and not d.build_if_missing:
             raise ConfigError(f"data.shards: {d.shards} is not a shard directory; build it with "
                               f"data_prep/build_shards.py or set data.build_if_missing=true with data.build_inputs")
+        if not has_shards and set(d.mixture) - {UNNAMED_SOURCE} and not (d.build_source_field or
+                                                                        d.build_source_default):
+            raise ConfigError(f"data.mixture: mixes sources, but the shards data.build_if_missing would build into "
+                              f"{d.shards} record none (one source {UNNAMED_SOURCE!r}); set data.build_source_field "
+                              f"to the record field naming each document's source (SlimPajama: "
+                              f"meta.redpajama_set_name), or build the shards with data_prep/build_shards.py "
+                              f"--source-field")
         if data_sources(objectives)["units"] and not d.unit_shards:
             raise ConfigError("data.unit_shards: an objective reads sentence units (e.g. simcse, sscl) but "
                               "data.unit_shards is empty; build them with data_prep/build_shards.py --units and "
@@ -188,15 +200,12 @@ def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
     d = exp.data
     if _has_shards(d.shards, d):
         return
-    print(f"building shards of {d.build_inputs} into {d.shards} (seq_len {d.seq_len})", flush=True)
+    sources = f", sources from {d.build_source_field or d.build_source_default!r}" if d.build_source_field or \
+        d.build_source_default else ""
+    print(f"building shards of {d.build_inputs} into {d.shards} (seq_len {d.seq_len}{sources})", flush=True)
     run_job(BuildConfig(inputs=tuple(d.build_inputs), tokenizer=tokenizer.path, output=d.shards, seq_len=d.seq_len,
-                        workers=1, progress=False))
-
-
-def held_out_count(num_samples: int, fraction: float) -> int:
-    """The last ``ceil(fraction * num_samples)`` samples are held out: a function of the index alone, so training
-    reads the same samples on any number of ranks. (Rounded first: 0.07 x 100 is 7.000000000000001 in floats.)"""
-    return math.ceil(round(fraction * num_samples, 6))
+                        workers=1, progress=False, source_field=d.build_source_field,
+                        source_default=d.build_source_default))
 
 
 def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
@@ -210,14 +219,14 @@ def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokeniz
         check_source(index, source, setting, readers)
     check_shard_sizes(index)
     try:
-        check_enough_samples(index, global_batch,
-                             num_samples=index.num_samples - held_out_count(index.num_samples, holdout))
+        check_enough_samples(index, global_batch, num_samples=split(index, holdout).train_count)
     except ValueError as e:
         raise ConfigError(f"{setting}: {e}") from None
     return index
 
 
-def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int, world: int) -> list[str]:
+def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int | dict[str, int],
+                  world: int) -> list[str]:
     """``data.mixture`` against the sources of ``index`` and the run's budget (``train.steps`` x global batch):
     every source named exists and can supply its share within its maximum repetition. Returns the plan's lines
     for rank 0 to print."""
@@ -242,9 +251,10 @@ def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: in
     t, d, tok = exp.train, exp.data, prepared.tokenizer
     indexes = {"packed": _check_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"],
                                       t.micro_batch * t.grad_accum * world, exp.eval.holdout)}
-    prepared.held_out, prepared.train_samples = check_held_out(exp, tok, indexes["packed"])
+    prepared.held_out, prepared.holdout = check_held_out(exp, tok, indexes["packed"])
+    prepared.train_samples = prepared.holdout.train_count
     if d.mixture:
-        lines = check_mixture(exp, indexes["packed"], prepared.train_samples, world)
+        lines = check_mixture(exp, indexes["packed"], prepared.holdout.limit, world)
         prepared.notes += lines if rank == 0 else []
     if readers["units"]:
         indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
@@ -268,28 +278,35 @@ def check_instruction_format(exp: ExperimentConfig, index: DatasetIndex) -> None
                                   f"it to {built!r} (or rebuild the shards with --instruction-format)")
 
 
-def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer, packed: DatasetIndex) -> tuple[HeldOut | None, int]:
-    """(the validation samples, the packed samples training reads): the first ``eval.samples`` of ``eval.shards``,
-    or of the last ``eval.holdout`` of ``data.shards``. Training stops short of a holdout even while ``eval.every``
-    is 0, so turning validation on at a resume does not change the training order."""
+def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer,
+                   packed: DatasetIndex) -> tuple[HeldOut | None, Holdout]:
+    """(the validation samples, which packed samples training reads): the first ``eval.samples`` of
+    ``eval.shards``, or of the last ``eval.holdout`` of each source of ``data.shards`` (``pipeline.data.holdout``).
+    Training stops short of a holdout even while ``eval.every`` is 0, so turning validation on at a resume does not
+    change the training order."""
     v = exp.eval
-    train = packed.num_samples - held_out_count(packed.num_samples, v.holdout)
+    holdout = split(packed, v.holdout)
     if not v.every:
-        return None, train
+        return None, holdout
     if v.shards:
         index = _check_index(v.shards, "eval.shards", exp.data, tokenizer, exp.data.seq_len, "packed",
                              ["validation"], 1)
         if index.fingerprint == packed.fingerprint:
             raise ConfigError(f"eval.shards: {v.shards} holds the samples of data.shards, all of which training "
                               f"reads; point it at held-out shards, or hold samples out with eval.holdout")
-        first = 0
+        available = index.num_samples
     else:
-        index, first = packed, train
-    available = index.num_samples - first
+        index, available = packed, holdout.held_count
     if v.samples > available:
         raise ConfigError(f"eval.samples: {v.samples} samples to score, but {index.directory} holds out only "
                           f"{available}; set eval.samples={available} (or 0: all of them), or hold out more")
-    return HeldOut(index, first, v.samples or available), train
+    count = v.samples or available
+    if v.shards:
+        return HeldOut(index, 0, count), holdout
+    ids = holdout.scored(count)
+    if ids[-1] - ids[0] + 1 == count:  # one range: one source (its last samples), or all held out ones adjacent
+        return HeldOut(index, int(ids[0]), count), holdout
+    return HeldOut(index, int(ids[0]), count, ids), holdout
 
 
 def preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool = False) -> Prepared:

@@ -185,8 +185,8 @@ def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: i
     and the sentence units when an objective reads them."""
     t, d = exp.train, exp.data
     micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch, "pairs": t.micro_batch}
-    samples = {"packed": prepared.train_samples}
+    holdout = {"packed": prepared.holdout}
     mixture = {"packed": {name: s.ratio for name, s in d.mixture_sources().items()}}
     return {src: ShardLoader(index, micro[src], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
-                             verify=d.verify_shards, num_samples=samples.get(src), mixture=mixture.get(src))
+                             verify=d.verify_shards, mixture=mixture.get(src), holdout=holdout.get(src))
             for src, index in prepared.indexes.items()}

@@ -68,7 +68,7 @@ class Validator:
         engine.eval()
         try:
             for batch in iter_eval(h.index, self.micro_batch, dist.get_rank(), dist.get_world_size(),
-                                   verify=self.verify, first=h.first, count=h.count):
+                                   verify=self.verify, first=h.first, count=h.count, ids=h.ids):
                 batch = batch.to(device)
                 outputs = {f: engine(objective, batch) for f, objective in forwards.items()}
                 for kind, acc, o in scored:
