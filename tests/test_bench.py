@@ -31,6 +31,7 @@ def dry_run(out, *options: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~1 min of launches: the slow suite keeps make test under 20 min
 def test_gpu_bench_dry_run_measures_every_objective(tmp_path):
     out = tmp_path / "out"
     proc = dry_run(out)

@@ -65,6 +65,7 @@ def report(runs: list[str], out: str) -> str:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~1 min of launches: the slow suite keeps make test under 20 min
 def test_evaluate_then_report_on_a_smoke_run(tmp_path):
     data_dir = make_data_dir(str(tmp_path / "data"))
     run_dir = train(tmp_path / "runs", data_dir, "clm50-mlm40", "train.export_hf=false")

@@ -155,6 +155,7 @@ os._exit(0)
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~1 min of launches: the slow suite keeps make test under 20 min
 def test_families_build_partitioned_and_step_under_zero3(checkpoints, tmp_path):
     """One 2-rank gloo run for all families (75 s on 2 cores): each built by the trainer under ZeRO-3, then one
     step of four objectives."""

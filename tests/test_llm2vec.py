@@ -86,6 +86,7 @@ def data(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~1 min of launches: the slow suite keeps make test under 20 min
 def test_smoke_recipe_mntp_then_simcse_on_two_zero3_ranks(data, tmp_path):
     packed, units = data
     mntp = str(tmp_path / "mntp")
