@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -32,7 +33,7 @@ import yaml
 
 from pipeline.config import ConfigError, load_yaml, parse_overrides, to_dict
 from pipeline.data.manifest import MANIFEST
-from pipeline.grid import SMOKE_SUFFIX, Grid, Variant, load_grid
+from pipeline.grid import SMOKE_SUFFIX, Grid, Resources, Variant, load_grid
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import OBJECTIVES
 from pipeline.run_dir import RunDir
@@ -248,6 +249,17 @@ def submit(variant: Variant, after_jobs: list[int]) -> int:
     return job
 
 
+def local_env(r: Resources, environ: Mapping[str, str]) -> dict[str, str]:
+    """The ranks' environment: on CPU ranks DeepSpeed's CPU accelerator and the machine's cores split among them
+    (one rank: all of them; BENCHMARKS.md "CPU layouts"), unless ``environ`` sets them."""
+    env = dict(environ)
+    if not r.gpu:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // r.gpus_per_node)))
+    return env
+
+
 def run_local(variant: Variant) -> None:
     """Train the run on this machine: torchrun with the run's ranks (one node), the command train.sbatch runs."""
     r = variant.resources
@@ -257,12 +269,8 @@ def run_local(variant: Variant) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r.gpus_per_node}",
            "-m", "pipeline.train.entry", "--config", variant.ds_config,
            "--experiment", RunDir(os.path.abspath(variant.experiment.run_dir)).experiment_yaml]
-    env = dict(os.environ)
-    if not r.gpu:  # the machine's cores split among the ranks (one rank: all of them; BENCHMARKS.md "CPU layouts")
-        env.setdefault("DS_ACCELERATOR", "cpu")
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // r.gpus_per_node)))
     print(f"== {variant.name}: {' '.join(cmd)}", flush=True)
-    rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
+    rc = subprocess.run(cmd, cwd=REPO, env=local_env(r, os.environ)).returncode
     if rc != 0:
         raise RuntimeError(f"{variant.name} failed (exit status {rc}, its output is above); fix it and run the same "
                            "command again: finished runs are skipped and this one resumes")

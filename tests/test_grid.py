@@ -19,6 +19,7 @@ from pipeline.sweep import (
     check_inputs,
     in_order,
     job_script,
+    local_env,
     run_states,
     select,
     table,
@@ -72,6 +73,15 @@ def test_twins_train_with_their_own_deepspeed_config_where_smoke_names_one(tmp_p
     assert (full.ds_config, twin.ds_config) == (str(tmp_path / "zero2.json"), str(tmp_path / "zero0.json"))
     assert twin.experiment.train.grad_accum == 8 // (4 * 1)  # one rank carries the twins' whole global batch
     assert load_grid(write_grid(tmp_path)).variants(smoke=True)[0].ds_config.endswith("ds_configs/zero3.json")
+
+
+def test_a_local_run_splits_the_cores_among_its_cpu_ranks_unless_the_user_chose():
+    cores = len(os.sched_getaffinity(0))
+    one, two = Resources(nodes=1, gpus_per_node=1, gpu=False), Resources(nodes=1, gpus_per_node=2, gpu=False)
+    assert local_env(one, {})["OMP_NUM_THREADS"] == str(cores) and local_env(one, {})["DS_ACCELERATOR"] == "cpu"
+    assert local_env(two, {})["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert local_env(one, {"OMP_NUM_THREADS": "1"})["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in local_env(Resources(nodes=1, gpus_per_node=8), {})
 
 
 def test_smoke_twins_divide_steps_and_keep_the_switch(tmp_path):
