@@ -106,6 +106,7 @@ def test_evaluate_then_report_on_a_smoke_run(tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.extended  # the quick reproduction reports on grids; test_evaluate_then_report_on_a_smoke_run
 def test_report_on_a_grid_of_smoke_runs(tmp_path):
     """Three variants on both MLM-vs-CLM axes, every task, then the report: one line per variant in each plot."""
     data_dir = make_data_dir(str(tmp_path / "data"))

@@ -15,6 +15,7 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", 
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the quick reproduction evaluates SmolLM2 (STS, repetition) too
 def test_smollm2_sts_and_repetition(tmp_path):
     pytest.importorskip("gguf", reason="pip install gguf")
     try:

@@ -118,12 +118,16 @@ def test_two_stage_zero3_run_resumes_exactly_at_the_stage_switch(data, tmp_path)
         assert {k: ours[step].get(k) for k in LOSSES} == {k: base[step].get(k) for k in LOSSES}, step
 
 
-SMOKE_TWINS = sorted(p.replace(".yaml", "-smoke.yaml") for p in FULL if "two-stage" not in p)
+# the full recipe and the one without SSCL (no sentence units) in the slow suite; the other ablations (weights of
+# zero: every phase of theirs validates and builds in the fast tests) in the extended tests
+SMOKE_TWINS = [pytest.param(path, marks=() if os.path.basename(path) in ("magnet-smoke.yaml", "no-sscl-smoke.yaml")
+                            else pytest.mark.extended, id=os.path.basename(path))
+               for path in sorted(p.replace(".yaml", "-smoke.yaml") for p in FULL if "two-stage" not in p)]
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize("path", SMOKE_TWINS, ids=os.path.basename)
+@pytest.mark.parametrize("path", SMOKE_TWINS)
 def test_smoke_twin_trains(data, tmp_path, path):
     """Every other smoke twin (the two-stage one runs above) trains its losses on 2 ZeRO-3 ranks."""
     launch_training(str(tmp_path / "run"), path, *data)

@@ -150,6 +150,7 @@ def test_resume_is_bit_identical_and_survives_kill_during_checkpoint(baseline, s
 
 @pytest.mark.e2e
 @pytest.mark.slow  # compiling in both ranks adds ~2.5 min on 2 cores; tests/test_compile.py is the fast check
+@pytest.mark.extended  # and test_zero3_engine.py compiles the layers under ZeRO-3
 def test_compiled_body_under_zero3_gives_the_eager_losses(baseline, shards, init_dir, tmp_path):
     """model.compile with ZeRO-3's gather hooks around the compiled layers: the first steps equal the baseline's."""
     run_dir = str(tmp_path / "compiled")
