@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -175,6 +176,31 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def load_yaml(path: str) -> dict:
     """An experiment (or grid) file: a mapping of config sections; every problem is a ConfigError naming ``path``."""
     return read_yaml(path, what="experiment file", error=ConfigError, missing=ConfigError)
+
+
+def _merged(base: dict, top: dict) -> dict:
+    """``top`` over ``base``: mappings merge key by key, anything else (lists, values) replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_experiment_file(path: str, _seen: tuple[str, ...] = ()) -> dict:
+    """An experiment file with its ``base:`` resolved: ``base`` names another experiment file (relative to this
+    one) whose sections this file's change, so a variant (a recipe with LoRA, say) says only what differs."""
+    data = load_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base: expected the path of another experiment file, relative to this one, "
+                          f"got {base!r}")
+    base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
+    if os.path.abspath(base_path) in _seen:
+        chain = " -> ".join((*_seen, os.path.abspath(path), os.path.abspath(base_path)))
+        raise ConfigError(f"{path}: base: {base} leads back to a file that names it ({chain}); remove one base:")
+    return _merged(load_experiment_file(base_path, (*_seen, os.path.abspath(path))), data)
 
 
 _INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^,\s]+)\s*([\])])$")

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pipeline.config import ConfigError, apply_overrides, check_ranges, from_dict, load_yaml
+from pipeline.config import ConfigError, apply_overrides, check_ranges, from_dict, load_experiment_file
 from pipeline.model.lora import LLM2VEC_TARGETS
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import CLMConfig, ObjectiveConfig
@@ -264,5 +264,5 @@ class ExperimentConfig:
 
 
 def load_experiment(path: str | None, overrides: list[str] = ()) -> ExperimentConfig:
-    data = load_yaml(path) if path else {}
+    data = load_experiment_file(path) if path else {}
     return from_dict(ExperimentConfig, apply_overrides(data, list(overrides)))

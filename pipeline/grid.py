@@ -30,7 +30,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from pipeline.config import ConfigError, from_dict, load_yaml, set_path, to_dict
+from pipeline.config import ConfigError, from_dict, load_experiment_file, load_yaml, set_path, to_dict
 from pipeline.experiment import REPO, ExperimentConfig
 from pipeline.model.presets import PRESETS
 
@@ -268,7 +268,7 @@ def load_grid(path: str) -> Grid:
         if not isinstance(values, dict) or not all(isinstance(v, dict) for v in values.values()):
             raise ConfigError(f"{path}: axes.{axis}: expected value name -> {{dotted key: value}} mappings")
     base_path = os.path.join(os.path.dirname(path), spec.base)
-    return Grid(path=path, spec=spec, base=load_yaml(base_path), groups=groups)
+    return Grid(path=path, spec=spec, base=load_experiment_file(base_path), groups=groups)
 
 
 def _strings(obj) -> list[str]:

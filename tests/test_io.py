@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from pipeline.config import ConfigError, load_yaml
+from pipeline.config import ConfigError, load_experiment_file, load_yaml
 from pipeline.io import read_json, read_jsonl, read_yaml, write_json_atomic
 
 
@@ -33,6 +33,28 @@ def test_read_yaml_in_the_callers_error_class(tmp_path):
         load_yaml(str(path))
     path.write_text("")
     assert read_yaml(str(path)) == {}
+
+
+def test_an_experiment_file_changes_its_base(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "full.yaml").write_text(
+        "name: full\nmodel: {init: ckpt, attention_dropout: 0.3}\nphases: [{objectives: [{name: mntp}]}]\n")
+    (tmp_path / "lora.yaml").write_text("base: recipes/full.yaml\nname: lora\nmodel: {lora: {r: 16}}\n"
+                                        "phases: [{objectives: [{name: simcse}]}]\n")
+    (tmp_path / "lora-smoke.yaml").write_text("base: lora.yaml\ntrain: {steps: 8}\n")
+    assert load_experiment_file(str(tmp_path / "lora-smoke.yaml")) == {
+        "name": "lora", "model": {"init": "ckpt", "attention_dropout": 0.3, "lora": {"r": 16}},
+        "phases": [{"objectives": [{"name": "simcse"}]}], "train": {"steps": 8}}  # lists replace, mappings merge
+    (tmp_path / "recipes" / "full.yaml").write_text("base: ../lora-smoke.yaml\n")
+    cycle = r"full.yaml: base: ../lora-smoke.yaml leads back to a file that names it \(.*lora-smoke.yaml -> .*lora.yaml"
+    with pytest.raises(ConfigError, match=cycle):
+        load_experiment_file(str(tmp_path / "lora-smoke.yaml"))
+    (tmp_path / "lora.yaml").write_text("base: [full.yaml]\n")
+    with pytest.raises(ConfigError, match=r"lora.yaml: base: expected the path of another experiment file"):
+        load_experiment_file(str(tmp_path / "lora.yaml"))
+    (tmp_path / "lora.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(ConfigError, match=r"nowhere.yaml: experiment file not found"):
+        load_experiment_file(str(tmp_path / "lora.yaml"))
 
 
 def test_read_jsonl_names_the_line(tmp_path):

@@ -38,7 +38,8 @@ def experiment(name: str, *overrides: str):
 
 
 def test_experiment_files_carry_llm2vec_settings():
-    assert sorted(os.listdir(EXPERIMENTS)) == ["mntp-smoke.yaml", "mntp.yaml", "simcse-smoke.yaml", "simcse.yaml",
+    assert sorted(os.listdir(EXPERIMENTS)) == ["mntp-lora.yaml", "mntp-smoke.yaml", "mntp.yaml", "simcse-lora.yaml",
+                                               "simcse-smoke.yaml", "simcse.yaml", "supervised-lora.yaml",
                                                "supervised-smoke.yaml", "supervised.yaml"]
     mntp, simcse = experiment("mntp.yaml"), experiment("simcse.yaml")
     (spec,) = mntp.phases[0].objectives
@@ -71,6 +72,16 @@ def test_experiment_files_carry_llm2vec_settings():
     assert supervised.data.pair_shards == supervised.data.shards and not supervised.data.build_if_missing
     assert to_dict(smoke.phases[0].objectives) == to_dict(supervised.phases[0].objectives)
     assert smoke.model.init == os.path.join(experiment("mntp-smoke.yaml").run_dir, "hf")
+    mntp_lora = experiment("mntp-lora.yaml")
+    for name in ("mntp", "simcse", "supervised"):  # the paper's adapters on the same recipe; each stage a new one
+        full, lora = experiment(f"{name}.yaml"), experiment(f"{name}-lora.yaml")
+        assert (lora.model.lora.r, lora.model.lora.alpha, lora.model.lora.dropout) == (16, 32.0, 0.05)
+        assert lora.model.lora.targets == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        assert full.model.lora.r == 0 and lora.run_dir != full.run_dir
+        assert (to_dict(lora.phases), to_dict(lora.optim), to_dict(lora.train)) == (
+            to_dict(full.phases), to_dict(full.optim), to_dict(full.train))
+        if name != "mntp":  # from the merged export of the LoRA MNTP run
+            assert lora.model.init == lora.data.tokenizer == os.path.join(mntp_lora.run_dir, "hf")
 
 
 @pytest.fixture(scope="module")
