@@ -175,6 +175,30 @@ def test_a_taken_rendezvous_port_is_one_line_that_names_it(tmp_path):
 
 
 @pytest.mark.e2e
+def test_a_rank_waiting_in_the_rendezvous_stops_on_sigterm_at_once(tmp_path):
+    """Rank 1 of a run whose rank 0 failed (or whose port another process holds) waits in C for a store that never
+    answers; Python runs signal handlers only between bytecodes, so the launcher's SIGTERM used to change nothing
+    until its SIGKILL 30 s later (the rendezvous itself waits for minutes)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        busy.settimeout(300)
+        env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(busy.getsockname()[1])}
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "launch", "train.py"), "--set",
+                                 f"run_dir={tmp_path / 'run'}"], cwd=REPO, env=cpu_env(env), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        conn, _ = busy.accept()  # the rank's store client: it is in the rendezvous now
+        with conn:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                _, err = proc.communicate(timeout=20)
+            finally:
+                proc.kill()  # no rank left behind to join a later test's rendezvous
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.e2e
 def test_experiment_is_checked_before_deepspeed_and_reported_once(shards, tmp_path):
     """A missing mask token names its key and a token that exists; the run directory's lock names its holder."""
     mlm = "phases=[{share: 0.5, objectives: [{name: clm}]}, {share: 0.5, objectives: [{name: mlm, mask_token: '<mask_>'}]}]"

@@ -66,6 +66,7 @@ class StopRequest:
         self._started = time.time()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        self._see_signals_in_c_calls()
         chain = launcher_chain()
         if chain:
             threading.Thread(target=self._watch, args=(chain, poll_s), daemon=True, name="launcher-watch").start()
@@ -79,6 +80,22 @@ class StopRequest:
         # the request stands; repeats (launch/slurm/train.sbatch resends USR1) are ignored, since Python restores
         # default handlers at exit and a late USR1 would then kill a rank that stopped cleanly
         signal.signal(signum, signal.SIG_IGN)
+
+    def _see_signals_in_c_calls(self) -> None:
+        """Python runs a handler only when the main thread is back in bytecode, so a rank blocked in the rendezvous
+        (rank 0 failed, or its store never answers) saw the launcher's SIGTERM only as the SIGKILL 30 s later. The
+        wakeup fd tells a thread of each signal at once; in start-up it exits the rank as the handler would."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        threading.Thread(target=self._wake, args=(read,), daemon=True, name="signal-wake").start()
+
+    def _wake(self, fd: int) -> None:
+        stops = {int(s) for s in STOP_SIGNALS}
+        while True:
+            for signum in os.read(fd, 64):
+                if signum in stops and self._stage == "start-up":
+                    self._stop(signal.Signals(signum).name)
 
     def _watch(self, chain: list[tuple[int, int]], poll_s: float) -> None:
         while True:
