@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.utils import set_z3_leaf_modules
 from torch import nn
 from transformers.integrations import HfDeepSpeedConfig
@@ -15,6 +16,7 @@ from pipeline.model.build import build_model, compile_body
 from pipeline.model.lm_head import chunk_lm_head
 from pipeline.model.lora import add_lora
 from pipeline.model.weight_decay import param_groups
+from pipeline.train.gloo_gathers import wait_for_every_gather
 from pipeline.train.schedule import lr_scheduler
 
 
@@ -78,6 +80,8 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     client optimizer, or, when the DeepSpeed config builds its own (CPU Adam for offload), the parameter groups it
     optimises: either way weight decay skips the norms."""
     stage3 = ds.get("zero_optimization", {}).get("stage") == 3
+    if stage3 and dist.is_initialized() and dist.get_backend() == "gloo":
+        wait_for_every_gather()  # before zero.Init builds the model: its weight init gathers parameters
     # Alive during construction, HfDeepSpeedConfig makes from_config/from_pretrained build the model partitioned
     # under zero.Init while keeping HF's weight init; kept on the module so the weak reference stays valid.
     hf_ds = HfDeepSpeedConfig(ds) if stage3 else None
