@@ -134,6 +134,7 @@ KINDS = ("scratch-610m-clm", "scratch-610m-mlm40", "switch-610m-12k-clm25", "cpt
 
 @pytest.mark.e2e
 @pytest.mark.slow  # 5 two-rank runs (~35 s each on 2 cores)
+@pytest.mark.extended  # the two-phase twin trains through the sweep in make test; the rest validate and build there
 def test_a_twin_of_each_kind_trains_through_the_sweep_and_a_second_sweep_has_nothing_to_do(shards, tmp_path):
     out = str(tmp_path / "runs")
     only = [arg for name in KINDS for arg in ("--only", name)]

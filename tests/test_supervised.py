@@ -334,6 +334,7 @@ def test_grad_cache_under_zero3_on_two_ranks_equals_one_big_batch(pair_dir, toke
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # tests/test_llm2vec_chain.py trains this stage from SmolLM2 and checks the export's instructions
 @pytest.mark.e2e
 def test_smoke_twin_trains_on_two_zero3_ranks_and_its_export_formats_instructions(tmp_path, init_dir):
     """supervised-smoke.yaml through launch/train.py (GradCache, 2 x 2 x 2 rows a step): 8 finite steps, and an export
