@@ -23,7 +23,18 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from helpers import REPO, cpu_env, launch_training, logged_steps, make_shard_dir, one_error, train_command
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import (
+    REPO,
+    cpu_env,
+    free_port,
+    launch_training,
+    logged_steps,
+    make_shard_dir,
+    one_error,
+    train_command,
+)
 
 from pipeline.config import ConfigError
 from pipeline.data.build import run_job
@@ -41,10 +52,11 @@ from pipeline.data.order import TrainOrder
 from pipeline.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
 from pipeline.lock import DirLock
 from pipeline.run_dir import RunDir
+from pipeline.train import preflight as preflight_module
 from pipeline.train.distributed import stale_build_locks, warn_stale_build_locks
 from pipeline.train.guard import Diverged, DivergenceGuard
 from pipeline.train.metrics import MetricsLogger
-from pipeline.train.preflight import preflight
+from pipeline.train.preflight import check_same_run, preflight
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 INPUT = os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")
@@ -196,6 +208,37 @@ def test_a_rank_waiting_in_the_rendezvous_stops_on_sigterm_at_once(tmp_path):
             finally:
                 proc.kill()  # no rank left behind to join a later test's rendezvous
     assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+
+
+def _same_run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = []
+    for case in ("same", "lr", "code"):
+        exp = load_experiment(None, ["optim.lr=0.01"] if case == "lr" and rank == 1 else [])
+        if case == "code" and rank == 1:  # as if this node ran another checkout
+            preflight_module.code_digest = lambda: "another checkout"
+        try:
+            check_same_run(exp, world)
+            results.append("ok")
+        except ConfigError as e:
+            results.append(str(e))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def test_a_rank_of_another_experiment_or_checkout_is_refused_by_every_rank(tmp_path):
+    """Nodes that read other files would train together on mismatched settings, without a word."""
+    mp.spawn(_same_run_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert ranks[0] == ranks[1]
+    same, lr, code = ranks[0]
+    lr0 = load_experiment(None).optim.lr
+    assert same == "ok"
+    assert lr.startswith(f"rank 1 on {socket.gethostname()} runs another experiment than rank 0 on ")
+    assert f"optim.lr: 0.01 there, {lr0!r} on rank 0; launch every node with the same --experiment file" in lr
+    assert "runs other code than rank 0" in code and "launch every node from the same checkout" in code
 
 
 @pytest.mark.e2e

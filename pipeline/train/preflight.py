@@ -9,7 +9,10 @@ all the trainer needs to build the run: the trainer trusts it and checks nothing
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, to_dict
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.holdout import Holdout, held_out_count, split  # noqa: F401 - held_out_count: also preflight's
@@ -323,6 +326,48 @@ def preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool = False) 
     return prepared
 
 
+def code_digest() -> str:
+    """sha256 of the pipeline package's Python sources, in path order: what each rank runs."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _first_difference(a, b, key: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{key}.{k}" if key else k)
+    return f"{key or 'the experiment'}: {b!r} there, {a!r} on rank 0"
+
+
+def check_same_run(exp: ExperimentConfig, world: int) -> None:
+    """Every rank trains what rank 0 trains, with the same code: nodes that read other files (another checkout, a
+    stale copy of the experiment, other --set options) would otherwise train together on mismatched settings."""
+    import torch.distributed as dist
+
+    mine = (socket.gethostname(), code_digest(), json.dumps(to_dict(exp), sort_keys=True, default=str))
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    host0, code0, exp0 = everyone[0]
+    for r, (host, code, exp_r) in enumerate(everyone[1:], 1):
+        where = f"rank {r} on {host} runs"
+        if code != code0:
+            raise ConfigError(f"{where} other code than rank 0 on {host0} (pipeline/ differs); launch every node "
+                              f"from the same checkout")
+        if exp_r != exp0:
+            raise ConfigError(f"{where} another experiment than rank 0 on {host0}, "
+                              f"{_first_difference(json.loads(exp0), json.loads(exp_r))}; launch every node with the "
+                              f"same --experiment file and --set options")
+
+
 def _agreed(rank: int, world: int, stage: Callable[[], object], on_failure: Callable[[], None]):
     """``stage()`` on every rank; when any rank fails, rank 0 prints the first failure once, no rank leaves before
     it has (a rank's exit makes the launcher signal the others), and every rank raises :class:`PreflightFailed`."""
@@ -351,6 +396,7 @@ def agreed_preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool,
     ``on_failure`` runs on every rank before the report (the trainer's stop request then holds signals)."""
     prepared = None
     try:
+        _agreed(rank, world, lambda: check_same_run(exp, world), on_failure)
         prepared = _agreed(rank, world, lambda: check_setup(exp, rank, world, cuda), on_failure)
         _agreed(rank, world, lambda: build_missing_shards(exp, prepared.tokenizer) if rank == 0 else None,
                 on_failure)
