@@ -10,7 +10,6 @@ all the trainer needs to build the run: the trainer trusts it and checks nothing
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import sys
@@ -353,7 +352,7 @@ def check_same_run(exp: ExperimentConfig, world: int) -> None:
     stale copy of the experiment, other --set options) would otherwise train together on mismatched settings."""
     import torch.distributed as dist
 
-    mine = (socket.gethostname(), code_digest(), json.dumps(to_dict(exp), sort_keys=True, default=str))
+    mine = (socket.gethostname(), code_digest(), to_dict(exp))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine)
     host0, code0, exp0 = everyone[0]
@@ -364,8 +363,8 @@ def check_same_run(exp: ExperimentConfig, world: int) -> None:
                               f"from the same checkout")
         if exp_r != exp0:
             raise ConfigError(f"{where} another experiment than rank 0 on {host0}, "
-                              f"{_first_difference(json.loads(exp0), json.loads(exp_r))}; launch every node with the "
-                              f"same --experiment file and --set options")
+                              f"{_first_difference(exp0, exp_r)}; launch every node with the same --experiment file "
+                              f"and --set options")
 
 
 def _agreed(rank: int, world: int, stage: Callable[[], object], on_failure: Callable[[], None]):
