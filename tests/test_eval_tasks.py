@@ -5,6 +5,7 @@ independent computation where one exists, and each runnable alone."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -214,6 +215,37 @@ def test_embedding_tasks(model, data_dir):
     assert sts["datasets"]["stsb"]["pairs"] == 24 and -100 <= sts["average"] <= 100
     clustering = run_task("clustering", model, data_dir, "pooling=weighted_mean")
     assert clustering["datasets"]["mteb-topics"]["sets"] == 2 and 0 <= clustering["average"] <= 100
+
+
+def test_zero_shot_retrieval_ranks_the_pool_with_instructed_queries(model, tmp_path):
+    """The held-out plays' reply set (the rule of pipeline.data.pairs_sample): NDCG@10 equals scikit-learn's on
+    encode()'s embeddings of "instruction: query" against bare documents; a model recorded with the supervised
+    instruction format gets the same prefix, and a query without its instruction another ranking."""
+    from sklearn.metrics import ndcg_score
+
+    from pipeline.data.pairs_sample import retrieval_rows
+    from pipeline.data.sources import RecordStats, read_texts
+
+    texts = list(read_texts(os.path.join(SAMPLE_DIR, "validation", "chunk1", "example_holdout_0.jsonl.zst"), "text",
+                            RecordStats()))
+    rows = retrieval_rows(texts, 24)["replies"]
+    assert len(rows) == 24 and not {r["query"] for r in rows} & {r["positive"] for r in rows}
+    os.makedirs(tmp_path / "zero_shot_retrieval")
+    with open(tmp_path / "zero_shot_retrieval" / "replies.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    result = run_task("zero_shot_retrieval", model, str(tmp_path))
+    got = result["datasets"]["replies"]
+    assert (got["queries"], got["documents"], got["k"]) == (24, 24, 10)
+    queries = encode(model, [r["query"] for r in rows], rows[0]["instruction"] + ": ")
+    documents = encode(model, [r["positive"] for r in rows], "")
+    unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
+    expected = 100 * ndcg_score(np.eye(24), unit(queries) @ unit(documents).T, k=10)
+    assert got["ndcg"] == pytest.approx(expected, abs=1e-6) and result["average"] == got["ndcg"]
+    supervised = dataclasses.replace(model, record=dataclasses.replace(model.record,
+                                                                       instruction_format="{instruction}: "))
+    assert run_task("zero_shot_retrieval", supervised, str(tmp_path))["average"] == pytest.approx(got["ndcg"])
+    bare = run_task("zero_shot_retrieval", model, str(tmp_path), 'instruction=""')["average"]
+    assert bare != pytest.approx(got["ndcg"])
 
 
 def test_probing_task_reads_mntp_models_one_position_earlier(model, data_dir):

@@ -1,10 +1,15 @@
-"""Sentence-embedding tasks as MTEB scores them: STS (Spearman of cosine similarity against the gold scores, x100)
-and clustering (V-measure of k-means with k = the number of gold labels, x100), on local files.
+"""Sentence-embedding tasks as MTEB scores them, on local files, without training: STS (Spearman of cosine similarity
+against the gold scores, x100), clustering (V-measure of k-means with k = the number of gold labels, x100) and
+zero-shot retrieval (NDCG@10 x100 of the cosine ranking, ``pipeline.eval.ranking``).
 
 STS records (``.tsv`` with a header, ``.jsonl``, or an HF dataset): STS-B (``sentence1``, ``sentence2``,
 ``score``), SICK (``sentence_A``, ``sentence_B``, ``relatedness_score``), MTEB (``sentence1``, ``sentence2``,
 ``score``). Clustering records: MTEB's layout, one set per record (``{"sentences": [...], "labels": [...]}``), or one
-text and label per record (``text``/``sentence`` and ``label``), which form one set.
+text and label per record (``text``/``sentence`` and ``label``), which form one set. Retrieval records: ``query``,
+``positive`` (or ``document``), optional ``relevance`` and ``instruction``; the pool is every document of the file.
+Queries carry their instruction (the ``instruction`` option, else the row's, else the model's recorded one) and
+documents none, as LLM2Vec evaluates retrieval; a model trained without an instruction format (every objective
+but ``supervised``) reads it as ``instruction_format`` joins it, LLM2Vec's ``"{instruction}: "``.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from typing import Literal
 
 import numpy as np
 
+from pipeline.data.pairs import format_instruction
 from pipeline.eval.data import DataError, Row, dataset_name, read_rows
 from pipeline.eval.encode import encode
 from pipeline.eval.metrics import spearman, v_measure
+from pipeline.eval.ranking import ndcg, ranking_pool
 from pipeline.eval.task import EvalContext, Task
 
 EXTS = (".tsv", ".csv", ".txt", ".jsonl", ".json")
@@ -32,13 +39,18 @@ class EmbeddingOptions:
     max_length: int = 512
     max_examples: int = 0  # 0: all
     split: str = "test"  # split of an HF dataset
+    # zero-shot retrieval: how a query's instruction is joined for a model without a recorded instruction_format
+    instruction_format: str = "{instruction}: "
+    k: int = 10  # zero-shot retrieval: NDCG cut-off
 
 
-def _embed(ctx: EvalContext, texts: list[str], opts: EmbeddingOptions) -> np.ndarray:
-    """Each distinct text is encoded once (STS files repeat sentences across pairs)."""
+def _embed(ctx: EvalContext, texts: list[str], opts: EmbeddingOptions, instruction: str | None = None
+           ) -> np.ndarray:
+    """Each distinct text is encoded once (STS files repeat sentences across pairs); ``instruction``: the option's
+    unless given."""
     distinct = list(dict.fromkeys(texts))
-    emb = encode(ctx.model, distinct, opts.instruction, opts.pooling, ctx.batch_size, opts.attention,
-                 opts.max_length, ctx.progress, opts.layout)
+    emb = encode(ctx.model, distinct, opts.instruction if instruction is None else instruction, opts.pooling,
+                 ctx.batch_size, opts.attention, opts.max_length, ctx.progress, opts.layout)
     where = {t: i for i, t in enumerate(distinct)}
     return emb[[where[t] for t in texts]]
 
@@ -119,10 +131,31 @@ def clustering_file(ctx: EvalContext, source: str, opts: EmbeddingOptions) -> di
     return {"v_measure": 100 * float(np.mean(scores)), "sets": len(sets)}
 
 
+def retrieval_file(ctx: EvalContext, source: str, opts: EmbeddingOptions) -> dict:
+    rows = read_rows(source, opts.split)
+    pool = ranking_pool(rows[: opts.max_examples] if opts.max_examples else rows, source)
+    queries = np.zeros((len(pool.queries), ctx.model.lm.config.hidden_size), dtype=np.float32)
+    by_instruction: dict[str, list[int]] = {}
+    for i, row in enumerate(pool.rows):
+        given = opts.instruction if opts.instruction is not None else row.get(("instruction",), "instruction",
+                                                                              required=False)
+        by_instruction.setdefault(ctx.model.record.instruction if given is None else str(given), []).append(i)
+    for instruction, which in by_instruction.items():
+        if ctx.model.record.instruction_format is None:
+            instruction = format_instruction(opts.instruction_format, instruction)
+        queries[which] = _embed(ctx, [pool.queries[i] for i in which], opts, instruction or "")
+    documents = _embed(ctx, pool.documents, opts, "")
+    return {"ndcg": ndcg(queries, documents, pool.relevance, opts.k), "k": opts.k, "queries": len(pool.queries),
+            "documents": len(pool.documents)}
+
+
+METRICS = {"sts": "spearman", "clustering": "v_measure", "zero_shot_retrieval": "ndcg"}
+
+
 def _run(family: str, per_file):
     def run(ctx: EvalContext, opts: EmbeddingOptions) -> dict:
         results = {dataset_name(s): per_file(ctx, s, opts) for s in ctx.sources(family, opts.datasets, EXTS)}
-        metric = "spearman" if family == "sts" else "v_measure"
+        metric = METRICS[family]
         return {"datasets": results, "average": float(np.mean([r[metric] for r in results.values()])),
                 "pooling": opts.pooling or ctx.model.record.pooling, "layout": opts.layout or ctx.model.record.layout,
                 "instruction": ctx.model.record.instruction if opts.instruction is None else opts.instruction,
@@ -137,4 +170,8 @@ TASKS = (
     Task("clustering", "clustering", "clustering: V-measure x100 of k-means on embeddings", EmbeddingOptions,
          _run("clustering", clustering_file),
          lambda r: {"clustering_avg": r["average"]}),
+    Task("zero_shot_retrieval", "zero_shot_retrieval",
+         "zero-shot retrieval: NDCG@k x100 of the cosine ranking, instructed queries", EmbeddingOptions,
+         _run("zero_shot_retrieval", retrieval_file),
+         lambda r: {"zs_ndcg_avg": r["average"], **{f"zs_ndcg/{k}": v["ndcg"] for k, v in r["datasets"].items()}}),
 )

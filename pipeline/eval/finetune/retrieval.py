@@ -2,9 +2,8 @@
 
 Texts are rendered ``"Query: ..."`` / ``"Document: ..."`` (EncodEval) and mean-pooled; training minimises InfoNCE
 (``pipeline.objectives.infonce.info_nce``, scale 20) of each query against the batch's documents. Each evaluation
-split is a file of query/document pairs (``query``, ``document`` or ``positive``, optional ``relevance``, default
-1); the candidate pool is every document of that file (EncodEval restricts pools to the qrels' documents the
-same way), ranked by cosine similarity.
+split is a file of query/document pairs ranked as ``pipeline.eval.ranking`` does (every document of the file is a
+candidate, NDCG@10 of cosine similarity).
 """
 
 from __future__ import annotations
@@ -19,11 +18,9 @@ from pipeline.eval.data import DataError, Row
 from pipeline.eval.encode import pool, rows_for
 from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, batch_rows, run_family
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
-from pipeline.eval.metrics import ndcg_at_k
+from pipeline.eval.ranking import DOCUMENT, QUERY, ndcg, ranking_pool
 from pipeline.eval.task import Task
 from pipeline.objectives.infonce import info_nce
-
-QUERY, DOCUMENT = ("query", "question", "anchor"), ("document", "positive", "passage", "text")
 
 
 @dataclass
@@ -33,7 +30,7 @@ class RetrievalOptions(FinetuneOptions):
 
 
 @dataclass
-class Pool:
+class EncodedPool:
     queries: list  # encoded queries
     documents: list  # encoded candidate documents
     relevance: list[dict[int, float]]  # per query: document index -> gain
@@ -50,25 +47,13 @@ class Retrieval(FinetuneTask):
         return rows_for(self.ctx.model, texts, None, min(self.opts.max_length, self.ctx.model.max_length), "bos_eos")
 
     def prepare(self, rows: dict[str, list[Row]]) -> dict:
-        pairs = {split: [(str(r.get(QUERY, "query")), str(r.get(DOCUMENT, "document")), r) for r in split_rows]
-                 for split, split_rows in rows.items()}
-        train = pairs["train"]
-        out = {"train": list(zip(self.encode_texts([f"Query: {q}" for q, _, _ in train]),
-                                 self.encode_texts([f"Document: {d}" for _, d, _ in train])))}
+        train = [(str(r.get(QUERY, "query")), str(r.get(DOCUMENT, "document"))) for r in rows["train"]]
+        out = {"train": list(zip(self.encode_texts([f"Query: {q}" for q, _ in train]),
+                                 self.encode_texts([f"Document: {d}" for _, d in train])))}
         for split in ("validation", "test"):
-            queries, documents, relevance = {}, {}, []
-            for q, d, row in pairs[split]:
-                if q not in queries:
-                    queries[q] = len(queries)
-                    relevance.append({})
-                documents.setdefault(d, len(documents))
-                gain = row.get(("relevance", "score", "label"), "relevance", required=False)
-                relevance[queries[q]][documents[d]] = float(1 if gain is None else gain)
-            if len(documents) < 2:
-                raise DataError(f"{rows[split][0].where if rows[split] else split}: the {split} split has "
-                                f"{len(documents)} distinct documents; ranking needs a pool of at least 2")
-            out[split] = Pool(self.encode_texts([f"Query: {q}" for q in queries]),
-                              self.encode_texts([f"Document: {d}" for d in documents]), relevance)
+            pool_ = ranking_pool(rows[split], rows[split][0].where if rows[split] else f"the {split} split")
+            out[split] = EncodedPool(self.encode_texts([f"Query: {q}" for q in pool_.queries]),
+                                     self.encode_texts([f"Document: {d}" for d in pool_.documents]), pool_.relevance)
         return out
 
     def head(self, hidden_size: int) -> nn.Module:
@@ -85,15 +70,11 @@ class Retrieval(FinetuneTask):
         out = info_nce(self.embed(lm, [q for q, _ in batch]), self.embed(lm, [d for _, d in batch]), self.opts.scale)
         return out.loss_sum / out.num_targets
 
-    def evaluate(self, lm, head: nn.Module, pool_: Pool) -> float:
+    def evaluate(self, lm, head: nn.Module, pool_: EncodedPool) -> float:
         def embed_all(rows: list) -> np.ndarray:
-            emb = torch.cat([self.embed(lm, b) for b in batch_rows(rows, self.opts.eval_batch_size)]).float()
-            return nn.functional.normalize(emb, dim=-1).cpu().numpy()
+            return torch.cat([self.embed(lm, b) for b in batch_rows(rows, self.opts.eval_batch_size)]).float().cpu().numpy()
 
-        sims = embed_all(pool_.queries) @ embed_all(pool_.documents).T
-        ranked = np.argsort(-sims, axis=1, kind="stable")
-        return 100.0 * float(np.mean([ndcg_at_k(ranked[i].tolist(), rel, self.opts.k)
-                                      for i, rel in enumerate(pool_.relevance)]))
+        return ndcg(embed_all(pool_.queries), embed_all(pool_.documents), pool_.relevance, self.opts.k)
 
 
 TASKS = (Task("retrieval", "retrieval", "fine-tuned bi-encoder retrieval (NDCG@10), LR x seed sweep",
