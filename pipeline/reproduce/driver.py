@@ -1,4 +1,4 @@
-"""Run the studies end to end: real data, SmolLM2 (``pipeline.model.gguf_import``), unit and span shards
+"""Run the studies end to end: real data, SmolLM2 (``pipeline.model.gguf_import``), unit, span and pairs shards
 (``pipeline.data.build``), each grid's runs trained here through the sweep (``pipeline.sweep``, as
 ``launch/sweep.py --local``: finished runs skipped, unfinished ones resumed), every run and baseline without results
 evaluated (``pipeline.eval.runner``), then the report (``pipeline.eval.report.write``) and the results page. Each
