@@ -63,6 +63,11 @@ def speeches(document: str) -> list[tuple[str, str]]:
     return out
 
 
+def openings(said: list[tuple[str, str]]) -> list[list[str]]:
+    """[first sentence, the rest] of each speech of at least two sentences."""
+    return [parts for _, text in said if len(parts := _SENTENCE.split(text, maxsplit=1)) == 2]
+
+
 def task_rows(documents: list[str], limit: int = ROWS) -> dict[str, list[dict]]:
     """The rows of both tasks, ``limit`` each."""
     rows: dict[str, list[dict]] = {"replies": [], "continuations": []}
@@ -71,7 +76,7 @@ def task_rows(documents: list[str], limit: int = ROWS) -> dict[str, list[dict]]:
         for (who_a, a), (who_b, b), (_, c) in zip(said, said[1:], said[2:]):
             if who_a != who_b:
                 rows["replies"].append({"query": _cut(a), "positive": _cut(b), "negative": _cut(c)})
-        split = [parts for _, text in said if len(parts := _SENTENCE.split(text, maxsplit=1)) == 2]
+        split = openings(said)
         for (first, rest), (_, other) in zip(split, split[1:]):
             rows["continuations"].append({"query": _cut(first), "positive": _cut(rest), "negative": _cut(other)})
     return {task: r[:limit] for task, r in rows.items()}
@@ -91,25 +96,33 @@ def retrieval_rows(documents: list[str], limit: int) -> dict[str, list[dict]]:
                 continue
             rows["replies"].append({"query": _cut(a), "positive": _cut(b)})
             i += 2
-        for _, text in said:
-            if len(parts := _SENTENCE.split(text, maxsplit=1)) == 2:
-                rows["continuations"].append({"query": _cut(parts[0]), "positive": _cut(parts[1])})
+        rows["continuations"] += [{"query": _cut(first), "positive": _cut(rest)} for first, rest in openings(said)]
     return {task: [{**r, "instruction": INSTRUCTIONS[task]} for r in task_rows[:limit]]
             for task, task_rows in rows.items()}
 
 
-def write_pairs_sample(repo: str, output: str) -> list[str]:
-    """Write ``output/{task}.jsonl`` and ``output/instructions.json`` (the ``--instructions`` table); their paths."""
-    documents = list(read_texts(os.path.join(repo, SOURCE), "text", RecordStats()))
+def write_tasks(output: str, rows: dict[str, list[dict]]) -> list[str]:
+    """``output/{task}.jsonl`` of each task's rows; their paths."""
     os.makedirs(output, exist_ok=True)
     paths = []
-    for task, rows in task_rows(documents).items():
+    for task, task_rows_ in rows.items():
         path = os.path.join(output, f"{task}.jsonl")
         with open(path, "w") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in task_rows_)
         paths.append(path)
+    return paths
+
+
+def write_instructions(output: str) -> str:
+    """``output/instructions.json``, the ``--instructions`` table of both tasks; its path."""
     path = os.path.join(output, "instructions.json")
     with open(path, "w") as f:
         json.dump({task: {"query": text} for task, text in INSTRUCTIONS.items()}, f, indent=2)
         f.write("\n")
-    return [*paths, path]
+    return path
+
+
+def write_pairs_sample(repo: str, output: str) -> list[str]:
+    """Write ``output/{task}.jsonl`` and ``output/instructions.json``; their paths."""
+    documents = list(read_texts(os.path.join(repo, SOURCE), "text", RecordStats()))
+    return [*write_tasks(output, task_rows(documents)), write_instructions(output)]

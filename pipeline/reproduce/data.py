@@ -49,7 +49,7 @@ import re
 import tarfile
 import zipfile
 
-from pipeline.data.pairs_sample import INSTRUCTIONS, retrieval_rows, task_rows
+from pipeline.data.pairs_sample import retrieval_rows, task_rows, write_instructions, write_tasks
 from pipeline.data.sources import RecordStats, read_texts
 from pipeline.experiment import REPO
 
@@ -166,13 +166,11 @@ def _sample_texts(split: str) -> list[str]:
 def shakespeare_pairs(out: str) -> dict[str, int]:
     """The supervised stage's pairs (train split) and the zero-shot retrieval sets (held-out works)."""
     files = {}
-    for task, rows in task_rows(_sample_texts("train"), PAIRS_ROWS).items():
-        files[f"pairs/{task}.jsonl"] = _write_jsonl(os.path.join(out, f"pairs/{task}.jsonl"), rows)
-    with open(os.path.join(out, "pairs", "instructions.json"), "w") as f:
-        json.dump({task: {"query": text} for task, text in INSTRUCTIONS.items()}, f, indent=2)
-    for task, rows in retrieval_rows(_sample_texts("validation"), RETRIEVAL_QUERIES).items():
-        files[f"zero_shot_retrieval/{task}.jsonl"] = _write_jsonl(
-            os.path.join(out, f"zero_shot_retrieval/{task}.jsonl"), rows)
+    for folder, rows in (("pairs", task_rows(_sample_texts("train"), PAIRS_ROWS)),
+                         ("zero_shot_retrieval", retrieval_rows(_sample_texts("validation"), RETRIEVAL_QUERIES))):
+        write_tasks(os.path.join(out, folder), rows)
+        files.update({f"{folder}/{task}.jsonl": len(task_rows_) for task, task_rows_ in rows.items()})
+    write_instructions(os.path.join(out, "pairs"))
     return files
 
 
