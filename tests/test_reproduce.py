@@ -87,6 +87,23 @@ def test_study_grids_have_equal_budgets(smoke):
             n.rsplit("-s", 1)[0] for n in runs}
 
 
+@pytest.mark.parametrize("smoke", [False, True])
+def test_adaptation_studies_train_on_one_rank_without_zero_with_the_recipes_batches(smoke):
+    """Studies 1 and 3 use the fastest CPU layout (BENCHMARKS.md "CPU layouts"); per step they keep what the
+    2-rank ZeRO-3 layout trained: MNTP/MAGNET rows, units per contrastive micro-step (the in-batch negatives) and
+    units a step, supervised rows in one GradCache batch."""
+    per_step = {}  # run -> (packed or pairs rows a step, units a micro-step, units a step)
+    for study in STUDIES[0], STUDIES[2]:
+        for v in load_grid(os.path.join(REPO, study.grid)).variants(smoke=smoke, out="runs/x"):
+            assert (v.resources.world_size, os.path.basename(v.ds_config)) == (1, "zero0.json"), v.name
+            t, units = v.experiment.train, v.experiment.data.unit_micro_batch
+            per_step[v.name.removesuffix("-smoke")] = (t.micro_batch * t.grad_accum, units, units * t.grad_accum)
+    rows = 4 if smoke else 8
+    assert per_step["llm2vec-mntp"][0] == per_step["llm2vec-supervised"][0] == per_step["magnet-magnet"][0] == rows
+    assert per_step["llm2vec-simcse"][1:] == (16, 16 if smoke else 32)
+    assert per_step["magnet-magnet"][1:] == (8, 8 if smoke else 16)
+
+
 def test_verdicts_follow_the_seed_spread():
     assert compare(Measured((0.8, 0.82)), Measured((0.7, 0.71)))[0] == "reproduced"
     assert compare(Measured((0.8, 0.7)), Measured((0.74, 0.75)))[0] == "inconclusive"
@@ -191,3 +208,4 @@ def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, monkeypatch):
     before = os.stat(out).st_mtime_ns
     driver._evaluate(Study("s", "", "sts,clustering", options), model, out)
     assert os.stat(out).st_mtime_ns == before and set(driver.timings) == {"eval_s"}
+
