@@ -209,3 +209,35 @@ def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, monkeypatch):
     driver._evaluate(Study("s", "", "sts,clustering", options), model, out)
     assert os.stat(out).st_mtime_ns == before and set(driver.timings) == {"eval_s"}
 
+
+def test_a_task_another_study_ran_with_the_same_options_is_copied_not_run(tmp_path, monkeypatch):
+    """Studies 1 and 3 both read STS of the same models: the second copies the first's results file's task when
+    model, attention and options are the same, and runs it when an option differs."""
+    from helpers import tiny_llama
+
+    from pipeline.reproduce import driver as driver_module
+    from pipeline.reproduce.studies import Study
+    from pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(os.path.join(REPO, "data", "sample", "tokenizer"))
+    model = str(tmp_path / "tiny")
+    tiny_llama(tok).save_pretrained(model)
+    tok.save(model)
+    monkeypatch.setattr(driver_module, "REAL", os.path.join(os.path.dirname(__file__), "fixtures", "eval"))
+    driver = Driver(True, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
+    evals = tmp_path / "eval"
+    driver._evaluate(Study("a", "", "sts,clustering", {"quick": ["sts.max_length=32", "clustering.max_length=32"]}),
+                     model, str(evals / "a.json"))
+    first = json.load(open(evals / "a.json"))
+    driver._evaluate(Study("b", "", "sts", {"quick": ["sts.max_length=32"]}), model, str(evals / "b.json"))
+    copied = json.load(open(evals / "b.json"))
+    assert copied["reused"] == {"sts": "a.json"} and copied["config"]["tasks"] == ["sts"]
+    assert copied["results"] == {"sts": first["results"]["sts"]} and copied["options"]["sts"] == first["options"]["sts"]
+    assert set(copied["headline"]) == {k for k in first["headline"] if k.startswith("sts")}
+    assert "sts: the results of" in open(tmp_path / "results" / "quick" / "logs" / "eval_b.log").read()
+    driver._evaluate(Study("c", "", "sts", {"quick": ["sts.max_length=16"]}), model, str(evals / "c.json"))
+    run = json.load(open(evals / "c.json"))
+    assert "reused" not in run and run["options"]["sts"]["max_length"] == 16
+    driver._evaluate(Study("b", "", "sts", {"quick": ["sts.max_length=32"]}), model, str(evals / "b-bidi.json"),
+                     attention="bidirectional")  # another reading of the model: run
+    assert "reused" not in json.load(open(evals / "b-bidi.json"))

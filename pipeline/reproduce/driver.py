@@ -27,12 +27,14 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 
 import torch
 
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.manifest import MANIFEST
+from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.report.write import write_report
 from pipeline.eval.runner import EvalConfig, evaluate, failure_lines, write_results
 from pipeline.experiment import REPO
@@ -148,15 +150,17 @@ class Driver:
     def evaluate(self, study: Study) -> None:
         for b in study.baselines:
             self._evaluate(study, SMOLLM2, os.path.join(self.out, "baselines", f"{b.name}-{study.name}.json"),
-                           b.attention)
+                           b.attention, siblings=f"{b.name}-*.json")
         for name in self.run_names(study):
             self._evaluate(study, os.path.join(self.out, name),
                            RunDir(os.path.join(self.out, name)).eval_results(study.name))
 
-    def _evaluate(self, study: Study, model: str, out: str, attention: str = "auto") -> None:
+    def _evaluate(self, study: Study, model: str, out: str, attention: str = "auto", siblings: str = "*.json") -> None:
         """The study's tasks that ``out`` has no results of (all of them without ``out``; none: nothing to do) on
         ``model``, merged into ``out``: written when a task finished, a failed task is an error (the finished ones
-        are kept, so a re-run evaluates only what is missing, e.g. a task a study gained)."""
+        are kept, so a re-run evaluates only what is missing, e.g. a task a study gained). A task that another
+        study's results file of the same model (``siblings``, beside ``out``) holds with the same options is copied
+        from it, not run again: studies 1 and 3 both read STS."""
         before = read_json(out) if os.path.isfile(out) else None
         tasks = [t for t in study.tasks.split(",") if before is None or t not in before["results"]]
         if not tasks:
@@ -165,13 +169,28 @@ class Driver:
                             overrides=[o for o in study.options[self.mode] if o.split(".", 1)[0] in tasks],
                             attention=attention, device="cuda" if torch.cuda.is_available() else "cpu", batch_size=8,
                             progress=False)
+        reused = _evaluated_elsewhere(config, glob.glob(os.path.join(os.path.dirname(out), siblings)), out)
+        config.tasks = [t for t in tasks if t not in reused]
+        config.overrides = [o for o in config.overrides if o.split(".", 1)[0] in config.tasks]
 
         def step() -> None:
-            results = evaluate(config)
+            if config.tasks:
+                results = evaluate(config)
+            else:  # every task is another study's
+                other = next(iter(reused.values()))[1]
+                results = {"config": asdict(config), "model": other["model"], "environment": other["environment"],
+                           **{key: {} for key in ("options", "results", "headline", "failed", "seconds")}}
+            for task, (path, other) in reused.items():
+                print(f"{task}: the results of {path} (the same model and options)")
+                for key in ("options", "results", "seconds"):
+                    results[key][task] = other[key][task]
+                results["headline"].update(TASKS[task].headline(other["results"][task]))
+                results.setdefault("reused", {})[task] = os.path.basename(path)
             if before is not None:
-                for key in ("options", "results", "headline", "seconds"):
-                    results[key] = {**before[key], **results[key]}
-                results["config"]["tasks"] = [t for t in study.tasks.split(",") if t in results["results"]]
+                for key in ("options", "results", "headline", "seconds", "reused"):
+                    if key in before or key in results:
+                        results[key] = {**before.get(key, {}), **results.get(key, {})}
+            results["config"]["tasks"] = [t for t in study.tasks.split(",") if t in results["results"]]
             if write_results(results, out):
                 print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in results["headline"].items()))
             if results["failed"] or not results["results"]:
@@ -251,6 +270,22 @@ class Driver:
             json.dump({"stages_s": spent, "step_seconds_median": self.step_seconds()}, f, indent=1)
         print(f"wrote {self.page} and {self.results}/ in {self.timings['total']:.0f} s ({spent['total']:.0f} s "
               "over all invocations)")
+
+
+def _evaluated_elsewhere(config: EvalConfig, paths: list[str], out: str) -> dict[str, tuple[str, dict]]:
+    """Task -> (results file, its contents) for each of ``config``'s tasks that a results file in ``paths`` (not
+    ``out``) has for the same model, attention, data and batch size with the options ``config`` would run."""
+    wanted = {t: asdict(o) for t, o in task_options(config.tasks, config.overrides).items()}
+    same = {k: v for k, v in asdict(config).items() if k not in ("tasks", "overrides", "progress")}
+    found: dict[str, tuple[str, dict]] = {}
+    for path in sorted(p for p in paths if os.path.abspath(p) != os.path.abspath(out)):
+        other = read_json(path)
+        if {k: other["config"].get(k) for k in same} != same:
+            continue
+        for task, options in wanted.items():
+            if task not in found and task in other["results"] and other["options"].get(task) == options:
+                found[task] = (path, other)
+    return found
 
 
 def set_rank_defaults() -> None:

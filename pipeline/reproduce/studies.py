@@ -47,8 +47,8 @@ _SWITCH_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "clm-25-mlm-40
 
 STUDIES = (
     Study("llm2vec", "experiments/reproduce/llm2vec/grid.yaml", "sts,clustering,zero_shot_retrieval",
-          {"quick": ["sts.max_length=128", "sts.max_examples=256", "clustering.max_length=128",
-                     "zero_shot_retrieval.max_examples=64"],
+          {"quick": ["sts.max_length=64", "sts.max_examples=256", "clustering.max_length=64",
+                     "zero_shot_retrieval.max_examples=32"],
            "full": ["sts.max_length=512"]},
           baselines=(Baseline("smollm2-causal", "causal"), Baseline("smollm2-bidirectional", "bidirectional")),
           rows=(("causal, mean pooling (untrained)", "smollm2-causal"),
@@ -71,7 +71,7 @@ STUDIES = (
           paper_model="610M, 42K steps; its switch is CLM 25 % -> MLM 40 %",
           plots=("loss_curves", "metrics_vs_clm_share")),
     Study("magnet", "experiments/reproduce/magnet/grid.yaml", "sts,repetition,infilling",
-          {"quick": ["sts.max_length=128", "sts.max_examples=256", "repetition.max_examples=3",
+          {"quick": ["sts.max_length=64", "sts.max_examples=256", "repetition.max_examples=3",
                      "repetition.decoding.max_new_tokens=32",
                      "infilling.max_examples=8", "infilling.generate=0"],
            "full": ["sts.max_length=512", "repetition.max_examples=16", "repetition.decoding.max_new_tokens=64",
