@@ -78,8 +78,9 @@ class RunDir:
         """Where evaluation exports a checkpoint it reads (once)."""
         return os.path.join(self.eval, f"hf-{tag(step)}")
 
-    def eval_results(self, name: str = "results") -> str:
-        return os.path.join(self.eval, f"{name}.json")
+    def eval_results(self, name: str = "results", step: int | None = None) -> str:
+        """A kept checkpoint's results go under ``eval/stepN/``, where the run's own (final) results are not read."""
+        return os.path.join(self.eval if step is None else os.path.join(self.eval, tag(step)), f"{name}.json")
 
     def all_eval_results(self) -> list[str]:
         return sorted(glob.glob(os.path.join(self.eval, "*.json")))

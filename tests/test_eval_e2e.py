@@ -105,6 +105,30 @@ def test_evaluate_then_report_on_a_smoke_run(tmp_path):
 
 
 @pytest.mark.e2e
+def test_a_kept_checkpoint_is_evaluated_beside_the_final_model_not_instead(tmp_path):
+    """``--step N`` reads the checkpoint ``checkpoint.keep_every`` kept (metrics against training steps); its
+    results go to RUN/eval/stepN/, which the report of the run's final model does not read."""
+    from pipeline.eval.report.runs import load_run
+
+    data_dir = make_data_dir(str(tmp_path / "data"))
+    run_dir = train(tmp_path / "runs", data_dir, "clm", "checkpoint.every=2", "checkpoint.keep_last=1",
+                    "checkpoint.keep_every=4", "train.export_hf=false")
+    ppl = ["--tasks", "perplexity", "--data-dir", data_dir, "--no-progress", "--set", "perplexity.max_batches=2"]
+    early = cli("evaluate.py", "--model", run_dir, "--step", "4", *ppl)
+    assert early.returncode == 0, early.stderr[-3000:]
+    assert cli("evaluate.py", "--model", run_dir, *ppl).returncode == 0
+    with open(os.path.join(run_dir, "eval", "results.json")) as f:
+        final = json.load(f)
+    with open(os.path.join(run_dir, "eval", "step00000004", "results.json")) as f:
+        at_4 = json.load(f)
+    assert (at_4["model"]["step"], final["model"]["step"]) == (4, 6) and at_4["config"]["step"] == 4
+    assert at_4["headline"]["ppl"] != final["headline"]["ppl"]  # another model
+    assert load_run(run_dir).headline == final["headline"]  # the report reads the final model's results only
+    pruned = cli("evaluate.py", "--model", run_dir, "--step", "2", *ppl)  # neither kept nor among the newest
+    assert pruned.returncode == 2 and "no complete checkpoint of step 2; its complete steps: [4, 6]" in pruned.stderr
+
+
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.extended  # the quick reproduction reports on grids; test_evaluate_then_report_on_a_smoke_run
 def test_report_on_a_grid_of_smoke_runs(tmp_path):

@@ -77,9 +77,17 @@ def checkpoint_export(run: RunDir, step: int) -> str:
     return out
 
 
-def resolve(path: str) -> tuple[str, str | None, int | None]:
-    """(HF directory, run directory or None, checkpoint step or None) for a run or HF directory."""
+def resolve(path: str, step: int | None = None) -> tuple[str, str | None, int | None]:
+    """(HF directory, run directory or None, checkpoint step or None) for a run or HF directory; ``step``: that
+    complete checkpoint of the run (e.g. one ``checkpoint.keep_every`` kept), exported once."""
     run = RunDir(path)
+    if step is not None:
+        if not run.exists():
+            raise ModelError(f"{path}: a checkpoint step ({step}) needs a run directory (with experiment.json)")
+        if step not in run.complete_steps():
+            raise ModelError(f"{path}: no complete checkpoint of step {step}; its complete steps: "
+                             f"{run.complete_steps() or 'none'} (checkpoint.keep_every keeps steps for good)")
+        return checkpoint_export(run, step), path, step
     if run.exists():
         steps = run.complete_steps()
         if run.has_hf():
@@ -96,14 +104,14 @@ def resolve(path: str) -> tuple[str, str | None, int | None]:
 
 
 def load_model(path: str, *, attention: str = "auto", tokenizer: str | None = None, device: str = "cpu",
-               dtype: str = "fp32", attn_implementation: str = "sdpa") -> EvalModel:
-    """Load ``path`` (run or HF directory) for evaluation, in eval mode; ``tokenizer`` overrides the model
-    directory's own tokenizer files."""
+               dtype: str = "fp32", attn_implementation: str = "sdpa", step: int | None = None) -> EvalModel:
+    """Load ``path`` (run or HF directory; with ``step``, that checkpoint of the run) for evaluation, in eval mode;
+    ``tokenizer`` overrides the model directory's own tokenizer files."""
     if attention not in ATTENTIONS:
         raise ModelError(f"attention {attention!r} is not one of {', '.join(ATTENTIONS)}")
     if not os.path.exists(path):
         raise ModelError(f"{path}: no such model; pass a run directory (runs/<name>) or an HF model directory")
-    hf_dir, run_dir, step = resolve(path)
+    hf_dir, run_dir, step = resolve(path, step)
     try:
         tok = load_tokenizer(tokenizer or hf_dir)
     except ValueError as e:

@@ -37,6 +37,7 @@ class EvalConfig:
     batch_size: int = 16
     seed: int = 0
     progress: bool = True
+    step: int | None = None  # a kept checkpoint of the run directory ``model`` (None: its export or newest)
 
 
 def failure(error: Exception) -> dict:
@@ -51,7 +52,7 @@ def evaluate(config: EvalConfig) -> dict:
     stop the run before any task; a task that fails is recorded in ``failed`` (``failure``) and the others run."""
     options = task_options(config.tasks, config.overrides)  # before loading the model: bad options fail fast
     model = load_model(config.model, attention=config.attention, tokenizer=config.tokenizer, device=config.device,
-                       dtype=config.dtype)
+                       dtype=config.dtype, step=config.step)
     ctx = EvalContext(model, config.data_dir, config.batch_size, config.progress, config.seed)
     results, headline, seconds, failed = {}, {}, {}, {}
     for name in config.tasks:
@@ -93,7 +94,8 @@ USAGE = """Evaluate a run or an HF model on any of the evaluation tasks and writ
     python launch/evaluate.py --model RUN_DIR|HF_DIR --tasks sts,repetition --data-dir DIR [--out results.json]
         [--set TASK.KEY=VALUE ...] [--attention auto|causal|bidirectional] [--device cpu|cuda] [--batch-size N]
 
-Without --out, a run directory's results go to RUN_DIR/eval/results.json, where launch/report.py reads them.
+Without --out, a run directory's results go to RUN_DIR/eval/results.json, where launch/report.py reads them;
+``--step N`` evaluates the run's complete checkpoint of step N instead (RUN_DIR/eval/stepNNNNNNNN/results.json).
 A task that fails does not lose the others: the finished tasks' results are written, and each failed task is named
 with its error (exit status 1; 2 when nothing finished, and then nothing is written).
 ``--list`` prints the tasks. Data layouts, options and metrics: docs/evaluation.md.
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, help="evaluate this complete checkpoint of the run directory (e.g. one "
+                   "checkpoint.keep_every kept); results default to RUN_DIR/eval/stepNNNNNNNN/results.json")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--list", action="store_true", help="list the tasks and exit")
     args = p.parse_args(argv)
@@ -125,13 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model or not args.tasks:
         p.error("--model and --tasks are required (or --list)")
     run = RunDir(args.model)
-    out = args.out or (run.eval_results() if run.exists() else None)
+    out = args.out or (run.eval_results(step=args.step) if run.exists() else None)
     if out is None:
         p.error("--out is required when --model is not a run directory")
     config = EvalConfig(model=args.model, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
                         data_dir=args.data_dir, overrides=args.set, attention=args.attention,
                         tokenizer=args.tokenizer, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
-                        seed=args.seed, progress=not args.no_progress)
+                        seed=args.seed, progress=not args.no_progress, step=args.step)
     try:
         results = evaluate(config)
     except (ConfigError, DataError, ModelError, FileNotFoundError) as e:
