@@ -255,6 +255,9 @@ def test_probing_task_reads_mntp_models_one_position_earlier(model, data_dir):
     mntp_model = dataclasses.replace(model, record=dataclasses.replace(model.record, reads_previous=True))
     shifted = run_task("probing", mntp_model, data_dir, "max_epochs=2")
     assert shifted["reads_previous"] is True
+    assert same["tasks"]["chunk"]["train_words"] == 57  # the fixture's 9 training sentences
+    cut = run_task("probing", model, data_dir, "max_epochs=1", "max_train_sentences=8", "columns={chunk: 2}")
+    assert cut["tasks"]["chunk"]["train_words"] == 57 - 8  # the first 8
 
 
 @pytest.mark.parametrize("name", ["classification", "token_classification", "qa", "retrieval"])

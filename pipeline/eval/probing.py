@@ -44,12 +44,16 @@ class ProbingOptions:
     patience: int = 2  # epochs without a better dev accuracy before stopping
     dropout: float = 0.1
     max_length: int = 512  # longer sentences are skipped (in every split) and counted
+    max_train_sentences: int = 0  # the probe trains on the train file's first N sentences (0: all)
 
 
 def load_splits(ctx: EvalContext, opts: ProbingOptions) -> dict[str, list[Sentence]]:
     directory = opts.directory if os.path.isabs(opts.directory) else os.path.join(ctx.data_dir, opts.directory)
-    return {split: read_conll(split_file(directory, split, SPLIT_NAMES, "probing"))
-            for split in ("train", "dev", "test")}
+    splits = {split: read_conll(split_file(directory, split, SPLIT_NAMES, "probing"))
+              for split in ("train", "dev", "test")}
+    if opts.max_train_sentences:
+        splits["train"] = splits["train"][:opts.max_train_sentences]
+    return splits
 
 
 def tags_of(sentences: list[Sentence], column: int, name: str) -> list[list[str]]:
@@ -137,7 +141,8 @@ def run(ctx: EvalContext, opts: ProbingOptions) -> dict:
         probe, record = train_probe(x, y, len(labels), opts, ctx.seed)
         with torch.no_grad():
             pred = probe(x["test"]).argmax(-1)
-        result = {"accuracy": 100 * float((pred == y["test"]).float().mean()), **record, "labels": len(labels)}
+        result = {"accuracy": 100 * float((pred == y["test"]).float().mean()), **record, "labels": len(labels),
+                  "train_words": len(y["train"])}
         if any("-" in t for t in labels):
             flat, pred_tags, start = [labels[int(p)] for p in pred], [], 0
             for i in kept["test"]:

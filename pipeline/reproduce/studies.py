@@ -41,15 +41,16 @@ def _finetune(lrs: str, seeds: str, steps: int, batch: int = 32) -> list[str]:
             for k, v in (("lrs", lrs), ("seeds", seeds), ("max_steps", steps), ("batch_size", batch))]
 
 
+_POS_PROBE = ["probing.directory=token_classification/wsj-pos", "probing.columns={pos: 1}"]  # LLM2Vec's word tasks
 _MLM_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "mlm-40")][:2]))
 _CLM_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "clm")][:2]))
 _SWITCH_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "clm-25-mlm-40")][:2]))
 
 STUDIES = (
-    Study("llm2vec", "experiments/reproduce/llm2vec/grid.yaml", "sts,clustering,zero_shot_retrieval",
+    Study("llm2vec", "experiments/reproduce/llm2vec/grid.yaml", "sts,clustering,zero_shot_retrieval,probing",
           {"quick": ["sts.max_length=64", "sts.max_examples=256", "clustering.max_length=64",
-                     "zero_shot_retrieval.max_examples=32"],
-           "full": ["sts.max_length=512"]},
+                     "zero_shot_retrieval.max_examples=32", *_POS_PROBE, "probing.max_train_sentences=300"],
+           "full": ["sts.max_length=512", *_POS_PROBE]},
           baselines=(Baseline("smollm2-causal", "causal"), Baseline("smollm2-bidirectional", "bidirectional")),
           rows=(("causal, mean pooling (untrained)", "smollm2-causal"),
                 ("bidirectional, untrained", "smollm2-bidirectional"),
@@ -58,7 +59,8 @@ STUDIES = (
           columns=(("STS-B (Spearman x100)", "sts/stsb"), ("STS Clough (Spearman x100)", "sts/clough"),
                    ("Clustering Clough topics (V x100)", "clustering_avg"),
                    ("Retrieval replies (NDCG@10 x100)", "zs_ndcg/replies"),
-                   ("Retrieval continuations (NDCG@10 x100)", "zs_ndcg/continuations")),
+                   ("Retrieval continuations (NDCG@10 x100)", "zs_ndcg/continuations"),
+                   ("POS probe WSJ (word acc x100)", "probe_pos")),
           paper={"causal, mean pooling (untrained)": {"sts/clough": LLAMA2["base"]["sts_avg"]},
                  "bidirectional + MNTP + SimCSE": {"sts/stsb": LLAMA2["llm2vec"]["sts/stsb"],
                                                    "sts/clough": LLAMA2["llm2vec"]["sts_avg"]}}),
