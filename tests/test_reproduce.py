@@ -180,13 +180,12 @@ def test_reproduce_quick_end_to_end(tmp_path):
     assert again.returncode == 0 and "== train_" in again.stdout and "== eval_" not in again.stdout
 
 
-def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, monkeypatch):
-    """A study that gained a task (LLM2Vec: zero-shot retrieval) evaluates only that task on a model whose results
-    file has the others, keeps their results as they were, and then has nothing left to do."""
+@pytest.fixture
+def tiny_model_and_driver(tmp_path, monkeypatch) -> tuple[str, Driver]:
+    """A tiny HF model directory and a quick-mode driver that evaluates on the test fixtures' data."""
     from helpers import tiny_llama
 
     from pipeline.reproduce import driver as driver_module
-    from pipeline.reproduce.studies import Study
     from pipeline.tokenizer import load_tokenizer
 
     tok = load_tokenizer(os.path.join(REPO, "data", "sample", "tokenizer"))
@@ -194,7 +193,15 @@ def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, monkeypatch):
     tiny_llama(tok).save_pretrained(model)
     tok.save(model)
     monkeypatch.setattr(driver_module, "REAL", os.path.join(os.path.dirname(__file__), "fixtures", "eval"))
-    driver = Driver(True, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
+    return model, Driver(True, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
+
+
+def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, tiny_model_and_driver):
+    """A study that gained a task (LLM2Vec: zero-shot retrieval) evaluates only that task on a model whose results
+    file has the others, keeps their results as they were, and then has nothing left to do."""
+    from pipeline.reproduce.studies import Study
+
+    model, driver = tiny_model_and_driver
     out = str(tmp_path / "model-study.json")
     options = {"quick": ["sts.max_length=32", "clustering.max_length=32"]}
     driver._evaluate(Study("s", "", "sts", options), model, out)
@@ -210,21 +217,12 @@ def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, monkeypatch):
     assert os.stat(out).st_mtime_ns == before and set(driver.timings) == {"eval_s"}
 
 
-def test_a_task_another_study_ran_with_the_same_options_is_copied_not_run(tmp_path, monkeypatch):
+def test_a_task_another_study_ran_with_the_same_options_is_copied_not_run(tmp_path, tiny_model_and_driver):
     """Studies 1 and 3 both read STS of the same models: the second copies the first's results file's task when
     model, attention and options are the same, and runs it when an option differs."""
-    from helpers import tiny_llama
-
-    from pipeline.reproduce import driver as driver_module
     from pipeline.reproduce.studies import Study
-    from pipeline.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(os.path.join(REPO, "data", "sample", "tokenizer"))
-    model = str(tmp_path / "tiny")
-    tiny_llama(tok).save_pretrained(model)
-    tok.save(model)
-    monkeypatch.setattr(driver_module, "REAL", os.path.join(os.path.dirname(__file__), "fixtures", "eval"))
-    driver = Driver(True, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
+    model, driver = tiny_model_and_driver
     evals = tmp_path / "eval"
     driver._evaluate(Study("a", "", "sts,clustering", {"quick": ["sts.max_length=32", "clustering.max_length=32"]}),
                      model, str(evals / "a.json"))
