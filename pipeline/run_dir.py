@@ -85,6 +85,10 @@ class RunDir:
     def all_eval_results(self) -> list[str]:
         return sorted(glob.glob(os.path.join(self.eval, "*.json")))
 
+    def step_eval_results(self) -> list[str]:
+        """The kept checkpoints' results (``eval/stepN/*.json``)."""
+        return sorted(glob.glob(os.path.join(self.eval, "step[0-9]*", "*.json")))
+
     # what the directory holds
 
     def exists(self) -> bool:

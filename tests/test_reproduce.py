@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,19 +92,23 @@ def test_study_grids_have_equal_budgets(scale):
 
 @pytest.mark.parametrize("smoke", [False, True])
 def test_adaptation_studies_train_on_one_rank_without_zero_with_the_recipes_batches(smoke):
-    """Studies 1 and 3 use the fastest CPU layout (BENCHMARKS.md "CPU layouts"); per step they keep what the
-    2-rank ZeRO-3 layout trained: MNTP/MAGNET rows, units per contrastive micro-step (the in-batch negatives) and
-    units a step, supervised rows in one GradCache batch."""
-    per_step = {}  # run -> (packed or pairs rows a step, units a micro-step, units a step)
+    """Studies 1 and 3 use the fastest CPU layout (BENCHMARKS.md "CPU layouts"), the twins the same batches: MNTP
+    and supervised 8 rows a step, SimCSE one micro-step of 16 sentence units (15 in-batch negatives), MAGNET 4 packed
+    rows and SimCSE's 16 units a step; checkpoints kept for the curves over steps."""
+    per_step, kept = {}, {}  # run -> (packed or pairs rows a step, units a micro-step, units a step); keep_every
     for study in STUDIES[0], STUDIES[2]:
         for v in load_grid(os.path.join(REPO, study.grid)).variants(smoke=smoke, out="runs/x"):
             assert (v.resources.world_size, os.path.basename(v.ds_config)) == (1, "zero0.json"), v.name
             t, units = v.experiment.train, v.experiment.data.unit_micro_batch
             per_step[v.name.removesuffix("-smoke")] = (t.micro_batch * t.grad_accum, units, units * t.grad_accum)
-    rows = 4 if smoke else 8
-    assert per_step["llm2vec-mntp"][0] == per_step["llm2vec-supervised"][0] == per_step["magnet-magnet"][0] == rows
-    assert per_step["llm2vec-simcse"][1:] == (16, 16 if smoke else 32)
-    assert per_step["magnet-magnet"][1:] == (8, 8 if smoke else 16)
+            kept[v.name.removesuffix("-smoke")] = (t.steps, v.experiment.checkpoint.keep_every)
+    assert per_step["llm2vec-mntp"][0] == per_step["llm2vec-supervised"][0] == 8
+    assert per_step["llm2vec-simcse"][1:] == per_step["magnet-magnet"][1:] == (16, 16)
+    assert per_step["magnet-magnet"][0] == 4
+    assert kept == ({"llm2vec-mntp": (2, 4), "llm2vec-simcse": (8, 4), "llm2vec-supervised": (1, 4),
+                     "magnet-magnet": (10, 6)} if smoke else
+                    {"llm2vec-mntp": (48, 24), "llm2vec-simcse": (192, 48), "llm2vec-supervised": (24, 0),
+                     "magnet-magnet": (240, 48)})
 
 
 def test_paper_scale_trains_the_papers_steps_and_batches_on_one_gpu():
@@ -238,6 +243,19 @@ def test_reproduce_quick_end_to_end(tmp_path):
         assert os.path.isfile(tmp_path / "results" / "quick" / study.name / "loss_curves.png")
     assert os.path.isfile(tmp_path / "results" / "quick" / "runs" / "cpt-s1-smoke" / "metrics.jsonl")
     assert os.path.isfile(tmp_path / "results" / "quick" / "runs" / "magnet-magnet-smoke" / "eval" / "magnet.json")
+    # the curves over steps: kept checkpoints evaluated (SimCSE's step 4 after MNTP's 2; MAGNET's 6), plotted,
+    # each claim's verdict per budget; STS of SimCSE's step 4 copied into study 3 from study 1's file
+    kept = tmp_path / "results" / "quick" / "runs"
+    simcse = json.load(open(kept / "llm2vec-simcse-smoke" / "eval" / "step00000004" / "magnet.json"))
+    assert simcse["reused"] == {"sts": "llm2vec.json"} and "rep_4/wiki" in simcse["headline"]
+    assert os.path.isfile(kept / "magnet-magnet-smoke" / "eval" / "step00000006" / "magnet.json")
+    for study in STUDIES[0], STUDIES[2]:
+        block = text.split(f"<!-- BEGIN quick {study.name} -->")[1].split("<!-- END")[0]
+        assert "curves.png)" in block and "| over steps (the chain's steps) |" in block
+        assert os.path.isfile(tmp_path / "results" / "quick" / study.name / "curves.png")
+    magnet = text.split("<!-- BEGIN quick magnet -->")[1].split("<!-- END")[0]
+    rep4 = next(line for line in magnet.splitlines() if line.startswith("| MAGNET repeats less than LLM2Vec (Rep-4)"))
+    assert {6, 10} <= {int(n) for n in re.findall(r"\d+", rep4.split(" | ")[-1])}  # the budgets both runs reached
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert again.returncode == 0 and "== train_" in again.stdout and "== eval_" not in again.stdout
 

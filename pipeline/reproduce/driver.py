@@ -1,7 +1,8 @@
 """Run the studies end to end: real data, SmolLM2 (``pipeline.model.gguf_import``), unit, span and pairs shards
 (``pipeline.data.build``), each grid's runs trained here through the sweep (``pipeline.sweep``, as
 ``launch/sweep.py --local``: finished runs skipped, unfinished ones resumed), every run and baseline without results
-evaluated (``pipeline.eval.runner``), then the report (``pipeline.eval.report.write``) and the results page. Each
+evaluated (``pipeline.eval.runner``), the kept checkpoints too on the study's curve tasks (``pipeline.reproduce.curves``),
+then the report (``pipeline.eval.report.write``), the curves' plot and the results page. Each
 step runs in this process from the repository root, its output (and its child processes', e.g. the training ranks)
 appended to a log file; every step is skipped when its output exists, so the same command resumes.
 
@@ -12,9 +13,10 @@ reproduce`` / ``make reproduce-quick`` / ``make reproduce-paper`` run it after `
 options, the shards to build) and prints it, writing and training nothing.
 
 Outputs: runs under OUT (runs/reproduce, runs/reproduce-quick or runs/reproduce-paper), and under RESULTS/SCALE
-(docs/results/full, quick or paper) the small records: each run's experiment.json, metrics.jsonl and eval results, the logs, the
-report plots, ``timings.json`` (seconds per stage summed over invocations, median seconds per training step of
-each run); the tables go into docs/results.md between its ``<!-- BEGIN MODE STUDY -->`` markers.
+(docs/results/full, quick or paper) the small records: each run's experiment.json, metrics.jsonl and eval results
+(its kept steps' too), the logs, the report plots and ``curves.png``, ``timings.json`` (seconds per stage summed over
+invocations, median seconds per training step of each run); the tables go into docs/results.md between its
+``<!-- BEGIN MODE STUDY -->`` markers.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pipeline.experiment import REPO
 from pipeline.grid import SMOKE_SUFFIX
 from pipeline.io import read_json
 from pipeline.model.gguf_import import import_gguf, packaged_gguf
+from pipeline.reproduce.curves import Curve, kept_steps, plot_curves, run_curve
 from pipeline.reproduce.data import RealDataError, extract, is_extracted
 from pipeline.reproduce.results import replace_block, study_markdown
 from pipeline.reproduce.studies import SMOLLM2, STUDIES, Study
@@ -51,9 +54,12 @@ from pipeline.sweep import SweepRequest, act, prepare
 
 REAL = "runs/real"
 DOWNLOADS = "runs/downloads"
-UNIT_SHARDS = "runs/reproduce/shards/smollm2-reviews-units-64"
+UNIT_SHARDS = "runs/reproduce/shards/smollm2-reviews-units-{seq_len}"  # sentence units: SimCSE, MAGNET's SSCL
 SPAN_SHARDS = "runs/reproduce/shards/smollm2-reviews-spans-{seq_len}"  # packed, with MAGNET spans (trainer: none)
-SPAN_SEQ_LEN = {"quick": 128, "full": 128, "paper": 512}  # what experiments/reproduce/magnet/*.yaml read
+# what experiments/reproduce/*/grid.yaml (the CPU scales) and paper.yaml read: CPU SimCSE on units cut to 32
+# tokens (Wiki1M's sentences are ~25), half the cost of 64 a step
+UNIT_SEQ_LEN = {"quick": 32, "full": 32, "paper": 64}
+SPAN_SEQ_LEN = {"quick": 128, "full": 128, "paper": 512}
 SCALES = ("full", "quick", "paper")
 PAIR_SHARDS = "runs/reproduce/shards/smollm2-pairs-64"  # LLM2Vec's supervised stage: 3 texts of <= 64 tokens a row
 # This process evaluates while no training rank runs, on the 2 cores the ranks had: twice as fast as one thread.
@@ -127,12 +133,14 @@ class Driver:
 
     def shard_builds(self) -> list[tuple[str, str, BuildConfig]]:
         """(stage, what, build) of the shards the studies read that the trainer does not build itself."""
-        reviews, spans = (f"{REAL}/text/reviews.jsonl",), SPAN_SHARDS.format(seq_len=SPAN_SEQ_LEN[self.mode])
+        reviews = (f"{REAL}/text/reviews.jsonl",)
+        units = UNIT_SHARDS.format(seq_len=UNIT_SEQ_LEN[self.mode])
+        spans = SPAN_SHARDS.format(seq_len=SPAN_SEQ_LEN[self.mode])
         pairs = tuple(sorted(glob.glob(os.path.join(REPO, REAL, "pairs", "*.jsonl"))))
         return [
-            ("unit_shards", f"sentence units of {reviews[0]} (64 tokens) into {UNIT_SHARDS}",
-             BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=UNIT_SHARDS, seq_len=64, units="sentence",
-                         progress=False)),
+            ("unit_shards", f"sentence units of {reviews[0]} ({UNIT_SEQ_LEN[self.mode]} tokens) into {units}",
+             BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=units, seq_len=UNIT_SEQ_LEN[self.mode],
+                         units="sentence", progress=False)),
             ("span_shards", f"{reviews[0]} packed into {SPAN_SEQ_LEN[self.mode]} tokens with spans into {spans}",
              BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=spans, seq_len=SPAN_SEQ_LEN[self.mode],
                          span_fraction=0.15, progress=False)),
@@ -175,28 +183,33 @@ class Driver:
             self._evaluate(study, SMOLLM2, os.path.join(self.out, "baselines", f"{b.name}-{study.name}.json"),
                            b.attention, siblings=f"{b.name}-*.json")
         for name in self.run_names(study):
-            self._evaluate(study, os.path.join(self.out, name),
-                           RunDir(os.path.join(self.out, name)).eval_results(study.name))
+            run = RunDir(os.path.join(self.out, name))
+            self._evaluate(study, run.path, run.eval_results(study.name))
+            for step in kept_steps(run) if study.curve_tasks else ():
+                self._evaluate(study, run.path, run.eval_results(study.name, step), tasks=study.curve_tasks, step=step)
 
-    def _evaluate(self, study: Study, model: str, out: str, attention: str = "auto", siblings: str = "*.json") -> None:
+    def _evaluate(self, study: Study, model: str, out: str, attention: str = "auto", siblings: str = "*.json",
+                  tasks: str = "", step: int | None = None) -> None:
         """The study's tasks that ``out`` has no results of (all of them without ``out``; none: nothing to do) on
         ``model``, merged into ``out``: written when a task finished, a failed task is an error (the finished ones
         are kept, so a re-run evaluates only what is missing, e.g. a task a study gained). A task that another
         study's results file of the same model (``siblings``, beside ``out``) holds with the same options is copied
-        from it, not run again: studies 1 and 3 both read STS."""
+        from it, not run again: studies 1 and 3 both read STS. ``tasks`` (default: the study's) and ``step`` (a kept
+        checkpoint of the run ``model``) evaluate a point of the study's curves."""
         before = read_json(out) if os.path.isfile(out) else None
-        tasks = [t for t in study.tasks.split(",") if before is None or t not in before["results"]]
+        wanted = (tasks or study.tasks).split(",")
+        tasks = [t for t in wanted if before is None or t not in before["results"]]
         if not tasks:
             return
         config = EvalConfig(model=model, tasks=tasks, data_dir=REAL,
                             overrides=[o for o in study.options[self.mode] if o.split(".", 1)[0] in tasks],
                             attention=attention, device="cuda" if torch.cuda.is_available() else "cpu", batch_size=8,
-                            progress=False)
+                            progress=False, step=step)
         reused = _evaluated_elsewhere(config, glob.glob(os.path.join(os.path.dirname(out), siblings)), out)
         config.tasks = [t for t in tasks if t not in reused]
         config.overrides = [o for o in config.overrides if o.split(".", 1)[0] in config.tasks]
 
-        def step() -> None:
+        def evaluate_here() -> None:
             if config.tasks:
                 results = evaluate(config)
             else:  # every task is another study's
@@ -213,13 +226,14 @@ class Driver:
                 for key in ("options", "results", "headline", "seconds", "reused"):
                     if key in before or key in results:
                         results[key] = {**before.get(key, {}), **results.get(key, {})}
-            results["config"]["tasks"] = [t for t in study.tasks.split(",") if t in results["results"]]
+            results["config"]["tasks"] = [t for t in wanted if t in results["results"]]
             if write_results(results, out):
                 print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in results["headline"].items()))
             if results["failed"] or not results["results"]:
                 raise RuntimeError("; ".join(failure_lines(results)) or "no task finished")
 
-        self._run(f"eval_{study.name}", f"{','.join(tasks)} on {model} into {out}", step)
+        at = "" if step is None else f" (step {step})"
+        self._run(f"eval_{study.name}", f"{','.join(tasks)} on {model}{at} into {out}", evaluate_here)
 
     def headlines(self, study: Study) -> dict[str, list[dict]]:
         found: dict[str, list[dict]] = {}
@@ -237,16 +251,39 @@ class Driver:
                         found.setdefault(row, []).append(json.load(f)["headline"])
         return found
 
+    def curves(self, study: Study) -> dict[str, Curve]:
+        """Row run name -> its numbers over the chain's steps (the first seed's, for rows with seeds)."""
+        found = {}
+        runs = {name.removesuffix(SMOKE_SUFFIX): name for name in self.run_names(study)}
+        for _, row in study.rows:
+            names = sorted(n for n in runs if n == row or n.startswith(row + "-s"))
+            if names and (curve := run_curve(RunDir(os.path.join(self.out, runs[names[0]])), study.name)):
+                found[row] = curve
+        return found
+
     def report(self, study: Study) -> None:
         target = os.path.join(self.results, study.name)
         runs = [os.path.join(self.out, n) for n in self.run_names(study)]
-        self._run(f"report_{study.name}", f"the report of {len(runs)} runs into {target}",
-                  lambda: print(write_report(runs, target)))
+        curves = self.curves(study) if study.curves else {}
+        labels = {run: label for label, run in study.rows}
+
+        def report_here() -> None:
+            print(write_report(runs, target))
+            if curves:
+                path = plot_curves({labels[r]: c for r, c in curves.items()},
+                                   {labels[b.name]: h[0] for b in study.baselines
+                                    if b.name in labels and (h := self.headlines(study).get(b.name))},
+                                   list(study.curves), os.path.join(target, "curves.png"),
+                                   f"{study.name}: evaluated over training steps ({self.mode} run)")
+                print(path or "curves: no run has two evaluated steps")
+
+        self._run(f"report_{study.name}", f"the report of {len(runs)} runs into {target}", report_here)
         for path in runs:
             run, keep = RunDir(path), os.path.join(self.results, "runs", os.path.basename(path))
-            os.makedirs(RunDir(keep).eval, exist_ok=True)
-            for rel in (os.path.relpath(p, path) for p in (run.experiment_json, run.metrics, *run.all_eval_results())):
+            for rel in (os.path.relpath(p, path) for p in (run.experiment_json, run.metrics, *run.all_eval_results(),
+                                                           *run.step_eval_results())):
                 if os.path.isfile(os.path.join(path, rel)):
+                    os.makedirs(os.path.dirname(os.path.join(keep, rel)), exist_ok=True)
                     shutil.copyfile(os.path.join(path, rel), os.path.join(keep, rel))
         for path in glob.glob(os.path.join(self.out, "baselines", f"*-{study.name}.json")):
             os.makedirs(os.path.join(self.results, "baselines"), exist_ok=True)
@@ -257,7 +294,7 @@ class Driver:
         with open(self.page) as f:
             text = f.read()
         text = replace_block(text, self.mode, study.name, study_markdown(study, self.headlines(study), plots,
-                                                                         self.mode), self.page)
+                                                                         self.mode, curves), self.page)
         with open(self.page, "w") as f:
             f.write(text)
 

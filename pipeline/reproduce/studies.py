@@ -36,6 +36,10 @@ class Study:
     paper: dict[str, dict[str, float]] = field(default_factory=dict)  # label -> headline key -> the paper's number
     paper_model: str = "Llama-2-7B"  # what the paper's rows measured
     plots: tuple[str, ...] = ("loss_curves",)  # the report's PNGs (launch/report.py) that belong on the page
+    # evaluated at every kept checkpoint of the study's runs (checkpoint.keep_every), with the study's options, and
+    # plotted against steps as curves.png (pipeline/reproduce/curves.py): (header, headline key) per panel
+    curve_tasks: str = ""
+    curves: tuple[tuple[str, str], ...] = ()
 
     def grid_for(self, scale: str) -> str:
         return self.paper_grid if scale == "paper" else self.grid
@@ -68,6 +72,10 @@ STUDIES = (
                    ("Retrieval replies (NDCG@10 x100)", "zs_ndcg/replies"),
                    ("Retrieval continuations (NDCG@10 x100)", "zs_ndcg/continuations"),
                    ("POS probe WSJ (word acc x100)", "probe_pos")),
+          curve_tasks="sts,clustering",
+          curves=(("STS-B (Spearman x100)", "sts/stsb"), ("STS Clough (Spearman x100)", "sts/clough"),
+                  ("Clustering Clough topics (V x100)", "clustering_avg")),
+          plots=("loss_curves", "curves"),
           paper={"causal, mean pooling (untrained)": {"sts/clough": LLAMA2["base"]["sts_avg"]},
                  "bidirectional + MNTP + SimCSE": {"sts/stsb": LLAMA2["llm2vec"]["sts/stsb"],
                                                    "sts/clough": LLAMA2["llm2vec"]["sts_avg"]}}),
@@ -96,6 +104,11 @@ STUDIES = (
                    ("Infill PPL (MAGNET attn)", "infill_ppl_magnet/wiki"),
                    ("Infill PPL (causal)", "infill_ppl_causal/wiki"), ("STS-B", "sts/stsb"),
                    ("STS Clough", "sts/clough")),
+          curve_tasks="sts,repetition,infilling",
+          curves=(("Rep-4 Wiki (share of repeated 4-grams)", "rep_4/wiki"),
+                  ("Rep-Sen Wiki (share of repeated sentences)", "rep_sen/wiki"),
+                  ("Infill PPL (MAGNET attention)", "infill_ppl_magnet/wiki"), ("STS-B (Spearman x100)", "sts/stsb")),
+          plots=("loss_curves", "curves"),
           paper={label: {"rep_sen/wiki": LLAMA2[kind]["rep_sen/wiki"], "rep_4/wiki": LLAMA2[kind]["rep_4/wiki"],
                          "sts/clough": LLAMA2[kind]["sts_avg"],
                          **({"sts/stsb": LLAMA2[kind]["sts/stsb"]} if "sts/stsb" in LLAMA2[kind] else {}),
