@@ -61,6 +61,9 @@ def test_a_claim_over_steps_names_the_budgets_where_it_holds_and_where_it_flips(
     assert over_steps(magnet, simcse, "rep_4/wiki", lower_is_better=True) == (
         "reproduced at 96; not reproduced at 144; tied at 240")
     assert over_steps(magnet, simcse, "sts/stsb", lower_is_better=False) == "—"  # no step has both
+    mntp = {48: {"sts/stsb": 15.0}}
+    supervised = {48: mntp[48], 72: {"sts/stsb": 19.0}}  # starts from MNTP's end: the same model at 48
+    assert over_steps(supervised, mntp, "sts/stsb", lower_is_better=False) == "—"
 
 
 def test_the_page_gives_each_claim_its_verdict_at_every_evaluated_budget():

@@ -49,11 +49,12 @@ def run_curve(run: RunDir, study: str) -> Curve:
 
 def over_steps(better: Curve, worse: Curve, key: str, lower_is_better: bool) -> str:
     """Where "better beats worse" holds along the steps both curves have ``key`` at, e.g. "reproduced at 96, 144;
-    not reproduced at 192" (one run each: the sign of the difference); "—" without a common step."""
+    not reproduced at 192" (one run each: the sign of the difference); "—" without a common step. A step where both
+    read the same model (a continued run's start is the end of the run it continued) compares nothing."""
     at: dict[str, list[int]] = {}
     for x in sorted(set(better) & set(worse)):
         a, b = better[x].get(key), worse[x].get(key)
-        if a is None or b is None:
+        if a is None or b is None or better[x] == worse[x]:
             continue
         diff = (b - a) if lower_is_better else (a - b)
         at.setdefault("reproduced" if diff > 0 else "not reproduced" if diff < 0 else "tied", []).append(x)
