@@ -39,11 +39,11 @@ def run_curve(run: RunDir, study: str) -> Curve:
     offset, curve, start = chain_offset(run), {}, continued_from(run.experiment())
     if start is not None and os.path.isfile(start.eval_results(study)):
         curve[offset] = read_json(start.eval_results(study), "results of launch/evaluate.py")["headline"]
+    last = run.experiment().train.steps
     for step in [*kept_steps(run), None]:
         path = run.eval_results(study, step)
         if os.path.isfile(path):
-            curve[offset + (run.experiment().train.steps if step is None else step)] = \
-                read_json(path, "results of launch/evaluate.py")["headline"]
+            curve[offset + (last if step is None else step)] = read_json(path, "results of launch/evaluate.py")["headline"]
     return curve
 
 
