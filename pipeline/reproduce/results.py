@@ -79,6 +79,8 @@ CLAIMS = {  # study -> (claim, better row, worse row, headline key, lower is bet
                     "tc_f1", False)),
     "magnet": (("MAGNET repeats less than LLM2Vec (Rep-4)", "MAGNET", "LLM2Vec MNTP + SimCSE", "rep_4/wiki", True),
                ("MAGNET repeats less than LLM2Vec (Rep-Sen)", "MAGNET", "LLM2Vec MNTP + SimCSE", "rep_sen/wiki", True),
+               ("MAGNET keeps left-to-right generation: causal span perplexity below LLM2Vec's", "MAGNET",
+                "LLM2Vec MNTP + SimCSE", "infill_ppl_causal/wiki", True),
                ("MAGNET gains as an encoder: STS-B above the untrained model", "MAGNET", "SmolLM2 (untrained)",
                 "sts/stsb", False),
                ("MAGNET gains as an encoder: Clough (text reuse) above the untrained model", "MAGNET",
