@@ -111,6 +111,15 @@ def test_adaptation_studies_train_on_one_rank_without_zero_with_the_recipes_batc
                      "magnet-magnet": (240, 96)})
 
 
+@pytest.mark.parametrize("smoke", [False, True])
+def test_mlm_vs_clm_study_trains_on_one_rank_without_zero_with_the_two_rank_rows(smoke):
+    """Study 2 on the fastest CPU layout too: one rank at ZeRO-0 that accumulates two micro-batches of 4, the 8 rows
+    a step of the 2-rank ZeRO-3 layout it left (BENCHMARKS.md "CPU layouts"); the twins the same."""
+    for v in load_grid(os.path.join(REPO, STUDIES[1].grid)).variants(smoke=smoke, out="runs/x"):
+        assert (v.resources.world_size, os.path.basename(v.ds_config)) == (1, "zero0.json"), v.name
+        assert (v.experiment.train.micro_batch, v.experiment.train.grad_accum) == (4, 2), v.name
+
+
 def test_paper_scale_trains_the_papers_steps_and_batches_on_one_gpu():
     """--scale paper: LLM2Vec's 1000 MNTP steps of 32 x 512 tokens and 1000 SimCSE steps of 128 sentences (127
     in-batch negatives), the supervised stage's 512 rows a step, MAGNET with both budgets' steps and batches, the
