@@ -260,6 +260,21 @@ def test_probing_task_reads_mntp_models_one_position_earlier(model, data_dir):
     assert cut["tasks"]["chunk"]["train_words"] == 57 - 8  # the first 8
 
 
+def test_probe_features_of_a_sentence_do_not_depend_on_its_batch(model, data_dir):
+    """Sentences are batched by length (less padding): each keeps its own features, in the input's order."""
+    from pipeline.eval.data import read_conll
+    from pipeline.eval.probing import ProbingOptions, word_features
+
+    sentences = read_conll(os.path.join(data_dir, "conll", "train.txt"))
+    assert len({len(s.words) for s in sentences}) > 1  # lengths differ, so sorting reorders them
+    batched, skipped = word_features(ctx_for(model, data_dir, batch_size=4), sentences, ProbingOptions(), 0)
+    alone = [word_features(ctx_for(model, data_dir, batch_size=1), [s], ProbingOptions(), 0)[0][0]
+             for s in sentences]
+    assert skipped == 0 and [f.shape[0] for f in batched] == [len(s.words) for s in sentences]
+    for got, want in zip(batched, alone):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["classification", "token_classification", "qa", "retrieval"])
 def test_finetune_sweep_picks_the_lr_on_validation(model, data_dir, name):
     datasets = ["datasets=[sst2, mnli]"] if name == "classification" else []  # mnli: no dev file, train is split

@@ -60,7 +60,9 @@ def changed(a: dict, b: dict) -> set[str]:
     return {k for k in a if not (a[k] == b[k]).all()}
 
 
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+# full-parameter: make test-extended; the quick reproduction trains that chain from SmolLM2 (MNTP, then SimCSE or
+# the supervised stage from its export) and evaluates every export, and the LoRA chain makes this test's checks
+@pytest.mark.parametrize("lora", [True, pytest.param(False, marks=pytest.mark.extended)], ids=["lora", "full"])
 def test_mntp_simcse_supervised_chain_from_smollm2(smollm2, data, tmp_path, lora):
     base = weights(smollm2)
     runs = {name: str(tmp_path / name) for name in ("mntp", "simcse", "supervised")}

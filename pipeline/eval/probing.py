@@ -71,7 +71,7 @@ def word_features(ctx: EvalContext, sentences: list[Sentence], opts: ProbingOpti
     encoded = tokenize_words(ctx.model.tokenizer, [s.words for s in sentences])
     fits = [len(ids) <= min(opts.max_length, ctx.model.max_length) for ids, _ in encoded]
     feats: list = [None] * len(sentences)
-    kept = [i for i, ok in enumerate(fits) if ok]
+    kept = sorted((i for i, ok in enumerate(fits) if ok), key=lambda i: len(encoded[i][0]))  # batches of like lengths
     pad, mode = pad_id(ctx.model.tokenizer), opts.attention or ctx.model.attention
     for first in tqdm(range(0, len(kept), ctx.batch_size), desc="probe features", disable=not ctx.progress,
                       leave=False):
