@@ -1,7 +1,8 @@
-"""LLM2Vec's three stages chained as its users run them, from the real SmolLM2 on 2 ZeRO-3 CPU ranks: MNTP, SimCSE
-from MNTP's export, then the supervised stage from SimCSE's export; with LoRA adapters (each stage merges the one
-before into the weights and trains a new one) and full-parameter. The last export embeds instructed queries the same
-through encode(), sentence-transformers and MTEB's encoder. Slow: six SmolLM2 launches of 2 steps each."""
+"""LLM2Vec's three stages chained as its users run them, from the real SmolLM2 on the fastest CPU layout (one rank,
+no ZeRO; LoRA under ZeRO-3 on 2 ranks: tests/test_lora.py): MNTP, SimCSE from MNTP's export, then the supervised
+stage from SimCSE's export; with LoRA adapters (each stage merges the one before into the weights and trains a new
+one) and full-parameter. The last export embeds instructed queries the same through encode(), sentence-transformers
+and MTEB's encoder. Slow: three SmolLM2 launches of 2 steps each per variant."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import REPO, launch_training, logged_steps
+from helpers import ONE_RANK, REPO, launch_training, logged_steps
 from safetensors.torch import load_file
 from shard_corpus import TRAIN, documents, write_jsonl_zst
 
@@ -44,7 +45,7 @@ def data(tmp_path_factory, smollm2) -> dict[str, str]:
 def stage(run_dir: str, recipe: str, start: str, smollm2: str, lora: bool, *overrides: str) -> dict[str, object]:
     """Two steps of the recipe's smoke twin from ``start``; the export's weights."""
     launch_training(run_dir, os.path.join(EXPERIMENTS, recipe), f"model.init={start}", f"data.tokenizer={smollm2}",
-                    "train.steps=2", "checkpoint.every=100", *(["model.lora.r=16"] if lora else []), *overrides)
+                    "train.steps=2", "checkpoint.every=100", *(["model.lora.r=16"] if lora else []), *overrides, **ONE_RANK)
     steps = logged_steps(run_dir)
     assert sorted(steps) == [1, 2] and all(np.isfinite(v) for s in steps.values()
                                            for k, v in s.items() if k.startswith("loss/")), steps
