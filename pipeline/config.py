@@ -67,7 +67,13 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
+        if not args:
+            return dict(value)
+        glued = [k for k, v in value.items() if v is None and isinstance(k, str) and ":" in k]
+        if glued:  # YAML reads {pos:1} as the key "pos:1" with no value
+            raise ConfigError(f"{key}: {glued[0]!r} has no value; YAML needs a space after the colon: "
+                              f"{{{glued[0].replace(':', ': ', 1)}}}")
+        return {_coerce(args[0], k, f"{key} key"): _coerce(args[1], v, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true/false, got {value!r}")

@@ -109,3 +109,8 @@ def test_task_options():
         task_options(["probing"], ["probing.read=sideways"])
     with pytest.raises(ConfigError, match="not allowed"):
         task_options(["sts"], ["sts.pooling=max"])
+    assert task_options(["probing"], ["probing.columns={pos: 1}"])["probing"].columns == {"pos": 1}
+    with pytest.raises(ConfigError, match=r"probing.columns: 'pos:1' has no value; .* space after the colon: \{pos: 1\}"):
+        task_options(["probing"], ["probing.columns={pos:1}"])
+    with pytest.raises(ConfigError, match="probing.columns.pos: expected an integer, got 'one'"):
+        task_options(["probing"], ["probing.columns={pos: one}"])

@@ -34,7 +34,7 @@ SPLIT_NAMES = {"train": ("train.txt", "eng.train", "train.conll", "train"),
 @dataclass
 class ProbingOptions:
     directory: str = "conll"  # under --data-dir, or absolute
-    columns: dict = field(default_factory=lambda: {"pos": 1, "chunk": 2, "ner": 3})  # tag columns (token = 0)
+    columns: dict[str, int] = field(default_factory=lambda: {"pos": 1, "chunk": 2, "ner": 3})  # tag columns (token = 0)
     read: Literal["auto", "same", "previous"] = "auto"  # auto: previous for MNTP-trained models
     attention: Literal["causal", "bidirectional"] | None = None  # None: the model's
     lr: float = 5e-4
