@@ -52,6 +52,7 @@ def _finetune(lrs: str, seeds: str, steps: int, batch: int = 32,
 
 
 _PAPER_LRS = "[1.0e-5,2.0e-5,5.0e-5,1.0e-4,2.0e-4,5.0e-4]"  # EncodEval's six rates
+_QUICK_STS = ["sts.max_length=64", "sts.max_examples=128"]  # studies 1 and 3 read the same STS (its results are shared)
 _POS_PROBE = ["probing.directory=token_classification/wsj-pos", "probing.columns={pos: 1}"]  # LLM2Vec's word tasks
 _MLM_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "mlm-40")][:2]))
 _CLM_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "clm")][:2]))
@@ -60,7 +61,7 @@ _SWITCH_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "clm-25-mlm-40
 STUDIES = (
     Study("llm2vec", "experiments/reproduce/llm2vec/grid.yaml", "experiments/reproduce/llm2vec/paper.yaml",
           "sts,clustering,zero_shot_retrieval,probing",
-          {"quick": ["sts.max_length=64", "sts.max_examples=128", "clustering.max_length=64",
+          {"quick": [*_QUICK_STS, "clustering.max_length=64",
                      "zero_shot_retrieval.max_examples=32", *_POS_PROBE, "probing.max_train_sentences=300"],
            "full": ["sts.max_length=512", *_POS_PROBE], "paper": ["sts.max_length=512", *_POS_PROBE]},
           baselines=(Baseline("smollm2-causal", "causal"), Baseline("smollm2-bidirectional", "bidirectional")),
@@ -96,7 +97,7 @@ STUDIES = (
           plots=("loss_curves", "metrics_vs_clm_share")),
     Study("magnet", "experiments/reproduce/magnet/grid.yaml", "experiments/reproduce/magnet/paper.yaml",
           "sts,repetition,infilling",
-          {"quick": ["sts.max_length=64", "sts.max_examples=128", "repetition.max_examples=3",
+          {"quick": [*_QUICK_STS, "repetition.max_examples=3",
                      "repetition.decoding.max_new_tokens=32",
                      "infilling.max_examples=8", "infilling.generate=0"],
            "full": ["sts.max_length=512", "repetition.max_examples=16", "repetition.decoding.max_new_tokens=64",
