@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -231,6 +232,26 @@ def test_a_step_runs_in_the_repository_with_its_and_its_childrens_output_in_its_
     assert os.getcwd() == cwd and set(driver.timings) == {"demo"}
     print("back on the console")
     assert "back on the console" not in log.read_text()
+
+
+def test_time_spent_is_kept_in_the_run_directory_after_every_step(tmp_path):
+    """A killed invocation's finished steps still count when the same command resumes, and a fresh run directory
+    counts from zero though the results directory holds an earlier run's timings (a clone's committed records)."""
+    results = tmp_path / "results"
+    (results / "quick").mkdir(parents=True)
+    (results / "quick" / "timings.json").write_text(json.dumps({"stages_s": {"train_a": 5000.0, "total": 9000.0}}))
+    first = Driver("quick", str(tmp_path / "runs"), str(results), str(tmp_path / "results.md"), [])
+    first._run("train_a", "a step", lambda: time.sleep(0.2))
+    ledger = json.load(open(tmp_path / "runs" / "timings.json"))["stages_s"]  # written before the invocation ends
+    assert set(ledger) == {"train_a"} and 0.2 <= ledger["train_a"] < 100
+    again = Driver("quick", str(tmp_path / "runs"), str(results), str(tmp_path / "results.md"), [])
+    again._run("train_a", "the step resumed", lambda: time.sleep(0.1))
+    again._run("eval_a", "another step", lambda: None)
+    assert set(again.timings) == {"train_a", "eval_a"} and again.timings["train_a"] < ledger["train_a"] + 0.1
+    assert again.spent()["train_a"] == pytest.approx(ledger["train_a"] + again.timings["train_a"], abs=0.11)
+    (tmp_path / "runs" / "timings.json").write_text("{")
+    with pytest.raises(ValueError, match="timings.json.*remove it to count from zero"):
+        again.spent()
 
 
 @pytest.mark.e2e

@@ -15,8 +15,10 @@ options, the shards to build) and prints it, writing and training nothing.
 Outputs: runs under OUT (runs/reproduce, runs/reproduce-quick or runs/reproduce-paper), and under RESULTS/SCALE
 (docs/results/full, quick or paper) the small records: each run's experiment.json, metrics.jsonl and eval results
 (its kept steps' too), the logs, the report plots and ``curves.png``, ``timings.json`` (seconds per stage summed over
-invocations, median seconds per training step of each run); the tables go into docs/results.md between its
-``<!-- BEGIN MODE STUDY -->`` markers.
+the invocations that wrote OUT, median seconds per training step of each run); the tables go into docs/results.md
+between its ``<!-- BEGIN MODE STUDY -->`` markers. The seconds are kept in OUT/timings.json, rewritten after every
+step: a killed invocation's finished steps still count, and a fresh OUT starts from zero even though the committed
+records hold an earlier run's.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from pipeline.eval.report.write import write_report
 from pipeline.eval.runner import EvalConfig, evaluate, failure_lines, write_results
 from pipeline.experiment import REPO
 from pipeline.grid import SMOKE_SUFFIX
-from pipeline.io import read_json
+from pipeline.io import read_json, write_json_atomic
 from pipeline.model.gguf_import import import_gguf, packaged_gguf
 from pipeline.reproduce.curves import Curve, kept_steps, plot_curves, run_curve
 from pipeline.reproduce.data import RealDataError, extract, is_extracted
@@ -103,7 +105,8 @@ class Driver:
         self.page = os.path.abspath(page)
         self.studies = [s for s in STUDIES if s.name in studies]
         self.logs = os.path.join(self.results, "logs")
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float] = {}  # this invocation's seconds per stage
+        self.ledger = os.path.join(out, "timings.json")  # every invocation's into OUT, summed
 
     def _run(self, stage: str, what: str, step: Callable[[], None]) -> None:
         """Run a step from the repository root, its output appended to logs/STAGE.log; a failure stops with the log
@@ -119,7 +122,22 @@ class Driver:
             raise RuntimeError(f"{stage} failed ({type(e).__name__}: {e}); see {log}, fix it and run the same "
                                "command again (finished steps are skipped)") from e
         finally:
-            self.timings[stage] = self.timings.get(stage, 0.0) + round(time.time() - t0, 1)
+            self.spend(stage, round(time.time() - t0, 1))
+
+    def spend(self, stage: str, seconds: float) -> None:
+        """Add ``seconds`` to ``stage`` in this invocation's timings and in OUT's ledger, at once (a run killed later
+        keeps them)."""
+        self.timings[stage] = round(self.timings.get(stage, 0.0) + seconds, 1)
+        spent = self.spent()
+        spent[stage] = round(spent.get(stage, 0.0) + seconds, 1)
+        os.makedirs(self.out, exist_ok=True)
+        write_json_atomic(self.ledger, {"stages_s": spent})
+
+    def spent(self) -> dict[str, float]:
+        """Seconds per stage over the invocations that wrote OUT (none yet: empty)."""
+        if not os.path.isfile(self.ledger):
+            return {}
+        return read_json(self.ledger, "remove it to count from zero", what="timings ledger")["stages_s"]
 
     def prepare(self) -> None:
         if not is_extracted(os.path.join(REPO, REAL)):
@@ -319,15 +337,10 @@ class Driver:
             self.train(study)
             self.evaluate(study)
             self.report(study)
-        self.timings["total"] = round(time.time() - t0, 1)
-        path = os.path.join(self.results, "timings.json")
-        spent = dict(self.timings)
-        if os.path.isfile(path):  # a resumed run adds to what the earlier invocations spent
-            with open(path) as f:
-                for stage, seconds in json.load(f)["stages_s"].items():
-                    spent[stage] = round(spent.get(stage, 0.0) + seconds, 1)
-        with open(path, "w") as f:
-            json.dump({"stages_s": spent, "step_seconds_median": self.step_seconds()}, f, indent=1)
+        self.spend("total", round(time.time() - t0, 1))
+        spent = self.spent()
+        write_json_atomic(os.path.join(self.results, "timings.json"),
+                          {"stages_s": spent, "step_seconds_median": self.step_seconds()})
         print(f"wrote {self.page} and {self.results}/ in {self.timings['total']:.0f} s ({spent['total']:.0f} s "
               "over all invocations)")
 
