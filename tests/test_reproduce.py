@@ -229,26 +229,30 @@ def test_a_step_runs_in_the_repository_with_its_and_its_childrens_output_in_its_
     with pytest.raises(RuntimeError, match=r"demo failed \(ValueError: broken input\); see .*demo.log, fix it"):
         driver._run("demo", "a broken step", broken)
     assert "Traceback" in log.read_text() and "ValueError: broken input" in log.read_text()
-    assert os.getcwd() == cwd and set(driver.timings) == {"demo"}
+    assert os.getcwd() == cwd and set(driver.timings) == {"demo", "total"}
     print("back on the console")
     assert "back on the console" not in log.read_text()
 
 
 def test_time_spent_is_kept_in_the_run_directory_after_every_step(tmp_path):
-    """A killed invocation's finished steps still count when the same command resumes, and a fresh run directory
-    counts from zero though the results directory holds an earlier run's timings (a clone's committed records)."""
+    """A killed invocation's finished steps, and its wall time up to the last of them, still count when the same
+    command resumes, and a fresh run directory counts from zero though the results directory holds an earlier run's
+    timings (a clone's committed records)."""
     results = tmp_path / "results"
     (results / "quick").mkdir(parents=True)
     (results / "quick" / "timings.json").write_text(json.dumps({"stages_s": {"train_a": 5000.0, "total": 9000.0}}))
     first = Driver("quick", str(tmp_path / "runs"), str(results), str(tmp_path / "results.md"), [])
+    time.sleep(0.3)  # time between steps (the driver's own work) counts in "total", not in a stage
     first._run("train_a", "a step", lambda: time.sleep(0.2))
     ledger = json.load(open(tmp_path / "runs" / "timings.json"))["stages_s"]  # written before the invocation ends
-    assert set(ledger) == {"train_a"} and 0.2 <= ledger["train_a"] < 100
+    assert set(ledger) == {"train_a", "total"} and 0.2 <= ledger["train_a"] < 100
+    assert ledger["total"] >= ledger["train_a"] + 0.25
     again = Driver("quick", str(tmp_path / "runs"), str(results), str(tmp_path / "results.md"), [])
     again._run("train_a", "the step resumed", lambda: time.sleep(0.1))
     again._run("eval_a", "another step", lambda: None)
-    assert set(again.timings) == {"train_a", "eval_a"} and again.timings["train_a"] < ledger["train_a"] + 0.1
-    assert again.spent()["train_a"] == pytest.approx(ledger["train_a"] + again.timings["train_a"], abs=0.11)
+    assert set(again.timings) == {"train_a", "eval_a", "total"} and again.timings["train_a"] < ledger["train_a"] + 0.1
+    for stage in ("train_a", "total"):
+        assert again.spent()[stage] == pytest.approx(ledger[stage] + again.timings[stage], abs=0.11)
     (tmp_path / "runs" / "timings.json").write_text("{")
     with pytest.raises(ValueError, match="timings.json.*remove it to count from zero"):
         again.spent()
@@ -324,7 +328,7 @@ def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, tiny_model_and_d
     assert set(both["headline"]) >= set(first["headline"]) | {"clustering_avg"}
     before = os.stat(out).st_mtime_ns
     driver._evaluate(Study("s", "", "", "sts,clustering", options), model, out)
-    assert os.stat(out).st_mtime_ns == before and set(driver.timings) == {"eval_s"}
+    assert os.stat(out).st_mtime_ns == before and set(driver.timings) == {"eval_s", "total"}
 
 
 def test_a_task_another_study_ran_with_the_same_options_is_copied_not_run(tmp_path, tiny_model_and_driver):

@@ -17,8 +17,8 @@ Outputs: runs under OUT (runs/reproduce, runs/reproduce-quick or runs/reproduce-
 (its kept steps' too), the logs, the report plots and ``curves.png``, ``timings.json`` (seconds per stage summed over
 the invocations that wrote OUT, median seconds per training step of each run); the tables go into docs/results.md
 between its ``<!-- BEGIN MODE STUDY -->`` markers. The seconds are kept in OUT/timings.json, rewritten after every
-step: a killed invocation's finished steps still count, and a fresh OUT starts from zero even though the committed
-records hold an earlier run's.
+step: a killed invocation's finished steps (and its total up to the last of them) still count, and a fresh OUT
+starts from zero even though the committed records hold an earlier run's.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ class Driver:
         self.logs = os.path.join(self.results, "logs")
         self.timings: dict[str, float] = {}  # this invocation's seconds per stage
         self.ledger = os.path.join(out, "timings.json")  # every invocation's into OUT, summed
+        self.mark = time.time()  # the time "total" has been counted up to
 
     def _run(self, stage: str, what: str, step: Callable[[], None]) -> None:
         """Run a step from the repository root, its output appended to logs/STAGE.log; a failure stops with the log
@@ -122,14 +123,16 @@ class Driver:
             raise RuntimeError(f"{stage} failed ({type(e).__name__}: {e}); see {log}, fix it and run the same "
                                "command again (finished steps are skipped)") from e
         finally:
-            self.spend(stage, round(time.time() - t0, 1))
+            self.spend({stage: time.time() - t0})
 
-    def spend(self, stage: str, seconds: float) -> None:
-        """Add ``seconds`` to ``stage`` in this invocation's timings and in OUT's ledger, at once (a run killed later
-        keeps them)."""
-        self.timings[stage] = round(self.timings.get(stage, 0.0) + seconds, 1)
-        spent = self.spent()
-        spent[stage] = round(spent.get(stage, 0.0) + seconds, 1)
+    def spend(self, seconds: dict[str, float]) -> None:
+        """Add ``seconds`` per stage, and the time since the last call as "total", to this invocation's timings and
+        to OUT's ledger at once: a run killed later keeps both."""
+        now, spent = time.time(), self.spent()
+        for stage, s in {**seconds, "total": now - self.mark}.items():
+            self.timings[stage] = round(self.timings.get(stage, 0.0) + s, 1)
+            spent[stage] = round(spent.get(stage, 0.0) + s, 1)
+        self.mark = now
         os.makedirs(self.out, exist_ok=True)
         write_json_atomic(self.ledger, {"stages_s": spent})
 
@@ -331,13 +334,12 @@ class Driver:
         return out
 
     def run(self) -> None:
-        t0 = time.time()
         self.prepare()
         for study in self.studies:
             self.train(study)
             self.evaluate(study)
             self.report(study)
-        self.spend("total", round(time.time() - t0, 1))
+        self.spend({})
         spent = self.spent()
         write_json_atomic(os.path.join(self.results, "timings.json"),
                           {"stages_s": spent, "step_seconds_median": self.step_seconds()})
