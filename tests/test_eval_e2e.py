@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from test_eval_tasks import make_data_dir
 from test_train import launch
@@ -77,6 +78,7 @@ def test_evaluate_then_report_on_a_smoke_run(tmp_path):
     assert results["results"]["mlm"]["ratio"] == 0.3 and 0 < results["headline"]["ppl"] < 1e5
     assert set(results["headline"]) >= {"ppl", "mlm_acc", "sts_avg", "sts/stsb"}
     assert results["results"]["repetition"]["datasets"]["roc"]["continuations"] == 4
+    assert results["environment"]["cpu"].endswith(f"({torch.backends.cpu.get_cpu_capability()})")  # which kernels
 
     text = report([run_dir], str(tmp_path / "report"))
     assert "| clm50-mlm40 | clm -> mlm | tiny | 6 | 0.50 | 0.4 |" in text

@@ -71,7 +71,17 @@ def evaluate(config: EvalConfig) -> dict:
             "options": {name: asdict(opts) for name, opts in options.items()},
             "results": results, "headline": headline, "failed": failed, "seconds": seconds,
             "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                            "transformers": transformers.__version__, "argv": sys.argv}}
+                            "transformers": transformers.__version__, "cpu": cpu(), "argv": sys.argv}}
+
+
+def cpu() -> str:
+    """The CPU's model and the kernels torch picks on it (e.g. ``AVX512``): the same wheels give the same numbers
+    bit for bit only on the same pair, since other kernels sum floats in another order (docs/training.md)."""
+    name = platform.processor()
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    return f"{name or 'unknown'} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def failure_lines(results: dict) -> list[str]:
