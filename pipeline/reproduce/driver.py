@@ -125,9 +125,9 @@ class Driver:
         finally:
             self.spend({stage: time.time() - t0})
 
-    def spend(self, seconds: dict[str, float]) -> None:
+    def spend(self, seconds: dict[str, float]) -> dict[str, float]:
         """Add ``seconds`` per stage, and the time since the last call as "total", to this invocation's timings and
-        to OUT's ledger at once: a run killed later keeps both."""
+        to OUT's ledger at once (a run killed later keeps both); returns the ledger."""
         now, spent = time.time(), self.spent()
         for stage, s in {**seconds, "total": now - self.mark}.items():
             self.timings[stage] = round(self.timings.get(stage, 0.0) + s, 1)
@@ -135,6 +135,7 @@ class Driver:
         self.mark = now
         os.makedirs(self.out, exist_ok=True)
         write_json_atomic(self.ledger, {"stages_s": spent})
+        return spent
 
     def spent(self) -> dict[str, float]:
         """Seconds per stage over the invocations that wrote OUT (none yet: empty)."""
@@ -339,8 +340,7 @@ class Driver:
             self.train(study)
             self.evaluate(study)
             self.report(study)
-        self.spend({})
-        spent = self.spent()
+        spent = self.spend({})
         write_json_atomic(os.path.join(self.results, "timings.json"),
                           {"stages_s": spent, "step_seconds_median": self.step_seconds()})
         print(f"wrote {self.page} and {self.results}/ in {self.timings['total']:.0f} s ({spent['total']:.0f} s "
