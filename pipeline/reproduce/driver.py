@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [s.name for s in STUDIES]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", choices=SCALES, default="full",
-                   help="full: the CPU grids (~2.5-4 h on 2 cores); quick: their -smoke twins and a few examples "
+                   help="full: the CPU grids (~1.7-4 h on 2 cores); quick: their -smoke twins and a few examples "
                         "(<= 20 min); paper: the papers' steps and batches (paper.yaml grids, one GPU)")
     p.add_argument("--quick", action="store_const", const="quick", dest="scale", help="--scale quick")
     p.add_argument("--dry-run", action="store_true",

@@ -1,6 +1,6 @@
 """The three studies of `make reproduce`: grid, evaluation tasks and options, paper numbers and claims to check.
 
-Sizes (steps, examples, fine-tuning sweep) come in three scales: ``full`` (make reproduce, ~2.5-4 h on 2 cores),
+Sizes (steps, examples, fine-tuning sweep) come in three scales: ``full`` (make reproduce, ~1.7-4 h on 2 cores),
 ``quick`` (make reproduce-quick: the grids' -smoke twins and a few examples, <= 20 min) and ``paper`` (make
 reproduce-paper: each study's paper.yaml grid, the papers' step counts and batch sizes on one GPU). The budget
 behind the full sizes is in docs/results.md.
