@@ -12,7 +12,6 @@ import functools
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -121,11 +120,36 @@ def plain_transformers_hidden(hf_dir: str, ids: list[list[int]], mask: list[list
     return np.asarray(out["hidden"], dtype=np.float32), out["class"]
 
 
-def free_port() -> int:
-    """A free TCP port on localhost, for a torch.distributed rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def rendezvous(world: int = 1):
+    """The environment (MASTER_ADDR, MASTER_PORT, WORLD_SIZE, ...) of ``world`` ranks joining a torch.distributed
+    rendezvous whose port no other process can take: a TCPStore in this process binds port 0, so the OS picks the
+    port in the bind itself, and the ranks join it as clients (TORCHELASTIC_USE_AGENT_STORE, as torchrun's workers
+    join its agent's store). A port probed free and bound seconds later by rank 0 was lost under load now and then
+    (EADDRINUSE). The store lives until the block ends: launch and wait for the ranks inside it."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(world),
+               "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    finally:
+        del store
+
+
+def join_rendezvous(rank: int, env: dict[str, str]) -> None:
+    """In a rank started by ``torch.multiprocessing.spawn``: the gloo process group of :func:`rendezvous`'s ``env``."""
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    dist.init_process_group("gloo", rank=rank, world_size=int(env["WORLD_SIZE"]))
+
+
+def one_rank_env(env: dict[str, str]) -> dict[str, str]:
+    """``os.environ`` with :func:`rendezvous`'s ``env`` as rank 0 of a launcher-less process on DeepSpeed's CPU
+    accelerator (the repository on PYTHONPATH, one thread)."""
+    return {**os.environ, **env, "RANK": "0", "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": REPO}
 
 
 def tiny_llama(tokenizer, attention_dropout: float = 0.0, seed: int = 0):
@@ -152,14 +176,15 @@ ONE_RANK = {"nproc": 1, "ds_config": ZERO0, "env": {"OMP_NUM_THREADS": "2"}}
 def train_command(run_dir: str, experiment: str | None, *overrides: str, nproc: int = 2,
                   launcher: str = "torchrun", port: int | None = None, ds_config: str = ZERO3) -> list[str]:
     """The command line of ``launch/train.py`` on ``nproc`` CPU ranks under ``torch.distributed.run`` ("torchrun")
-    or the ``deepspeed`` command the README gives ("deepspeed"), with the DeepSpeed JSON ``ds_config`` and the
-    rendezvous on ``port`` (default: a free one)."""
-    port = port or free_port()
+    or the ``deepspeed`` command the README gives ("deepspeed"), with the DeepSpeed JSON ``ds_config``. The
+    rendezvous: ``port`` where given (the ``deepspeed`` command needs one: see :func:`launch_training`), else
+    torchrun's ``--standalone`` store, which binds a free port itself."""
     if launcher == "deepspeed":
         cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(nproc),
                "--master_port", str(port)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}"]
+        where = f"--master_port={port}" if port else "--standalone"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", where]
     cmd += [os.path.join(REPO, "launch", "train.py"), "--config", ds_config]
     if experiment:
         cmd += ["--experiment", experiment]
@@ -173,15 +198,30 @@ def cpu_env(env: dict | None = None) -> dict:
     return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
 
 
+@contextlib.contextmanager
+def training_launch(run_dir: str, experiment: str | None, *overrides: str, nproc: int = 2,
+                    env: dict | None = None, launcher: str = "torchrun", port: int | None = None,
+                    ds_config: str = ZERO3):
+    """(command, environment) of ``launch/train.py`` (:func:`train_command`), valid inside the block: the
+    ``deepspeed`` command without a ``port`` gets :func:`rendezvous`'s, held until the block ends."""
+    with contextlib.ExitStack() as stack:
+        rdzv = {}
+        if launcher == "deepspeed" and port is None:
+            rdzv = stack.enter_context(rendezvous(nproc))
+            port = int(rdzv["MASTER_PORT"])
+        yield (train_command(run_dir, experiment, *overrides, nproc=nproc, launcher=launcher, port=port,
+                             ds_config=ds_config), cpu_env({**rdzv, **(env or {})}))
+
+
 def launch_training(run_dir: str, experiment: str | None, *overrides: str, nproc: int = 2, env: dict | None = None,
                     check: bool = True, launcher: str = "torchrun", port: int | None = None,
                     ds_config: str = ZERO3) -> subprocess.CompletedProcess:
     """``launch/train.py`` on ``nproc`` CPU ranks (gloo, DeepSpeed's CPU accelerator), with ZeRO-3 unless
-    ``ds_config`` names another JSON (see :func:`train_command`); raises with the output's tail when it fails and
+    ``ds_config`` names another JSON (see :func:`training_launch`); raises with the output's tail when it fails and
     ``check``."""
-    cmd = train_command(run_dir, experiment, *overrides, nproc=nproc, launcher=launcher, port=port,
-                        ds_config=ds_config)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=cpu_env(env))
+    with training_launch(run_dir, experiment, *overrides, nproc=nproc, env=env, launcher=launcher, port=port,
+                         ds_config=ds_config) as (cmd, launch_env):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=launch_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -8,6 +8,7 @@ describes each case from the user's side.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,12 +29,13 @@ import torch.multiprocessing as mp
 from helpers import (
     REPO,
     cpu_env,
-    free_port,
+    join_rendezvous,
     launch_training,
     logged_steps,
     make_shard_dir,
     one_error,
-    train_command,
+    rendezvous,
+    training_launch,
 )
 
 from pipeline.config import ConfigError
@@ -53,7 +55,12 @@ from pipeline.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
 from pipeline.lock import DirLock
 from pipeline.run_dir import RunDir
 from pipeline.train import preflight as preflight_module
-from pipeline.train.distributed import stale_build_locks, warn_stale_build_locks
+from pipeline.train.distributed import (
+    CPU_COMM_OP,
+    say_if_building_cpu_op,
+    stale_build_locks,
+    warn_stale_build_locks,
+)
 from pipeline.train.guard import Diverged, DivergenceGuard
 from pipeline.train.metrics import MetricsLogger
 from pipeline.train.preflight import check_same_run, preflight
@@ -210,9 +217,9 @@ def test_a_rank_waiting_in_the_rendezvous_stops_on_sigterm_at_once(tmp_path):
     assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
 
 
-def _same_run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _same_run_rank(rank: int, rdzv: dict, out_dir: str) -> None:
+    join_rendezvous(rank, rdzv)
+    world = dist.get_world_size()
     results = []
     for case in ("same", "lr", "code"):
         exp = load_experiment(None, ["optim.lr=0.01"] if case == "lr" and rank == 1 else [])
@@ -230,7 +237,8 @@ def _same_run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def test_a_rank_of_another_experiment_or_checkout_is_refused_by_every_rank(tmp_path):
     """Nodes that read other files would train together on mismatched settings, without a word."""
-    mp.spawn(_same_run_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    with rendezvous(2) as rdzv:
+        mp.spawn(_same_run_rank, args=(rdzv, str(tmp_path)), nprocs=2, join=True)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert ranks[0] == ranks[1]
     same, lr, code = ranks[0]
@@ -262,8 +270,8 @@ def test_dropout_views_without_dropout_are_a_config_error_at_load(objective):
     load_experiment(None, ["phases=[{objectives: [{name: sscl, augment: delete}]}]"])  # an edit needs no dropout
 
 
-@pytest.mark.parametrize("case", ["tokenizer", "run_dir", "no shards", "other tokenizer", "too few samples",
-                                  "model.init"])
+@pytest.mark.parametrize("case", ["tokenizer", "run_dir", "no shards", "other tokenizer", "built with another",
+                                  "too few samples", "model.init"])
 def test_preflight_names_the_file_and_the_fix(shards, tmp_path, case):
     """The checks every rank runs before DeepSpeed (in process here; the launched tests above show them reported)."""
     afile = tmp_path / "afile"
@@ -276,6 +284,8 @@ def test_preflight_names_the_file_and_the_fix(shards, tmp_path, case):
                                                       r"build it with data_prep/build_shards.py"),
         "other tokenizer": (f"data.shards={other}", rf"{other}: shards were built with tokenizer fingerprint "
                                                     r"'test-tokenizer'"),
+        "built with another": (f"data.tokenizer={TOKENIZER}/tokenizer.model",  # the sentencepiece file alone
+                               rf"{shards}: shards were built with tokenizer \({TOKENIZER}\) fingerprint '"),
         "too few samples": ("train.micro_batch=20000", rf"data.shards: {shards} holds \d+ samples, fewer than one "
                                                        r"global batch of 40000"),
         "model.init": (f"model.init={tmp_path}/start", rf"model.init: no such directory '{tmp_path}/start'"),
@@ -367,6 +377,22 @@ def test_a_left_over_op_build_lock_is_named_with_the_fix(tmp_path, monkeypatch, 
     warn_stale_build_locks()
     err = capsys.readouterr().err
     assert f"{old} is 60 min old" in err and "'fused_adam'" in err and f"rm {old}" in err and str(fresh) not in err
+
+
+def test_the_first_start_says_it_builds_deepspeeds_cpu_op(tmp_path, monkeypatch, capsys):
+    """A machine's first CPU start was a minute of silence while DeepSpeed compiled this op."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert get_accelerator().create_op_builder("ShareMemCommBuilder").NAME == CPU_COMM_OP
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    say_if_building_cpu_op()
+    assert capsys.readouterr().err == (f"building DeepSpeed's CPU collectives op ({CPU_COMM_OP}) once, about a minute "
+                                       f"on 2 cores; later starts load it from {tmp_path}\n")
+    (tmp_path / CPU_COMM_OP).mkdir()
+    (tmp_path / CPU_COMM_OP / f"{CPU_COMM_OP}.so").write_bytes(b"")  # where torch's builder leaves the op
+    say_if_building_cpu_op()
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.e2e
@@ -532,12 +558,14 @@ def _wait_for_step(run_dir: str, proc: subprocess.Popen, step: int, timeout: flo
     raise AssertionError(f"no step {step} within {timeout}s")
 
 
-def _start(run_dir: str, shards: str, *overrides: str) -> tuple[subprocess.Popen, str]:
+@contextlib.contextmanager
+def _started(run_dir: str, shards: str, *overrides: str):
+    """(process, log path) of a 2-rank ``deepspeed`` launch, running in the block."""
     log = os.path.join(os.path.dirname(run_dir), "out.log")
-    cmd = train_command(run_dir, None, *TINY, f"data.shards={shards}", *overrides, launcher="deepspeed")
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=cpu_env(),
-                                start_new_session=True), log
+    with (training_launch(run_dir, None, *TINY, f"data.shards={shards}", *overrides, launcher="deepspeed")
+          as (cmd, env), open(log, "w") as out):
+        yield subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                               start_new_session=True), log
 
 
 @pytest.mark.e2e
@@ -547,16 +575,16 @@ def test_signal_to_the_deepspeed_command_checkpoints_every_rank(shards, tmp_path
     """SIGTERM/SIGUSR1 to the ``deepspeed`` process (it dies without forwarding them), Ctrl-C to the whole
     foreground group: every rank stops at one step with a checkpoint; then a resume on 1 rank is refused."""
     run_dir = str(tmp_path / "run")
-    proc, log = _start(run_dir, shards, "train.steps=400", "checkpoint.every=1000")
-    _wait_for_step(run_dir, proc, 2)
-    tree = psutil.Process(proc.pid).children(recursive=True)
-    if sig == signal.SIGINT:
-        os.killpg(proc.pid, sig)
-    else:
-        os.kill(proc.pid, sig)
-    _, alive = psutil.wait_procs(tree, timeout=300)
-    assert not alive
-    proc.wait()
+    with _started(run_dir, shards, "train.steps=400", "checkpoint.every=1000") as (proc, log):
+        _wait_for_step(run_dir, proc, 2)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+        _, alive = psutil.wait_procs(tree, timeout=300)
+        assert not alive
+        proc.wait()
     out = open(log).read()
     (stopped,) = RunDir(run_dir).complete_steps()
     assert f"stopped at step {stopped} (checkpointed) on " in out, out[-3000:]  # the reason is named
@@ -582,17 +610,17 @@ def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:
 @pytest.mark.slow
 def test_signal_during_start_up_stops_every_rank(shards, tmp_path):
     run_dir = str(tmp_path / "run")
-    proc, log = _start(run_dir, shards)
-    deadline = time.time() + 120
-    while len(_ranks(proc)) < 2 and time.time() < deadline:
-        time.sleep(0.2)  # both ranks exist (the runner's own helper subprocesses while it imports do not count)
-    time.sleep(2)
-    tree = psutil.Process(proc.pid).children(recursive=True)
-    os.kill(proc.pid, signal.SIGTERM)
-    _, alive = psutil.wait_procs(tree, timeout=120)
-    assert not alive
-    assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl")) or not logged_steps(run_dir)
-    proc.wait()
+    with _started(run_dir, shards) as (proc, log):
+        deadline = time.time() + 120
+        while len(_ranks(proc)) < 2 and time.time() < deadline:
+            time.sleep(0.2)  # both ranks exist (the runner's own helper subprocesses while it imports do not count)
+        time.sleep(2)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, alive = psutil.wait_procs(tree, timeout=120)
+        assert not alive
+        assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl")) or not logged_steps(run_dir)
+        proc.wait()
     out = open(log).read()
     assert "stopped during start-up on " in out, out[-3000:]
 

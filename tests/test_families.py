@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, free_port
+from helpers import REPO
 from shard_corpus import TOKENIZER
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -159,7 +159,7 @@ os._exit(0)
 def test_families_build_partitioned_and_step_under_zero3(checkpoints, tmp_path):
     """One 2-rank gloo run for all families (75 s on 2 cores): each built by the trainer under ZeRO-3, then one
     step of four objectives."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            "--no-python", sys.executable, "-c", ZERO3_STEP, REPO, TOKENIZER, json.dumps(checkpoints)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
                           env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from deepspeed import comm
-from helpers import free_port
+from helpers import rendezvous
 
 from pipeline.train.gloo_gathers import wait_for_every_gather
 
@@ -29,9 +29,9 @@ class _Late:
         return True
 
 
-def _rank(rank: int, world: int, port: int, fixed: bool, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _rank(rank: int, rdzv: dict, fixed: bool, out_dir: str) -> None:
+    os.environ.update(rdzv, RANK=str(rank), LOCAL_RANK=str(rank))
+    world = int(rdzv["WORLD_SIZE"])
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     if fixed:
@@ -71,7 +71,8 @@ def _rank(rank: int, world: int, port: int, fixed: bool, out_dir: str) -> None:
 def _gathered_right(fixed: bool, tmp_path) -> list[list[bool]]:
     out = tmp_path / ("fixed" if fixed else "plain")
     out.mkdir()
-    mp.spawn(_rank, args=(2, free_port(), fixed, str(out)), nprocs=2, join=True)
+    with rendezvous(2) as rdzv:
+        mp.spawn(_rank, args=(rdzv, fixed, str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from helpers import one_rank_env, rendezvous
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import BertConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -127,9 +127,6 @@ def test_mistral_checkpoint_loads(tmp_path):
 @pytest.mark.slow
 def test_zero3_build_is_partitioned_and_keeps_hf_init():
     """Under a live HfDeepSpeedConfig (stage 3) the model is built partitioned, with HF's weight init."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = textwrap.dedent("""
         import json, deepspeed
         from transformers.integrations import HfDeepSpeedConfig
@@ -142,9 +139,9 @@ def test_zero3_build_is_partitioned_and_keeps_hf_init():
             full = [list(up.shape), up.std().item(), embed.std().item()]
         print(json.dumps({"local": up.numel(), "ds_numel": up.ds_numel, "full": full}))
     """)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", DS_ACCELERATOR="cpu", PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    with rendezvous() as rdzv:
+        proc = subprocess.run([sys.executable, "-c", script], env=one_rank_env(rdzv), capture_output=True, text=True,
+                              timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["local"] == 0 and result["ds_numel"] == 128 * 64  # partitioned: nothing materialised locally

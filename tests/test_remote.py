@@ -11,7 +11,7 @@ import socket
 import fsspec
 import numpy as np
 import pytest
-from helpers import free_port, http_server, launch_training, logged_steps, make_shard_dir, one_error
+from helpers import http_server, launch_training, logged_steps, make_shard_dir, one_error
 
 from pipeline.config import ConfigError
 from pipeline.data import inspection
@@ -238,10 +238,10 @@ def s3_bucket(monkeypatch):
     environment alone (AWS_ENDPOINT_URL and dummy credentials), as a run on real object storage is."""
     moto_server = pytest.importorskip("moto.server", reason="moto[server] is not installed (the dev extra has it)")
     s3fs = pytest.importorskip("s3fs", reason="s3fs is not installed (the dev extra has it)")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
-        host, port = server.get_host_and_port()
+        host, port = server.get_host_and_port()  # port 0: the OS picked a free one in the bind
         for name, value in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
                             "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
             monkeypatch.setenv(name, value)

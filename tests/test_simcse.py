@@ -12,7 +12,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import free_port, loss_and_grads, packed_text_batch, tiny_llama, unit_text_batch
+from helpers import (
+    join_rendezvous,
+    loss_and_grads,
+    packed_text_batch,
+    rendezvous,
+    tiny_llama,
+    unit_text_batch,
+)
 from shard_corpus import TOKENIZER, documents
 
 from pipeline.config import ConfigError, from_tagged
@@ -110,10 +117,9 @@ def test_bad_input_is_named(tokenizer):
 SCALE = 2.0  # identical views (no dropout) at LLM2Vec's 20 would leave a vanishing loss and gradient
 
 
-def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, rdzv: dict, texts: list[str], split: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_rendezvous(rank, rdzv)
     tokenizer = load_tokenizer(TOKENIZER)
     part = texts[:split] if rank == 0 else texts[split:]
     result = loss_and_grads(SimCSE(SimCSEConfig(scale=SCALE), tokenizer), tiny_llama(tokenizer).eval(),
@@ -126,7 +132,8 @@ def test_two_ranks_equal_one_rank_with_the_whole_batch(tokenizer, tmp_path):
     """Without dropout both views are deterministic, so the split is the only difference; uneven parts (3 + 4)
     exercise the gather's padding."""
     texts = sentences(7)
-    mp.spawn(_rank, args=(2, free_port(), texts, 3, str(tmp_path)), nprocs=2, join=True)
+    with rendezvous(2) as rdzv:
+        mp.spawn(_rank, args=(rdzv, texts, 3, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     loss, count, grads = loss_and_grads(SimCSE(SimCSEConfig(scale=SCALE), tokenizer), tiny_llama(tokenizer).eval(),
                                          unit_text_batch(tokenizer, texts))

@@ -12,7 +12,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import free_port, loss_and_grads, packed_text_batch, tiny_llama, unit_text_batch
+from helpers import (
+    join_rendezvous,
+    loss_and_grads,
+    packed_text_batch,
+    rendezvous,
+    tiny_llama,
+    unit_text_batch,
+)
 from shard_corpus import TOKENIZER, documents
 
 from pipeline.config import ConfigError, from_tagged
@@ -177,10 +184,9 @@ def test_bad_input_is_named(tokenizer):
         make_objective(SSCLConfig(augment="swap"))
 
 
-def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(rank: int, rdzv: dict, texts: list[str], split: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_rendezvous(rank, rdzv)
     tokenizer = load_tokenizer(TOKENIZER)
     objective = SSCL(SSCLConfig(augment="swap", edit_ratio=0.3), tokenizer)
     model = attached(objective, tiny_llama(tokenizer)).eval()
@@ -194,7 +200,8 @@ def _rank(rank: int, world: int, port: int, texts: list[str], split: int, out_di
 def test_two_ranks_equal_one_rank_with_the_whole_batch(tokenizer, tmp_path):
     texts = sentences(7)
     # uneven parts (3 + 4): the gather pads and trims; the keys (which seed the edits) match the whole batch's
-    mp.spawn(_rank, args=(2, free_port(), texts, 3, str(tmp_path)), nprocs=2, join=True)
+    with rendezvous(2) as rdzv:
+        mp.spawn(_rank, args=(rdzv, texts, 3, str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     objective = SSCL(SSCLConfig(augment="swap", edit_ratio=0.3), tokenizer)
     model = attached(objective, tiny_llama(tokenizer)).eval()

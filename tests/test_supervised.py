@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import REPO, ZERO3, free_port, tiny_llama
+from helpers import REPO, ZERO3, rendezvous, tiny_llama
 
 from pipeline.config import ConfigError
 from pipeline.data.batch import collate
@@ -309,18 +309,17 @@ def test_grad_cache_under_zero3_on_two_ranks_equals_one_big_batch(pair_dir, toke
     overrides = [f"model.init={init_dir}", f"data.tokenizer={TOKENIZER}", "train.micro_batch=2", "train.grad_accum=3",
                  "optim.grad_clip=0.0", "phases=[{objectives: [{name: supervised, grad_cache: true}]}]"]
     out = str(tmp_path / "rank0.pt")
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE="2", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-                   PYTHONPATH=REPO)
-        procs.append(subprocess.Popen([sys.executable, "-c", ZERO3_STEP, json.dumps(overrides), pair_dir, ZERO3,
-                                       REPO, out], env=env, cwd=REPO, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
+    with rendezvous(2) as rdzv:
+        procs = []
+        for rank in range(2):
+            env = dict(os.environ, **rdzv, RANK=str(rank), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu",
+                       OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+            procs.append(subprocess.Popen([sys.executable, "-c", ZERO3_STEP, json.dumps(overrides), pair_dir, ZERO3,
+                                           REPO, out], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        for proc in procs:
+            _, err = proc.communicate(timeout=600)
+            assert proc.returncode == 0, err[-3000:]
     ranks = torch.load(out)
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(init_dir).train()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import ZERO3, free_port, launch_training, logged_steps
+from helpers import ZERO3, launch_training, logged_steps, one_rank_env, rendezvous
 
 from pipeline.config import ConfigError
 from pipeline.data.loader import ShardLoader
@@ -212,10 +212,10 @@ os._exit(0)
 def test_ds_config_optimizer_skips_weight_decay_on_norms(tmp_path):
     """ds_configs/zero3_offload.json builds DeepSpeed's CPU Adam (a JIT build of a few minutes the first time)
     over the trainer's parameter groups: the norms' elements are exactly those without weight decay."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, "-c", ENGINE_OPTIMIZER, os.path.join(REPO, "ds_configs", "zero3_offload.json")],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    with rendezvous() as rdzv:
+        proc = subprocess.run([sys.executable, "-c", ENGINE_OPTIMIZER,
+                               os.path.join(REPO, "ds_configs", "zero3_offload.json")],
+                              env=one_rank_env(rdzv), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     tok = load_tokenizer(TOKENIZER)

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from helpers import REPO, ZERO3, free_port
+from helpers import REPO, ZERO3, one_rank_env, rendezvous
 
 # Builds the engine from ds_configs/zero3.json for the default experiment plus argv[1]'s overrides (bf16 when
 # argv[2] == "bf16"), takes 3 CLM steps on one fixed packed batch (two documents in a row: the dense-mask path) and
@@ -50,10 +49,10 @@ os._exit(0)
 
 
 def engine_steps(overrides: list[str], dtype: str = "fp32") -> dict:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, "-c", ENGINE_STEPS, json.dumps(["train.micro_batch=2", *overrides]), dtype,
-                           ZERO3], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    with rendezvous() as rdzv:
+        proc = subprocess.run([sys.executable, "-c", ENGINE_STEPS, json.dumps(["train.micro_batch=2", *overrides]),
+                               dtype, ZERO3], env=one_rank_env(rdzv), cwd=REPO, capture_output=True, text=True,
+                              timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

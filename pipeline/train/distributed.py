@@ -5,26 +5,25 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import socket
 import sys
 import time
 
 # The trainer's own collectives (target counts, logged sums, the stop flag) use small tensors on the training
 # device, since NCCL refuses CPU tensors.
 DIST_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+CPU_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder op, built when a CPU rank joins
 STALE_BUILD_LOCK_S = 600  # DeepSpeed's CPU ops build in about a minute here; a lock this old is almost surely left over
 
 
 def single_process_env(env=os.environ) -> bool:
     """``python launch/train.py`` without a launcher: set what torch.distributed needs for one rank (instead of
-    DeepSpeed's MPI discovery, which fails without mpi4py). Returns whether it did."""
+    DeepSpeed's MPI discovery, which fails without mpi4py). Returns whether it did. The store of one rank is its
+    own server and client, so it binds port 0 and the OS picks a free port in the bind (a port probed free first
+    could be taken before the bind)."""
     if any(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")):
         return False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port))
+               MASTER_PORT="0")
     return True
 
 
@@ -37,13 +36,18 @@ def _device():
     return torch.device("cpu")
 
 
+def _extensions_root() -> str:
+    """Where torch's extension builder puts DeepSpeed's JIT-built ops."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+
+
 def stale_build_locks(min_age_s: float = STALE_BUILD_LOCK_S) -> list[tuple[str, float]]:
     """(path, age in seconds) of each torch-extension build lock older than ``min_age_s``. DeepSpeed builds its ops
     (the CPU ranks' shared-memory collectives, the fused optimizers) with torch's extension builder, whose lock
     file a killed build leaves behind; every later process that needs the op then waits on it forever, silently."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    root = _extensions_root()
     now, found = time.time(), []
     for path in sorted(glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))):
         try:
@@ -53,6 +57,15 @@ def stale_build_locks(min_age_s: float = STALE_BUILD_LOCK_S) -> list[tuple[str, 
         if age >= min_age_s:
             found.append((path, age))
     return found
+
+
+def say_if_building_cpu_op() -> None:
+    """DeepSpeed compiles its CPU collectives op on a machine's first start, about a minute of silence on 2 cores
+    that looked like a hang: say so first."""
+    built = os.path.join(CPU_COMM_OP, f"{CPU_COMM_OP}.so")  # in the root, or its py311_cpu-like folder
+    if not glob.glob(os.path.join(_extensions_root(), built)) + glob.glob(os.path.join(_extensions_root(), "*", built)):
+        print(f"building DeepSpeed's CPU collectives op ({CPU_COMM_OP}) once, about a minute on 2 cores; later starts "
+              f"load it from {_extensions_root()}", file=sys.stderr, flush=True)
 
 
 def warn_stale_build_locks() -> None:
@@ -79,9 +92,11 @@ def start_distributed():
     import deepspeed
     import torch.distributed as dist
 
+    device = _device()
     if os.environ.get("LOCAL_RANK", "0") == "0":
         warn_stale_build_locks()
-    device = _device()
+        if device.type == "cpu":
+            say_if_building_cpu_op()
     try:
         deepspeed.init_distributed(dist_backend=DIST_BACKENDS[device.type])
     except dist.DistNetworkError as e:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster.sh")
 PACKAGES = ("slurmctld", "slurmd", "sbatch", "munged")
+PORT_ATTEMPTS = 3
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE"}
 
@@ -53,13 +54,21 @@ class Cluster:
     @classmethod
     def start(cls, directory: str, nodes: int = 2) -> Cluster:
         """Bring up slurmctld and ``nodes`` slurmds (n1..nN). Job ids start at a value tied to the port block, so
-        jobs of clusters running side by side get different ids, hence different MASTER_PORTs."""
-        base = _free_port_base(nodes)
-        env = {**os.environ, "NNODES": str(nodes), "PORT_BASE": str(base), "FIRST_JOB_ID": str((base - 16990) * 10)}
-        proc = subprocess.run(["bash", SCRIPT, "up", directory], env=env, capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"tests/slurm/cluster.sh up {directory} failed:\n{proc.stdout}\n{proc.stderr}")
-        return cls(directory, {**os.environ, "SLURM_CONF": os.path.join(directory, "slurm.conf")})
+        jobs of clusters running side by side get different ids, hence different MASTER_PORTs. The daemons bind
+        ports found free a moment before, which another process may take meanwhile: then another block is tried."""
+        for _ in range(PORT_ATTEMPTS):
+            base = _free_port_base(nodes)
+            env = {**os.environ, "NNODES": str(nodes), "PORT_BASE": str(base),
+                   "FIRST_JOB_ID": str((base - 16990) * 10)}
+            proc = subprocess.run(["bash", SCRIPT, "up", directory], env=env, capture_output=True, text=True,
+                                  timeout=120)
+            cluster = cls(directory, {**os.environ, "SLURM_CONF": os.path.join(directory, "slurm.conf")})
+            if proc.returncode == 0:
+                return cluster
+            cluster.stop()
+            if "Address already in use" not in proc.stdout + proc.stderr:
+                break
+        raise RuntimeError(f"tests/slurm/cluster.sh up {directory} failed:\n{proc.stdout}\n{proc.stderr}")
 
     def stop(self) -> None:
         subprocess.run(["bash", SCRIPT, "down", self.directory], env=self.env, capture_output=True, timeout=120)

@@ -125,7 +125,7 @@ up() {
   done
   for _ in $(seq 150); do [ "$(idle_nodes)" -ge "$NNODES" ] && break; sleep 0.2; done
   if [ "$(idle_nodes)" -lt "$NNODES" ]; then
-    echo "cluster in $DIR did not come up:" >&2; sinfo -N >&2 || true; tail -n 20 "$DIR"/log/*.out >&2; exit 1
+    echo "cluster in $DIR did not come up:" >&2; sinfo -N >&2 || true; tail -n 20 "$DIR"/log/* >&2; exit 1
   fi
   echo "export SLURM_CONF=$SLURM_CONF"
 }
