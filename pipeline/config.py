@@ -8,6 +8,7 @@ that each fix ``name`` to one ``Literal`` value is tagged: ``name`` picks the da
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -98,10 +99,13 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 def from_dict(cls: type[T], data: dict, prefix: str = "") -> T:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    where = prefix + "." if prefix else ""
     for k in data:
         if k not in names:
-            raise ConfigError(f"{prefix + '.' if prefix else ''}{k}: unknown key; allowed keys: {names}")
-    kwargs = {k: _coerce(hints[k], v, f"{prefix + '.' if prefix else ''}{k}") for k, v in data.items()}
+            close = difflib.get_close_matches(str(k), names, n=1)
+            hint = f"did you mean {where}{close[0]}? " if close else ""
+            raise ConfigError(f"{where}{k}: unknown key; {hint}allowed keys: {names}")
+    kwargs = {k: _coerce(hints[k], v, f"{where}{k}") for k, v in data.items()}
     try:
         obj = cls(**kwargs)
     except TypeError as e:
@@ -168,8 +172,21 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.steps=100")
         key, raw = item.split("=", 1)
-        parsed.append((key.strip(), yaml.safe_load(raw)))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML ({_yaml_problem(e)}); quote the whole "
+                              f"item and close every bracket, e.g. --set 'phases=[{{objectives: [{{name: mlm, "
+                              f"ratio: 0.3}}]}}]'") from None
+        parsed.append((key.strip(), value))
     return parsed
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message in one line: what is wrong and where in the value."""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    mark = getattr(error, "problem_mark", None)
+    return f"{problem} at character {mark.column + 1}" if mark is not None else problem
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -234,6 +251,8 @@ def check_ranges(obj: Any, prefix: str = "") -> None:
     ranges = getattr(type(obj), "RANGES", {})
     for f in dataclasses.fields(obj):
         key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if value is None:  # an optional field left unset
+            continue
         if dataclasses.is_dataclass(value):
             check_ranges(value, key + ".")
         elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):

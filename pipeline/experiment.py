@@ -14,6 +14,12 @@ from pipeline.objectives import CLMConfig, ObjectiveConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_DIR = os.path.join(REPO, "data", "sample")
+SAMPLE_INPUTS = (os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),)
+
+
+def sample_shards(seq_len: int) -> str:
+    """The shard directory of the embedded sample corpus at ``seq_len``, the only one built from it unasked."""
+    return os.path.join("runs", "shards", f"sample-{seq_len}")
 
 
 @dataclass
@@ -29,11 +35,13 @@ MIN_RATIO = 1e-6  # mixture ratios are quantised to 2**-20 (pipeline.data.mixtur
 
 @dataclass
 class DataConfig:
-    shards: str = "runs/shards/sample-128"  # shard directory (built from `build` when missing and `build` is set)
+    shards: str = ""  # shard directory; "": sample_shards(seq_len), runs/shards/sample-<seq_len>
     tokenizer: str = os.path.join(SAMPLE_DIR, "tokenizer")
     seq_len: int = 128
     num_workers: int = 0  # DataLoader worker processes per rank; the order does not depend on it
-    build_inputs: list[str] = field(default_factory=lambda: [os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")])
+    # files rank 0 builds data.shards from when it has no shards ([]: the sample corpus, for sample_shards only, so
+    # a mistyped data.shards is an error instead of a run on the sample)
+    build_inputs: list[str] = field(default_factory=list)
     build_if_missing: bool = True  # rank 0 builds the shards from build_inputs when the directory has none
     # the build's --source-field / --source-default (docs/data_prep.md, "Sources"): the sources data.mixture mixes
     build_source_field: str = ""  # record field naming each document's source (SlimPajama: meta.redpajama_set_name)
@@ -57,6 +65,9 @@ class DataConfig:
                                         "mixture_max_repetition": "> 0"}
 
     def validate(self) -> None:
+        self.shards = self.shards or sample_shards(self.seq_len)
+        if not self.build_inputs and os.path.normpath(self.shards) == sample_shards(self.seq_len):
+            self.build_inputs = list(SAMPLE_INPUTS)
         if self.build_source_default.strip() != self.build_source_default:
             raise ConfigError(f"data.build_source_default: {self.build_source_default!r} must be a source name "
                               f"without surrounding blanks")
@@ -157,15 +168,34 @@ class OptimConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     schedule: Literal["wsd", "cosine", "constant"] = "wsd"
-    warmup_steps: int = 30
-    decay_steps: int = 60  # wsd: length of the final linear decay
+    # the linear warmup and wsd's final linear decay, in optimizer steps, or (None) as fractions of train.steps,
+    # as HF Trainer's warmup_ratio, so one config fits a run of any length
+    warmup_steps: int | None = None
+    warmup_ratio: float = 0.1
+    decay_steps: int | None = None
+    decay_ratio: float = 0.2
     min_lr_ratio: float = 0.0  # lr at the end of the decay, as a fraction of lr
     # AdamW kernel when the DeepSpeed JSON has no optimizer section: auto = torch's fused AdamW on CUDA, torch's
     # default (foreach) AdamW on CPU; torch / deepspeed = torch's fused / DeepSpeed's FusedAdam (CUDA only)
     fused: Literal["auto", "torch", "deepspeed", "none"] = "auto"
     RANGES: ClassVar[dict[str, str]] = {"lr": "> 0", "betas": "[0, 1)", "eps": "> 0", "weight_decay": ">= 0",
                                         "grad_clip": ">= 0", "warmup_steps": ">= 0", "decay_steps": ">= 0",
-                                        "min_lr_ratio": "[0, 1]"}
+                                        "warmup_ratio": "[0, 1]", "decay_ratio": "[0, 1]", "min_lr_ratio": "[0, 1]"}
+
+    def warmup(self, total: int) -> int:
+        """Warmup steps of a run of ``total`` optimizer steps."""
+        return self.warmup_steps if self.warmup_steps is not None else _fraction_of(self.warmup_ratio, total)
+
+    def decay(self, total: int) -> int:
+        """Steps of wsd's final decay in a run of ``total`` optimizer steps (0 for the other schedules)."""
+        if self.schedule != "wsd":
+            return 0
+        return self.decay_steps if self.decay_steps is not None else _fraction_of(self.decay_ratio, total)
+
+
+def _fraction_of(ratio: float, total: int) -> int:
+    """Whole steps of ``ratio`` x ``total``, rounded down (so ratios that sum to <= 1 fit), and 0.1 x 300 is 30."""
+    return math.floor(round(ratio * total, 6))
 
 
 @dataclass
@@ -246,9 +276,21 @@ class ExperimentConfig:
                 objective.check_step(self.train.grad_accum, len(phase.objectives), f"phases[{i}].objectives[{j}]")
         if not math.isclose(sum(p.share for p in self.phases), 1.0, abs_tol=1e-6):
             raise ConfigError(f"phases: shares must sum to 1, got {[p.share for p in self.phases]}")
-        if self.optim.schedule == "wsd" and self.optim.warmup_steps + self.optim.decay_steps > self.train.steps:
-            raise ConfigError(f"optim: warmup_steps + decay_steps ({self.optim.warmup_steps} + "
-                              f"{self.optim.decay_steps}) exceed train.steps ({self.train.steps})")
+        self._check_schedule_fits()
+
+    def _check_schedule_fits(self) -> None:
+        optim, steps = self.optim, self.train.steps
+        warmup, decay = optim.warmup(steps), optim.decay(steps)
+        if warmup + decay <= steps:
+            return
+        fixed = [f"optim.{k}={v}" for k, v in (("warmup_steps", optim.warmup_steps), ("decay_steps", optim.decay_steps))
+                 if v is not None and (k == "warmup_steps" or optim.schedule == "wsd")]
+        if not fixed:
+            raise ConfigError(f"optim: warmup_ratio + decay_ratio ({optim.warmup_ratio:g} + {optim.decay_ratio:g}) "
+                              f"exceed 1 (the whole run); lower them, e.g. optim.warmup_ratio=0.1 optim.decay_ratio=0.2")
+        raise ConfigError(f"optim: {warmup} warmup + {decay} decay steps ({' '.join(fixed)}) exceed train.steps "
+                          f"({steps}); lower them, or leave them unset to take fractions of the run "
+                          f"(optim.warmup_ratio={optim.warmup_ratio:g}, optim.decay_ratio={optim.decay_ratio:g})")
 
     def phase_starts(self) -> list[int]:
         """First global step of each phase (a function of the step, so a resume lands in the right phase)."""

@@ -240,7 +240,7 @@ class Grid:
     def _check_switch(self, exp: ExperimentConfig) -> None:
         if exp.optim.schedule != "wsd":
             return
-        decay_start = exp.train.steps - exp.optim.decay_steps
+        decay_start = exp.train.steps - exp.optim.decay(exp.train.steps)
         for start, phase in zip(exp.phase_starts()[1:], exp.phases[1:]):
             if start > decay_start:
                 raise self._error(f"{exp.name}: phase {phase.name!r} starts at step {start}, inside the learning-rate "

@@ -204,7 +204,8 @@ def check_inputs(variant: Variant) -> None:
     """Before a run is started: its shards (unless the trainer builds them) and tokenizer exist, so a placeholder
     path fails here instead of in a queued job. Relative paths are relative to the repository root, where jobs run."""
     data = variant.experiment.data
-    if not data.build_if_missing and not os.path.isfile(os.path.join(REPO, data.shards, MANIFEST)):
+    if not (data.build_if_missing and data.build_inputs) and not os.path.isfile(os.path.join(REPO, data.shards,
+                                                                                             MANIFEST)):
         raise ConfigError(f"{variant.name}: data.shards {data.shards} has no {MANIFEST}; build the shards first "
                           "(docs/data_prep.md) or point the runs at them with --set data.shards=DIR")
     if not os.path.exists(os.path.join(REPO, data.tokenizer)):

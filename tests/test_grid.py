@@ -114,7 +114,7 @@ def test_smoke_twins_divide_steps_and_keep_the_switch(tmp_path):
     ({"groups": {"pre": {"axes": {"size": ["210m", "610m"], "share": ["clm50"]}}, "c": {"axes": {"start": ["from210m"]}}}},
      r"c-from210m: continues pre-210m-clm50, a 210m model, but its model.shape is '610m'"),
     ({"groups": {"g": {"set": {"train.stepz": 3}, "axes": {"size": ["610m"]}}}}, r"g-610m: train.stepz: unknown key"),
-    ({"groupz": {}}, r"groupz: unknown key; allowed keys"),
+    ({"groupz": {}}, r"groupz: unknown key; did you mean groups\? allowed keys"),
     ({"resources": {"nodes": 2, "gpus_per_node": 4, "cpus_per_gpu": 0}},
      r"resources: nodes, gpus_per_node and cpus_per_gpu must be >= 1, got 2, 4, 0"),
     ({"smoke": {"step_divisor": 500}, "groups": {"g": {"axes": {"share": ["clm10"]}}}},

@@ -251,7 +251,7 @@ def test_bad_configuration(tokenizer):
 @pytest.mark.parametrize("name", ["clm", "simcse", "sscl"])
 @pytest.mark.parametrize("key", ["ratio", "policy", "mask_token"])
 def test_masking_fields_on_an_objective_that_does_not_mask_are_an_error(name, key):
-    with pytest.raises(ConfigError, match=rf"phases\.0\.objectives\.0\.{key}: unknown key; allowed keys: \['name', 'weight'"):
+    with pytest.raises(ConfigError, match=rf"phases\.0\.objectives\.0\.{key}: unknown key; (did you mean \S+\? )?allowed keys: \['name', 'weight'"):
         from_tagged(ObjectiveConfig, {"name": name, key: "mask" if key == "policy" else 0.4},
                     "phases.0.objectives.0")
 

@@ -158,6 +158,11 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
         if not has_shards and not d.build_if_missing:
             raise ConfigError(f"data.shards: {d.shards} is not a shard directory; build it with "
                               f"data_prep/build_shards.py or set data.build_if_missing=true with data.build_inputs")
+        if not has_shards and not d.build_inputs:
+            raise ConfigError(f"data.shards: {d.shards} holds no shards (no {MANIFEST}) and data.build_inputs names "
+                              f"nothing to build them from; check the path, build them with data_prep/build_shards.py "
+                              f"--output {d.shards} --seq-len {d.seq_len} --tokenizer {d.tokenizer} --input FILES, or "
+                              f"set data.build_inputs=[FILES] to have rank 0 build them")
         if not has_shards and set(d.mixture) - {UNNAMED_SOURCE} and not (d.build_source_field or
                                                                         d.build_source_default):
             raise ConfigError(f"data.mixture: mixes sources, but the shards data.build_if_missing would build into "

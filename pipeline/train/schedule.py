@@ -13,18 +13,20 @@ from pipeline.experiment import OptimConfig
 
 def lr_multiplier(step: int, total: int, cfg: OptimConfig) -> float:
     """``step`` counts optimizer steps from 0. Warmup is linear from 1/warmup to 1."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+    warmup = cfg.warmup(total)
+    if warmup and step < warmup:
+        return (step + 1) / warmup
     floor = cfg.min_lr_ratio
     if cfg.schedule == "constant":
         return 1.0
     if cfg.schedule == "wsd":
-        decay_start = total - cfg.decay_steps
+        decay = cfg.decay(total)
+        decay_start = total - decay
         if step < decay_start:
             return 1.0
-        frac = (step - decay_start) / max(1, cfg.decay_steps)
+        frac = (step - decay_start) / max(1, decay)
         return 1.0 - (1.0 - floor) * min(1.0, frac)
-    frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    frac = (step - warmup) / max(1, total - warmup)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
 
 

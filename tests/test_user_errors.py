@@ -1,0 +1,99 @@
+"""What a new user trips over (issue 33): a mistyped path, a broken override, a short run, an unknown key, a
+planner without --gpu. Each is one line that names the setting and the fix, or a default that fits, and nothing
+trains on data the user did not name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO, cpu_env, one_error
+
+from pipeline.config import ConfigError
+from pipeline.experiment import SAMPLE_INPUTS, load_experiment
+from pipeline.planner.estimates import GPUS, gpu_key
+from pipeline.train.schedule import lr_multiplier
+
+BAD_YAML = "phases=[{objectives: [{name: mlm, ratio: 0.3}]"
+
+
+def test_only_the_sample_shard_directory_is_built_from_the_sample_corpus():
+    default = load_experiment(None)
+    assert default.data.shards == "runs/shards/sample-128" and default.data.build_inputs == list(SAMPLE_INPUTS)
+    shorter = load_experiment(None, ["data.seq_len=64"])
+    assert shorter.data.shards == "runs/shards/sample-64" and shorter.data.build_inputs == list(SAMPLE_INPUTS)
+    assert load_experiment(None, ["data.shards=runs/shards/sampel-128"]).data.build_inputs == []
+    named = load_experiment(None, ["data.shards=/data/mine", "data.build_inputs=[/data/mine.jsonl]"])
+    assert named.data.build_inputs == ["/data/mine.jsonl"]
+
+
+@pytest.mark.e2e
+def test_a_mistyped_shard_directory_is_one_line_and_trains_nothing(tmp_path):
+    """It used to build the sample corpus (Shakespeare) into the misspelt directory, train on it and exit 0."""
+    typo = tmp_path / "shardz"
+    proc = subprocess.run(_train(f"run_dir={tmp_path / 'run'}", f"data.shards={typo}", "train.steps=2"),
+                          capture_output=True, text=True, cwd=REPO, env=cpu_env(), timeout=600)
+    line = one_error(proc, "config error")
+    assert line.startswith(f"config error: data.shards: {typo} holds no shards (no manifest.json) and "
+                           f"data.build_inputs names nothing to build them from; check the path")
+    assert "set data.build_inputs=[FILES]" in line and proc.returncode == 2
+    assert not typo.exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _train(*overrides: str) -> list[str]:
+    return [sys.executable, os.path.join(REPO, "launch", "train.py"), *[a for o in overrides for a in ("--set", o)]]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command,prefix", [
+    (_train(BAD_YAML), "config error"),
+    ([sys.executable, os.path.join(REPO, "launch", "sweep.py"), os.path.join(REPO, "experiments", "mlm_vs_clm",
+                                                                             "grid.yaml"), "--set", BAD_YAML], "error"),
+    ([sys.executable, os.path.join(REPO, "launch", "evaluate.py"), "--model", "runs/none", "--tasks", "sts",
+      "--out", "x.json", "--set", "sts.batch=[1"], "error"),
+], ids=["train", "sweep", "evaluate"])
+def test_an_override_that_is_not_yaml_is_one_line(command, prefix, tmp_path):
+    """It was PyYAML's traceback of some 60 lines."""
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=cpu_env(), timeout=300)
+    line = one_error(proc, prefix)
+    assert "the value is not valid YAML (expected ',' or " in line and "at character" in line, line
+    assert "e.g. --set 'phases=[{objectives: [{name: mlm, ratio: 0.3}]}]'" in line
+
+
+def test_a_short_run_fits_the_default_schedule_and_fixed_counts_that_do_not_fit_say_the_fix():
+    """warmup 30 + decay 60 steps made every run under 90 steps a config error."""
+    short = load_experiment(None, ["train.steps=10"])
+    assert (short.optim.warmup(10), short.optim.decay(10)) == (1, 2)
+    assert [lr_multiplier(s, 10, short.optim) for s in (0, 1, 7, 8, 9)] == [1.0, 1.0, 1.0, 1.0, 0.5]
+    default = load_experiment(None)  # 0.1 and 0.2 of 300 steps: the fixed counts it had
+    assert (default.optim.warmup(300), default.optim.decay(300)) == (30, 60)
+    cosine = load_experiment(None, ["train.steps=10", "optim.schedule=cosine", "optim.decay_steps=30"])
+    assert cosine.optim.decay(10) == 0  # only wsd decays at the end
+    with pytest.raises(ConfigError, match=r"^optim: 30 warmup \+ 2 decay steps \(optim.warmup_steps=30\) exceed "
+                                          r"train.steps \(10\); lower them, or leave them unset to take fractions "
+                                          r"of the run \(optim.warmup_ratio=0.1, optim.decay_ratio=0.2\)$"):
+        load_experiment(None, ["train.steps=10", "optim.warmup_steps=30"])
+    with pytest.raises(ConfigError, match=r"^optim: warmup_ratio \+ decay_ratio \(0.9 \+ 0.2\) exceed 1"):
+        load_experiment(None, ["optim.warmup_ratio=0.9"])
+
+
+def test_an_unknown_key_suggests_the_one_meant():
+    with pytest.raises(ConfigError, match=r"^data.shard: unknown key; did you mean data.shards\? allowed keys: "):
+        load_experiment(None, ["data.shard=x"])
+    with pytest.raises(ConfigError, match=r"^zzz: unknown key; allowed keys: \['name'"):
+        load_experiment(None, ["zzz=1"])
+
+
+def test_the_planner_takes_the_visible_gpu_and_without_one_names_the_choices():
+    assert [gpu_key(n, m) for n, m in [("NVIDIA H200", 139.8), ("NVIDIA H100 80GB HBM3", 79.1),
+                                       ("NVIDIA A100-SXM4-40GB", 39.4), ("NVIDIA A100-SXM4-80GB", 79.2),
+                                       ("NVIDIA L40S", 44.5), ("AMD Instinct MI300X", 191.5), ("Tesla T4", 14.6)]] \
+        == ["h200", "h100", "a100-40", "a100", "l40s", "mi300x", None]
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "plan.py"), "--model", "210m", "--nodes", "1",
+                           "--gpus-per-node", "8"], capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == (f"plan.py: error: --gpu: no GPU is visible here to plan for; name the "
+                                            f"cluster's: {', '.join(sorted(GPUS))}")
