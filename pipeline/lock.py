@@ -105,11 +105,15 @@ class DirLock:
         _HELD.add(fd)
         return self
 
-    def release(self) -> None:
+    def release(self, remove: bool = False) -> None:
         """Clear the holder record (so the next holder sees no stale lock) and unlock; a process that dies
-        without calling it loses the flock anyway."""
+        without calling it loses the flock anyway. ``remove`` deletes the lock file first: only for work that is
+        final, since a process that opened it meanwhile then holds a lock nobody else sees (it must find the work
+        done under its lock)."""
         if self._fd is None:
             return
+        if remove:
+            os.unlink(self.path)
         os.ftruncate(self._fd, 0)
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         _HELD.discard(self._fd)

@@ -130,6 +130,7 @@ def test_three_jobs_equal_one_job(built, corpus, tokenizer, tmp_path):
     index = json.load(open(tmp_path / "k3" / INDEX))
     assert index["num_samples"] == len(one)
     assert {s["name"][:11] for s in index["shards"]} == {"shard-00000", "shard-00001", "shard-00002"}
+    assert not [n for n in os.listdir(tmp_path / "k3") if n.startswith(".lock")]  # uploaded with the shards, they were
 
 
 def test_mask_plan(built, tokenizer):
@@ -254,9 +255,10 @@ def test_too_many_bad_records_fail_after_committing_earlier_files(corpus, tokeni
     job = json.load(open(out / job_manifest_name(0)))
     assert not job["complete"] and [f["file_index"] for f in job["files"]] == [0, 1]
     assert not [n for n in os.listdir(out) if n.startswith(".work")]
+    assert (out / ".lock-job-00000").exists()  # an unfinished job keeps its lock file; a finished one removes it
     # max_bad_fraction is not a shard setting: a re-run with a higher limit continues with the bad file
     summary = run_job(config(inputs, tokenizer, out, max_bad_fraction=0.2))
-    assert summary.files == 1 and summary.bad_records == 2
+    assert summary.files == 1 and summary.bad_records == 2 and not (out / ".lock-job-00000").exists()
     reference = tmp_path / "ref"
     run_job(config(inputs, tokenizer, reference, max_bad_fraction=0.2))
     assert dir_bytes(out) == dir_bytes(reference)

@@ -112,6 +112,17 @@ def test_sample_out_of_range(shard_dir, capsys):
     assert rc == 1 and "--sample 1000000 is out of range" in err
 
 
+def test_another_tokenizer_is_refused_naming_the_one_the_shards_were_built_with(shard_dir, capsys):
+    """The sentencepiece file alone is another tokenizer than its directory (other fingerprint); the message said
+    "pass --tokenizer" when it had been passed."""
+    bare = os.path.join(TOKENIZER, "tokenizer.model")
+    rc, _, err = run(capsys, shard_dir, "--no-verify", "--tokenizer", bare)
+    (line,) = err.strip().splitlines()
+    assert rc != 0 and line.startswith(f"error: tokenizer {bare} is not the one the shards were built with "
+                                       f"({os.path.abspath(TOKENIZER)}; fingerprint ")
+    assert line.endswith("; pass the tokenizer the shards were built with")
+
+
 def test_check_plan_rejects_maskable_special_token():
     ids = np.array([1, 50, 51, 2], dtype=np.int32)
     rank = np.array([UNMASKABLE, 0, 1, UNMASKABLE], dtype=np.uint16)

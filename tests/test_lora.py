@@ -11,11 +11,13 @@ import pytest
 import torch
 from helpers import REPO, launch_training, logged_steps
 from safetensors.torch import load_file
+from transformers import AutoConfig
 
 from pipeline.experiment import SAMPLE_DIR, load_experiment
 from pipeline.model.build import build_model
 from pipeline.model.lora import LLM2VEC_TARGETS, add_lora, lora_params, merge_lora
 from pipeline.planner.estimates import model_states
+from pipeline.train.module import parameter_line
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 RUN = ["train.steps=6", "train.micro_batch=2", "train.log_every=1", "optim.warmup_steps=0", "optim.decay_steps=0",
@@ -29,7 +31,11 @@ def test_only_the_adapter_trains_and_the_merge_computes_what_the_adapted_model_c
     add_lora(model, 4, 8.0, 0.0, LLM2VEC_TARGETS)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
-    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == lora_params(model.config, 4, LLM2VEC_TARGETS)
+    adapter = lora_params(model.config, 4, LLM2VEC_TARGETS)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == adapter
+    everything = sum(p.numel() for p in model.parameters())
+    assert parameter_line(model) == (f"trainable params: {adapter:,} || all params: {everything:,} || "
+                                     f"trainable%: {100 * adapter / everything:.4f}")  # as PEFT prints it
     with torch.no_grad():  # B starts at zero (the adapter's product is 0): make it count
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -60,10 +66,16 @@ def test_lora_is_validated_and_counted_by_the_planner():
 @pytest.mark.slow  # several launches: the slow suite
 def test_a_zero3_lora_run_exports_merged_weights_and_resumes_exactly(shards, init_dir, tmp_path):
     def run(name, *extra):
-        launch_training(str(tmp_path / name), None, *RUN, f"data.shards={shards}", f"model.init={init_dir}", *extra)
-        return str(tmp_path / name)
+        proc = launch_training(str(tmp_path / name), None, *RUN, f"data.shards={shards}", f"model.init={init_dir}",
+                               *extra)
+        return str(tmp_path / name), proc.stdout
 
-    straight = run("straight")
+    straight, out = run("straight")
+    config = AutoConfig.from_pretrained(init_dir)
+    adapter, base = lora_params(config, 4, ("q_proj", "v_proj")), build_model(init_dir, config.vocab_size)
+    everything = adapter + sum(p.numel() for p in base.parameters())  # ZeRO-3 ranks hold parts: full sizes count
+    assert (f"trainable params: {adapter:,} || all params: {everything:,} || "
+            f"trainable%: {100 * adapter / everything:.4f}") in out
     start = load_file(os.path.join(init_dir, "model.safetensors"))
     engine = load_file(os.path.join(straight, "hf", "model.safetensors"))
     assert engine.keys() == start.keys()  # plain names: no adapter left in the export
@@ -76,7 +88,7 @@ def test_a_zero3_lora_run_exports_merged_weights_and_resumes_exactly(shards, ini
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, weight in load_file(os.path.join(offline, "model.safetensors")).items():
         torch.testing.assert_close(weight, engine[name], atol=1e-6, rtol=0)  # fp32 master vs the 16-bit gather
-    resumed = run("resumed", "train.stop_at_step=3")
+    resumed, _ = run("resumed", "train.stop_at_step=3")
     run("resumed")
     losses = [{s: r["loss/clm"] for s, r in logged_steps(d).items()} for d in (straight, resumed)]
     assert losses[0] == losses[1] and len(losses[0]) == 6  # LoRA dropout's RNG resumes too

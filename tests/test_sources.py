@@ -43,7 +43,7 @@ def test_bad_records_counted_by_reason(tmp_path):
     path = tmp_path / "bad.jsonl"
     lines = [
         json.dumps({"text": "good one"}).encode(),
-        b"{not json",
+        b'{"text": "unterminated',
         json.dumps({"content": "wrong field"}).encode(),
         json.dumps({"text": 17}).encode(),
         json.dumps({"text": "  \n "}).encode(),
@@ -59,7 +59,8 @@ def test_bad_records_counted_by_reason(tmp_path):
     assert stats.documents == 2
     assert stats.bad == {"not_json": 2, "missing_field": 1, "not_string": 1, "empty": 1, "invalid_utf8": 2}
     assert stats.bad_fraction == pytest.approx(7 / 9)
-    assert stats.examples[0].startswith(f"{path}:2: invalid JSON")
+    # json's own message ends in "at": it said "starting at at column 10"
+    assert stats.examples[0].startswith(f"{path}:2: invalid JSON (Unterminated string starting at column 10): ")
     assert f"{path}:3: field 'text' is missing or null" in stats.examples[1]
     assert "--text-field" in stats.examples[1]
     assert stats.examples[2].startswith(f"{path}:4: field 'text' is int")

@@ -209,11 +209,13 @@ def run_job(cfg: BuildConfig) -> JobSummary:
         raise BuildError(f"{e}; each --job-index runs once at a time") from e
     try:
         job = load_job(cfg, manifest["fingerprint"])  # again: the previous holder may have finished meanwhile
-        if job["complete"]:
-            return _already_complete(cfg, manifest, start - loading)
-        return _build(cfg, tok, inputs, manifest, job, start, start - loading)
-    finally:
+        summary = (_already_complete(cfg, manifest, start - loading) if job["complete"] else
+                   _build(cfg, tok, inputs, manifest, job, start, start - loading))
+    except BaseException:
         lock.release()
+        raise
+    lock.release(remove=True)  # the job is complete for good: a finished directory holds only shards and manifests
+    return summary
 
 
 def _already_complete(cfg: BuildConfig, manifest: dict, tokenizer_s: float) -> JobSummary:

@@ -282,11 +282,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ShardProblem(f"{a.directory}: inspect_shards reads a local shard directory; copy it here first")
         index = load_index(a.directory)
         check_index_file(index)
-        tok_path = a.tokenizer or read_json(os.path.join(index.directory, "manifest.json"), "")["tokenizer_path"]
+        tok_path = a.tokenizer or index.tokenizer_path
         tok = load_tokenizer(tok_path)
         if tok.info.fingerprint != index.tokenizer["fingerprint"]:
-            raise ShardProblem(f"tokenizer {tok_path} is not the one the shards were built with (fingerprint "
-                               f"{tok.info.fingerprint} != {index.tokenizer['fingerprint']}); pass --tokenizer")
+            fix = ("pass the tokenizer the shards were built with" if a.tokenizer else
+                   "it changed since the build; pass the tokenizer the shards were built with: --tokenizer DIR")
+            raise ShardProblem(f"tokenizer {tok_path} is not the one the shards were built with ({index.tokenizer_path}"
+                               f"; fingerprint {tok.info.fingerprint} != {index.tokenizer['fingerprint']}); {fix}")
         stats = verify(index, np.asarray(tok.special_ids), a.ratio) if a.verify else None
         print(statistics(index, stats, a.ratio))
         if index.num_samples:

@@ -35,7 +35,8 @@ def check_compatible(index: DatasetIndex, tokenizer_fingerprint: str, seq_len: i
            "or point the experiment at a shard directory built with them")
     built_with = index.tokenizer.get("fingerprint")
     if built_with != tokenizer_fingerprint:
-        raise ValueError(f"{index.directory}: shards were built with tokenizer fingerprint {built_with!r}, the "
+        where = f" ({index.tokenizer_path})" if index.tokenizer_path else ""
+        raise ValueError(f"{index.directory}: shards were built with tokenizer{where} fingerprint {built_with!r}, the "
                          f"experiment's tokenizer has {tokenizer_fingerprint!r}; {fix}")
     if index.seq_len != seq_len:
         raise ValueError(f"{index.directory}: shards have seq_len {index.seq_len}, the experiment uses {seq_len}; {fix}")

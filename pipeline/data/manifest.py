@@ -159,6 +159,7 @@ class DatasetIndex:
     shards: tuple[ShardInfo, ...]
     jobs: tuple[dict, ...]
     store: ShardStore | None = None  # how to fetch the shards of a directory at a URL; None for a local one
+    tokenizer_path: str = ""  # where the build read its tokenizer (manifest.json), to name it when another is given
 
     @property
     def num_samples(self) -> int:
@@ -251,4 +252,5 @@ def load_index(directory: str, store: ShardStore | None = None) -> DatasetIndex:
     join = (lambda name: f"{directory}/{name}") if store else (lambda name: os.path.join(directory, name))
     shards = sorted((ShardInfo(path=join(s["name"]), **s) for job in jobs for s in job["shards"]),
                     key=lambda s: s.name)
-    return DatasetIndex(directory, manifest["fingerprint"], manifest["settings"], tuple(shards), tuple(jobs), store)
+    return DatasetIndex(directory, manifest["fingerprint"], manifest["settings"], tuple(shards), tuple(jobs), store,
+                        manifest.get("tokenizer_path", ""))

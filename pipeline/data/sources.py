@@ -268,7 +268,8 @@ def read_objects(path: str, stats: RecordStats) -> Iterator[tuple[str, str, dict
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            stats.add_bad("not_json", where, f"invalid JSON ({e.msg} at column {e.colno})")
+            at = "" if e.msg.endswith(" at") else " at"  # "Unterminated string starting at" names its column
+            stats.add_bad("not_json", where, f"invalid JSON ({e.msg}{at} column {e.colno})")
             continue
         if not isinstance(record, dict):
             stats.add_bad("not_json", where, f"a JSON {type(record).__name__}, not an object")

@@ -52,6 +52,16 @@ GPUS = {"h100": Gpu(PEAK_TFLOPS["H100"], 80), "h200": Gpu(PEAK_TFLOPS["H200"], 1
         "l40s": Gpu(PEAK_TFLOPS["L40S"], 48)}
 
 
+def gpu_key(device_name: str, memory_gib: float) -> str | None:
+    """The key of :data:`GPUS` of a device as torch names it (``NVIDIA H200``, 139 GiB visible), or None."""
+    name = device_name.upper().replace(" ", "")
+    for key in sorted(GPUS, key=len, reverse=True):  # l40s before l4-like prefixes, a100-40 before a100
+        model = key.split("-")[0].upper()
+        if model in name and (not key.endswith("-40") or memory_gib < 60):
+            return key
+    return None
+
+
 @dataclass(frozen=True)
 class Cluster:
     nodes: int

@@ -32,6 +32,7 @@ from pipeline.planner.estimates import (
     activation_bytes,
     data_prep,
     gpu_hours,
+    gpu_key,
     largest_layer_params,
     model_states,
     run_flops,
@@ -217,13 +218,28 @@ def parse_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count (e.g. 1e11, 100B, 2.36M)") from e
 
 
+def visible_gpu(parser: argparse.ArgumentParser) -> str:
+    """``--gpu``'s default: the GPU this machine shows; with none (or one the planner does not know) the parser's
+    error names the choices."""
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.error(f"--gpu: no GPU is visible here to plan for; name the cluster's: {', '.join(sorted(GPUS))}")
+    name = torch.cuda.get_device_name()
+    key = gpu_key(name, torch.cuda.get_device_properties(0).total_memory / 2**30)
+    if key is None:
+        parser.error(f"--gpu: the visible GPU ({name}) is not one the planner knows; name the nearest: "
+                     f"{', '.join(sorted(GPUS))}")
+    return key
+
+
 def main(argv: list[str] | None = None) -> int:
     d = PlannerInput(model="", nodes=1, gpus_per_node=1, gpu="h100")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="preset: tiny, 210m, 610m, 1b, 7b, 8b")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, required=True)
-    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
+    p.add_argument("--gpu", choices=sorted(GPUS), help="the cluster's GPU (default: the GPU visible here)")
     p.add_argument("--zero", type=int, default=d.zero, choices=[1, 2, 3], help="ZeRO stage (default 3)")
     p.add_argument("--offload", action="store_true", help="ZeRO-3: parameters and optimizer in CPU memory "
                    "(ds_configs/zero3_offload.json); ZeRO-1/2: the optimizer")
@@ -257,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "are checked against")
     p.add_argument("--max-repetition", type=float, default=d.max_repetition,
                    help="with --shards: times over a source's samples may be read (data.mixture_max_repetition)")
-    plan = PlannerInput(**vars(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    args.gpu = args.gpu or visible_gpu(p)
+    plan = PlannerInput(**vars(args))
     try:
         plan.validate()
     except ValueError as e:

@@ -117,6 +117,17 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     return lm, model, optimizer
 
 
+def parameter_line(model: nn.Module) -> str:
+    """The model's trainable and total parameter counts as PEFT's ``print_trainable_parameters`` gives them; under
+    ZeRO-3 each rank holds a partition, so a parameter counts its full size (``ds_numel``)."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        trainable += n if p.requires_grad else 0
+    return f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
+
+
 def build_engine(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=(), *, attn_implementation: str,
                  fused: str) -> tuple[nn.Module, deepspeed.DeepSpeedEngine]:
     """(HF model, the DeepSpeed engine that trains it with the experiment's LR schedule)."""

@@ -28,7 +28,7 @@ from pipeline.train.ds_config import resolve_ds_config
 from pipeline.train.export import export_engine
 from pipeline.train.guard import DivergenceGuard
 from pipeline.train.metrics import MetricsLogger, Throughput
-from pipeline.train.module import build_engine
+from pipeline.train.module import build_engine, parameter_line
 from pipeline.train.phases import WeightedObjective
 from pipeline.train.preflight import Prepared
 from pipeline.train.signals import StopRequest
@@ -68,6 +68,8 @@ class Trainer:
         ds = resolve_ds_config(ds_raw, exp, world, prepared.bf16)
         lm, engine = build_engine(exp, ds, tokenizer, prepared.bf16, [o.objective for p in objectives for o in p],
                                   attn_implementation=prepared.attn_implementation, fused=prepared.fused)
+        if rank == 0:
+            print(f"model {exp.model.init}: {parameter_line(engine.module)}", flush=True)
         run = RunDir(exp.run_dir)
         files = run.run_files(exp, ds, lm.config.to_dict(), DataRecord(index.directory, index.fingerprint,
                                                                        index.num_samples, index.num_tokens))
