@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,14 @@ def evaluate(run_dir: str, data_dir: str, tasks: list[str], *sets: str) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(os.path.join(run_dir, "eval", "results.json")) as f:
         return json.load(f)
+
+
+def bars(stderr: str) -> list[str]:
+    """The lines of ``stderr`` a tqdm bar drew ("Loading weights: 100%|...| 21/21 [00:00<00:00, 14387.52it/s]")."""
+    return [line for line in stderr.replace("\r", "\n").splitlines() if re.search(r"\d+%\||it/s\]|s/it\]", line)]
+
+
+ZERO_TO_FP32_BARS = ("Loading checkpoint shards", "Gathering sharded weights")
 
 
 def check_png(path: str) -> None:
@@ -118,6 +127,8 @@ def test_a_kept_checkpoint_is_evaluated_beside_the_final_model_not_instead(tmp_p
     ppl = ["--tasks", "perplexity", "--data-dir", data_dir, "--no-progress", "--set", "perplexity.max_batches=2"]
     early = cli("evaluate.py", "--model", run_dir, "--step", "4", *ppl)
     assert early.returncode == 0, early.stderr[-3000:]
+    # the checkpoint's export on the fly draws none either, but DeepSpeed's zero_to_fp32, which has no switch
+    assert [b for b in bars(early.stderr) if not b.startswith(ZERO_TO_FP32_BARS)] == []
     assert cli("evaluate.py", "--model", run_dir, *ppl).returncode == 0
     with open(os.path.join(run_dir, "eval", "results.json")) as f:
         final = json.load(f)
@@ -147,3 +158,24 @@ def test_report_on_a_grid_of_smoke_runs(tmp_path):
     assert "## Should We Still Pretrain" in text and "## MAGNET" in text
     for name in GRID:
         assert f"| {name} |" in text
+
+
+@pytest.mark.e2e
+def test_no_progress_draws_no_bar_not_even_the_libraries(tmp_path):
+    """``--no-progress``: no bar at all, transformers' "Loading weights" of from_pretrained included; without it
+    that bar is drawn, so the check sees bars."""
+    from helpers import tiny_llama
+
+    from pipeline.experiment import SAMPLE_DIR
+    from pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
+    hf_dir = str(tmp_path / "tiny")
+    tiny_llama(tok).save_pretrained(hf_dir)
+    tok.save(hf_dir)
+    args = ["--model", hf_dir, "--tasks", "sts", "--data-dir", os.path.join(REPO, "tests", "fixtures", "eval"),
+            "--set", "sts.datasets=[sts/stsb.tsv]", "--out", str(tmp_path / "results.json")]
+    quiet, shown = cli("evaluate.py", *args, "--no-progress"), cli("evaluate.py", *args)
+    assert quiet.returncode == 0 and shown.returncode == 0, quiet.stderr[-3000:] + shown.stderr[-3000:]
+    assert bars(quiet.stderr) == [] and "Loading weights" not in quiet.stderr
+    assert any("Loading weights" in line for line in bars(shown.stderr))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import os
 
+import pytest
 from helpers import REPO
 
 
@@ -33,3 +34,44 @@ def test_nothing_outside_the_trainer_imports_it():
 def test_launch_scripts_parse_no_options_themselves():
     for path in python_files("launch"):
         assert "argparse" not in imported_modules(path), f"{path}: parse the options in the library's main"
+
+
+# scripts that get no command, and why; every other script of launch/ and data_prep/ must have one
+NOT_COMMANDS = {
+    "launch/train.py": "runs under DeepSpeed's launcher (deepspeed launch/train.py)",
+    "data_prep/make_sample_corpus.py": "regenerates the checkout's data/sample",
+    "data_prep/make_pairs_sample.py": "regenerates the checkout's data/sample/pairs",
+}
+
+
+def library_main(path: str) -> str | None:
+    """``module:main`` for a script that does ``from pipeline.X import main``."""
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeline.")
+                and any(a.name == "main" and a.asname is None for a in node.names)):
+            return f"{node.module}:main"
+    return None
+
+
+def test_every_script_that_needs_no_launcher_is_a_command_the_readme_lists():
+    """[project.scripts] is exactly pipeline-<script name> -> the library main each such script calls, the main
+    exists, and README.md names every command."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        commands = tomllib.load(f)["project"]["scripts"]
+    scripts = sorted(os.path.join(top, f) for top in ("launch", "data_prep")
+                     for f in os.listdir(os.path.join(REPO, top)) if f.endswith(".py"))
+    assert set(NOT_COMMANDS) <= set(scripts), "NOT_COMMANDS names a script that is gone"
+    expected = {}
+    for script in scripts:
+        target = library_main(os.path.join(REPO, script))
+        if script not in NOT_COMMANDS:
+            assert target, f"{script}: call a library main (or list it in NOT_COMMANDS with the reason)"
+            expected[f"pipeline-{os.path.basename(script)[:-3].replace('_', '-')}"] = target
+    assert commands == expected
+    for target in expected.values():
+        module = os.path.join(REPO, *target.split(":")[0].split("."))
+        module = module + ".py" if os.path.exists(module + ".py") else os.path.join(module, "__init__.py")
+        assert "main" in {n.name for n in ast.parse(open(module).read()).body if isinstance(n, ast.FunctionDef)}
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert [c for c in commands if f"`{c}`" not in readme] == []

@@ -9,6 +9,7 @@ import platform
 import sys
 import time
 import traceback
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -47,10 +48,33 @@ def failure(error: Exception) -> dict:
             "where": f"{frame.filename}:{frame.lineno} in {frame.name}"}
 
 
+@contextmanager
+def no_library_bars():
+    """The libraries' own bars off (transformers' "Loading weights" and the export's "Writing model shards", the
+    hub's, datasets'), then back as they were."""
+    import datasets
+
+    was = transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was[0]:
+            transformers.utils.logging.enable_progress_bar()
+        if was[1]:
+            datasets.enable_progress_bars()
+
+
 def evaluate(config: EvalConfig) -> dict:
     """``{"config", "model", "options", "results", "headline", "failed", "environment"}``. Bad options or model
     stop the run before any task; a task that fails is recorded in ``failed`` (``failure``) and the others run."""
     options = task_options(config.tasks, config.overrides)  # before loading the model: bad options fail fast
+    with nullcontext() if config.progress else no_library_bars():  # progress False: no bar at all
+        return _evaluate(config, options)
+
+
+def _evaluate(config: EvalConfig, options: dict) -> dict:
     model = load_model(config.model, attention=config.attention, tokenizer=config.tokenizer, device=config.device,
                        dtype=config.dtype, step=config.step)
     ctx = EvalContext(model, config.data_dir, config.batch_size, config.progress, config.seed)
@@ -128,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, help="evaluate this complete checkpoint of the run directory (e.g. one "
                    "checkpoint.keep_every kept); results default to RUN_DIR/eval/stepNNNNNNNN/results.json")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="draw no progress bar (the libraries' neither)")
     p.add_argument("--list", action="store_true", help="list the tasks and exit")
     args = p.parse_args(argv)
 
