@@ -209,9 +209,22 @@ class TrainConfig:
     export_hf: bool = True  # write an HF directory at the end
     stop_at_step: int = 0  # checkpoint and exit after this global step (0: run to train.steps); e.g. to fit a time slot
     max_bad_steps: int = 3  # stop after this many steps in a row with a skipped update or a non-finite loss
+    # where rank 0 logs the step's scalars besides metrics.jsonl (always written); pipeline/train/trackers.py
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = field(default_factory=lambda: ["tensorboard"])
+    tracker_project: str = "decoder-encoders"  # the W&B project and the MLflow experiment; the run is `name`
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: RUN/wandb only, uploaded later by `wandb sync`
+    mlflow_tracking_uri: str = ""  # "": a local store in the run directory (sqlite:///RUN/mlflow.db)
     RANGES: ClassVar[dict[str, str]] = {"steps": ">= 1", "micro_batch": ">= 1", "grad_accum": ">= 1", "seed": ">= 0",
                                         "log_every": ">= 1", "peak_tflops": ">= 0", "stop_at_step": ">= 0",
                                         "max_bad_steps": ">= 1"}
+
+    def validate(self) -> None:
+        twice = sorted({t for t in self.trackers if self.trackers.count(t) > 1})
+        if twice:
+            raise ConfigError(f"train.trackers: {twice[0]} is listed twice; name each tracker once")
+        if not self.tracker_project.strip():
+            raise ConfigError("train.tracker_project: empty; name the W&B project and MLflow experiment, e.g. "
+                              "train.tracker_project=decoder-encoders")
 
 
 @dataclass

@@ -9,6 +9,8 @@ Training (``pipeline.train``), the HF export, evaluation, the report and the swe
     ds_config.json        the resolved DeepSpeed config
     data.json             the shards trained on: directory, fingerprint, samples, tokens
     metrics.jsonl         one record per optimizer step; tensorboard/ has the same scalars, loss.png their plot
+    trackers.json         the W&B and MLflow run ids (train.trackers), continued by a resume
+    wandb/                W&B's files of the run; mlflow.db, mlflow-artifacts/: MLflow's local store
     logs/                 error-rank{r}.log of a failed run
     checkpoints/stepNNNNNNNN/   DeepSpeed's files, rng-rank{r}.pt, the run files above, COMPLETE (the marker)
     hf/                   the HF export at the end of training
@@ -62,6 +64,10 @@ class RunDir:
     metrics = property(lambda self: self._file("metrics.jsonl"))
     tensorboard = property(lambda self: self._file("tensorboard"))
     loss_plot = property(lambda self: self._file("loss.png"))
+    trackers = property(lambda self: self._file("trackers.json"))
+    wandb = property(lambda self: self._file("wandb"))  # W&B makes it: wandb.init(dir=RUN)
+    mlflow_db = property(lambda self: self._file("mlflow.db"))
+    mlflow_artifacts = property(lambda self: self._file("mlflow-artifacts"))
     logs = property(lambda self: self._file("logs"))
     checkpoints = property(lambda self: self._file("checkpoints"))
     hf = property(lambda self: self._file("hf"))

@@ -476,7 +476,7 @@ def test_divergence_guard_counts_bad_steps_in_a_row():
 def test_resumed_metrics_drop_the_replayed_steps(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "phase": "clm"}) + "\n" for s in range(1, 8)) + '{"step": 8, "ph')
-    MetricsLogger(RunDir(str(tmp_path)), True, 10, start_step=5).writer.close()
+    MetricsLogger(RunDir(str(tmp_path)), True, 10, start_step=5).trackers.close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 

@@ -1,4 +1,5 @@
-"""Rank-0 progress: one compact line every N steps, the same numbers as TensorBoard scalars, a final summary."""
+"""Rank-0 progress: one compact line every N steps, the same numbers in metrics.jsonl and the trackers
+(TensorBoard, W&B, MLflow: ``pipeline.train.trackers``), a final summary."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.config import to_dict
+from pipeline.experiment import ExperimentConfig
 from pipeline.run_dir import RunDir
+from pipeline.train.trackers import Trackers
 
 
 def memory_gib() -> float:
@@ -35,26 +39,27 @@ class Throughput:
 
 class MetricsLogger:
     """``start_step``: the step training continues from; lines of later steps (logged before the checkpoint the
-    run resumes from was overtaken by a kill) are dropped, so a replayed step is in ``metrics.jsonl`` once."""
+    run resumes from was overtaken by a kill) are dropped, so a replayed step is in ``metrics.jsonl`` once.
+    ``exp``: the experiment whose ``train.trackers`` get the scalars too (None: TensorBoard alone)."""
 
-    def __init__(self, run: RunDir, enabled: bool, log_every: int, start_step: int = 0):
+    def __init__(self, run: RunDir, enabled: bool, log_every: int, start_step: int = 0,
+                 exp: ExperimentConfig | None = None):
         self.run, self.enabled, self.log_every = run, enabled, log_every
-        self.writer = None
+        self.trackers = None
         self.history_path = run.metrics
         if enabled:
-            _drop_after(self.history_path, start_step)
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(run.tensorboard)
+            logged_until = _drop_after(self.history_path, start_step)
+            exp = exp or ExperimentConfig(run_dir=run.path)
+            self.trackers = Trackers(exp, run, to_dict(exp), start_step, logged_until)
         self.start = time.time()
 
     def log(self, step: int, scalars: dict[str, float], phase: str) -> None:
-        """Every step goes to metrics.jsonl and TensorBoard; every ``log_every``-th step, and every step with a
-        validation (``eval/*``), also to stdout."""
+        """Every step goes to the trackers, then metrics.jsonl (so a kill between them leaves no tracker short
+        of a step the restart counts as logged); every ``log_every``-th step, and every step with a validation
+        (``eval/*``), also to stdout."""
         if not self.enabled:
             return
-        for k, v in scalars.items():
-            self.writer.add_scalar(k, v, step)
+        self.trackers.log(step, scalars)
         with open(self.history_path, "a") as f:
             f.write(json.dumps({"step": step, "phase": phase, **scalars}) + "\n")
         if step % self.log_every == 0 or step == 1:
@@ -72,25 +77,28 @@ class MetricsLogger:
     def close(self, summary: dict) -> None:
         if not self.enabled:
             return
-        self.writer.flush()
-        self.writer.close()
+        self.trackers.close()
         summary["loss_plot"] = plot_losses(self.history_path, self.run.loss_plot)
         print("summary: " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
 
 
-def _drop_after(path: str, step: int) -> None:
-    """Rewrite ``path`` (atomically) without the records of steps after ``step``."""
+def _drop_after(path: str, step: int) -> int:
+    """Rewrite ``path`` (atomically) without the records of steps after ``step``; returns the newest step it held
+    (0 when none)."""
     if not os.path.exists(path):
-        return
+        return 0
     with open(path) as f:
         lines = f.readlines()
-    kept = [line for line in lines if _step_of(line) <= step]
+    steps = [_step_of(line) for line in lines]
+    newest = max((s for s in steps if s != float("inf")), default=0)
+    kept = [line for line, s in zip(lines, steps) if s <= step]
     if len(kept) == len(lines):
-        return
+        return newest
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)
+    return newest
 
 
 def _step_of(line: str) -> float:

@@ -1,5 +1,5 @@
 """Everything about an experiment that can be checked before DeepSpeed builds an engine, each thing once: the run
-directory (writable, not in use), the tokenizer, objectives against it, the start model and how it will run, the
+directory (writable, not in use), the trackers' packages and login, the tokenizer, objectives against it, the start model and how it will run, the
 shards (built when missing, then present, compatible, sizes, enough samples), and a resume's global batch.
 
 :func:`agreed_preflight` runs it on every rank in three agreed stages (checks, rank 0 builds missing shards, the
@@ -38,6 +38,7 @@ from pipeline.tokenizer import Tokenizer, load_tokenizer
 from pipeline.train import errors
 from pipeline.train.module import attn_implementation, fused_kind
 from pipeline.train.phases import WeightedObjective, build_objectives, data_sources
+from pipeline.train.trackers import check_trackers
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,8 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
     check_run_dir(exp.run_dir)
     lock, notes = lock_run_dir(exp.run_dir) if rank == 0 else (None, [])
     try:
+        if rank == 0:  # rank 0 alone logs
+            check_trackers(exp.train)
         tokenizer = load_tokenizer(exp.data.tokenizer)
         objectives = [build_objectives(p, tokenizer, f"phases[{i}]") for i, p in enumerate(exp.phases)]
         _check_model(exp, tokenizer)

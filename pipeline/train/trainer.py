@@ -3,7 +3,7 @@
 :meth:`Trainer.build` sets a run up (shards, DeepSpeed engine with the LR schedule, run files, loaders, resume);
 :meth:`Trainer.fit` is the loop. Each collaborator has one job: :func:`~pipeline.train.step.train_step` the
 optimizer step, :class:`~pipeline.train.checkpoint.Checkpointer` resume and save,
-:class:`~pipeline.train.metrics.MetricsLogger` metrics.jsonl, TensorBoard and the console line,
+:class:`~pipeline.train.metrics.MetricsLogger` metrics.jsonl, the trackers and the console line,
 :class:`~pipeline.train.guard.DivergenceGuard` bad steps, :class:`~pipeline.train.signals.StopRequest` the stop
 signal, :class:`~pipeline.train.validation.Validator` the held-out evaluation when due,
 :func:`~pipeline.train.export.export_engine` the HF export at the end.
@@ -90,7 +90,7 @@ class Trainer:
         sources = index.sources if len(index.sources) > 1 else ()
         source_tokens = {src: (client or {}).get("source_tokens", {}).get(src, 0) for src in sources}
         return cls(exp, engine, lm, tokenizer, objectives, prepared.record, loaders, checkpoints,
-                   MetricsLogger(run, rank == 0, exp.train.log_every, start_step=step),
+                   MetricsLogger(run, rank == 0, exp.train.log_every, start_step=step, exp=exp),
                    Throughput(device_peak_tflops(exp.train.peak_tflops), world),
                    DivergenceGuard(exp.train.max_bad_steps, skipped_before=engine.skipped_steps), stop, device,
                    step, tokens_seen, validator, sources, source_tokens)
