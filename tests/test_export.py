@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from helpers import REPO, plain_transformers_hidden, tiny_llama
+from helpers import ONE_RANK, REPO, launch_training, plain_transformers_hidden, tiny_llama
 from shard_corpus import TOKENIZER
 
 from pipeline.config import from_dict
@@ -277,3 +277,50 @@ def test_the_documented_transformers_snippet_embeds_as_encode(tokenizer, tmp_pat
     exec(code, scope)
     np.testing.assert_allclose(scope["embeddings"].numpy(), encode(load_model(hf), scope["texts"], instruction=""),
                                atol=1e-5)
+
+
+@pytest.mark.e2e
+def test_a_lora_mntp_run_exports_a_card_a_sentence_transformer_and_its_adapter(shards, init_dir, tokenizer, tmp_path):
+    """One run, engine and offline exports: the model card; train.export_sentence_transformers and the offline
+    --sentence-transformers with its own defaults (which asked for --layout text on a mean-pooled run); the LoRA
+    adapter that PEFT puts on the run's start model, giving the merged export's states, and whose merge by PEFT
+    equals the export's weights."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoConfig, AutoModel
+
+    run = str(tmp_path / "run")
+    launch_training(run, os.path.join(REPO, "experiments", "llm2vec", "mntp-smoke.yaml"), f"data.shards={shards}",
+                    f"model.init={init_dir}", "model.lora.r=4", "model.lora.targets=[q_proj, v_proj]",
+                    "train.steps=2", "checkpoint.every=2", "train.export_sentence_transformers=true", **ONE_RANK)
+    offline = str(tmp_path / "offline")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", run, "--output",
+                           offline, "--sentence-transformers"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for hf in (os.path.join(run, "hf"), offline):
+        meta, body = card_of(hf)
+        assert meta == {"base_model": init_dir, "library_name": "sentence-transformers",
+                        "pipeline_tag": "feature-extraction",
+                        "tags": ["decoder-encoders", "llm2vec", "mntp", "sentence-transformers", "lora"]}, hf
+        assert f"`{shards}`" in body and "2 steps, " in body and " tokens." in body, body
+        model = load_model(hf)
+        assert (model.record.pooling, model.record.layout) == ("mean", "text")  # what sentence-transformers reads
+        np.testing.assert_allclose(SentenceTransformer(hf, device="cpu").encode(TEXTS), encode(model, TEXTS),
+                                   atol=1e-5)
+    hf = os.path.join(run, "hf")
+    adapter = os.path.join(hf, "adapter")
+    assert json.load(open(os.path.join(adapter, "adapter_config.json")))["base_model_name_or_path"] == init_dir
+    ids, mask, _ = padded(tokenizer)
+    batch = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+    config = AutoConfig.from_pretrained(init_dir)
+    config.is_causal = False  # the start model read as the run trained it (the export's config.json says so)
+    with torch.no_grad():
+        merged = AutoModel.from_pretrained(hf).eval()(**batch).last_hidden_state
+        peft = PeftModel.from_pretrained(AutoModel.from_pretrained(init_dir, config=config), adapter).eval()
+        torch.testing.assert_close(peft(**batch).last_hidden_state, merged, atol=1e-5, rtol=0)
+        base = AutoModel.from_pretrained(init_dir, config=config).eval()(**batch).last_hidden_state
+        assert (base - merged).abs().max() > 1e-4  # the adapter trained
+    ours = load_file(os.path.join(hf, "model.safetensors"))
+    for name, weight in peft.merge_and_unload().state_dict().items():
+        torch.testing.assert_close(weight, ours["model." + name], atol=1e-6, rtol=0)  # PEFT's merge is ours
