@@ -27,6 +27,7 @@ from pipeline.export.card import embed_snippet
 from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
 from pipeline.export.sentence_transformers import check_expressible, st_record
+from pipeline.model.build import build_model
 from pipeline.tokenizer import load_tokenizer
 
 TEXTS = ["The river rises in the hills.", "A much longer sentence about the hills, the river and the sea beyond.",
@@ -239,9 +240,11 @@ def test_exports_load_silently_with_the_classes_they_name(tokenizer, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         output = proc.stdout + proc.stderr
         assert not any(word in output for word in ("LOAD REPORT", "UNEXPECTED", "MISSING")), output[-3000:]
-    # the LM head MNTP evaluation and infilling need: the project's loader and transformers' variant read it
+    # the LM head MNTP evaluation, infilling and a run continued from the export need: the project's loader, its
+    # model.init and transformers' variant read it
     head = tiny_llama(tokenizer, seed=3).lm_head.weight
     torch.testing.assert_close(load_model(encoder).lm.lm_head.weight, head, rtol=0, atol=0)
+    torch.testing.assert_close(build_model(encoder, tokenizer.info.vocab_size).lm_head.weight, head, rtol=0, atol=0)
     from transformers import AutoModelForCausalLM
 
     torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(encoder, variant="lm").lm_head.weight, head,

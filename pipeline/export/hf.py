@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sentence-transformers", action="store_true",
                    help="also write the sentence-transformers files (modules.json, pooling, prompts)")
     p.add_argument("--pooling", choices=["mean", "last", "weighted_mean"], help="default: the run's (recorded)")
-    p.add_argument("--layout", choices=["bos_eos", "special", "text"], help="default: the run's (recorded)")
+    p.add_argument("--layout", choices=["bos_eos", "special", "text"],
+                   help="default: the run's (recorded); with --sentence-transformers, the one it reproduces")
     args = p.parse_args(argv)
     try:
         step = export_checkpoint(RunDir(args.run), args.output, args.step, args.dtype, args.sentence_transformers,
