@@ -207,6 +207,9 @@ class TrainConfig:
     log_every: int = 10
     peak_tflops: float = 0.0  # per device, for MFU; 0 = look up the GPU, none on CPU
     export_hf: bool = True  # write an HF directory at the end
+    # also make that directory a sentence-transformers model (docs/export.md): the run's pooling, the layout that
+    # library reproduces (the text alone for mean pooling), which the export's record then says for encode() too
+    export_sentence_transformers: bool = False
     stop_at_step: int = 0  # checkpoint and exit after this global step (0: run to train.steps); e.g. to fit a time slot
     max_bad_steps: int = 3  # stop after this many steps in a row with a skipped update or a non-finite loss
     # where rank 0 logs the step's scalars besides metrics.jsonl (always written); pipeline/train/trackers.py

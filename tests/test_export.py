@@ -6,26 +6,33 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from helpers import plain_transformers_hidden, tiny_llama
+import yaml
+from helpers import ONE_RANK, REPO, launch_training, plain_transformers_hidden, tiny_llama
 from shard_corpus import TOKENIZER
 
 from pipeline.config import from_dict
 from pipeline.eval import encode, load_model
 from pipeline.eval.encode import special_tokens
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
-from pipeline.experiment import REPO, ExperimentConfig, load_experiment
+from pipeline.experiment import ExperimentConfig, load_experiment
+from pipeline.export.card import embed_snippet
 from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
-from pipeline.export.sentence_transformers import check_expressible, write_sentence_transformers
+from pipeline.export.sentence_transformers import check_expressible, st_record
+from pipeline.model.build import build_model
 from pipeline.tokenizer import load_tokenizer
 
 TEXTS = ["The river rises in the hills.", "A much longer sentence about the hills, the river and the sea beyond.",
          "Short."]
+DOC_PATH = "runs/llm2vec-mntp/hf"  # the export the README's and docs/export.md's snippet loads
 MNTP = EncoderRecord(attention="bidirectional", reads_previous=True, mask_token="<mask>", layout="bos_eos",
                      objectives=("mntp",))
 
@@ -35,9 +42,10 @@ def tokenizer():
     return load_tokenizer(TOKENIZER)
 
 
-def export(tokenizer, out: str, record: EncoderRecord) -> str:
+def export(tokenizer, out: str, record: EncoderRecord, sentence_transformers: bool = False) -> str:
     lm = tiny_llama(tokenizer, seed=3)
-    return save_hf(lm, lm.state_dict(), tokenizer, out, record)
+    return save_hf(lm, lm.state_dict(), tokenizer, out, record, experiment({}), 0,
+                   sentence_transformers=sentence_transformers)
 
 
 def padded(tokenizer, texts=TEXTS) -> tuple[list[list[int]], list[list[int]], list[int]]:
@@ -158,8 +166,7 @@ def test_sentence_transformers_export_embeds_as_encode(tokenizer, tmp_path, pool
 
     record = EncoderRecord(attention="bidirectional", pooling=pooling, layout=layout,
                            instruction="Represent the sentence: ")
-    hf = export(tokenizer, str(tmp_path / "st"), record)
-    write_sentence_transformers(hf, record)
+    hf = export(tokenizer, str(tmp_path / "st"), record, sentence_transformers=True)
     st = SentenceTransformer(hf, device="cpu")
     model = load_model(hf)
     with_prompt = st.encode(TEXTS, batch_size=2)  # the recorded instruction is the default prompt
@@ -202,3 +209,121 @@ def test_a_bad_record_names_the_file_and_field(tokenizer, tmp_path):
     with pytest.raises(ModelError, match=r"hf/config.json: decoder_encoders.attention: 'sideways' is not one of "
                                          r"causal, bidirectional; re-export the model"):
         load_model(hf)
+
+
+# Run in a fresh interpreter: every way an export is meant to be loaded (an encoder: its base class, sentence-
+# transformers, the whole causal LM; a CLM export: the causal LM), each of which must be silent.
+LOADS = """
+import sys
+from transformers import AutoModel, AutoModelForCausalLM
+if sys.argv[2] == "encoder":
+    from sentence_transformers import SentenceTransformer
+    AutoModel.from_pretrained(sys.argv[1])
+    SentenceTransformer(sys.argv[1], device="cpu")
+    AutoModelForCausalLM.from_pretrained(sys.argv[1], variant="lm")
+else:
+    AutoModelForCausalLM.from_pretrained(sys.argv[1])
+"""
+
+
+@pytest.mark.e2e
+def test_exports_load_silently_with_the_classes_they_name(tokenizer, tmp_path):
+    """transformers 5 printed a LOAD REPORT (lm_head.weight UNEXPECTED) for every AutoModel load of an export."""
+    encoder = export(tokenizer, str(tmp_path / "mntp"), st_record(MNTP), sentence_transformers=True)
+    clm = export(tokenizer, str(tmp_path / "clm"), EncoderRecord(objectives=("clm",)))
+    assert json.load(open(os.path.join(encoder, "config.json")))["architectures"] == ["LlamaModel"]
+    assert json.load(open(os.path.join(clm, "config.json")))["architectures"] == ["LlamaForCausalLM"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for hf, kind in ((encoder, "encoder"), (clm, "clm")):
+        proc = subprocess.run([sys.executable, "-c", LOADS, hf, kind], capture_output=True, text=True, env=env,
+                              cwd=str(tmp_path), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        output = proc.stdout + proc.stderr
+        assert not any(word in output for word in ("LOAD REPORT", "UNEXPECTED", "MISSING")), output[-3000:]
+    # the LM head MNTP evaluation, infilling and a run continued from the export need: the project's loader, its
+    # model.init and transformers' variant read it
+    head = tiny_llama(tokenizer, seed=3).lm_head.weight
+    torch.testing.assert_close(load_model(encoder).lm.lm_head.weight, head, rtol=0, atol=0)
+    torch.testing.assert_close(build_model(encoder, tokenizer.info.vocab_size).lm_head.weight, head, rtol=0, atol=0)
+    from transformers import AutoModelForCausalLM
+
+    torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(encoder, variant="lm").lm_head.weight, head,
+                               rtol=0, atol=0)
+
+
+def card_of(hf_dir: str) -> tuple[dict, str]:
+    """(YAML front matter, body) of an export's README.md."""
+    text = open(os.path.join(hf_dir, "README.md")).read()
+    _, front, body = text.split("---\n", 2)
+    return yaml.safe_load(front), body
+
+
+def snippet_in(markdown: str, path: str) -> str:
+    """The python block of ``markdown`` that loads ``path``."""
+    blocks = re.findall(r"```python\n(.*?)```", open(os.path.join(REPO, markdown)).read(), re.S)
+    return next(b for b in blocks if f'path = "{path}"' in b)
+
+
+@pytest.mark.parametrize("record", [MNTP, EncoderRecord(attention="bidirectional", pooling="last", layout="special",
+                                                        instruction="Represent the sentence: ", objectives=("sscl",))],
+                         ids=["mean-bos_eos", "last-special-instruction"])
+def test_the_documented_transformers_snippet_embeds_as_encode(tokenizer, tmp_path, record):
+    """The README's snippet tokenized BOS + text (and pooled nothing), not encode()'s BOS + text + EOS."""
+    hf = export(tokenizer, str(tmp_path / "hf"), record)
+    code = embed_snippet(hf, record, special_tokens(tokenizer, "special"))
+    meta, body = card_of(hf)
+    assert code in body and meta["pipeline_tag"] == "feature-extraction"
+    if record == MNTP:  # the README and docs/export.md show this very code
+        for markdown in ("README.md", "docs/export.md"):
+            assert snippet_in(markdown, DOC_PATH) == embed_snippet(DOC_PATH, record, ([], [])), markdown
+    scope = {}
+    exec(code, scope)
+    np.testing.assert_allclose(scope["embeddings"].numpy(), encode(load_model(hf), scope["texts"], instruction=""),
+                               atol=1e-5)
+
+
+@pytest.mark.e2e
+def test_a_lora_mntp_run_exports_a_card_a_sentence_transformer_and_its_adapter(shards, init_dir, tokenizer, tmp_path):
+    """One run, engine and offline exports: the model card; train.export_sentence_transformers and the offline
+    --sentence-transformers with its own defaults (which asked for --layout text on a mean-pooled run); the LoRA
+    adapter that PEFT puts on the run's start model, giving the merged export's states, and whose merge by PEFT
+    equals the export's weights."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoConfig, AutoModel
+
+    run = str(tmp_path / "run")
+    launch_training(run, os.path.join(REPO, "experiments", "llm2vec", "mntp-smoke.yaml"), f"data.shards={shards}",
+                    f"model.init={init_dir}", "model.lora.r=4", "model.lora.targets=[q_proj, v_proj]",
+                    "train.steps=2", "checkpoint.every=2", "train.export_sentence_transformers=true", **ONE_RANK)
+    offline = str(tmp_path / "offline")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", run, "--output",
+                           offline, "--sentence-transformers"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for hf in (os.path.join(run, "hf"), offline):
+        meta, body = card_of(hf)
+        assert meta == {"base_model": init_dir, "library_name": "sentence-transformers",
+                        "pipeline_tag": "feature-extraction",
+                        "tags": ["decoder-encoders", "llm2vec", "mntp", "sentence-transformers", "lora"]}, hf
+        assert f"`{shards}`" in body and "2 steps, " in body and " tokens." in body, body
+        model = load_model(hf)
+        assert (model.record.pooling, model.record.layout) == ("mean", "text")  # what sentence-transformers reads
+        np.testing.assert_allclose(SentenceTransformer(hf, device="cpu").encode(TEXTS), encode(model, TEXTS),
+                                   atol=1e-5)
+    hf = os.path.join(run, "hf")
+    adapter = os.path.join(hf, "adapter")
+    assert json.load(open(os.path.join(adapter, "adapter_config.json")))["base_model_name_or_path"] == init_dir
+    ids, mask, _ = padded(tokenizer)
+    batch = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+    config = AutoConfig.from_pretrained(init_dir)
+    config.is_causal = False  # the start model read as the run trained it (the export's config.json says so)
+    with torch.no_grad():
+        merged = AutoModel.from_pretrained(hf).eval()(**batch).last_hidden_state
+        peft = PeftModel.from_pretrained(AutoModel.from_pretrained(init_dir, config=config), adapter).eval()
+        torch.testing.assert_close(peft(**batch).last_hidden_state, merged, atol=1e-5, rtol=0)
+        base = AutoModel.from_pretrained(init_dir, config=config).eval()(**batch).last_hidden_state
+        assert (base - merged).abs().max() > 1e-4  # the adapter trained
+    ours = load_file(os.path.join(hf, "model.safetensors"))
+    for name, weight in peft.merge_and_unload().state_dict().items():
+        torch.testing.assert_close(weight, ours["model." + name], atol=1e-6, rtol=0)  # PEFT's merge is ours

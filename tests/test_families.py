@@ -17,6 +17,7 @@ from helpers import REPO
 from shard_corpus import TOKENIZER
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from pipeline.experiment import ExperimentConfig
 from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord
 from pipeline.model.attention import attention_inputs
@@ -84,8 +85,10 @@ def test_family_bidirectional_causal_and_plain_export(family, checkpoints, token
     bidirectional = hidden("bidirectional")
     assert (hidden("bidirectional", changed)[0, 0] - bidirectional[0, 0]).abs().max() > 1e-4
     out = save_hf(model, model.state_dict(), tokenizer, str(tmp_path / "export"),
-                  EncoderRecord(attention="bidirectional", reads_previous=True, objectives=("mntp",)))
+                  EncoderRecord(attention="bidirectional", reads_previous=True, objectives=("mntp",)),
+                  ExperimentConfig(), 0)
     plain = AutoModel.from_pretrained(out, attn_implementation=impl).eval()  # transformers alone
+    assert json.load(open(os.path.join(out, "config.json")))["architectures"] == [type(plain).__name__]
     with torch.no_grad():
         got = plain(input_ids=ids, attention_mask=valid.long()).last_hidden_state
     np.testing.assert_allclose(got[valid].numpy(), bidirectional[valid].numpy(), atol=1e-5)

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pipeline.export.hf import export_checkpoint
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
+from pipeline.export.weights import causal_lm_kwargs
 from pipeline.model.build import DTYPES, project_masks
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import Tokenizer, load_tokenizer
@@ -118,7 +119,7 @@ def load_model(path: str, *, attention: str = "auto", tokenizer: str | None = No
         raise ModelError(f"{hf_dir}: the model has no usable tokenizer ({e}); copy the training tokenizer's files "
                          f"into it, or pass --tokenizer DIR") from e
     lm = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=DTYPES[dtype],
-                                              attn_implementation=attn_implementation)
+                                              attn_implementation=attn_implementation, **causal_lm_kwargs(hf_dir))
     try:
         record = read_record(lm.config)
     except (TypeError, ValueError) as e:

@@ -11,6 +11,7 @@ its module state (the fp32 weights of an fp32 run; a bf16 run's bf16 weights, wh
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import replace
@@ -18,9 +19,13 @@ from dataclasses import replace
 import torch
 from transformers import PreTrainedModel
 
+from pipeline.experiment import ExperimentConfig
+from pipeline.export.card import is_encoder, write_card
 from pipeline.export.record import EncoderRecord, from_experiment, write_record
+from pipeline.export.sentence_transformers import st_record, write_sentence_transformers
+from pipeline.export.weights import save_weights
 from pipeline.model.build import DTYPES
-from pipeline.model.lora import merge_lora
+from pipeline.model.lora import ADAPTER_DIR, merge_lora, save_adapter
 from pipeline.run_dir import RunDir, tag
 
 PREFIX = "lm."  # the HF model's parameter names inside the engine's module (pipeline.train.module.TrainModule.lm)
@@ -32,17 +37,26 @@ class ExportError(ValueError):
 
 
 def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: EncoderRecord,
-            lora_scale: float = 0.0) -> str:
-    """Write an HF ``save_pretrained`` directory (weights, config with the training ``record``, tokenizer) from an
-    engine-module state dict; a LoRA run's adapter (``model.lora.scale``) is merged into the weights."""
+            exp: ExperimentConfig, step: int, tokens: int | None = None, sentence_transformers: bool = False) -> str:
+    """Write an HF ``save_pretrained`` directory from an engine-module state dict of ``exp``'s run at ``step``:
+    weights in the form of the class the config names (``pipeline.export.weights``), the training ``record`` in
+    the config, the tokenizer, the model card, and with ``sentence_transformers`` that library's files (``record``
+    must be one it expresses: ``st_record``). A LoRA run's adapter is merged into the weights and also written
+    alone into ``adapter/``."""
     sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in state_dict.items()}
-    if lora_scale:
-        sd = merge_lora(sd, lora_scale)
+    encoder = is_encoder(record, sentence_transformers)
     os.makedirs(out, exist_ok=True)
+    if exp.model.lora.r:
+        save_adapter(sd, exp.model.lora, exp.model.init, os.path.join(out, ADAPTER_DIR),
+                     lm.base_model_prefix + "." if encoder else "")
+        sd = merge_lora(sd, exp.model.lora.scale)
     lm.config.use_cache = True
-    lm.save_pretrained(out, state_dict=sd, safe_serialization=True)
+    save_weights(lm, sd, out, encoder)
     write_record(out, record)
     tokenizer.save(out)
+    if sentence_transformers:
+        write_sentence_transformers(out, record)
+    write_card(out, record, exp, step, tokens, sentence_transformers, tokenizer)
     return out
 
 
@@ -59,15 +73,23 @@ def checkpoint_state_dict(run: RunDir, step: int) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(run.checkpoints, tag=tag(step))
 
 
+def tokens_at(run: RunDir, step: int) -> int | None:
+    """The tokens the run had trained on at ``step``, when its metrics logged that step."""
+    if not os.path.isfile(run.metrics):
+        return None
+    with open(run.metrics) as f:
+        logged = {rec.get("step"): rec for rec in map(json.loads, f)}
+    return logged.get(step, {}).get("progress/tokens_seen")
+
+
 def export_checkpoint(run: RunDir, out: str, step: int | None = None, dtype: str = "fp32",
                       sentence_transformers: bool = False, pooling: str | None = None,
                       layout: str | None = None) -> int:
     """Export the checkpoint of ``step`` (default: the newest complete one) with the run's model config and
     tokenizer; ``pooling`` / ``layout`` override the recorded defaults; ``sentence_transformers`` also writes that
-    library's files. Returns the step exported."""
+    library's files, with the run's pooling and the layout it expresses (``st_record``). Returns the step."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.export.sentence_transformers import check_expressible, write_sentence_transformers
     from pipeline.tokenizer import load_tokenizer
 
     steps = run.complete_steps()
@@ -78,18 +100,18 @@ def export_checkpoint(run: RunDir, out: str, step: int | None = None, dtype: str
         raise ExportError(f"{run.path} has no complete checkpoint at step {step}; complete steps: {steps}")
     exp = run.experiment()
     tokenizer = load_tokenizer(exp.data.tokenizer)
-    record = replace(from_experiment(exp, tokenizer),
-                     **{k: v for k, v in (("pooling", pooling), ("layout", layout)) if v})
+    record = from_experiment(exp, tokenizer)
     if sentence_transformers:
         try:  # before reading the weights
-            check_expressible(record)
+            record = st_record(record, pooling, layout)
         except ValueError as e:
             raise ExportError(str(e)) from None
+    else:
+        record = replace(record, **{k: v for k, v in (("pooling", pooling), ("layout", layout)) if v})
     sd = checkpoint_state_dict(run, step)
     lm = AutoModelForCausalLM.from_config(run.model_config(), dtype=DTYPES[dtype])
-    save_hf(lm, {k: v.to(DTYPES[dtype]) for k, v in sd.items()}, tokenizer, out, record, exp.model.lora.scale)
-    if sentence_transformers:
-        write_sentence_transformers(out, record)
+    save_hf(lm, {k: v.to(DTYPES[dtype]) for k, v in sd.items()}, tokenizer, out, record, exp, step,
+            tokens_at(run, step), sentence_transformers)
     return step
 
 
@@ -98,9 +120,12 @@ USAGE = """Export a training checkpoint as an HF ``save_pretrained`` directory, 
 [--sentence-transformers [--pooling P] [--layout L]]``.
 
 The weights come from the checkpoint of any ZeRO stage, the model config and the tokenizer from the run directory,
-and the training record goes into config.json (docs/export.md). ``--sentence-transformers`` also makes DIR a
-sentence-transformers model (``SentenceTransformer(DIR)``); ``--pooling`` / ``--layout`` override the recorded
-defaults. Training also exports at its end (``train.export_hf``).
+and the training record goes into config.json, a model card into README.md (docs/export.md). An encoder keeps its
+LM head apart (``AutoModelForCausalLM.from_pretrained(DIR, variant="lm")`` loads it); a LoRA run's adapter is also
+written alone into DIR/adapter. ``--sentence-transformers`` also makes DIR a sentence-transformers model
+(``SentenceTransformer(DIR)``) with the run's pooling and the layout that library reproduces (the text alone for
+mean pooling); ``--pooling`` / ``--layout`` override the recorded defaults. Training also exports at its end
+(``train.export_hf``, ``train.export_sentence_transformers``).
 """
 
 
@@ -113,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sentence-transformers", action="store_true",
                    help="also write the sentence-transformers files (modules.json, pooling, prompts)")
     p.add_argument("--pooling", choices=["mean", "last", "weighted_mean"], help="default: the run's (recorded)")
-    p.add_argument("--layout", choices=["bos_eos", "special", "text"], help="default: the run's (recorded)")
+    p.add_argument("--layout", choices=["bos_eos", "special", "text"],
+                   help="default: the run's (recorded); with --sentence-transformers, the one it reproduces")
     args = p.parse_args(argv)
     try:
         step = export_checkpoint(RunDir(args.run), args.output, args.step, args.dtype, args.sentence_transformers,

@@ -10,13 +10,15 @@ the directory's config and weights, loaded by ``AutoModel``, so a bidirectional 
 sentence-transformers tokenizes ``prompt + text`` as one string and leaves the prompt's own tokens out of pooling
 (``include_prompt: false``), as ``encode`` does. Its mean pooling covers every other token, special tokens too, so
 it equals ``encode``'s only when the layout adds none (``text``); its last-token pooling equals ``encode``'s
-``last`` under the tokenizer's own layout. Other combinations are refused with the fix.
+``last`` under the tokenizer's own layout. An export takes the run's pooling and the nearest layout that
+sentence-transformers reproduces (:func:`st_record`); other combinations asked for are refused with the fix.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 from pipeline.data.pairs import format_instruction
 from pipeline.export.record import EncoderRecord
@@ -26,18 +28,41 @@ TRANSFORMER = "sentence_transformers.base.modules.transformer.Transformer"
 POOLING = "sentence_transformers.sentence_transformer.modules.pooling.Pooling"
 
 
+# the layout sentence-transformers reproduces for a pooling when the run's is not one it reproduces
+EXPRESSED = {"mean": "text", "last": "special"}
+
+
+def _problem(record: EncoderRecord) -> str | None:
+    if record.pooling not in ST_POOLING:
+        return (f"pooling {record.pooling!r} has no sentence-transformers equivalent; export with --pooling mean or "
+                f"--pooling last")
+    if record.pooling == "mean" and record.layout != "text":
+        return (f"sentence-transformers' mean pooling includes special tokens, so it equals encode()'s mean only "
+                f"under layout 'text' (the layout is {record.layout!r}); export with --layout text, or --pooling last")
+    if record.pooling == "last" and record.layout == "bos_eos":
+        return ("sentence-transformers adds the tokenizer's own special tokens, not data prep's BOS/EOS; export "
+                "with --layout special (or text)")
+    return None
+
+
 def check_expressible(record: EncoderRecord) -> None:
     """Raise unless sentence-transformers' modules reproduce ``encode`` under ``record``."""
-    if record.pooling not in ST_POOLING:
-        raise ValueError(f"pooling {record.pooling!r} has no sentence-transformers equivalent; export with "
-                         f"--pooling mean or --pooling last")
-    if record.pooling == "mean" and record.layout != "text":
-        raise ValueError(f"sentence-transformers' mean pooling includes special tokens, so it equals encode()'s mean "
-                         f"only under layout 'text' (the recorded layout is {record.layout!r}); export with "
-                         f"--layout text, or --pooling last")
-    if record.pooling == "last" and record.layout == "bos_eos":
-        raise ValueError("sentence-transformers adds the tokenizer's own special tokens, not data prep's BOS/EOS; "
-                         "export with --layout special (or text)")
+    if problem := _problem(record):
+        raise ValueError(problem)
+
+
+def st_record(record: EncoderRecord, pooling: str | None = None, layout: str | None = None) -> EncoderRecord:
+    """The record of a sentence-transformers export of a run recorded as ``record``: its pooling, and its layout
+    where sentence-transformers reproduces it, else the one it reproduces for that pooling (``EXPRESSED``: a
+    mean-pooled run reads the text alone); ``pooling`` / ``layout`` override. Raises for an override it cannot
+    express."""
+    pooling = pooling or record.pooling
+    if layout is None:
+        kept = replace(record, pooling=pooling)
+        layout = record.layout if _problem(kept) is None else EXPRESSED.get(pooling, record.layout)
+    chosen = replace(record, pooling=pooling, layout=layout)
+    check_expressible(chosen)
+    return chosen
 
 
 def _write(path: str, obj: dict) -> None:

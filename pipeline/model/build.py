@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from pipeline.export.weights import causal_lm_kwargs
 from pipeline.model.presets import PRESETS, get_preset
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # by the name configs and command lines give
@@ -39,7 +40,8 @@ def build_model(spec: str, vocab_size: int, *, dtype: torch.dtype = torch.float3
     config = start_checkpoint_config(spec, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     config.use_cache = False
     return AutoModelForCausalLM.from_pretrained(Path(spec), config=config, dtype=dtype,
-                                                attn_implementation=attn_implementation, local_files_only=True)
+                                                attn_implementation=attn_implementation, local_files_only=True,
+                                                **causal_lm_kwargs(spec))
 
 
 def start_checkpoint_config(spec: str, vocab_size: int, *, bos_token_id: int | None = None,

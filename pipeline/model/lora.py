@@ -6,10 +6,14 @@ stage's adapter into the weights before the next one starts. Here the adapter is
 ``model.lm_head``) and DeepSpeed partitions the adapter's parameters like any other; everything but the adapter
 (and the objectives' own heads, attached afterwards) is frozen. The export merges ``W + (alpha / r) B A`` into each
 target's weight, so an export is an ordinary checkpoint that transformers loads alone, and a run continued from it
-(SimCSE after MNTP) starts a fresh adapter on the merged weights.
+(SimCSE after MNTP) starts a fresh adapter on the merged weights. The export also writes the adapter alone in
+PEFT's own format (:func:`save_adapter`), which ``peft.PeftModel.from_pretrained(base, DIR/adapter)`` puts on the
+model the run started from, as LLM2Vec publishes its stages.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
@@ -17,6 +21,7 @@ from transformers import PretrainedConfig
 
 LLM2VEC_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _A, _B, _BASE = ".lora_A.default.weight", ".lora_B.default.weight", ".base_layer.weight"
+ADAPTER_DIR = "adapter"  # inside an HF export
 
 
 def add_lora(model: nn.Module, r: int, alpha: float, dropout: float, targets: tuple[str, ...]) -> None:
@@ -43,6 +48,21 @@ def merge_lora(state_dict: dict[str, torch.Tensor], scale: float) -> dict[str, t
         else:
             merged[key.replace(".base_layer.", ".")] = value
     return merged
+
+
+def save_adapter(state_dict: dict[str, torch.Tensor], lora, base: str, out: str, base_prefix: str = "") -> None:
+    """Write the adapter of ``state_dict`` (HF names) as PEFT saves one: ``adapter_config.json`` naming ``base``
+    (the run's ``model.init``) and ``adapter_model.safetensors``. ``base_prefix`` (e.g. ``"model."``) is dropped
+    from the names, for an adapter on the base model (``AutoModel``, an encoder's) rather than the causal LM."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    adapter = {"base_model.model." + key.removeprefix(base_prefix).replace(".default.", "."): value.contiguous()
+               for key, value in state_dict.items() if key.endswith((_A, _B))}
+    task = "FEATURE_EXTRACTION" if base_prefix else "CAUSAL_LM"
+    LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.targets),
+               base_model_name_or_path=base, task_type=task).save_pretrained(out)
+    save_file(adapter, os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def lora_params(config: PretrainedConfig, r: int, targets: tuple[str, ...]) -> int:

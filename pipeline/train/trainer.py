@@ -174,7 +174,7 @@ class Trainer:
                    "run_dir": self.exp.run_dir}
         if self.step == self.exp.train.steps and self.exp.train.export_hf and self.guard.healthy:
             summary["hf_export"] = export_engine(self.engine, self.lm, self.tokenizer, RunDir(self.exp.run_dir).hf,
-                                                 self.record, self.exp.model.lora.scale)
+                                                 self.record, self.exp, self.step, self.tokens_seen)
         self.metrics.close(summary)
         for loader in self.loaders.values():
             loader.close()
