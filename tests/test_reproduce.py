@@ -310,6 +310,17 @@ def test_the_prepared_gpu_short_script_dry_run_checks_the_stack_and_every_run_an
     assert os.listdir(tmp_path) == ["out"] and os.listdir(tmp_path / "out") == ["plan.txt"]
 
 
+def test_the_page_has_a_block_for_every_study_of_every_scale():
+    """The driver writes each study's table between its scale's markers at the end of a run: a missing block would
+    fail the GPU run after its training and evaluation."""
+    from pipeline.reproduce.driver import SCALES
+
+    page = open(os.path.join(REPO, "docs", "results.md")).read()
+    for scale in SCALES:
+        for study in (s for s in STUDIES if s.grid_for(scale)):
+            replace_block(page, scale, study.name, "", "docs/results.md")
+
+
 def test_replace_block_needs_its_markers():
     page = "a\n<!-- BEGIN quick magnet -->\nold\n<!-- END quick magnet -->\nb"
     assert replace_block(page, "quick", "magnet", "new", "p.md") == page.replace("old", "new")
