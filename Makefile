@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 NPROC ?= 2
 CPU_ENV := DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
 
-.PHONY: setup real-model real-data reproduce reproduce-quick reproduce-paper demo test test-slow test-extended lint bench clean-runs
+.PHONY: setup real-model real-data reproduce reproduce-quick reproduce-paper reproduce-gpu-short demo test test-slow test-extended lint bench clean-runs
 
 setup: $(VENV)/.installed
 
@@ -52,6 +52,11 @@ reproduce-quick: setup real-model real-data
 # scale"); `launch/reproduce.py --scale paper --dry-run` checks and prints them on any machine
 reproduce-paper: setup real-model real-data
 	$(BIN)/python launch/reproduce.py --scale paper
+
+# MLM vs CLM at 210m in <= 8 min on one H200 (experiments/reproduce/mlm_vs_clm/gpu_short.yaml, docs/results.md "GPU
+# short scale"; no SmolLM2); on the lent GPU, bench/gpu/reproduce_short.sh runs it with the install in one call
+reproduce-gpu-short: setup real-data
+	$(BIN)/python launch/reproduce.py --scale gpu-short
 
 # the rendezvous on a free port, so a demo starts while another run holds DeepSpeed's default one
 demo: setup

@@ -18,8 +18,8 @@ import torch
 
 from pipeline.grid import load_grid
 from pipeline.reproduce.data import STSB_WHEEL, VERSION, RealDataError, extract, is_extracted
-from pipeline.reproduce.driver import Driver, set_rank_defaults
-from pipeline.reproduce.results import Measured, compare, replace_block
+from pipeline.reproduce.driver import Driver, resolve_device, set_rank_defaults, size_mb
+from pipeline.reproduce.results import Measured, compare, replace_block, study_markdown
 from pipeline.reproduce.studies import STUDIES
 from pipeline.sweep import REPO
 
@@ -191,14 +191,134 @@ def test_verdicts_follow_the_seed_spread():
 
 @pytest.mark.parametrize("cuda", [True, False])
 def test_ranks_train_on_the_machines_accelerator(monkeypatch, cuda):
-    for name in ("DS_ACCELERATOR", "OMP_NUM_THREADS"):
+    for name in ("DS_ACCELERATOR", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)  # the machine, not the code under test
-    set_rank_defaults()
+    set_rank_defaults(resolve_device("auto"))
     assert os.environ["DS_ACCELERATOR"] == ("cuda" if cuda else "cpu") and "OMP_NUM_THREADS" not in os.environ
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    set_rank_defaults()
+    set_rank_defaults(resolve_device("auto"))
     assert os.environ["DS_ACCELERATOR"] == "cpu"  # the user's choice stands
+
+
+def test_device_cpu_hides_the_gpu_from_the_ranks_and_cuda_needs_one(monkeypatch):
+    """--device cpu on a GPU machine: the trainer takes a GPU wherever torch sees one, so the ranks see none."""
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    set_rank_defaults(resolve_device("cpu"))
+    assert (os.environ["DS_ACCELERATOR"], os.environ["CUDA_VISIBLE_DEVICES"]) == ("cpu", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"--device cuda: torch sees no GPU here .*pass --device cpu"):
+        resolve_device("cuda")
+
+
+def test_gpu_short_trains_clm_mlm_and_the_switch_at_210m_on_one_gpu_within_its_budget(tmp_path):
+    """--scale gpu-short: CLM, MLM 40 % and CLM 50 % -> MLM 40 % from scratch at 210m, bf16, one GPU without ZeRO,
+    each the 64 steps of 32 x 512 tokens its grid's budget arithmetic allows; the study's table and claims keep the
+    rows it runs (no CPT chain), while every other scale keeps all of them (the CPU pages stay as they are)."""
+    study = STUDIES[1]
+    runs = {}
+    for v in load_grid(os.path.join(REPO, study.short_grid)).variants(out="runs/x"):
+        e, t = v.experiment, v.experiment.train
+        assert (v.resources.world_size, v.resources.gpu, os.path.basename(v.ds_config)) == (1, True, "zero0.json")
+        assert (e.model.init, e.model.dtype, e.data.shards) == ("210m", "bf16", "runs/shards/sample-512"), v.name
+        runs[v.name] = (t.steps, t.micro_batch * t.grad_accum, e.data.seq_len, e.phase_starts())
+    assert runs == {"scratch-clm-s0": (64, 32, 512, [0]), "scratch-mlm40-s0": (64, 32, 512, [0]),
+                    "scratch-clm50-s0": (64, 32, 512, [0, 32])}
+    driver = Driver("gpu-short", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"),
+                    ["mlm_vs_clm"])
+    assert [row for _, row in driver.rows(study)] == ["scratch-clm", "scratch-mlm40", "scratch-clm50"]
+    block = study_markdown(dataclasses.replace(study, rows=driver.rows(study)), {}, [], "gpu-short")
+    assert "continued" not in block and "half budget" not in block
+    assert block.count("| **inconclusive** | not measured |") == 4  # the switch vs MLM and CLM vs MLM, SC and TC
+    for scale in ("full", "quick", "paper"):
+        other = Driver(scale, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"), [])
+        assert all(other.rows(s) == s.rows for s in STUDIES)
+    with pytest.raises(ValueError, match="--study llm2vec, magnet: no gpu-short grid; at --scale gpu-short pass "
+                                         r"--study mlm_vs_clm \(or no --study\)"):
+        Driver("gpu-short", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"),
+               ["llm2vec", "magnet"])
+    assert os.listdir(tmp_path) == []
+
+
+@needs_sdist
+def test_gpu_short_reads_no_smollm2_and_at_most_40_mb_that_a_bare_gpu_lacks(tmp_path, monkeypatch):
+    """What the lent GPU must be given for --scale gpu-short (bench/gpu/reproduce_short.sh carries runs/real; the
+    tokenizer and the sample corpus travel with the working tree): the extracted data, the sample's tokenizer and
+    the corpus its shards are built from, 40 MB at most; no SmolLM2 (no GGUF package there) and no shards the
+    driver builds, so preparing it only extracts the data."""
+    from pipeline.reproduce import driver as driver_module
+
+    real = str(tmp_path / "real")
+    extract(SDIST_DIR, real)
+    monkeypatch.setattr(driver_module, "REAL", real)
+    monkeypatch.setattr(driver_module, "packaged_gguf", lambda: pytest.fail("gpu-short imported SmolLM2"))
+    driver = Driver("gpu-short", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"),
+                    ["mlm_vs_clm"])
+    sample = os.path.join(REPO, "data", "sample")
+    assert driver.inputs() == sorted([real, os.path.join(sample, "tokenizer"), os.path.join(sample, "train")])
+    sizes = {os.path.basename(p): size_mb(p) for p in driver.inputs()}
+    assert sum(sizes.values()) <= 40, sizes
+    assert not driver.reads_smollm2() and driver.shard_builds() == []
+    driver.prepare()
+    assert sorted(os.listdir(tmp_path)) == ["real"]
+
+
+@pytest.mark.e2e
+def test_gpu_short_refuses_the_cpu_before_anything_on_the_gpu_images_packages(tmp_path):
+    """Not a dry run, on a machine without a GPU: one line and exit 1, nothing written; with the packages the lent
+    GPU's image lacks (datasets, mteb, gguf) made unimportable, so the driver's imports hold there."""
+    code = ("import sys; sys.modules.update(dict.fromkeys(('datasets', 'mteb', 'gguf', 'webdataset'))); "
+            "from pipeline.reproduce.driver import main; sys.exit(main(sys.argv[1:]))")
+    cmd = [sys.executable, "-c", code, "--scale", "gpu-short", "--out", str(tmp_path / "runs"), "--results",
+           str(tmp_path / "results"), "--page", str(tmp_path / "page.md")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        "error: --scale gpu-short: the runs of experiments/reproduce/mlm_vs_clm/gpu_short.yaml declare GPU ranks "
+        "(resources.gpu) and this run would be on the CPU (--device auto); run it on a GPU machine, or check it here "
+        "with --dry-run"]
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.e2e
+def test_the_prepared_gpu_short_script_dry_run_checks_the_stack_and_every_run_and_task(tmp_path):
+    """bench/gpu/reproduce_short.sh --dry-run OUT: the imports the GPU run needs, the versions line, and
+    `launch/reproduce.py --scale gpu-short --dry-run`'s plan (each run resolved and validated, each task's options,
+    the inputs and their size) into OUT/plan.txt; nothing else written."""
+    env = {**os.environ, "PYTHON": sys.executable, "WHEELS": str(tmp_path / "none")}
+    script = os.path.join(REPO, "bench", "gpu", "reproduce_short.sh")
+    proc = subprocess.run([script, "--dry-run", str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.startswith("python ") and "deepspeed 0." in proc.stdout.splitlines()[0]
+    plan = (tmp_path / "out" / "plan.txt").read_text()
+    rows = {line.split()[0]: line.split() for line in plan.splitlines() if line.strip()}
+    assert {name: rows[name][1:5] for name in ("scratch-clm-s0", "scratch-mlm40-s0", "scratch-clm50-s0")} == {
+        "scratch-clm-s0": ["210m", "64", "1.0M", "clm"], "scratch-mlm40-s0": ["210m", "64", "1.0M", "mlm40"],
+        "scratch-clm50-s0": ["210m", "64", "1.0M", "clm"]}
+    assert "== mlm_vs_clm (gpu-short scale): experiments/reproduce/mlm_vs_clm/gpu_short.yaml" in plan
+    assert "eval classification: {'datasets': [], 'lrs': [0.0001, 0.001], 'seeds': [0], 'max_steps': 188" in plan
+    assert ("eval token_classification: {'datasets': [], 'lrs': [0.0001, 0.001], 'seeds': [0, 1], 'max_steps': 51"
+            in plan)
+    assert re.search(r"^device: cpu; inputs: data/sample/tokenizer 0\.9 MB, data/sample/train 1\.7 MB, runs/real ",
+                     plan, re.M)
+    assert "== llm2vec" not in plan and "== magnet" not in plan and "shards:" not in plan
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(tmp_path / "out") == ["plan.txt"]
+
+
+def test_the_page_has_a_block_for_every_study_of_every_scale():
+    """The driver writes each study's table between its scale's markers at the end of a run: a missing block would
+    fail the GPU run after its training and evaluation."""
+    from pipeline.reproduce.driver import SCALES
+
+    page = open(os.path.join(REPO, "docs", "results.md")).read()
+    for scale in SCALES:
+        for study in (s for s in STUDIES if s.grid_for(scale)):
+            replace_block(page, scale, study.name, "", "docs/results.md")
 
 
 def test_replace_block_needs_its_markers():
@@ -353,3 +473,22 @@ def test_a_task_another_study_ran_with_the_same_options_is_copied_not_run(tmp_pa
     driver._evaluate(Study("b", "", "", "sts", {"quick": ["sts.max_length=32"]}), model, str(evals / "b-bidi.json"),
                      attention="bidirectional")  # another reading of the model: run
     assert "reused" not in json.load(open(evals / "b-bidi.json"))
+
+
+def test_the_studys_fine_tuning_evaluates_without_datasets_as_on_the_lent_gpu(tmp_path, tiny_model_and_driver,
+                                                                              monkeypatch):
+    """The lent GPU's image has no `datasets`: the driver's evaluation (its library bars off) fine-tunes and scores
+    the from-scratch study's two tasks all the same, on the device the driver resolved."""
+    from pipeline.reproduce.studies import Study
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
+    model, driver = tiny_model_and_driver
+    options = [f"{task}.{k}={v}" for task in ("classification", "token_classification")
+               for k, v in (("lrs", "[1.0e-3]"), ("seeds", "[0]"), ("max_steps", 2), ("batch_size", 4))]
+    out = tmp_path / "eval" / "study.json"
+    driver._evaluate(Study("s", "", "", "classification,token_classification",
+                           {"quick": [*options, "classification.datasets=[sst2]"]}), model, str(out))
+    results = json.load(open(out))
+    assert results["failed"] == {} and set(results["headline"]) == {"sc_acc", "tc_f1"}
+    assert results["config"]["device"] == driver.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert results["results"]["classification"]["datasets"]["sst2"]["runs"][0]["steps"] == 2

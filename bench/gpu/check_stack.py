@@ -1,4 +1,5 @@
-"""Imports what training and bench_gpu.py import, then prints the stack's versions: run by run.sh before the
+"""Imports what training and bench_gpu.py import (and the modules named on the command line: reproduce_short.sh
+names the reproduction driver, which evaluates too), then prints the stack's versions: run by run.sh before the
 benchmark, so a missing package fails in seconds with its name rather than after the data prep."""
 
 import importlib
@@ -20,7 +21,7 @@ def version(dist: str) -> str:
 
 
 def main() -> None:
-    for module in MODULES:
+    for module in (*MODULES, *sys.argv[1:]):
         importlib.import_module(module)
     import deepspeed
     import torch

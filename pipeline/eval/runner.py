@@ -51,12 +51,17 @@ def failure(error: Exception) -> dict:
 @contextmanager
 def no_library_bars():
     """The libraries' own bars off (transformers' "Loading weights" and the export's "Writing model shards", the
-    hub's, datasets'), then back as they were."""
-    import datasets
+    hub's, datasets'), then back as they were. Without datasets (the lent GPU's image has none, and no local task
+    needs it) there are no bars of its to turn off."""
+    try:
+        import datasets
+    except ImportError:
+        datasets = None
 
-    was = transformers.utils.logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    was = transformers.utils.logging.is_progress_bar_enabled(), bool(datasets and datasets.is_progress_bar_enabled())
     transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
+    if datasets:
+        datasets.disable_progress_bars()
     try:
         yield
     finally:

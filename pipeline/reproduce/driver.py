@@ -6,17 +6,19 @@ then the report (``pipeline.eval.report.write``), the curves' plot and the resul
 step runs in this process from the repository root, its output (and its child processes', e.g. the training ranks)
 appended to a log file; every step is skipped when its output exists, so the same command resumes.
 
-The command line: ``python launch/reproduce.py [--scale full|quick|paper] [--dry-run] [--study NAME]... [--out DIR]
-[--results DIR] [--page FILE]`` (or ``pipeline-reproduce ...``; ``--quick`` is ``--scale quick``); ``make
-reproduce`` / ``make reproduce-quick`` / ``make reproduce-paper`` run it after ``make real-data real-model``.
-``--dry-run`` resolves and checks everything the scale would run (each grid's runs as the sweep's table, each task's
-options, the shards to build) and prints it, writing and training nothing.
+The command line: ``python launch/reproduce.py [--scale full|quick|paper|gpu-short] [--dry-run] [--device
+auto|cuda|cpu] [--study NAME]... [--out DIR] [--results DIR] [--page FILE]`` (or ``pipeline-reproduce ...``;
+``--quick`` is ``--scale quick``); ``make reproduce`` / ``make reproduce-quick`` / ``make reproduce-paper`` run it
+after ``make real-data real-model``, ``make reproduce-gpu-short`` after ``make real-data`` (its one study reads no
+SmolLM2). ``--dry-run`` resolves and checks everything the scale would run (each grid's runs as the sweep's table,
+each task's options, the shards to build, the inputs a bare machine needs and their size) and prints it, writing
+and training nothing. Training and evaluation run on the GPU where torch sees one (``--device`` says otherwise).
 
-Outputs: runs under OUT (runs/reproduce, runs/reproduce-quick or runs/reproduce-paper), and under RESULTS/SCALE
-(docs/results/full, quick or paper) the small records: each run's experiment.json, metrics.jsonl and eval results
-(its kept steps' too), the logs, the report plots and ``curves.png``, ``timings.json`` (seconds per stage summed over
-the invocations that wrote OUT, median seconds per training step of each run); the tables go into docs/results.md
-between its ``<!-- BEGIN MODE STUDY -->`` markers. The seconds are kept in OUT/timings.json, rewritten after every
+Outputs: runs under OUT (runs/reproduce, or runs/reproduce-SCALE for the other scales), and under RESULTS/SCALE
+(docs/results/full, quick, paper or gpu-short) the small records: each run's experiment.json, metrics.jsonl and
+eval results (its kept steps' too), the logs, the report plots and ``curves.png``, ``timings.json`` (seconds per
+stage summed over the invocations that wrote OUT, median seconds per training step of each run); the tables go into
+docs/results.md between its ``<!-- BEGIN MODE STUDY -->`` markers. The seconds are kept in OUT/timings.json, rewritten after every
 step: a killed invocation's finished steps (and its total up to the last of them) still count, and a fresh OUT
 starts from zero even though the committed records hold an earlier run's.
 """
@@ -33,7 +35,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -44,7 +46,7 @@ from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.report.write import write_report
 from pipeline.eval.runner import EvalConfig, evaluate, failure_lines, write_results
 from pipeline.experiment import REPO
-from pipeline.grid import SMOKE_SUFFIX
+from pipeline.grid import SMOKE_SUFFIX, Variant, load_grid
 from pipeline.io import read_json, write_json_atomic
 from pipeline.model.gguf_import import import_gguf, packaged_gguf
 from pipeline.reproduce.curves import Curve, kept_steps, plot_curves, run_curve
@@ -62,7 +64,8 @@ SPAN_SHARDS = "runs/reproduce/shards/smollm2-reviews-spans-{seq_len}"  # packed,
 # tokens (Wiki1M's sentences are ~25), half the cost of 64 a step
 UNIT_SEQ_LEN = {"quick": 32, "full": 32, "paper": 64}
 SPAN_SEQ_LEN = {"quick": 128, "full": 128, "paper": 512}
-SCALES = ("full", "quick", "paper")
+SCALES = ("full", "quick", "paper", "gpu-short")
+DEVICES = ("auto", "cuda", "cpu")
 PAIR_SHARDS = "runs/reproduce/shards/smollm2-pairs-64"  # LLM2Vec's supervised stage: 3 texts of <= 64 tokens a row
 # This process evaluates while no training rank runs, on the 2 cores the ranks had: twice as fast as one thread.
 # Fixed, not the machine's core count: fine-tuning sums in another order on another thread count (a POS score
@@ -96,14 +99,38 @@ def _in_repo_logged_to(log: str) -> Iterator[None]:
                 os.close(copy)
 
 
+def resolve_device(device: str) -> str:
+    """``--device``: "auto" is the GPU where torch sees one, else the CPU; "cuda" without a GPU is an error."""
+    if device not in DEVICES:
+        raise ValueError(f"--device {device!r}: expected one of {', '.join(DEVICES)}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False); run on a GPU "
+                         "machine or pass --device cpu")
+    return device
+
+
+def size_mb(path: str) -> float:
+    """Bytes of a file, or of every file under a directory, in MB (10^6)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path) / 1e6
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files) / 1e6
+
+
 class Driver:
-    def __init__(self, scale: str, out: str, results: str, page: str, studies: list[str]):
+    def __init__(self, scale: str, out: str, results: str, page: str, studies: list[str], device: str = "auto"):
         if scale not in SCALES:
             raise ValueError(f"scale {scale!r}: expected one of {', '.join(SCALES)}")
         self.quick, self.mode = scale == "quick", scale
         self.out, self.results = out, os.path.abspath(os.path.join(results, self.mode))
         self.page = os.path.abspath(page)
+        self.device = resolve_device(device)
         self.studies = [s for s in STUDIES if s.name in studies]
+        if without := [s.name for s in self.studies if not s.grid_for(scale)]:
+            have = [s.name for s in STUDIES if s.grid_for(scale)]
+            raise ValueError(f"--study {', '.join(without)}: no {scale} grid; at --scale {scale} pass "
+                             + " or ".join(f"--study {n}" for n in have) + " (or no --study)")
         self.logs = os.path.join(self.results, "logs")
         self.timings: dict[str, float] = {}  # this invocation's seconds per stage
         self.ledger = os.path.join(out, "timings.json")  # every invocation's into OUT, summed
@@ -146,29 +173,73 @@ class Driver:
     def prepare(self) -> None:
         if not is_extracted(os.path.join(REPO, REAL)):
             extract(os.path.join(REPO, DOWNLOADS), os.path.join(REPO, REAL))
-        if not os.path.isfile(os.path.join(REPO, SMOLLM2, "config.json")):
+        if self.reads_smollm2() and not os.path.isfile(os.path.join(REPO, SMOLLM2, "config.json")):
             self._run("import_smollm2", f"import the packaged GGUF into {SMOLLM2}",
                       lambda: print(f"wrote {import_gguf(packaged_gguf(), SMOLLM2)}"))
         for stage, what, config in self.shard_builds():
             if not os.path.isfile(os.path.join(REPO, config.output, MANIFEST)):
                 self._run(stage, what, lambda config=config: run_job(config))
 
+    def variants(self, study: Study) -> list[Variant]:
+        """The runs of the study's grid at this scale (the -smoke twins in quick mode), resolved and validated."""
+        return load_grid(os.path.join(REPO, study.grid_for(self.mode))).variants(smoke=self.quick, out=self.out)
+
+    def reads_smollm2(self) -> bool:
+        """Whether a selected study reads SmolLM2: a baseline, or a run that starts from it or uses its tokenizer
+        (every SmolLM2 study does; the from-scratch study reads only the sample corpus and its tokenizer)."""
+        model = os.path.join(REPO, SMOLLM2)
+        return any(study.baselines or any(model in (os.path.join(REPO, v.experiment.model.init),
+                                                    os.path.join(REPO, v.experiment.data.tokenizer))
+                                          for v in self.variants(study)) for study in self.studies)
+
     def shard_builds(self) -> list[tuple[str, str, BuildConfig]]:
-        """(stage, what, build) of the shards the studies read that the trainer does not build itself."""
+        """(stage, what, build) of the shards the selected studies' runs read that the trainer does not build."""
         reviews = (f"{REAL}/text/reviews.jsonl",)
-        units = UNIT_SHARDS.format(seq_len=UNIT_SEQ_LEN[self.mode])
-        spans = SPAN_SHARDS.format(seq_len=SPAN_SEQ_LEN[self.mode])
         pairs = tuple(sorted(glob.glob(os.path.join(REPO, REAL, "pairs", "*.jsonl"))))
-        return [
-            ("unit_shards", f"sentence units of {reviews[0]} ({UNIT_SEQ_LEN[self.mode]} tokens) into {units}",
-             BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=units, seq_len=UNIT_SEQ_LEN[self.mode],
-                         units="sentence", progress=False)),
-            ("span_shards", f"{reviews[0]} packed into {SPAN_SEQ_LEN[self.mode]} tokens with spans into {spans}",
-             BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=spans, seq_len=SPAN_SEQ_LEN[self.mode],
-                         span_fraction=0.15, progress=False)),
-            ("pair_shards", f"{REAL}/pairs (64 tokens a text) into {PAIR_SHARDS}",
-             BuildConfig(inputs=pairs, tokenizer=SMOLLM2, output=PAIR_SHARDS, seq_len=64, pairs=True,
-                         instructions=f"{REAL}/pairs/instructions.json", progress=False))]
+        builds = []
+        if unit_len := UNIT_SEQ_LEN.get(self.mode):  # the SmolLM2 scales
+            units = UNIT_SHARDS.format(seq_len=unit_len)
+            builds.append(("unit_shards", f"sentence units of {reviews[0]} ({unit_len} tokens) into {units}",
+                           BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=units, seq_len=unit_len,
+                                       units="sentence", progress=False)))
+        if span_len := SPAN_SEQ_LEN.get(self.mode):
+            spans = SPAN_SHARDS.format(seq_len=span_len)
+            builds.append(("span_shards", f"{reviews[0]} packed into {span_len} tokens with spans into {spans}",
+                           BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=spans, seq_len=span_len,
+                                       span_fraction=0.15, progress=False)))
+        builds.append(("pair_shards", f"{REAL}/pairs (64 tokens a text) into {PAIR_SHARDS}",
+                       BuildConfig(inputs=pairs, tokenizer=SMOLLM2, output=PAIR_SHARDS, seq_len=64, pairs=True,
+                                   instructions=f"{REAL}/pairs/instructions.json", progress=False)))
+        read = {os.path.join(REPO, path) for study in self.studies for v in self.variants(study)
+                for path in (v.experiment.data.shards, v.experiment.data.unit_shards, v.experiment.data.pair_shards)
+                if path}
+        return [b for b in builds if os.path.join(REPO, b[2].output) in read]
+
+    def inputs(self) -> list[str]:
+        """What the scale reads that nothing here makes from something else (absolute paths): the extracted data
+        (``make real-data``), SmolLM2 where a study reads it, each run's tokenizer and the files its trainer builds
+        shards from (a pattern's directory). Their size is what a machine with nothing under runs/ must be given
+        (gpu-short: <= 40 MB)."""
+        paths = {os.path.join(REPO, REAL)} | ({os.path.join(REPO, SMOLLM2)} if self.reads_smollm2() else set())
+        for study in self.studies:
+            for v in self.variants(study):
+                paths.add(os.path.join(REPO, v.experiment.data.tokenizer))
+                paths.update(os.path.join(REPO, pattern.split("*")[0].rstrip(os.sep))
+                             for pattern in v.experiment.data.build_inputs)
+        return sorted(p for p in paths if not any(p.startswith(other + os.sep) for other in paths))
+
+    def gpu_grids(self) -> list[str]:
+        """The selected studies' grids at this scale whose runs declare GPU ranks (the paper and gpu-short
+        scales)."""
+        return [s.grid_for(self.mode) for s in self.studies if any(v.resources.gpu for v in self.variants(s))]
+
+    def rows(self, study: Study) -> tuple[tuple[str, str], ...]:
+        """The study's table rows this scale has: its baselines and the runs of the scale's grids (MAGNET's table
+        shows the LLM2Vec study's; gpu-short leaves the CPT chain out)."""
+        names = {v.name.removesuffix(SMOKE_SUFFIX) for s in STUDIES if s.grid_for(self.mode)
+                 for v in self.variants(s)} | {b.name for b in study.baselines}
+        return tuple((label, row) for label, row in study.rows
+                     if row in names or any(n.startswith(row + "-s") for n in names))
 
     def plan(self) -> None:
         """--dry-run: every run of the scale resolved and validated (the sweep's table: model, steps, tokens,
@@ -177,6 +248,10 @@ class Driver:
             for _, what, config in self.shard_builds():
                 print(f"shards: {what}: " + ("built" if os.path.isfile(os.path.join(config.output, MANIFEST))
                                              else "to build"))
+            inputs = {os.path.relpath(p, REPO): size_mb(p) if os.path.exists(p) else None for p in self.inputs()}
+            print(f"device: {self.device}; inputs: " + ", ".join(
+                f"{p} {mb:.1f} MB" if mb is not None else f"{p} not here" for p, mb in inputs.items())
+                  + f"; {sum(mb or 0 for mb in inputs.values()):.1f} MB here in all")
             for study in self.studies:
                 print(f"\n== {study.name} ({self.mode} scale): {study.grid_for(self.mode)}"
                       + (" (twins)" if self.quick else ""))
@@ -225,7 +300,7 @@ class Driver:
             return
         config = EvalConfig(model=model, tasks=tasks, data_dir=REAL,
                             overrides=[o for o in study.options[self.mode] if o.split(".", 1)[0] in tasks],
-                            attention=attention, device="cuda" if torch.cuda.is_available() else "cpu", batch_size=8,
+                            attention=attention, device=self.device, batch_size=8,
                             progress=False, step=step)
         reused = _evaluated_elsewhere(config, glob.glob(os.path.join(os.path.dirname(out), siblings)), out)
         config.tasks = [t for t in tasks if t not in reused]
@@ -315,7 +390,8 @@ class Driver:
                  if os.path.isfile(os.path.join(target, f"{name}.png"))]
         with open(self.page) as f:
             text = f.read()
-        text = replace_block(text, self.mode, study.name, study_markdown(study, self.headlines(study), plots,
+        shown = replace(study, rows=self.rows(study))
+        text = replace_block(text, self.mode, study.name, study_markdown(shown, self.headlines(study), plots,
                                                                          self.mode, curves), self.page)
         with open(self.page, "w") as f:
             f.write(text)
@@ -363,11 +439,14 @@ def _evaluated_elsewhere(config: EvalConfig, paths: list[str], out: str) -> dict
     return found
 
 
-def set_rank_defaults() -> None:
-    """What the training ranks inherit unless the user set it: DeepSpeed's accelerator by what this machine has
-    (the studies' grids declare CPU ranks, for which the sweep would otherwise choose the CPU even on a GPU
-    node). Threads are the sweep's: the cores split among a run's ranks."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+def set_rank_defaults(device: str) -> None:
+    """What the training ranks inherit: DeepSpeed's accelerator by ``device`` (``resolve_device``) unless the user
+    set it (the CPU grids declare CPU ranks, for which the sweep would otherwise choose the CPU even on a GPU node);
+    on the CPU no GPU either, since the trainer takes one wherever torch sees it. Threads are the sweep's: the cores
+    split among a run's ranks."""
+    os.environ.setdefault("DS_ACCELERATOR", device)
+    if device == "cpu" and torch.cuda.is_available():
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,20 +454,30 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", choices=SCALES, default="full",
                    help="full: the CPU grids (~1.7-4 h on 2 cores); quick: their -smoke twins and a few examples "
-                        "(<= 20 min); paper: the papers' steps and batches (paper.yaml grids, one GPU)")
+                        "(<= 20 min); paper: the papers' steps and batches (paper.yaml grids, one GPU); gpu-short: "
+                        "the MLM-vs-CLM study alone at 210m (gpu_short.yaml, <= 8 min on one H200)")
     p.add_argument("--quick", action="store_const", const="quick", dest="scale", help="--scale quick")
     p.add_argument("--dry-run", action="store_true",
                    help="resolve, check and print what the scale would train and evaluate; write nothing")
-    p.add_argument("--study", action="append", choices=names, help="run only this study (repeatable; default: all)")
-    p.add_argument("--out", help="run directories (default runs/reproduce, runs/reproduce-quick or -paper)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where runs train and tasks evaluate: auto (default): the GPU where torch sees one, else the "
+                        "CPU; cuda: fail without a GPU; cpu: the CPU even on a GPU machine (the ranks see no GPU)")
+    p.add_argument("--study", action="append", choices=names,
+                   help="run only this study (repeatable; default: every study the scale has)")
+    p.add_argument("--out", help="run directories (default runs/reproduce for full, runs/reproduce-SCALE else)")
     p.add_argument("--results", default="docs/results", help="records, logs and plots go to RESULTS/SCALE")
     p.add_argument("--page", default="docs/results.md", help="the page whose generated blocks are rewritten")
     args = p.parse_args(argv)
-    set_rank_defaults()
     torch.set_num_threads(EVAL_THREADS)
     out = args.out or ("runs/reproduce" if args.scale == "full" else f"runs/reproduce-{args.scale}")
     try:
-        driver = Driver(args.scale, os.path.abspath(out), args.results, args.page, args.study or names)
+        driver = Driver(args.scale, os.path.abspath(out), args.results, args.page,
+                        args.study or [s.name for s in STUDIES if s.grid_for(args.scale)], args.device)
+        if driver.device != "cuda" and not args.dry_run and (gpu := driver.gpu_grids()):
+            raise ValueError(f"--scale {args.scale}: the runs of {', '.join(gpu)} declare GPU ranks (resources.gpu) "
+                             f"and this run would be on the CPU (--device {args.device}); run it on a GPU machine, "
+                             "or check it here with --dry-run")
+        set_rank_defaults(driver.device)
         driver.plan() if args.dry_run else driver.run()
     except (RealDataError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,9 +1,11 @@
 """The three studies of `make reproduce`: grid, evaluation tasks and options, paper numbers and claims to check.
 
-Sizes (steps, examples, fine-tuning sweep) come in three scales: ``full`` (make reproduce, ~1.7-4 h on 2 cores),
-``quick`` (make reproduce-quick: the grids' -smoke twins and a few examples, <= 20 min) and ``paper`` (make
-reproduce-paper: each study's paper.yaml grid, the papers' step counts and batch sizes on one GPU). The budget
-behind the full sizes is in docs/results.md.
+Sizes (steps, examples, fine-tuning sweep) come in four scales: ``full`` (make reproduce, ~1.7-4 h on 2 cores),
+``quick`` (make reproduce-quick: the grids' -smoke twins and a few examples, <= 20 min), ``paper`` (make
+reproduce-paper: each study's paper.yaml grid, the papers' step counts and batch sizes on one GPU) and ``gpu-short``
+(make reproduce-gpu-short: the from-scratch study alone at 210m in <= 8 min on one H200, with nothing to carry
+there but the extracted data; its budget is in its grid, gpu_short.yaml). The budget behind the full sizes is in
+docs/results.md.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ class Study:
     # plotted against steps as curves.png (pipeline/reproduce/curves.py): (header, headline key) per panel
     curve_tasks: str = ""
     curves: tuple[tuple[str, str], ...] = ()
+    short_grid: str = ""  # the gpu-short scale's grid; "": the study does not run at that scale
 
     def grid_for(self, scale: str) -> str:
-        return self.paper_grid if scale == "paper" else self.grid
+        """The scale's grid ("": none)."""
+        return {"paper": self.paper_grid, "gpu-short": self.short_grid}.get(scale, self.grid)
 
 
 def _finetune(lrs: str, seeds: str, steps: int, batch: int = 32,
@@ -88,13 +92,18 @@ STUDIES = (
            # is the better on MR's dev set of a sweep of 1e-4, 3e-4 and 1e-3 for the CLM and MLM runs (results.md)
            "full": [*_finetune("[1.0e-3]", "[0]", 188, 16, ("classification",)),
                     *_finetune("[1.0e-3]", "[0,1]", 40, 16, ("token_classification",))],
-           "paper": _finetune(_PAPER_LRS, "[0,1]", 1000)},
+           "paper": _finetune(_PAPER_LRS, "[0,1]", 1000),
+           # one epoch of each at two rates chosen on dev (a 210m model after ~1M tokens: the CPU scale's 1e-3 and
+           # a tenth of it); 580 fine-tuning steps a model, seconds on a GPU
+           "gpu-short": [*_finetune("[1.0e-4,1.0e-3]", "[0]", 188, 16, ("classification",)),
+                         *_finetune("[1.0e-4,1.0e-3]", "[0,1]", 51, 16, ("token_classification",))]},
           rows=(("CLM", "scratch-clm"), ("MLM 40 %", "scratch-mlm40"), ("CLM 50 % -> MLM 40 %", "scratch-clm50"),
                 ("CLM (half) then MLM 40 % continued", "cpt"), ("CLM, half budget", "half-clm")),
           columns=(("MR sentiment acc", "sc_acc"), ("WSJ POS acc", "tc_f1")),
           paper={"CLM": _CLM_PAPER, "MLM 40 %": _MLM_PAPER, "CLM 50 % -> MLM 40 %": _SWITCH_PAPER},
           paper_model="610M, 42K steps; its switch is CLM 25 % -> MLM 40 %",
-          plots=("loss_curves", "metrics_vs_clm_share")),
+          plots=("loss_curves", "metrics_vs_clm_share"),
+          short_grid="experiments/reproduce/mlm_vs_clm/gpu_short.yaml"),
     Study("magnet", "experiments/reproduce/magnet/grid.yaml", "experiments/reproduce/magnet/paper.yaml",
           "sts,repetition,infilling",
           {"quick": [*_QUICK_STS, "repetition.max_examples=3",
