@@ -102,3 +102,20 @@ def test_run_until_kills_the_process_group_at_the_deadline():
         time.sleep(0.1)
     assert not _alive(grandchild)
     assert bench_gpu.run_until([sys.executable, "-c", "print('done')"], time.time() + 60) == ("done\n", False)
+
+
+@pytest.mark.e2e
+def test_encode_bench_dry_run_checks_agreement_then_times_all_three(tmp_path):
+    """bench/bench_encode.py's dry run (~20 s): the exported tiny model embeds alike in encode() and
+    sentence-transformers before any timing, then encode(), sentence-transformers' encode and its pool are timed."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_encode.py"), "--dry-run", "--out",
+                           str(tmp_path / "encode.json")], capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "agreement on 64 sentences: max |diff|" in proc.stdout
+    results = json.loads((tmp_path / "encode.json").read_text())
+    rates = results["sentences_per_s"]
+    assert list(rates) == ["encode()", "sentence-transformers encode", "sentence-transformers pool (1 processes)"]
+    assert all(rate > 0 for rate in rates.values()) and results["sentences"] == 96
+    assert results["ratio_to_sentence_transformers"]["sentence-transformers encode"] == 1.0
+    assert proc.stdout.rstrip().endswith(f"{rates['encode()'] / rates['sentence-transformers encode']:.2f}x")

@@ -91,8 +91,8 @@ def test_pooling_leaves_the_instruction_out():
 def test_encode_matches_a_hand_forward_and_ignores_padding(model, attention):
     texts = ["A short one.", "A much longer sentence that needs padding in its batch.", "Mid length text here."]
     instruction = "Given the sentence, find its representation:"
-    batched = encode(model, texts, instruction, "mean", batch_size=3, attention=attention)
-    single = np.concatenate([encode(model, [t], instruction, "mean", batch_size=1, attention=attention)
+    batched = encode(model, texts, instruction, "mean", attention=attention)  # one padded batch
+    single = np.concatenate([encode(model, [t], instruction, "mean", attention=attention)
                              for t in texts])
     np.testing.assert_allclose(batched, single, atol=1e-5)
     tok = model.tokenizer  # layout bos_eos: BOS, instruction + text tokenized as one string, EOS
@@ -267,8 +267,8 @@ def test_probe_features_of_a_sentence_do_not_depend_on_its_batch(model, data_dir
 
     sentences = read_conll(os.path.join(data_dir, "conll", "train.txt"))
     assert len({len(s.words) for s in sentences}) > 1  # lengths differ, so sorting reorders them
-    batched, skipped = word_features(ctx_for(model, data_dir, batch_size=4), sentences, ProbingOptions(), 0)
-    alone = [word_features(ctx_for(model, data_dir, batch_size=1), [s], ProbingOptions(), 0)[0][0]
+    batched, skipped = word_features(ctx_for(model, data_dir, max_tokens=64), sentences, ProbingOptions(), 0)
+    alone = [word_features(ctx_for(model, data_dir), [s], ProbingOptions(), 0)[0][0]
              for s in sentences]
     assert skipped == 0 and [f.shape[0] for f in batched] == [len(s.words) for s in sentences]
     for got, want in zip(batched, alone):

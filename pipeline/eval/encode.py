@@ -17,8 +17,15 @@ Pooling (special tokens are never pooled, except by ``last``):
 - ``last``: the last token's state, the EOS under ``bos_eos`` (MAGNET's SSCL embedding).
 
 Defaults come from the model's training record (``EvalModel.record``, docs/export.md); attention is the model's
-(``EvalModel.attention``) unless given. Texts are sorted by length into batches, so little padding is computed,
-and returned in input order.
+(``EvalModel.attention``) unless given. Texts are sorted by length into batches of at most ``max_tokens`` padded
+tokens (``pipeline.eval.forward.length_batches``), so little padding is computed, and returned in input order.
+
+Across ranks (an initialised process group, ``pipeline.eval.ranks``), every rank builds the same batch list from
+all texts and encodes every ``world``-th batch (rank r: batches r, r + world, ...); the rows are gathered in input
+order on every rank (``gather="all"``) or on rank 0 only (``"rank0"``; None elsewhere). A row's embedding depends
+on its batch (its neighbours and padded width change the kernels' summation order, ~1e-6 on CPU fp32), so batches
+are a function of the whole input and not of the rank count: the result is bit-equal to one process's. On CUDA
+the embeddings are copied without blocking into pinned host memory, so the host never waits on a batch.
 """
 
 from __future__ import annotations
@@ -30,12 +37,15 @@ import torch
 from tqdm import tqdm
 
 from pipeline.data.pairs import format_instruction, instructed_rows
-from pipeline.eval.forward import hidden_states, pad_id, pad_rows
+from pipeline.eval.forward import length_batches, pad_id, row_states, to_device
 from pipeline.eval.load import EvalModel
+from pipeline.eval.ranks import gather_rows, world
 from pipeline.export.record import LAYOUTS, POOLINGS
 from pipeline.tokenizer import Tokenizer
 
 PROBE = "probe text"  # what ``special`` tokenizes to find the tokenizer's own special tokens
+MAX_TOKENS = 16384  # padded tokens per batch (rows x longest row)
+GATHERS = ("all", "rank0")
 
 
 def special_tokens(tokenizer: Tokenizer, layout: str) -> tuple[list[int], list[int]]:
@@ -75,39 +85,50 @@ def query_prefix(model: EvalModel, instruction: str | None) -> str:
 
 
 def pool(hidden: torch.Tensor, rows: Sequence[tuple[list[int], int, int]], pooling: str) -> torch.Tensor:
-    """[B, d] embeddings of a right-padded batch."""
+    """[B, d] embeddings of a right-padded batch; the weights are built on ``hidden``'s device from one copy of
+    the rows' bounds."""
+    bounds = to_device(torch.tensor([[len(ids) - 1, start, end] for ids, start, end in rows]), hidden.device)
     if pooling == "last":
-        last = torch.tensor([len(ids) - 1 for ids, _, _ in rows], device=hidden.device)
-        return hidden[torch.arange(len(rows), device=hidden.device), last]
-    weights = torch.zeros(hidden.shape[:2])
-    for i, (_, start, end) in enumerate(rows):
-        if end > start:
-            w = torch.arange(1.0, end - start + 1) if pooling == "weighted_mean" else torch.ones(end - start)
-            weights[i, start:end] = w / w.sum()
+        return hidden[torch.arange(len(rows), device=hidden.device), bounds[:, 0]]
+    start, end = bounds[:, 1:2], bounds[:, 2:3]
+    pos = torch.arange(hidden.shape[1], device=hidden.device)[None]
+    inside = (pos >= start) & (pos < end)
+    weights = torch.where(inside, (pos - start + 1) if pooling == "weighted_mean" else 1, 0).float()
+    weights = weights / weights.sum(1, keepdim=True).clamp_min(1)
     return (hidden * weights.to(hidden).unsqueeze(-1)).sum(1)
 
 
 @torch.no_grad()
 def encode(model: EvalModel, texts: Sequence[str], instruction: str | None = None, pooling: str | None = None,
-           batch_size: int = 32, attention: str | None = None, max_length: int = 512, progress: bool = False,
-           layout: str | None = None) -> np.ndarray:
+           max_tokens: int = MAX_TOKENS, attention: str | None = None, max_length: int = 512, progress: bool = False,
+           layout: str | None = None, gather: str = "all") -> np.ndarray | None:
     """float32 [len(texts), hidden] embeddings; ``instruction`` (``""``: none), ``pooling``, ``layout`` and
     ``attention`` default to the model's (its training record, ``model.record``; ``attention``: ``model.attention``).
     A model whose record has an ``instruction_format`` (supervised training) takes bare task instructions and
-    formats them as it was trained (``"Retrieve semantically similar text"`` -> ``"Retrieve ...: "``)."""
+    formats them as it was trained (``"Retrieve semantically similar text"`` -> ``"Retrieve ...: "``).
+    ``max_tokens``: padded tokens per batch; ``gather``: where the rows of several ranks end up (module docstring)."""
     instruction = query_prefix(model, instruction)
     pooling = pooling or model.record.pooling
     if pooling not in POOLINGS:
         raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}")
-    texts = list(texts)
-    rows = rows_for(model, texts, instruction, min(max_length, model.max_length), layout or model.record.layout)
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
-    out = np.zeros((len(rows), model.lm.config.hidden_size), dtype=np.float32)
-    pad = pad_id(model.tokenizer)
-    for first in tqdm(range(0, len(order), batch_size), desc="encode", disable=not progress, leave=False):
-        chunk = order[first:first + batch_size]
-        batch = [rows[i] for i in chunk]
-        ids, doc_ids = pad_rows([r[0] for r in batch], pad, model.device)
-        hidden = hidden_states(model.lm, ids, doc_ids, attention or model.attention)
-        out[chunk] = pool(hidden, batch, pooling).float().cpu().numpy()
-    return out
+    if gather not in GATHERS:
+        raise ValueError(f"gather {gather!r} is not one of {', '.join(GATHERS)}")
+    rows = rows_for(model, list(texts), instruction, min(max_length, model.max_length), layout or model.record.layout)
+    rank, size = world()
+    batches = length_batches([len(r[0]) for r in rows], max_tokens)
+    owned = [[i for batch in batches[r::size] for i in batch] for r in range(size)]
+    cuda = model.device.type == "cuda"
+    local = torch.empty((len(owned[rank]), model.lm.config.hidden_size), dtype=torch.float32, pin_memory=cuda)
+    pad, mode, done = pad_id(model.tokenizer), attention or model.attention, 0
+    for batch in tqdm(batches[rank::size], desc="encode", disable=not progress, leave=False):
+        chunk = [rows[i] for i in batch]
+        embedded = pool(row_states(model.lm, [r[0] for r in chunk], pad, mode), chunk, pooling).float()
+        local[done:done + len(batch)].copy_(embedded, non_blocking=cuda)
+        done += len(batch)
+    if cuda:
+        torch.cuda.current_stream(model.device).synchronize()
+    if size == 1:
+        out = np.zeros(tuple(local.shape), dtype=np.float32)
+        out[owned[0]] = local.numpy()
+        return out
+    return gather_rows(local, owned, len(rows), gather == "all")

@@ -2,6 +2,13 @@
 
 Rows are padded on the right with ``doc_ids`` -1 on padding, so ``pipeline.model.attention`` builds the mask (padding
 is never a key, whatever the mode) and position ids stay 0..n-1 for every row, as in training.
+
+:func:`row_states` is the cheaper way for whole rows under plain ``causal`` or ``bidirectional`` attention, where
+right padding needs no [B, 1, L, L] mask: causal attention never reaches the padding after a row's tokens (so no
+mask at all, SDPA's ``is_causal``: its flash kernels on GPU), and bidirectional attention needs only a key-padding
+mask [B, 1, 1, L]; an unpadded batch gets no mask. A token's state is the same as under ``attention_inputs``' mask,
+and whether a batch is padded is read from the host-side rows (no device sync). :func:`length_batches` sorts rows
+by length into batches within a token budget, so little padding is computed.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.model.attention import attention_inputs
+from pipeline.model.attention import FLEX, attention_inputs
 from pipeline.tokenizer import Tokenizer
 
 
@@ -30,6 +37,14 @@ def wrap(tokenizer: Tokenizer, ids: Sequence[int]) -> list[int]:
         [tokenizer.eos_id] if tokenizer.eos_id is not None else [])
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` on ``device``; to CUDA through pinned memory without blocking, so the host does not wait for the
+    batches already queued on the GPU (a pageable copy synchronises the stream)."""
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def pad_rows(rows: Sequence[Sequence[int]], pad: int, device: torch.device | str = "cpu"
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids int64 [B, L], doc_ids int32 [B, L]: 0 on tokens, -1 on padding)."""
@@ -39,7 +54,27 @@ def pad_rows(rows: Sequence[Sequence[int]], pad: int, device: torch.device | str
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.as_tensor(list(row), dtype=torch.long)
         doc_ids[i, : len(row)] = 0
-    return ids.to(device), doc_ids.to(device)
+    return to_device(ids, device), to_device(doc_ids, device)
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int | None = None, max_rows: int | None = None
+                   ) -> list[list[int]]:
+    """Indices of ``lengths`` sorted longest first (ties in index order) into consecutive batches whose padded size
+    (rows x longest row) stays within ``max_tokens`` and whose rows within ``max_rows`` (None: no bound; a row
+    longer than ``max_tokens`` is a batch of its own). Longest first: a budget too large fails on the first batch.
+    A function of ``lengths`` alone, so every rank of a launch builds the same list."""
+    if max_tokens is not None and max_tokens < 1 or max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_tokens {max_tokens} / max_rows {max_rows}: a batch needs room for at least one row; "
+                         f"pass a positive budget")
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        batch = batches[-1] if batches else None
+        if (batch is None or (max_rows is not None and len(batch) >= max_rows)
+                or (max_tokens is not None and (len(batch) + 1) * lengths[batch[0]] > max_tokens)):
+            batches.append([i])
+        else:
+            batch.append(i)
+    return batches
 
 
 def hidden_states(lm: PreTrainedModel, input_ids: torch.Tensor, doc_ids: torch.Tensor, mode: str,
@@ -48,6 +83,22 @@ def hidden_states(lm: PreTrainedModel, input_ids: torch.Tensor, doc_ids: torch.T
     attention = attention_inputs(mode, doc_ids, span_ids, attn_implementation=lm.config._attn_implementation,
                                  dtype=lm.dtype)
     return lm.model(input_ids=input_ids, **attention).last_hidden_state
+
+
+def row_states(lm: PreTrainedModel, rows: Sequence[Sequence[int]], pad: int, mode: str) -> torch.Tensor:
+    """Last hidden states [B, L, d] of whole token ``rows``, right-padded, under attention ``mode``; plain
+    ``causal`` and ``bidirectional`` take the cheaper forms of the module docstring, other modes
+    :func:`hidden_states`."""
+    device = next(lm.parameters()).device
+    ids, doc_ids = pad_rows(rows, pad, device)
+    if mode not in ("causal", "bidirectional"):
+        return hidden_states(lm, ids, doc_ids, mode)
+    if mode == "causal" or len({len(r) for r in rows}) == 1:
+        return lm.model(input_ids=ids, is_causal=mode == "causal").last_hidden_state
+    keys = (doc_ids >= 0)[:, None, None, :]  # [B, 1, 1, L]: every query reads the row's tokens
+    if lm.config._attn_implementation not in ("sdpa", FLEX):  # eager adds a float mask
+        keys = torch.zeros(keys.shape, dtype=lm.dtype, device=device).masked_fill(~keys, torch.finfo(lm.dtype).min)
+    return lm.model(input_ids=ids, attention_mask=keys).last_hidden_state
 
 
 def encode_with_offsets(tokenizer: Tokenizer, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:

@@ -3,6 +3,10 @@
 MTEB hands an encoder a DataLoader of batches (``{"text": [...]}``) with the task's metadata and the prompt type
 (query / document / none for symmetric tasks); ``encode`` embeds the texts with ``pipeline.eval.encode`` and the
 model's recorded pooling, layout and attention. Similarity is cosine. Needs ``mteb`` (the ``embeddings`` extra).
+Texts are batched by ``max_tokens`` padded tokens (MTEB's ``batch_size`` is not used). Under ``torchrun`` the
+encoder starts the process group (``pipeline.eval.ranks.init_from_env``; a model path given with ``device="cuda"``
+loads on ``cuda:LOCAL_RANK``), each ``encode`` splits its texts over the ranks and every rank gets all embeddings, so
+every rank runs ``mteb.evaluate`` alike (docs/evaluation.md).
 
 The instruction of a query, or of every text of a symmetric task (STS, classification, clustering, pair
 classification), is, first found:
@@ -34,8 +38,9 @@ from mteb.models.model_meta import ModelMeta, ScoringFunction
 from mteb.types import PromptType
 
 from pipeline.data.pairs import DEFAULT_FORMAT, format_instruction
-from pipeline.eval.encode import encode
+from pipeline.eval.encode import MAX_TOKENS, encode
 from pipeline.eval.load import EvalModel, load_model
+from pipeline.eval.ranks import init_from_env
 
 # McGill-NLP/llm2vec's test_configs/mteb/task_to_instructions.json (commit 3c633e8, 67 tasks), verbatim; MIT licence,
 # Copyright (c) 2024 McGill NLP
@@ -69,13 +74,16 @@ class MTEBEncoder(AbsEncoder):
     def __init__(self, model: EvalModel | str, revision: str | None = None, *, pooling: str | None = None,
                  instruction: str | None = None, instructions: dict[str, str] | None = None,
                  task_instructions: str | None = LLM2VEC_INSTRUCTIONS, attention: str | None = None,
-                 layout: str | None = None, max_length: int = 512, **load_kwargs):
+                 layout: str | None = None, max_length: int = 512, max_tokens: int = MAX_TOKENS, **load_kwargs):
         """MTEB's ``(model_name, revision, device=...)`` signature: ``model`` is a run or HF directory (or a loaded
         ``EvalModel``); ``revision`` is unused (local directories have none); ``load_kwargs`` go to ``load_model``.
-        ``task_instructions``: the table's path; None: no table nor MTEB instructions (the model's recorded one)."""
+        ``task_instructions``: the table's path; None: no table nor MTEB instructions (the model's recorded one).
+        ``max_tokens``: padded tokens per batch of ``encode``."""
         self.task_instructions = None if task_instructions is None else load_task_instructions(task_instructions)
-        self.model = load_model(model, **load_kwargs) if isinstance(model, str) else model
+        device = init_from_env(load_kwargs.pop("device", "cpu"))
+        self.model = load_model(model, device=device, **load_kwargs) if isinstance(model, str) else model
         self.pooling, self.layout, self.attention, self.max_length = pooling, layout, attention, max_length
+        self.max_tokens = max_tokens
         self.instruction = instruction
         self.model_prompts = self.validate_task_to_prompt_name(dict(instructions or {}))
         self.mteb_model_meta = ModelMeta.create_empty({
@@ -103,5 +111,5 @@ class MTEBEncoder(AbsEncoder):
                ) -> np.ndarray:
         texts = [text for batch in inputs for text in batch["text"]]
         return encode(self.model, texts, self.task_instruction(task_metadata, prompt_type), self.pooling,
-                      kwargs.get("batch_size", 32), self.attention, self.max_length,
-                      kwargs.get("show_progress_bar", False), self.layout)
+                      self.max_tokens, self.attention, self.max_length, kwargs.get("show_progress_bar", False),
+                      self.layout)

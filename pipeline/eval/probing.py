@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pipeline.eval.data import DataError, Sentence, read_conll, split_file
-from pipeline.eval.forward import hidden_states, pad_id, pad_rows, tokenize_words
+from pipeline.eval.forward import length_batches, pad_id, row_states, tokenize_words
 from pipeline.eval.metrics import entity_f1
 from pipeline.eval.task import EvalContext, Task
 
@@ -67,17 +67,17 @@ def tags_of(sentences: list[Sentence], column: int, name: str) -> list[list[str]
 @torch.no_grad()
 def word_features(ctx: EvalContext, sentences: list[Sentence], opts: ProbingOptions, shift: int
                   ) -> tuple[list[np.ndarray], int]:
-    """Per sentence, float32 [words, d] features (None for a sentence that does not fit), and how many were skipped."""
+    """Per sentence, float32 [words, d] features (None for a sentence that does not fit), and how many were skipped;
+    sentences are sorted by length into batches of ``ctx.max_tokens`` padded tokens."""
     encoded = tokenize_words(ctx.model.tokenizer, [s.words for s in sentences])
     fits = [len(ids) <= min(opts.max_length, ctx.model.max_length) for ids, _ in encoded]
     feats: list = [None] * len(sentences)
-    kept = sorted((i for i, ok in enumerate(fits) if ok), key=lambda i: len(encoded[i][0]))  # batches of like lengths
+    kept = [i for i, ok in enumerate(fits) if ok]
     pad, mode = pad_id(ctx.model.tokenizer), opts.attention or ctx.model.attention
-    for first in tqdm(range(0, len(kept), ctx.batch_size), desc="probe features", disable=not ctx.progress,
-                      leave=False):
-        chunk = kept[first:first + ctx.batch_size]
-        ids, doc_ids = pad_rows([encoded[i][0] for i in chunk], pad, ctx.model.device)
-        hidden = hidden_states(ctx.model.lm, ids, doc_ids, mode).float().cpu()
+    for batch in tqdm(length_batches([len(encoded[i][0]) for i in kept], ctx.max_tokens), desc="probe features",
+                      disable=not ctx.progress, leave=False):
+        chunk = [kept[b] for b in batch]
+        hidden = row_states(ctx.model.lm, [encoded[i][0] for i in chunk], pad, mode).float().cpu()
         for row, i in enumerate(chunk):
             feats[i] = torch.stack([hidden[row, [p - shift for p in pos]].mean(0) if pos else torch.zeros(
                 hidden.shape[-1]) for pos in encoded[i][1]]).numpy()

@@ -17,7 +17,9 @@ import transformers
 
 from pipeline.config import ConfigError
 from pipeline.eval.data import DataError
+from pipeline.eval.encode import MAX_TOKENS
 from pipeline.eval.load import ModelError, load_model
+from pipeline.eval.ranks import init_from_env, world
 from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.task import EvalContext
 from pipeline.io import write_json_atomic
@@ -35,10 +37,11 @@ class EvalConfig:
     tokenizer: str | None = None
     device: str = "cpu"
     dtype: str = "fp32"
-    batch_size: int = 16
+    batch_size: int = 16  # rows per batch of generation and intrinsic tasks
     seed: int = 0
     progress: bool = True
     step: int | None = None  # a kept checkpoint of the run directory ``model`` (None: its export or newest)
+    max_tokens: int = MAX_TOKENS  # padded tokens per batch of encode() and the probes' features
 
 
 def failure(error: Exception) -> dict:
@@ -82,7 +85,7 @@ def evaluate(config: EvalConfig) -> dict:
 def _evaluate(config: EvalConfig, options: dict) -> dict:
     model = load_model(config.model, attention=config.attention, tokenizer=config.tokenizer, device=config.device,
                        dtype=config.dtype, step=config.step)
-    ctx = EvalContext(model, config.data_dir, config.batch_size, config.progress, config.seed)
+    ctx = EvalContext(model, config.data_dir, config.batch_size, config.progress, config.seed, config.max_tokens)
     results, headline, seconds, failed = {}, {}, {}, {}
     for name in config.tasks:
         torch.manual_seed(config.seed)
@@ -131,10 +134,13 @@ def write_results(results: dict, out: str) -> bool:
 USAGE = """Evaluate a run or an HF model on any of the evaluation tasks and write the results as JSON:
 
     python launch/evaluate.py --model RUN_DIR|HF_DIR --tasks sts,repetition --data-dir DIR [--out results.json]
-        [--set TASK.KEY=VALUE ...] [--attention auto|causal|bidirectional] [--device cpu|cuda] [--batch-size N]
+        [--set TASK.KEY=VALUE ...] [--attention auto|causal|bidirectional] [--device cpu|cuda] [--dtype auto|fp32|bf16]
+        [--max-tokens N] [--batch-size N]
 
 Without --out, a run directory's results go to RUN_DIR/eval/results.json, where launch/report.py reads them;
 ``--step N`` evaluates the run's complete checkpoint of step N instead (RUN_DIR/eval/stepNNNNNNNN/results.json).
+Under ``torchrun --nproc-per-node N`` every rank runs every task, encode() splits its texts over the ranks (each on
+its own GPU), every rank gets all embeddings, and rank 0 writes the results (docs/evaluation.md).
 A task that fails does not lose the others: the finished tasks' results are written, and each failed task is named
 with its error (exit status 1; 2 when nothing finished, and then nothing is written).
 ``--list`` prints the tasks. Data layouts, options and metrics: docs/evaluation.md.
@@ -152,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="attention of encoders (auto: from the run's training; causal for a bare HF directory)")
     p.add_argument("--tokenizer", help="tokenizer directory, when the model directory has none")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights' dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                   help="padded tokens per batch of embedding and probing tasks (texts are batched by length)")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per batch of generation and intrinsic tasks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, help="evaluate this complete checkpoint of the run directory (e.g. one "
                    "checkpoint.keep_every kept); results default to RUN_DIR/eval/stepNNNNNNNN/results.json")
@@ -171,10 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (run.eval_results(step=args.step) if run.exists() else None)
     if out is None:
         p.error("--out is required when --model is not a run directory")
+    if args.max_tokens < 1:
+        p.error(f"--max-tokens {args.max_tokens}: a batch needs room for at least one row; pass a positive budget")
+    device = init_from_env(args.device)
+    dtype = args.dtype if args.dtype != "auto" else "bf16" if device.startswith("cuda") else "fp32"
     config = EvalConfig(model=args.model, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
                         data_dir=args.data_dir, overrides=args.set, attention=args.attention,
-                        tokenizer=args.tokenizer, device=args.device, dtype=args.dtype, batch_size=args.batch_size,
-                        seed=args.seed, progress=not args.no_progress, step=args.step)
+                        tokenizer=args.tokenizer, device=device, dtype=dtype, batch_size=args.batch_size,
+                        seed=args.seed, progress=not args.no_progress and world()[0] == 0, step=args.step,
+                        max_tokens=args.max_tokens)
     try:
         results = evaluate(config)
     except (ConfigError, DataError, ModelError, FileNotFoundError) as e:
@@ -182,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in failure_lines(results):
         print(f"error: {line}", file=sys.stderr)
+    if world()[0] != 0:  # rank 0 writes and reports; the others computed the same results
+        return 1 if results["failed"] else 0 if results["results"] else 2
     if not write_results(results, out):
         print(f"error: no task finished; {out} was not written", file=sys.stderr)
         return 2

@@ -20,9 +20,10 @@ from pipeline.eval.load import EvalModel
 class EvalContext:
     model: EvalModel
     data_dir: str
-    batch_size: int = 16
+    batch_size: int = 16  # rows per batch of generation and intrinsic tasks
     progress: bool = True
     seed: int = 0
+    max_tokens: int = 16384  # padded tokens per batch of encode() and the probes' features
 
     def sources(self, family: str, given: Sequence[str], exts: Sequence[str]) -> list[str]:
         """The data of one task: ``given`` entries (a file under --data-dir, any file path, or an HF dataset name),

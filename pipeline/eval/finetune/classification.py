@@ -13,8 +13,8 @@ from torch import nn
 
 from pipeline.eval.data import DataError, Row
 from pipeline.eval.encode import pool, rows_for
-from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, batch_rows, run_family
-from pipeline.eval.forward import hidden_states, pad_id, pad_rows
+from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, eval_batches, run_family
+from pipeline.eval.forward import pad_id, row_states
 from pipeline.eval.task import Task
 
 TEXT_FIELDS = (("sentence1", "sentence2"), ("premise", "hypothesis"), ("question1", "question2"),
@@ -69,8 +69,7 @@ class SequenceClassification(FinetuneTask):
 
     def logits(self, lm, head: nn.Module, batch: list) -> torch.Tensor:
         rows = [r for r, _ in batch]
-        ids, doc_ids = pad_rows([r[0] for r in rows], pad_id(self.ctx.model.tokenizer), self.ctx.model.device)
-        return head(pool(hidden_states(lm, ids, doc_ids, self.mode), rows, "mean"))
+        return head(pool(row_states(lm, [r[0] for r in rows], pad_id(self.ctx.model.tokenizer), self.mode), rows, "mean"))
 
     def loss(self, lm, head: nn.Module, batch: list) -> torch.Tensor:
         target = torch.tensor([y for _, y in batch], device=self.ctx.model.device)
@@ -78,7 +77,7 @@ class SequenceClassification(FinetuneTask):
 
     def evaluate(self, lm, head: nn.Module, examples: list) -> float:
         correct = sum(int((self.logits(lm, head, b).argmax(-1).cpu() == torch.tensor([y for _, y in b])).sum())
-                      for b in batch_rows(examples, self.opts.eval_batch_size))
+                      for _, b in eval_batches(examples, self.opts.eval_batch_size, lambda e: len(e[0][0])))
         return 100.0 * correct / len(examples)
 
 

@@ -19,7 +19,7 @@ import copy
 import math
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,6 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pipeline.eval.data import DataError, Row, read_rows
+from pipeline.eval.forward import length_batches
 from pipeline.eval.metrics import mean_ci
 from pipeline.eval.task import EvalContext
 from pipeline.model.weight_decay import param_groups
@@ -189,6 +190,9 @@ def run_family(cls: type[FinetuneTask]):
     return run
 
 
-def batch_rows(items: Sequence, size: int) -> Iterator[Sequence]:
-    for first in range(0, len(items), size):
-        yield items[first:first + size]
+def eval_batches(items: Sequence, size: int, length: Callable[[Any], int]) -> Iterator[tuple[list[int], list]]:
+    """(indices, items) of evaluation batches of at most ``size`` items, sorted by ``length`` (tokens) so little
+    padding is computed (``pipeline.eval.forward.length_batches``). A row's scores move by float rounding with its
+    batch (~1e-6 on CPU fp32), so a score on the edge may differ from input-order batches."""
+    for batch in length_batches([length(item) for item in items], max_rows=size):
+        yield batch, [items[i] for i in batch]

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from pipeline.eval.data import DataError, Row
-from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, batch_rows, run_family
-from pipeline.eval.forward import encode_with_offsets, hidden_states, pad_id, pad_rows, wrap
+from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, eval_batches, run_family
+from pipeline.eval.forward import encode_with_offsets, pad_id, row_states, wrap
 from pipeline.eval.metrics import squad_scores
 from pipeline.eval.task import Task
 
@@ -93,9 +93,8 @@ class ExtractiveQA(FinetuneTask):
 
     def logits(self, lm, head: nn.Module, batch: list[Question]) -> tuple[torch.Tensor, torch.Tensor]:
         """Start and end logits [B, L], -inf outside the context and the no-answer position 0."""
-        ids, doc_ids = pad_rows([q.ids for q in batch], pad_id(self.ctx.model.tokenizer), self.ctx.model.device)
-        logits = head(hidden_states(lm, ids, doc_ids, self.mode)).float()
-        allowed = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+        logits = head(row_states(lm, [q.ids for q in batch], pad_id(self.ctx.model.tokenizer), self.mode)).float()
+        allowed = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
         for i, q in enumerate(batch):
             allowed[i, q.context_start: len(q.ids) - 1] = True
             allowed[i, 0] = True
@@ -121,7 +120,7 @@ class ExtractiveQA(FinetuneTask):
 
     def evaluate(self, lm, head: nn.Module, examples: list[Question]) -> float:
         f1 = 0.0
-        for batch in batch_rows(examples, self.opts.eval_batch_size):
+        for _, batch in eval_batches(examples, self.opts.eval_batch_size, lambda q: len(q.ids)):
             start, end = self.logits(lm, head, batch)
             for i, q in enumerate(batch):
                 f1 += squad_scores(q.answers, self.answer(q, start[i].cpu(), end[i].cpu()))[1]

@@ -16,8 +16,8 @@ from torch import nn
 
 from pipeline.eval.data import DataError, Row
 from pipeline.eval.encode import pool, rows_for
-from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, batch_rows, run_family
-from pipeline.eval.forward import hidden_states, pad_id, pad_rows
+from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, eval_batches, run_family
+from pipeline.eval.forward import pad_id, row_states
 from pipeline.eval.ranking import DOCUMENT, QUERY, ndcg, ranking_pool
 from pipeline.eval.task import Task
 from pipeline.objectives.infonce import info_nce
@@ -60,8 +60,7 @@ class Retrieval(FinetuneTask):
         return nn.Identity()  # the embedding is the pooled state itself
 
     def embed(self, lm, rows: list) -> torch.Tensor:
-        ids, doc_ids = pad_rows([r[0] for r in rows], pad_id(self.ctx.model.tokenizer), self.ctx.model.device)
-        return pool(hidden_states(lm, ids, doc_ids, self.mode), rows, "mean")
+        return pool(row_states(lm, [r[0] for r in rows], pad_id(self.ctx.model.tokenizer), self.mode), rows, "mean")
 
     def loss(self, lm, head: nn.Module, batch: list) -> torch.Tensor:
         if len(batch) < 2:
@@ -72,7 +71,10 @@ class Retrieval(FinetuneTask):
 
     def evaluate(self, lm, head: nn.Module, pool_: EncodedPool) -> float:
         def embed_all(rows: list) -> np.ndarray:
-            return torch.cat([self.embed(lm, b) for b in batch_rows(rows, self.opts.eval_batch_size)]).float().cpu().numpy()
+            out = np.zeros((len(rows), lm.config.hidden_size), dtype=np.float32)
+            for which, batch in eval_batches(rows, self.opts.eval_batch_size, lambda r: len(r[0])):
+                out[which] = self.embed(lm, batch).float().cpu().numpy()
+            return out
 
         return ndcg(embed_all(pool_.queries), embed_all(pool_.documents), pool_.relevance, self.opts.k)
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from pipeline.eval.data import DataError, Sentence, read_conll
-from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, batch_rows, run_family
-from pipeline.eval.forward import hidden_states, pad_id, pad_rows, tokenize_words
+from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, eval_batches, run_family
+from pipeline.eval.forward import pad_id, row_states, tokenize_words
 from pipeline.eval.metrics import entity_f1
 from pipeline.eval.task import Task
 
@@ -65,8 +65,7 @@ class TokenClassification(FinetuneTask):
         return nn.Linear(hidden_size, len(self.labels))
 
     def logits(self, lm, head: nn.Module, batch: list[Tagged]) -> list[torch.Tensor]:
-        ids, doc_ids = pad_rows([t.ids for t in batch], pad_id(self.ctx.model.tokenizer), self.ctx.model.device)
-        hidden = hidden_states(lm, ids, doc_ids, self.mode)
+        hidden = row_states(lm, [t.ids for t in batch], pad_id(self.ctx.model.tokenizer), self.mode)
         return [head(hidden[i, t.first]).float() for i, t in enumerate(batch)]
 
     def loss(self, lm, head: nn.Module, batch: list[Tagged]) -> torch.Tensor:
@@ -75,8 +74,10 @@ class TokenClassification(FinetuneTask):
         return nn.functional.cross_entropy(logits, target)
 
     def evaluate(self, lm, head: nn.Module, examples: list[Tagged]) -> float:
-        pred = [[self.labels[int(i)] for i in logits.argmax(-1)]
-                for b in batch_rows(examples, self.opts.eval_batch_size) for logits in self.logits(lm, head, b)]
+        pred: list = [None] * len(examples)
+        for which, batch in eval_batches(examples, self.opts.eval_batch_size, lambda t: len(t.ids)):
+            for i, logits in zip(which, self.logits(lm, head, batch)):
+                pred[i] = [self.labels[int(j)] for j in logits.argmax(-1)]
         gold = [[self.labels[i] for i in t.tags] for t in examples]
         if self.entity_tags:
             return 100.0 * entity_f1(gold, pred)["f1"]
