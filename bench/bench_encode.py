@@ -32,9 +32,9 @@ import transformers
 from sentence_transformers import SentenceTransformer
 
 from pipeline.eval import encode, load_model
+from pipeline.experiment import load_experiment
 from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord
-from pipeline.export.sentence_transformers import write_sentence_transformers
 from pipeline.model.build import DTYPES, build_model
 from pipeline.tokenizer import load_tokenizer
 
@@ -63,9 +63,8 @@ def export(preset: str, out: str) -> str:
     torch.manual_seed(0)
     lm = build_model(preset, tok.info.vocab_size, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id,
                      eos_token_id=tok.eos_id)
-    hf = save_hf(lm, lm.state_dict(), tok, out, RECORD)
-    write_sentence_transformers(hf, RECORD)
-    return hf
+    return save_hf(lm, lm.state_dict(), tok, out, RECORD, load_experiment(None, [f"model.init={preset}"]), 0,
+                   sentence_transformers=True)
 
 
 def agreement(ours: np.ndarray, theirs: np.ndarray, dtype: str) -> str:
