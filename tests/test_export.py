@@ -17,6 +17,7 @@ import torch
 import yaml
 from helpers import ONE_RANK, REPO, launch_training, plain_transformers_hidden, tiny_llama
 from shard_corpus import TOKENIZER
+from transformers import LlamaForCausalLM
 
 from pipeline.config import from_dict
 from pipeline.eval import encode, load_model
@@ -231,10 +232,16 @@ def test_exports_load_silently_with_the_classes_they_name(tokenizer, tmp_path):
     """transformers 5 printed a LOAD REPORT (lm_head.weight UNEXPECTED) for every AutoModel load of an export."""
     encoder = export(tokenizer, str(tmp_path / "mntp"), st_record(MNTP), sentence_transformers=True)
     clm = export(tokenizer, str(tmp_path / "clm"), EncoderRecord(objectives=("clm",)))
+    config = tiny_llama(tokenizer).config
+    config.tie_word_embeddings = True  # as SmolLM2: the head is the embedding, kept once
+    tied_lm = LlamaForCausalLM(config)
+    tied = save_hf(tied_lm, tied_lm.state_dict(), tokenizer, str(tmp_path / "tied"), MNTP, experiment({}), 0)
     assert json.load(open(os.path.join(encoder, "config.json")))["architectures"] == ["LlamaModel"]
     assert json.load(open(os.path.join(clm, "config.json")))["architectures"] == ["LlamaForCausalLM"]
+    assert os.path.exists(os.path.join(encoder, "lm_head.safetensors"))
+    assert not os.path.exists(os.path.join(tied, "lm_head.safetensors"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    for hf, kind in ((encoder, "encoder"), (clm, "clm")):
+    for hf, kind in ((encoder, "encoder"), (tied, "encoder"), (clm, "clm")):
         proc = subprocess.run([sys.executable, "-c", LOADS, hf, kind], capture_output=True, text=True, env=env,
                               cwd=str(tmp_path), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -249,6 +256,8 @@ def test_exports_load_silently_with_the_classes_they_name(tokenizer, tmp_path):
 
     torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(encoder, variant="lm").lm_head.weight, head,
                                rtol=0, atol=0)
+    loaded = load_model(tied).lm
+    torch.testing.assert_close(loaded.lm_head.weight, tied_lm.model.embed_tokens.weight, rtol=0, atol=0)
 
 
 def card_of(hf_dir: str) -> tuple[dict, str]:

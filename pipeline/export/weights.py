@@ -50,7 +50,10 @@ def save_weights(lm: PreTrainedModel, state_dict: dict[str, torch.Tensor], out: 
     # the base model's save names its class in config.json and keeps the causal LM's parameter names
     lm.base_model.save_pretrained(out, state_dict={k: v for k, v in state_dict.items() if k not in head},
                                   safe_serialization=True)
-    save_file(head, os.path.join(out, HEAD_FILE), metadata={"format": "pt"})
+    if getattr(lm.config, "tie_word_embeddings", False):
+        head = {}  # the head is the embedding (SmolLM2): from_pretrained ties it, as save_pretrained leaves it out
+    else:
+        save_file(head, os.path.join(out, HEAD_FILE), metadata={"format": "pt"})
     weight_map = {**_base_weight_map(out), **dict.fromkeys(head, HEAD_FILE)}
     with open(os.path.join(out, LM_INDEX), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
