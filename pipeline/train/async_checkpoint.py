@@ -3,9 +3,9 @@
 DeepSpeed's ``save_checkpoint`` hands every file's state dict to its checkpoint engine. :class:`AsyncCheckpointEngine`
 takes that place: ``save`` copies the state dict to host memory (pinned and reused between saves on CUDA, as
 torchtitan's ``async_with_pinned_mem``) and queues the write on one writer thread per rank, so the step stalls only
-for the copy. The run directory's rule holds: a checkpoint counts once ``COMPLETE`` is written, which rank 0's writer
-does only after every rank has reported its files written (``written-rank<r>`` beside them); a run killed mid-write
-leaves a directory without ``COMPLETE`` that is never resumed from.
+for the copy. The run directory's rule holds: a checkpoint counts once ``COMPLETE`` is written, which a second
+thread of rank 0 does only after every rank has reported its files written (``written-rank<r>`` beside them); a run
+killed mid-write leaves a directory without ``COMPLETE`` that is never resumed from.
 
 DeepSpeed's own decoupled engine writes through its fast (DeepNVMe, ``async_io``) writer in a spawned process,
 which needs the aio op built and is not available on CPU ranks; this one is plain ``torch.save`` in a thread.
@@ -140,7 +140,8 @@ def written_marker(path: str, rank: int) -> str:
 
 
 def wait_for_ranks(path: str, world: int, timeout_s: float = RANK_TIMEOUT_S) -> None:
-    """Rank 0's writer: block until every rank's ``written-rank<r>`` is in ``path``."""
+    """Rank 0's completer: block until every rank's ``written-rank<r>`` is in ``path``. A rank whose write failed
+    stops the run by its own error; the timeout only bounds a wait for a rank that vanished otherwise."""
     deadline = None
     while True:
         missing = [r for r in range(world) if not os.path.exists(written_marker(path, r))]

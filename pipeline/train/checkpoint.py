@@ -53,10 +53,11 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(engine, run: RunDir, step: int, client_state: dict, extra_files: dict[str, dict], keep_last: int,
-         keep_every: int, writer: BackgroundWriter | None = None) -> str:
+         keep_every: int, writer: BackgroundWriter | None = None, completer: BackgroundWriter | None = None) -> str:
     """Collective: every rank calls it. Returns the checkpoint directory. With ``writer`` (the engine's
     :class:`~pipeline.train.async_checkpoint.AsyncCheckpointEngine` queues its files there) it returns once the
-    state is copied: the files, each rank's ``written-rank<r>`` and rank 0's completion follow in the background."""
+    state is copied: the files and each rank's ``written-rank<r>`` follow in the background, and rank 0's
+    ``completer`` writes ``COMPLETE`` once every rank's marker is there."""
     root, path = run.checkpoints, run.checkpoint(step)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -74,8 +75,8 @@ def save(engine, run: RunDir, step: int, client_state: dict, extra_files: dict[s
     complete = functools.partial(_complete, run, step, extra_files, world, keep_last, keep_every)
     if writer is not None:
         writer.submit(lambda: write_json_atomic(written_marker(path, rank), {"step": step}))
-        if rank == 0:
-            writer.submit(lambda: (wait_for_ranks(path, world), complete()))
+        if completer is not None:
+            completer.submit(lambda: (wait_for_ranks(path, world), complete()))
         return path
     if dist.is_initialized():
         dist.barrier()
@@ -209,8 +210,10 @@ class Checkpointer:
     def __init__(self, engine, run: RunDir, cfg: CheckpointConfig, run_files: dict[str, dict]):
         self.engine, self.run, self.cfg, self.run_files = engine, run, cfg, run_files
         self.last_saved = 0
-        self.writer = BackgroundWriter() if cfg.async_save else None
-        if self.writer is not None:
+        self.writer = self.completer = None
+        if cfg.async_save:
+            self.writer = BackgroundWriter()  # this rank's files, then its written-rank<r>
+            self.completer = BackgroundWriter() if not dist.is_initialized() or dist.get_rank() == 0 else None
             engine.checkpoint_engine = AsyncCheckpointEngine(engine.checkpoint_engine, self.writer)
 
     def resume(self) -> dict | None:
@@ -225,14 +228,25 @@ class Checkpointer:
 
     def save(self, step: int, client_state: dict) -> None:
         """Collective."""
-        self.wait()  # one state in host memory at a time, and the previous checkpoint's errors surface here
+        self._written()  # one state in host memory at a time, and the previous save's errors surface here
         save(self.engine, self.run, step, client_state, self.run_files, self.cfg.keep_last, self.cfg.keep_every,
-             self.writer)
+             self.writer, self.completer)
         self.last_saved = step
 
     def wait(self) -> None:
-        """Block until the last save's files are written (and, on rank 0, it is complete); a no-op without
-        ``checkpoint.async_save``. A full disk in the background is the same error as in a synchronous save."""
+        """Collective: return once the last save is complete (a no-op without ``checkpoint.async_save``). Each rank
+        waits for its own files first and raises its own error, so a rank whose write failed leaves the barrier
+        and the others stop there instead of waiting for its marker."""
+        if self.writer is None:
+            return
+        self._written()
+        if dist.is_initialized():
+            dist.barrier()
+        if self.completer is not None:
+            self.completer.wait()
+
+    def _written(self) -> None:
+        """This rank's files of the last save written; a full disk is the same error as in a synchronous save."""
         if self.writer is None:
             return
         try:
