@@ -237,6 +237,9 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every N-th step for good (0: none)
     resume: bool = True  # continue from the newest complete checkpoint in run_dir
     allow_global_batch_change: bool = False  # resume on a world size that changes the global batch
+    # write the files in a background thread after a copy to host memory (pinned on CUDA): training goes on while
+    # they are written; costs one more copy of each rank's checkpoint state in host memory
+    async_save: bool = False
     RANGES: ClassVar[dict[str, str]] = {"every": ">= 1", "keep_last": ">= 1", "keep_every": ">= 0"}
 
 

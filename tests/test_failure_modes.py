@@ -647,9 +647,12 @@ def test_corrupt_shard_met_in_training_is_one_message(shards, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_full_disk_during_checkpoint_keeps_the_previous_one(shards, tmp_path, small_disk):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_full_disk_during_checkpoint_keeps_the_previous_one(shards, tmp_path, small_disk, async_save):
+    """With checkpoint.async_save the writer threads meet the full disk; the next save reports it the same way."""
     run_dir = os.path.join(small_disk("20m"), "run")  # one checkpoint (~13 MiB) fits, not two
-    proc = run_train(run_dir, shards, "checkpoint.every=1", "checkpoint.keep_last=1", "train.export_hf=false")
+    proc = run_train(run_dir, shards, "checkpoint.every=1", "checkpoint.keep_last=1", "train.export_hf=false",
+                     f"checkpoint.async_save={str(async_save).lower()}")
     line = one_error(proc, "error")
     good = RunDir(run_dir).complete_steps()
     assert f"error: no space left on device: {RunDir(run_dir).checkpoints}/step" in line

@@ -2,7 +2,7 @@
 corpus, the shipped tokenizer and a tiny HF Llama.
 
 One 20-step baseline run is shared by the tests: it is compared with a plain single-process PyTorch loop, with a
-run stopped at step 10 and resumed, with a run killed while writing its step-20 checkpoint, and its HF export is
+run stopped at step 10 and resumed, with a run killed while its writer thread writes the step-20 checkpoint (checkpoint.async_save), and its HF export is
 reloaded. Each launch costs ~15 s of process start-up, so launches are few.
 """
 
@@ -128,13 +128,18 @@ def test_grad_norm_is_measured_on_every_zero_stage(baseline, shards, init_dir, t
 
 
 @pytest.mark.e2e
-def test_resume_is_bit_identical_and_survives_kill_during_checkpoint(baseline, shards, init_dir, tmp_path):
+def test_resume_is_bit_identical_and_survives_kill_during_an_async_checkpoint(baseline, shards, init_dir, tmp_path):
+    """Checkpoints written in the background (checkpoint.async_save) resume bit for bit, and a kill -9 while the
+    writer thread is writing one leaves it incomplete and untrusted."""
     run_dir = str(tmp_path / "resumed")
-    first = launch(run_dir, shards, init_dir, "train.stop_at_step=10")
-    assert "stopped at step 10" in first.stdout
+    first = launch(run_dir, shards, init_dir, "train.stop_at_step=10", "checkpoint.async_save=true")
+    assert "stopped at step 10 (checkpointed)" in first.stdout
     assert RunDir(run_dir).complete_steps() == [10]
-    # resume, and die (SIGKILL on rank 0) after DeepSpeed wrote step 20 but before the completion marker
-    killed = launch(run_dir, shards, init_dir, env={"PIPELINE_FAULT": "kill-before-marker:20"}, check=False)
+    assert sorted(f for f in os.listdir(RunDir(run_dir).checkpoint(10)) if f.startswith("written-rank")) == [
+        "written-rank0", "written-rank1"]
+    # resume, and die (SIGKILL) while the writer threads write step 20's files
+    killed = launch(run_dir, shards, init_dir, "checkpoint.async_save=true",
+                    env={"PIPELINE_FAULT": "kill-mid-write:20"}, check=False)
     assert killed.returncode != 0
     assert "resumed from step00000010" in killed.stdout
     assert os.path.isdir(RunDir(run_dir).checkpoint(20))

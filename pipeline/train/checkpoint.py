@@ -1,8 +1,9 @@
 """The one checkpoint path: DeepSpeed engine state + our client state + a completion marker.
 
 Layout (:class:`pipeline.run_dir.RunDir`): ``RUN/checkpoints/step{N:08d}/`` holds DeepSpeed's files, ``rng-rank{r}.pt`` per rank, and ``COMPLETE``
-(written by rank 0 after a barrier, once every rank has finished writing). A directory without ``COMPLETE`` is a
-half-written checkpoint and is never resumed from; DeepSpeed's ``latest`` file is not trusted.
+(written by rank 0 once every rank has finished writing: after a barrier, or with ``checkpoint.async_save`` when
+every rank's ``written-rank{r}`` is there). A directory without ``COMPLETE`` is a half-written checkpoint and is
+never resumed from; DeepSpeed's ``latest`` file is not trusted.
 
 Resuming on another world size: ZeRO-3 files hold one flat partition per rank, so DeepSpeed refuses them at another
 data-parallel size. When the marker's ``world_size`` differs from the current one, rank 0 converts the checkpoint
@@ -14,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import os
 import random
 import shutil
-import signal
 import time
 
 import numpy as np
@@ -27,6 +28,13 @@ import torch.distributed as dist
 from pipeline.experiment import CheckpointConfig
 from pipeline.io import write_json_atomic
 from pipeline.run_dir import MARKER, RunDir, tag
+from pipeline.train.async_checkpoint import (
+    AsyncCheckpointEngine,
+    BackgroundWriter,
+    inject_fault,
+    wait_for_ranks,
+    written_marker,
+)
 
 UNIVERSAL = "universal"  # sub-directory of a step with its universal-format copy
 
@@ -45,33 +53,57 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(engine, run: RunDir, step: int, client_state: dict, extra_files: dict[str, dict], keep_last: int,
-         keep_every: int) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory."""
+         keep_every: int, writer: BackgroundWriter | None = None, completer: BackgroundWriter | None = None) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory. With ``writer`` (the engine's
+    :class:`~pipeline.train.async_checkpoint.AsyncCheckpointEngine` queues its files there) it returns once the
+    state is copied: the files and each rank's ``written-rank<r>`` follow in the background, and rank 0's
+    ``completer`` writes ``COMPLETE`` once every rank's marker is there."""
     root, path = run.checkpoints, run.checkpoint(step)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     try:
         engine.save_checkpoint(root, tag=tag(step), client_state=client_state)
-        torch.save(rng_state(), os.path.join(path, f"rng-rank{rank}.pt"))
+        rng = os.path.join(path, f"rng-rank{rank}.pt")
+        if writer is None:
+            torch.save(rng_state(), rng)
+        else:
+            writer.submit(functools.partial(torch.save, rng_state(), rng))
     except (OSError, RuntimeError) as e:
-        if not _disk_full(e, root):
-            raise
-        previous = run.latest_complete()
-        kept = f"the checkpoint of step {previous} is intact" if previous is not None else "no earlier checkpoint"
-        raise OSError(errno.ENOSPC, f"no space left on device: {path} (checkpoint of step {step}); {kept}: free "
-                                    f"space and start the same command again") from e
-    if os.environ.get("PIPELINE_FAULT") == f"kill-before-marker:{step}":  # fault injection for the tests
-        os.kill(os.getpid(), signal.SIGKILL)
+        if _disk_full(e, root):
+            raise _disk_full_error(run, step) from e
+        raise
+    complete = functools.partial(_complete, run, step, extra_files, world, keep_last, keep_every)
+    if writer is not None:
+        writer.submit(lambda: write_json_atomic(written_marker(path, rank), {"step": step}))
+        if completer is not None:
+            completer.submit(lambda: (wait_for_ranks(path, world), complete()))
+        return path
     if dist.is_initialized():
         dist.barrier()
     if rank == 0:
-        for name, obj in extra_files.items():
-            write_json_atomic(os.path.join(path, name), obj)
-        write_json_atomic(os.path.join(path, MARKER), {"step": step, "time": time.time(),
-                                                        "world_size": dist.get_world_size() if dist.is_initialized() else 1})
-        prune(run, keep_last, keep_every)
+        complete()
     if dist.is_initialized():
         dist.barrier()
     return path
+
+
+def _complete(run: RunDir, step: int, extra_files: dict[str, dict], world: int, keep_last: int,
+              keep_every: int) -> None:
+    """Rank 0, once every rank's files of ``step`` are written: the run files, ``COMPLETE``, then pruning."""
+    path = run.checkpoint(step)
+    inject_fault("kill-before-marker", tag(step))
+    for name, obj in extra_files.items():
+        write_json_atomic(os.path.join(path, name), obj)
+    write_json_atomic(os.path.join(path, MARKER), {"step": step, "time": time.time(), "world_size": world})
+    prune(run, keep_last, keep_every)
+
+
+def _disk_full_error(run: RunDir, step: int) -> OSError:
+    """A full disk while saving ``step``, naming the checkpoint still intact."""
+    previous = run.latest_complete()
+    kept = f"the checkpoint of step {previous} is intact" if previous is not None else "no earlier checkpoint"
+    return OSError(errno.ENOSPC, f"no space left on device: {run.checkpoint(step)} (checkpoint of step {step}); "
+                                 f"{kept}: free space and start the same command again")
 
 
 def _disk_full(e: BaseException, root: str) -> bool:
@@ -171,11 +203,18 @@ def load(engine, run: RunDir, step: int) -> dict:
 
 class Checkpointer:
     """The trainer's checkpoints: resume from the newest complete one, save at a step, and remember the last step
-    saved. ``run_files`` (the run's description) are written into every checkpoint."""
+    saved. ``run_files`` (the run's description) are written into every checkpoint. With ``checkpoint.async_save``
+    the engine's files are written in the background (:mod:`pipeline.train.async_checkpoint`): a save waits only for
+    the previous one's writes, and :meth:`wait` for the last."""
 
     def __init__(self, engine, run: RunDir, cfg: CheckpointConfig, run_files: dict[str, dict]):
         self.engine, self.run, self.cfg, self.run_files = engine, run, cfg, run_files
         self.last_saved = 0
+        self.writer = self.completer = None
+        if cfg.async_save:
+            self.writer = BackgroundWriter()  # this rank's files, then its written-rank<r>
+            self.completer = BackgroundWriter() if not dist.is_initialized() or dist.get_rank() == 0 else None
+            engine.checkpoint_engine = AsyncCheckpointEngine(engine.checkpoint_engine, self.writer)
 
     def resume(self) -> dict | None:
         """Collective. The client state of the newest complete checkpoint, loaded into the engine; None for a fresh
@@ -189,8 +228,33 @@ class Checkpointer:
 
     def save(self, step: int, client_state: dict) -> None:
         """Collective."""
-        save(self.engine, self.run, step, client_state, self.run_files, self.cfg.keep_last, self.cfg.keep_every)
+        self._written()  # one state in host memory at a time, and the previous save's errors surface here
+        save(self.engine, self.run, step, client_state, self.run_files, self.cfg.keep_last, self.cfg.keep_every,
+             self.writer, self.completer)
         self.last_saved = step
+
+    def wait(self) -> None:
+        """Collective: return once the last save is complete (a no-op without ``checkpoint.async_save``). Each rank
+        waits for its own files first and raises its own error, so a rank whose write failed leaves the barrier
+        and the others stop there instead of waiting for its marker."""
+        if self.writer is None:
+            return
+        self._written()
+        if dist.is_initialized():
+            dist.barrier()
+        if self.completer is not None:
+            self.completer.wait()
+
+    def _written(self) -> None:
+        """This rank's files of the last save written; a full disk is the same error as in a synchronous save."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.wait()
+        except (OSError, RuntimeError) as e:
+            if _disk_full(e, self.run.checkpoints):
+                raise _disk_full_error(self.run, self.last_saved) from e
+            raise
 
     def last_good(self) -> str | None:
         """The newest complete checkpoint directory, for messages."""

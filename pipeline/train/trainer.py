@@ -158,6 +158,8 @@ class Trainer:
         due = self.step % self.exp.checkpoint.every == 0 or self.step == self.exp.train.steps
         if self.guard.healthy and (due or stopping):
             self._save()
+        if stopping:
+            self.checkpoints.wait()
         if stopping and dist.get_rank() == 0:
             why = f" on {self.stop.reason or 'the stop request of another rank'}" if signalled else ""
             saved = ("checkpointed" if self.checkpoints.last_saved == self.step else
@@ -170,6 +172,7 @@ class Trainer:
         """The last checkpoint, the HF export of a finished healthy run, the summary; the loaders closed."""
         if self.checkpoints.last_saved != self.step and self.guard.healthy:
             self._save()
+        self.checkpoints.wait()
         summary = {"steps": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": round(time.time() - started, 1),
                    "run_dir": self.exp.run_dir}
         if self.step == self.exp.train.steps and self.exp.train.export_hf and self.guard.healthy:
