@@ -293,6 +293,7 @@ class ExperimentConfig:
             for j, objective in enumerate(phase.objectives):
                 objective.check_attention_dropout(self.model.attention_dropout, f"phases[{i}].objectives[{j}]")
                 objective.check_step(self.train.grad_accum, len(phase.objectives), f"phases[{i}].objectives[{j}]")
+                objective.check_schedule(f"phases[{i}].objectives[{j}]")
         if not math.isclose(sum(p.share for p in self.phases), 1.0, abs_tol=1e-6):
             raise ConfigError(f"phases: shares must sum to 1, got {[p.share for p in self.phases]}")
         self._check_schedule_fits()

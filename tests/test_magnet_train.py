@@ -101,21 +101,27 @@ def data(tmp_path_factory) -> list[str]:
 
 @pytest.mark.e2e
 def test_two_stage_zero3_run_resumes_exactly_at_the_stage_switch(data, tmp_path):
+    """With a masking ratio falling from 0.2 to 0.1 over stage 1 and dropping to 0.1 half-way through stage 2."""
     experiment = os.path.join(EXPERIMENTS, "magnet-two-stage-smoke.yaml")
+    schedules = ["phases.0.objectives.0.ratio_schedule={shape: linear, final: 0.1}",
+                 "phases.1.objectives.0.ratio_schedule={shape: step, steps: [[0.5, 0.1]]}"]
     whole = str(tmp_path / "whole")
-    launch_training(whole, experiment, *data)
+    launch_training(whole, experiment, *data, *schedules)
     resumed = str(tmp_path / "resumed")
-    first = launch_training(resumed, experiment, *data, "train.stop_at_step=4")
+    first = launch_training(resumed, experiment, *data, *schedules, "train.stop_at_step=4")
     assert "stopped at step 4" in first.stdout
-    second = launch_training(resumed, experiment, *data)
+    second = launch_training(resumed, experiment, *data, *schedules)
     assert "resumed from step00000004" in second.stdout
     ours, base = logged_steps(resumed), logged_steps(whole)
     assert sorted(base) == list(range(1, 9))
+    assert [base[s]["mask_ratio/mntp"] for s in range(1, 9)] == pytest.approx(
+        [0.2, 0.2 - 0.1 / 3, 0.2 - 0.2 / 3, 0.1, 0.2, 0.2, 0.1, 0.1], abs=1e-12)
     for step in range(1, 9):  # stage 1 (steps 1-4): MNTP + SSCL; stage 2: all three
         stage2 = step > 4
         assert base[step]["progress/phase"] == int(stage2)
         assert [k in base[step] for k in LOSSES] == [True, stage2, True], step
-        assert {k: ours[step].get(k) for k in LOSSES} == {k: base[step].get(k) for k in LOSSES}, step
+        assert {k: ours[step].get(k) for k in (*LOSSES, "mask_ratio/mntp")} == \
+            {k: base[step].get(k) for k in (*LOSSES, "mask_ratio/mntp")}, step
 
 
 # the full recipe and the one without SSCL (no sentence units) in the slow suite; the other ablations (weights of

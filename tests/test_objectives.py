@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -19,6 +20,7 @@ from pipeline.data.batch import Batch, collate
 from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.data.format import UNMASKABLE
 from pipeline.data.packing import Packer
+from pipeline.experiment import load_experiment
 from pipeline.model.attention import attention_inputs
 from pipeline.model.build import build_model
 from pipeline.model.flops import Work, work_flops
@@ -196,6 +198,61 @@ def test_ratio_follows_the_plan(tokenizer):
     for ratio in (0.2, 0.5):
         source = mlm(tokenizer, ratio=ratio).targets(batch).source
         assert source.sum(-1).tolist() == torch.floor(ratio * maskable.double() + 0.5).long().tolist()
+
+
+PHASE = 11  # steps of the phase below: step i lies at fraction i / 10 of it
+SCHEDULES = {  # ratio_schedule -> the ratio of each step of the phase from ratio 0.4, by hand
+    "linear": ({"shape": "linear", "final": 0.1}, [0.4 - 0.03 * i for i in range(PHASE)]),
+    "cosine": ({"shape": "cosine", "final": 0.1, "start": 0.5},
+               [0.4 - 0.3 * (1 - math.cos(math.pi * max(i - 5, 0) / 5)) / 2 for i in range(PHASE)]),
+    "step": ({"shape": "step", "steps": [[0.3, 0.25], [0.8, 0.1]]}, [0.4] * 3 + [0.25] * 5 + [0.1] * 3),
+}
+
+
+@pytest.mark.parametrize("shape", SCHEDULES)
+def test_masks_drawn_at_each_step_of_the_phase_follow_the_ratio_schedule(tokenizer, shape):
+    """Each masking objective (MAGNET's on context only) masks round(ratio x maskable) tokens of each row at the
+    schedule's ratio of the step, counted in the input the model reads, whatever the order the steps come in."""
+    schedule, expected = SCHEDULES[shape]
+    batch = make_batch(tokenizer, 6)
+    maskable = batch.mask_rank != int(UNMASKABLE)
+    for name in ("mlm", "mntp", "magnet"):
+        config = from_tagged(ObjectiveConfig, {"name": name, "ratio": 0.4, "policy": "mask",
+                                               "ratio_schedule": schedule})
+        objective = make_objective(config, tokenizer)
+        for step in (7, 0, 10, 3, 5, 9, 3):
+            objective.at_phase_step(step, PHASE)
+            if name == "magnet":
+                context = maskable & (batch.span_ids < 0)
+                masked = (objective.view(batch).input_ids == tokenizer.mask_id) & (batch.span_ids < 0)
+            else:
+                context, masked = maskable, objective.targets(batch).input_ids == tokenizer.mask_id
+            n = context.sum(-1).double()
+            assert n[:3].min() >= 10 and objective.masking.ratio == pytest.approx(expected[step], abs=1e-12)
+            assert ((masked.sum(-1) - expected[step] * n).abs() <= 0.5 + 1e-9).all(), (name, step)
+
+
+def test_ratio_schedule_errors_name_the_key_and_the_fix():
+    key = r"phases\[1\]\.objectives\[0\]\.ratio_schedule"
+    cases = {
+        "{shape: linear}": rf"{key}\.final: missing; shape linear goes from the objective's ratio to final, e\.g\. "
+                           rf"{key}\.final=0\.15$",
+        "{shape: constant, final: 0.1}": rf"{key}\.final: shape constant keeps the objective's ratio; drop final",
+        "{shape: step, steps: [[0.5, 0.2]], start: 0.5}": rf"{key}\.start: shape step takes its ratios from steps",
+        "{shape: cosine, final: 0.1, steps: [[0.5, 0.2]]}": rf"{key}\.steps: shape cosine goes from ratio to final",
+        "{shape: step}": rf"{key}\.steps: missing; shape step needs \[fraction, ratio\] pairs",
+        "{shape: linear, final: 0.1, start: 0.6, end: 0.5}": rf"{key}: start 0\.6 must come before end 0\.5",
+        "{shape: step, steps: [[0.5, 0.2], [0.5, 0.1]]}": rf"{key}\.steps\.1: \[0\.5, 0\.1\] is not allowed; .*each "
+                                                          "fraction above the one before",
+        "{shape: step, steps: [[0.5, 0]]}": rf"{key}\.steps\.0: \[0\.5, 0\] is not allowed",
+        "{shape: linear, final: 1.5}": rf"{key}\.final: 1\.5 is out of range; it must be in \(0, 1\]",
+        "{shape: exp}": r"phases\.1\.objectives\.0\.ratio_schedule\.shape: 'exp' is not allowed; choose one of "
+                        r"\['constant', 'linear', 'cosine', 'step'\]",
+    }
+    for schedule, message in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            load_experiment(None, [f"phases=[{{share: 0.5, objectives: [{{name: clm}}]}}, {{share: 0.5, objectives: "
+                                   f"[{{name: magnet, ratio_schedule: {schedule}}}]}}]"])
 
 
 def test_padding_rows_give_no_targets_and_finite_gradients(model, tokenizer):

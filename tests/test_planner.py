@@ -23,6 +23,7 @@ from helpers import make_shard_dir
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pipeline.data.manifest import load_index
+from pipeline.experiment import load_experiment
 from pipeline.model.flops import param_counts
 from pipeline.model.presets import get_preset
 from pipeline.planner import report as plan_cli
@@ -36,6 +37,7 @@ from pipeline.planner.estimates import (
     layer_activation_bytes,
     lm_head_bytes,
     model_states,
+    run_flops,
 )
 
 CLUSTERS = [(1, 8), (4, 8), (12, 8), (2, 4)]
@@ -183,3 +185,14 @@ def test_cli_refuses_bad_numbers(capsys):
     with pytest.raises(SystemExit):
         plan_cli.main(["--model", "7b", "--nodes", "0", "--gpus-per-node", "8", "--gpu", "h100"])
     assert "--nodes must be >= 1" in capsys.readouterr().err
+
+
+def test_a_masking_ratio_schedule_is_priced_at_its_mean_over_the_phase():
+    """A ratio falling linearly from 0.4 to 0.2 over a phase puts as many targets through the LM head as 0.3."""
+    def flops(objective: str) -> float:
+        exp = load_experiment(None, ["train.steps=101", f"phases=[{{objectives: [{objective}]}}]"])
+        return run_flops(exp, tokens_per_step=4096, vocab_size=8000)
+
+    falling = flops("{name: mlm, ratio: 0.4, ratio_schedule: {shape: linear, final: 0.2}}")
+    assert falling == pytest.approx(flops("{name: mlm, ratio: 0.3}"), rel=1e-12)
+    assert falling < flops("{name: mlm, ratio: 0.4}")

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import make_shard_dir, packed_text_batch
+from helpers import MASK, SPECIAL_IDS, logged_steps, make_shard_dir, packed_text_batch
 from torch.overrides import TorchFunctionMode
 
 from pipeline.config import ConfigError, from_dict
@@ -22,13 +22,14 @@ from pipeline.data.manifest import load_index
 from pipeline.experiment import SAMPLE_DIR, ExperimentConfig, PhaseSpec
 from pipeline.export.record import EncoderRecord
 from pipeline.model.build import build_model
+from pipeline.objectives import OBJECTIVES, Masking, make_objective
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.checkpoint import Checkpointer
 from pipeline.train.guard import Diverged, DivergenceGuard
 from pipeline.train.metrics import MetricsLogger, Throughput
 from pipeline.train.module import TrainModule
-from pipeline.train.phases import build_objectives
+from pipeline.train.phases import WeightedObjective, build_objectives
 from pipeline.train.signals import STOP_SIGNALS, StopRequest
 from pipeline.train.step import train_step
 from pipeline.train.trainer import Trainer
@@ -83,19 +84,35 @@ class FakeEngine:
 
     def save_checkpoint(self, root, tag, client_state):
         os.makedirs(os.path.join(root, tag), exist_ok=True)
-        torch.save({"module": self.module.state_dict(), "client": client_state}, os.path.join(root, tag, "state.pt"))
+        torch.save({"module": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "client": client_state}, os.path.join(root, tag, "state.pt"))
+
+    def load_checkpoint(self, root, tag, load_module_strict):
+        state = torch.load(os.path.join(root, tag, "state.pt"), weights_only=False)
+        self.module.load_state_dict(state["module"], strict=load_module_strict)
+        self.optimizer.load_state_dict(state["optimizer"])
+        return os.path.join(root, tag), state["client"]
 
 
-def trainer(tmp_path, stop, steps=8, every=2, max_bad_steps=2, **engine) -> Trainer:
+def objectives_of(phase: PhaseSpec) -> list[WeightedObjective]:
+    """The phase's objectives over make_shard_dir's ids: a masking one masks with its MASK id and replaces with the
+    regular ids, as one built from a tokenizer of those shards would."""
+    regular = torch.arange(len(SPECIAL_IDS), 64)
+    return [WeightedObjective(s.name, s.weight, OBJECTIVES[s.name](s, Masking(s.ratio, s.policy, MASK, regular))
+                              if OBJECTIVES[s.name].masks else make_objective(s), s.log_as) for s in phase.objectives]
+
+
+def trainer(tmp_path, stop, steps=8, every=2, max_bad_steps=2, phases=None, stop_at_step=0, **engine) -> Trainer:
     shards = make_shard_dir(tmp_path, num_samples=64, seq_len=32)
     exp = from_dict(ExperimentConfig, {"run_dir": str(tmp_path / "run"), "train": {
-        "steps": steps, "micro_batch": 2, "max_bad_steps": max_bad_steps, "export_hf": False, "log_every": 100},
-        "optim": {"warmup_steps": 0, "decay_steps": 0}, "checkpoint": {"every": every, "keep_last": 5}})
+        "steps": steps, "micro_batch": 2, "max_bad_steps": max_bad_steps, "export_hf": False, "log_every": 100,
+        "stop_at_step": stop_at_step}, "optim": {"warmup_steps": 0, "decay_steps": 0},
+        "checkpoint": {"every": every, "keep_last": 5}, **({"phases": phases} if phases else {})})
     torch.manual_seed(0)
     lm = build_model("tiny", 64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     fake = FakeEngine(TrainModule(lm), **engine)
     run = RunDir(exp.run_dir)
-    objectives = [build_objectives(p, None) for p in exp.phases]
+    objectives = [objectives_of(p) for p in exp.phases]
     return Trainer(exp, fake, lm, None, objectives, EncoderRecord(),
                    {"packed": ShardLoader(load_index(shards), 2, 1, 0, 1, 0)},
                    Checkpointer(fake, run, exp.checkpoint, {}), MetricsLogger(run, True, 100),
@@ -133,6 +150,36 @@ def test_a_stop_on_a_bad_step_keeps_the_last_good_checkpoint(tmp_path, stop, cap
     assert RunDir(t.exp.run_dir).complete_steps() == [2]  # the bad newest step is not saved, not even at the end
     assert "stopped at step 3 (not checkpointed: the newest step was bad; the last good checkpoint is" in \
         capsys.readouterr().out
+
+
+def test_a_masking_ratio_schedule_is_logged_and_a_resume_inside_it_continues_it_exactly(tmp_path, stop):
+    """CLM for 2 steps, then MLM (and MNTP logged as ``m``) whose ratios fall over the phase's last two thirds:
+    each step logs the ratio it masked at, and a run stopped inside the fall and resumed through the checkpoint
+    logs the uninterrupted run's ratios and losses bit for bit."""
+    fall = {"shape": "linear", "final": 0.1, "start": 0.2}
+    phases = [{"share": 0.25, "objectives": [{"name": "clm"}]},
+              {"share": 0.75, "objectives": [{"name": "mlm", "ratio": 0.4, "ratio_schedule": fall},
+                                             {"name": "mntp", "log_as": "m", "ratio_schedule": {
+                                                 "shape": "step", "steps": [[0.5, 0.2]]}}]}]
+    whole = trainer(tmp_path / "whole", stop, phases=phases)
+    whole.fit()
+    logged = logged_steps(whole.exp.run_dir)
+    t = [min(max((i / 5 - 0.2) / 0.8, 0.0), 1.0) for i in range(6)]  # steps 3-8 are steps 0-5 of the MLM phase
+    assert [logged[s].get("mask_ratio/mlm") for s in range(1, 9)] == pytest.approx(
+        [None, None, *(0.4 * (1 - x) + 0.1 * x for x in t)], abs=1e-12)
+    assert [logged[s].get("mask_ratio/m") for s in range(1, 9)] == [None, None, 0.3, 0.3, 0.3, 0.2, 0.2, 0.2]
+    first = trainer(tmp_path / "resumed", stop, phases=phases, stop_at_step=5)
+    assert first.fit()["steps"] == 5
+    resumed = trainer(tmp_path / "resumed", stop, phases=phases)  # a new process: fresh model and objectives
+    client = resumed.checkpoints.resume()  # what Trainer.build does with it
+    resumed.loaders["packed"].load_state_dict(client["loaders"]["packed"])
+    resumed.step, resumed.tokens_seen = client["step"], client["tokens_seen"]
+    resumed.fit()
+    again = logged_steps(resumed.exp.run_dir)
+    assert sorted(again) == [6, 7, 8]
+    for s in again:
+        assert {k: v for k, v in again[s].items() if k.startswith(("loss/", "mask_ratio/"))} == \
+            {k: v for k, v in logged[s].items() if k.startswith(("loss/", "mask_ratio/"))}, s
 
 
 def test_two_objectives_of_one_loss_name_are_refused_or_kept_apart():

@@ -80,6 +80,11 @@ class Magnet(MaskedObjective):
         return {n: w for n, w in (("mntp", c.mntp_weight), ("msg", c.msg_weight)) if w > 0}
 
     @property
+    def masked_losses(self) -> list[str]:
+        """MNTP's: the MSG targets are the spans, never masked."""
+        return [n for n in self.loss_weights if n == "mntp"]
+
+    @property
     def attention_mode(self) -> str:
         """MAGNET's mask; plain bidirectional attention when MSG is off (no spans to hide)."""
         if "msg" not in self.loss_weights:

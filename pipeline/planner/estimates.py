@@ -183,7 +183,8 @@ def data_prep(corpus_tokens: float, seq_len: int, samples_per_shard: int = 4096,
 
 def run_flops(exp, tokens_per_step: int, vocab_size: int) -> float:
     """Training FLOPs of a whole run of the experiment ``exp`` (the LM head on all tokens for CLM, on the masking
-    ratio for MLM); the model is ``model.shape``, else the preset in ``model.init``."""
+    ratio for MLM: its mean over the phase under a schedule); the model is ``model.shape``, else the preset in
+    ``model.init``."""
     preset = exp.model.shape or exp.model.init
     if preset not in PRESETS:
         raise ValueError(f"{exp.name}: model.init {exp.model.init!r} is no preset and model.shape is not set; "
@@ -193,6 +194,6 @@ def run_flops(exp, tokens_per_step: int, vocab_size: int) -> float:
     total = 0.0
     for phase, start, end in zip(exp.phases, starts, [*starts[1:], exp.train.steps]):
         for o in phase.objectives:  # each objective runs its own forward and backward over the batch
-            head = o.ratio if OBJECTIVES[o.name].masks else 1.0
+            head = o.mean_ratio(end - start) if OBJECTIVES[o.name].masks else 1.0
             total += (end - start) * tokens_per_step * flops_per_token(config, exp.data.seq_len, head)
     return total

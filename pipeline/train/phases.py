@@ -6,7 +6,7 @@ import difflib
 from dataclasses import dataclass
 
 from pipeline.config import ConfigError
-from pipeline.experiment import PhaseSpec
+from pipeline.experiment import ExperimentConfig, PhaseSpec
 from pipeline.objectives import OBJECTIVES, Objective, make_objective
 from pipeline.objectives.base import resolve_mask_id
 
@@ -70,6 +70,19 @@ def check_loss_names(objectives: list[WeightedObjective], key: str) -> None:
                                   f"{key}.objectives[{seen[name]}], so the two would be merged; give one of them its "
                                   f"own name, e.g. {key}.objectives[{j}].log_as={o.name}{j}")
             seen[name] = j
+
+
+def at_step(objectives: list[WeightedObjective], exp: ExperimentConfig, step: int) -> dict[str, float]:
+    """Give the phase's objectives the settings of the global ``step`` (from 0) by its place in its phase (the
+    masking-ratio schedules); the ``mask_ratio/<loss>`` scalars of the step's masked losses."""
+    idx, _ = exp.phase_at(step)
+    bounds = [*exp.phase_starts(), exp.train.steps]
+    ratios = {}
+    for o in objectives:
+        o.objective.at_phase_step(step - bounds[idx], bounds[idx + 1] - bounds[idx])
+        ratios |= {f"mask_ratio/{o.loss_name(loss)}": o.objective.masking.ratio
+                   for loss in (o.objective.masked_losses if o.objective.masks else ())}
+    return ratios
 
 
 def data_sources(objectives: list[list[WeightedObjective]]) -> dict[str, list[str]]:

@@ -29,7 +29,7 @@ from pipeline.train.export import export_engine
 from pipeline.train.guard import DivergenceGuard
 from pipeline.train.metrics import MetricsLogger, Throughput
 from pipeline.train.module import build_engine, parameter_line
-from pipeline.train.phases import WeightedObjective
+from pipeline.train.phases import WeightedObjective, at_step
 from pipeline.train.preflight import Prepared
 from pipeline.train.signals import StopRequest
 from pipeline.train.step import train_step
@@ -102,6 +102,7 @@ class Trainer:
         while self.step < self.exp.train.steps:
             t0 = time.time()
             phase_idx, phase = self.exp.phase_at(self.step)
+            mask_ratios = at_step(self.objectives[phase_idx], self.exp, self.step)
             batches, local_tokens = self._next_batches(self.objectives[phase_idx])
             t_data = time.time() - t0
             result = train_step(self.engine, self.objectives[phase_idx], batches, dist.get_world_size(),
@@ -118,7 +119,7 @@ class Trainer:
                        | {"optim/lr": result.lr, "optim/grad_norm": grad_norm,
                           "optim/skipped_steps": self.engine.skipped_steps}
                        | self.throughput.scalars(tokens, seconds, t_data, work_flops(self.lm.config, result.work))
-                       | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx}
+                       | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx} | mask_ratios
                        | self._source_scalars(result))
             if self.validator is not None and self.validator.due(self.step, self.exp.train.steps):
                 scalars |= self.validator.run(self.engine, self.objectives[phase_idx], self.device)
