@@ -199,6 +199,20 @@ def _fraction_of(ratio: float, total: int) -> int:
 
 
 @dataclass
+class BatchWarmupConfig:
+    """The global batch's warmup (key ``train.batch_warmup``), as ModernBERT's and Ettin's: ``start`` of the batch
+    at step 0, growing linearly to all of it at optimizer step ``steps``, in whole ``multiple``s of samples. The
+    learning-rate schedule stays per optimizer step."""
+
+    start: float = 0.25  # share of the global batch at step 0
+    steps: int = 0  # optimizer steps until the whole batch (0: no warmup)
+    # samples the batch grows by (0: train.micro_batch x the world size); a resume on another world size inside the
+    # warmup needs the same batches, so set it to a multiple of micro_batch x each world size the run will use
+    multiple: int = 0
+    RANGES: ClassVar[dict[str, str]] = {"start": "(0, 1]", "steps": ">= 0", "multiple": ">= 0"}
+
+
+@dataclass
 class TrainConfig:
     steps: int = 300
     micro_batch: int = 4  # samples per rank per micro-step
@@ -217,6 +231,7 @@ class TrainConfig:
     tracker_project: str = "decoder-encoders"  # the W&B project and the MLflow experiment; the run is `name`
     wandb_mode: Literal["online", "offline"] = "online"  # offline: RUN/wandb only, uploaded later by `wandb sync`
     mlflow_tracking_uri: str = ""  # "": a local store in the run directory (sqlite:///RUN/mlflow.db)
+    batch_warmup: BatchWarmupConfig = field(default_factory=BatchWarmupConfig)  # docs/training.md, "Batch warmup"
     RANGES: ClassVar[dict[str, str]] = {"steps": ">= 1", "micro_batch": ">= 1", "grad_accum": ">= 1", "seed": ">= 0",
                                         "log_every": ">= 1", "peak_tflops": ">= 0", "stop_at_step": ">= 0",
                                         "max_bad_steps": ">= 1"}
@@ -228,6 +243,10 @@ class TrainConfig:
         if not self.tracker_project.strip():
             raise ConfigError("train.tracker_project: empty; name the W&B project and MLflow experiment, e.g. "
                               "train.tracker_project=decoder-encoders")
+        multiple = self.batch_warmup.multiple
+        if multiple > 0 and multiple % self.micro_batch:
+            raise ConfigError(f"train.batch_warmup.multiple: {multiple} samples are not whole micro-batches of "
+                              f"train.micro_batch {self.micro_batch}; set a multiple of micro_batch x the world size")
 
 
 @dataclass
@@ -296,6 +315,11 @@ class ExperimentConfig:
                 objective.check_schedule(f"phases[{i}].objectives[{j}]")
         if not math.isclose(sum(p.share for p in self.phases), 1.0, abs_tol=1e-6):
             raise ConfigError(f"phases: shares must sum to 1, got {[p.share for p in self.phases]}")
+        first_phase = ([*self.phase_starts(), self.train.steps])[1]
+        if self.train.batch_warmup.steps > first_phase:
+            raise ConfigError(f"train.batch_warmup.steps: {self.train.batch_warmup.steps} steps outlast the first "
+                              f"phase ({first_phase} steps); warm the batch up within it (the loaders of later "
+                              f"phases count only the steps they read)")
         self._check_schedule_fits()
 
     def _check_schedule_fits(self) -> None:

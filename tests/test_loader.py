@@ -15,7 +15,7 @@ from pipeline.data.batch import collate
 from pipeline.data.format import UNMASKABLE, Sample
 from pipeline.data.loader import ShardLoader, check_compatible, iter_eval
 from pipeline.data.manifest import job_manifest_name, load_index
-from pipeline.data.order import permute
+from pipeline.data.order import BatchWarmup, permute
 from pipeline.data.tar_shard import ShardReader
 
 N, G = 37, 4  # samples in the test directory; global batch of every geometry below
@@ -33,10 +33,11 @@ def stored(index):
     return {s.key: s for info in index.shards for s in ShardReader(info.path)}
 
 
-def run(index, steps, micro_batch, grad_accum, dp_world, num_workers=0, state=None, seed=0):
+def run(index, steps, micro_batch, grad_accum, dp_world, num_workers=0, state=None, seed=0, warmup=None):
     """Keys of the next ``steps`` global batches (each rank's micro-batches concatenated in rank order), with the
     state of rank 0 afterwards. Ranks are simulated by one loader per dp_rank in this process."""
-    loaders = [ShardLoader(index, micro_batch, grad_accum, rank, dp_world, seed, num_workers) for rank in range(dp_world)]
+    loaders = [ShardLoader(index, micro_batch, grad_accum, rank, dp_world, seed, num_workers, warmup=warmup)
+               for rank in range(dp_world)]
     for loader in loaders:
         if state is not None:
             loader.load_state_dict(state)
@@ -122,8 +123,6 @@ def test_load_state_errors(index, tmp_path):
         ShardLoader(other, 4).load_state_dict(state)
     with pytest.raises(ValueError, match="seed 0, this loader has seed 3"):
         ShardLoader(index, 4, seed=3).load_state_dict(state)
-    with pytest.raises(ValueError, match="4 samples into epoch 0, not a multiple of this loader's global batch 8"):
-        ShardLoader(index, 4, dp_world=2).load_state_dict(state)
     with pytest.raises(ValueError, match="missing"):
         ShardLoader(index, 4).load_state_dict({"epoch": 0})
 
@@ -214,3 +213,41 @@ def test_pinned_batches_reach_the_gpu_unchanged(index):
     on_gpu = batch.to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(on_gpu.mask_draw.cpu(), batch.mask_draw) and on_gpu.keys == batch.keys
+
+
+def test_batch_warmup_grows_in_whole_granules_to_the_full_batch():
+    warmup = BatchWarmup(full=8, start=0.25, steps=6, granule=2)
+    assert [warmup.micro_batches(t) for t in range(8)] == [2, 2, 4, 4, 6, 6, 8, 8]
+    assert BatchWarmup(full=8, start=0.05, steps=4, granule=4).micro_batches(0) == 4  # at least one granule
+
+
+def test_batch_warmup_order_is_the_same_on_one_and_two_ranks_and_resumes_exactly(index):
+    """Micro-batches of 1 sample, a full global batch of 8 (1 rank x 8, or 2 ranks x 4), warming up from a quarter
+    of it in granules of 2 over 6 steps, for three epochs; resumed inside the warmup on the other world size, and
+    after it."""
+    warm = BatchWarmup(full=8, start=0.25, steps=6, granule=2)
+    steps = 3 * (N // 8) + 6
+    one, _ = run(index, steps, 1, 8, 1, warmup=warm)
+    two, _ = run(index, steps, 1, 4, 2, num_workers=1, warmup=warm)
+    assert one == two
+    sizes = [len(keys) for keys in one]
+    assert sizes == [warm.micro_batches(t) for t in range(steps)]  # the rows taken are the schedule's
+    assert sizes[:7] == [2, 2, 4, 4, 6, 6, 8] and set(sizes[6:]) == {8}
+    # each epoch takes each sample at most once: its global batches end where the next would not fit
+    epoch, seen = 0, set()
+    for keys in one:
+        if len(seen) + len(keys) > N:
+            epoch, seen = epoch + 1, set()
+        assert not seen & set(keys)
+        seen |= set(keys)
+    assert epoch == 3
+    for k, before, after in [(3, (1, 4, 2), (1, 8, 1)), (5, (1, 8, 1), (1, 4, 2)), (9, (1, 4, 2), (1, 8, 1))]:
+        _, state = run(index, k, *before, warmup=warm)
+        assert state["step"] == k and state["samples_consumed"] == sum(sizes[:k])
+        resumed, _ = run(index, 4, *after, state=state, warmup=warm)
+        assert resumed == one[k:k + 4]
+    _, state = run(index, 3, 1, 8, 1, warmup=warm)
+    with pytest.raises(ValueError, match="step 3 of the batch warmup .* resume with the run's train.batch_warmup"):
+        run(index, 1, 1, 8, 1, state=state)
+    _, state = run(index, 6, 1, 8, 1, warmup=warm)
+    assert run(index, 2, 1, 8, 1, state=state)[0] == one[6:8]  # after the warmup, a loader without one continues

@@ -8,6 +8,7 @@ reloaded. Each launch costs ~15 s of process start-up, so launches are few.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,11 +22,13 @@ from helpers import ZERO3, launch_training, logged_steps, one_rank_env, rendezvo
 from pipeline.config import ConfigError
 from pipeline.data.loader import ShardLoader
 from pipeline.data.manifest import load_index
+from pipeline.data.order import BatchWarmup
 from pipeline.experiment import SAMPLE_DIR, load_experiment
 from pipeline.model.build import build_model
 from pipeline.model.weight_decay import param_groups
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
+from pipeline.train.batch_warmup import batch_warmup
 from pipeline.train.ds_config import resolve_ds_config
 from pipeline.train.module import TrainModule
 from pipeline.train.phases import build_objectives
@@ -66,10 +69,10 @@ class Reference:
     lm: torch.nn.Module  # the trained model
 
 
-def reference_losses(shards: str, init_dir: str, run_dir: str) -> Reference:
+def reference_losses(shards: str, init_dir: str, run_dir: str, *overrides: str) -> Reference:
     """The same training in one process with plain PyTorch: AdamW, LambdaLR, clip-by-norm, no DeepSpeed, and the
-    unchunked LM head."""
-    exp = load_experiment(None, [*COMMON, f"model.init={init_dir}", f"data.shards={shards}"])
+    unchunked LM head; ``overrides`` (a batch warmup) on top of this module's settings."""
+    exp = load_experiment(None, [*COMMON, f"model.init={init_dir}", f"data.shards={shards}", *overrides])
     tok = load_tokenizer(TOKENIZER)
     lm = build_model(init_dir, tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
                      eos_token_id=tok.info.eos_id)
@@ -78,7 +81,8 @@ def reference_losses(shards: str, init_dir: str, run_dir: str) -> Reference:
                             eps=exp.optim.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, STEPS, exp.optim))
     # 2 ranks x micro 2 x accumulation 2 = global batch 8: one rank taking micro-batches of 4, twice
-    loader = ShardLoader(load_index(shards), micro_batch=4, grad_accum=2, seed=exp.train.seed)
+    loader = ShardLoader(load_index(shards), micro_batch=4, grad_accum=2, seed=exp.train.seed,
+                         warmup=batch_warmup(dataclasses.replace(exp.train, micro_batch=4), 1))
     (clm,) = build_objectives(exp.phases[0], tok)
     out, norms = [], []
     for _ in range(STEPS):
@@ -269,6 +273,27 @@ def test_ds_config_reduces_and_accumulates_bf16_gradients_in_fp32():
     theirs = resolve_ds_config({"zero_optimization": {"stage": 2}, "communication_data_type": "bf16",
                                 "data_types": {"grad_accum_dtype": "bf16"}}, exp, world_size=2, bf16=True)
     assert theirs["communication_data_type"] == "bf16" and theirs["data_types"] == {"grad_accum_dtype": "bf16"}
+
+
+def test_batch_warmup_config_errors_name_the_field():
+    warm = ["train.micro_batch=2", "train.grad_accum=4", "train.steps=20", "train.batch_warmup.steps=8"]
+    with pytest.raises(ConfigError, match=r"^train.batch_warmup.start: 0.0 is out of range; it must be in \(0, 1\]$"):
+        load_experiment(None, [*warm, "train.batch_warmup.start=0"])
+    with pytest.raises(ConfigError, match="^train.batch_warmup.multiple: 3 samples are not whole micro-batches of "
+                                          "train.micro_batch 2; set a multiple of micro_batch x the world size$"):
+        load_experiment(None, [*warm, "train.batch_warmup.multiple=3"])
+    with pytest.raises(ConfigError, match=r"^train.batch_warmup.steps: 8 steps outlast the first phase \(5 steps\)"):
+        load_experiment(None, [*warm, "phases=[{share: 0.25, objectives: [{name: clm}]}, "
+                                      "{share: 0.75, objectives: [{name: mlm}]}]"])
+    t = load_experiment(None, [*warm, "train.batch_warmup.multiple=6"]).train
+    with pytest.raises(ConfigError, match="^train.batch_warmup.multiple: 6 samples do not make whole micro-batches "
+                                          "of 2 on each of 2 ranks within the global batch of 16; set it to a "
+                                          "multiple of 4 up to 16"):
+        batch_warmup(t, 2)
+    assert batch_warmup(t, 1).granule == 3 and batch_warmup(t, 3).granule == 3  # 6 samples: 3 micro-batches of 2
+    default = load_experiment(None, warm).train
+    assert batch_warmup(default, 2) == BatchWarmup(full=8, start=0.25, steps=8, granule=2)  # micro_batch x world
+    assert batch_warmup(load_experiment(None, []).train, 2) is None  # steps 0: no warmup
 
 
 def test_experiment_config_errors_name_the_key():

@@ -23,7 +23,7 @@ from pipeline.data.format import UNMASKABLE, Sample
 from pipeline.data.holdout import Holdout
 from pipeline.data.manifest import DatasetIndex, ShardInfo
 from pipeline.data.mixture import MixturePlan
-from pipeline.data.order import EvalOrder, MixtureOrder, TrainOrder
+from pipeline.data.order import BatchWarmup, EvalOrder, MixtureOrder, TrainOrder
 from pipeline.data.tar_shard import SHARD_FIX, ShardCorrupt, ShardReader, sha256_file, sha256_mismatch
 
 STATE_KEYS = ("fingerprint", "seed", "epoch", "samples_in_epoch", "samples_consumed", "global_batch")
@@ -221,11 +221,11 @@ class ShardLoader:
     """A rank's endless stream of micro-batches over the epochs of a shard directory.
 
     Iterate it for micro-batches, or call :meth:`next_global_step` for the ``grad_accum`` micro-batches of one
-    optimizer step. :meth:`state_dict` counts what was handed out, not what workers prefetched, rounded down to
+    optimizer step (fewer while ``warmup``, :class:`~pipeline.data.order.BatchWarmup`, grows the global batch). :meth:`state_dict` counts what was handed out, not what workers prefetched, rounded down to
     whole optimizer steps (model and optimizer only change at step boundaries, so a resume replays the micro-batches
-    of an unfinished step). The state is global, so it loads into a loader with another ``dp_world``,
-    ``micro_batch``, ``grad_accum`` or ``num_workers`` as long as its global batch divides the samples consumed in
-    the epoch. ``verify`` checks each shard's sha256 when a process first opens it and every sample's token ids
+    of an unfinished step). The state is global (the next step, its epoch and position), so it loads into a
+    loader with another ``dp_world``, ``micro_batch``, ``grad_accum`` or ``num_workers``; a resume inside a warmup
+    needs the same warmup. ``verify`` checks each shard's sha256 when a process first opens it and every sample's token ids
     (its cost: BENCHMARKS.md). ``num_samples``: train on the first ones only (default all), the rest being held
     out for validation; a function of the index alone, so the held-out samples are the same on any world size.
     ``mixture``: target ratios of the index's sources (``pipeline.data.mixture``) instead of one permutation of all
@@ -239,10 +239,14 @@ class ShardLoader:
                  dp_world: int = 1, seed: int = 0, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int = 2, max_open_shards: int = 64, verify: bool = True,
                  num_samples: int | None = None, mixture: dict[str, float] | None = None,
-                 holdout: Holdout | None = None):
+                 holdout: Holdout | None = None, warmup: BatchWarmup | None = None):
         if micro_batch < 1 or grad_accum < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
             raise ValueError(f"need micro_batch >= 1, grad_accum >= 1 and 0 <= dp_rank < dp_world, got "
                              f"micro_batch={micro_batch} grad_accum={grad_accum} dp_rank={dp_rank} dp_world={dp_world}")
+        if warmup is not None and (warmup.full != grad_accum * dp_world or warmup.granule % dp_world):
+            raise ValueError(f"a batch warmup of {warmup.full} global micro-batches in granules of {warmup.granule} "
+                             f"does not fit grad_accum {grad_accum} x dp_world {dp_world}: it needs full = "
+                             f"grad_accum x dp_world and a granule that is a multiple of dp_world")
         if seed < 0 or num_workers < 0:
             raise ValueError(f"seed and num_workers must be >= 0, got seed={seed} num_workers={num_workers}")
         self.index = index
@@ -257,35 +261,37 @@ class ShardLoader:
         self._held_out = dict(holdout.held_counts) if spread else None
         self.mixture = dict(sorted(mixture.items())) if mixture else None
         if self.mixture:
-            self._order = MixtureOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world,
+            self._order = MixtureOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world, warmup=warmup,
                                        plan=MixturePlan.build(index, self.mixture, seed, limit))
         else:
             self._order = TrainOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world,
-                                     ids=holdout.train if spread else None)
+                                     ids=holdout.train if spread else None, warmup=warmup)
         check_enough_samples(index, self.global_batch, f" (micro_batch {micro_batch} x grad_accum {grad_accum} x "
                                                        f"dp_world {dp_world})", num_samples)
         self._samples_consumed_at_start = 0
-        self._micro_consumed = 0  # micro-batches handed out since the order's start_step
+        self._micro_consumed = 0  # micro-batches handed out since the order's first_step
         self._iterator: Iterator[Batch] | None = None
 
     @property
     def global_batch(self) -> int:
-        """Samples per optimizer step over all ranks."""
+        """Samples per optimizer step over all ranks (once a batch warmup is over)."""
         return self._order.global_batch
 
     @property
     def batches_per_epoch(self) -> int:
-        """Global batches (optimizer steps) per epoch; the epoch's last ``num_samples % global_batch`` are dropped."""
+        """Full global batches (optimizer steps) per epoch; the epoch's last ``num_samples % global_batch`` are
+        dropped."""
         return self._order.steps_per_epoch
 
     @property
-    def _steps_done(self) -> int:
-        return self._micro_consumed // self._order.grad_accum
+    def _next_step(self) -> int:
+        """The optimizer step of the next micro-batch handed out (the first whole step not yet handed out)."""
+        return self._order.locate(self._micro_consumed)[0].step
 
     @property
     def epoch(self) -> int:
         """The epoch of the next optimizer step."""
-        return (self._order.start_step + self._steps_done) // self.batches_per_epoch
+        return self._order.place(self._next_step).epoch
 
     def _next(self) -> Batch:
         if self._iterator is None:
@@ -300,19 +306,27 @@ class ShardLoader:
             yield self._next()
 
     def next_global_step(self) -> list[Batch]:
-        """This rank's ``grad_accum`` micro-batches of the next optimizer step."""
-        if self._micro_consumed % self._order.grad_accum:
-            raise RuntimeError(f"next_global_step() called after {self._micro_consumed % self._order.grad_accum} "
-                               f"micro-batches of a step were taken by iteration; use one way of consuming")
-        return [self._next() for _ in range(self._order.grad_accum)]
+        """This rank's micro-batches of the next optimizer step: ``grad_accum`` of them, or fewer during a warmup."""
+        place, taken = self._order.locate(self._micro_consumed)
+        if taken:
+            raise RuntimeError(f"next_global_step() called after {taken} micro-batches of a step were taken by "
+                               f"iteration; use one way of consuming")
+        return [self._next() for _ in range(self._order.micro_steps(place.step))]
+
+    def _warmup_state(self) -> dict | None:
+        """The warmup as the state records it (its granule in samples), or None without one."""
+        w = self._order.warmup
+        return None if w is None else {"start": w.start, "steps": w.steps,
+                                       "multiple": w.granule * self._order.micro_batch}
 
     def state_dict(self) -> dict:
-        step = self._order.start_step + self._steps_done
-        return {"fingerprint": self.index.fingerprint, "seed": self._order.seed,
-                "epoch": step // self.batches_per_epoch,
-                "samples_in_epoch": step % self.batches_per_epoch * self.global_batch,
-                "samples_consumed": self._samples_consumed_at_start + self._steps_done * self.global_batch,
+        place = self._order.place(self._next_step)
+        return {"fingerprint": self.index.fingerprint, "seed": self._order.seed, "step": place.step,
+                "epoch": place.epoch, "samples_in_epoch": place.offset,
+                "samples_consumed": self._samples_consumed_at_start + place.first_micro * self._order.micro_batch
+                * self._order.dp_world,
                 "global_batch": self.global_batch, "num_samples": self._order.num_samples,
+                **({"batch_warmup": self._warmup_state()} if self._order.warmup else {}),
                 **({"mixture": self.mixture} if self.mixture else {}),
                 **({"held_out": self._held_out} if self._held_out else {})}
 
@@ -344,14 +358,18 @@ class ShardLoader:
             raise ValueError(f"the loader state was saved training on data.mixture {state.get('mixture') or '(none)'}, "
                              f"this loader has {self.mixture or '(none)'}; resume with the run's data.mixture, or "
                              f"start a new run")
-        if state["samples_in_epoch"] % self.global_batch:
-            raise ValueError(f"the run stopped {state['samples_in_epoch']} samples into epoch {state['epoch']}, not a "
-                             f"multiple of this loader's global batch {self.global_batch} (micro_batch x grad_accum x "
-                             f"dp_world); choose a global batch that divides it, e.g. the saved "
-                             f"{state['global_batch']}")
+        # states saved before the step was recorded come from runs without a warmup: whole saved batches
+        saved = state["global_batch"]
+        step = state.get("step", state["epoch"] * (self._order.epoch_length // saved) + state["samples_in_epoch"] // saved)
+        warmup = self._warmup_state()
+        if state.get("batch_warmup") != warmup and step < max(w["steps"] for w in (state.get("batch_warmup"), warmup)
+                                                               if w):
+            raise ValueError(f"the loader state was saved at step {step} of the batch warmup "
+                             f"{state.get('batch_warmup') or '(none)'}, this loader warms up with {warmup or '(none)'}; "
+                             f"resume with the run's train.batch_warmup (and its multiple), or start a new run")
         self.close()
-        start = state["epoch"] * self.batches_per_epoch + state["samples_in_epoch"] // self.global_batch
-        self._order = dataclasses.replace(self._order, start_step=start)
+        self._order = dataclasses.replace(self._order, first_step=step, first_epoch=state["epoch"],
+                                          first_offset=state["samples_in_epoch"])
         self._samples_consumed_at_start = state["samples_consumed"]
         self._micro_consumed = 0
 

@@ -1,14 +1,18 @@
 """Which samples go into which micro-batch: pure index arithmetic, no I/O.
 
 The training order is one global sequence per epoch, a seeded permutation of all sample ids, cut into global
-batches of ``micro_batch * grad_accum * dp_world`` samples; the epoch's remainder is dropped so that every rank
-gets the same number of micro-batches. Because every position is computed, not replayed, resuming at any global
+batches of ``micro_batch * grad_accum * dp_world`` samples (fewer while a batch warmup grows them, in whole
+micro-batches of every rank); the epoch's remainder is dropped so that every rank gets the same number of
+micro-batches. Because every position is computed, not replayed, resuming at any global
 sample costs nothing and does not depend on the number of ranks or dataloader workers.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -58,13 +62,44 @@ def permute(positions: np.ndarray, num_samples: int, seed: int, epoch: int, stre
 
 
 @dataclass(frozen=True)
+class BatchWarmup:
+    """The global batch while it warms up, counted in global micro-batches (those of all ranks together): ``start``
+    of the ``full`` batch at step 0, growing linearly to all of it at step ``steps``, rounded down to whole
+    ``granule``s (at least one). A function of the step alone: the same on every world size with the same ``full``
+    and ``granule``, which is what keeps the global order the same on another world size."""
+
+    full: int
+    start: float
+    steps: int
+    granule: int
+
+    def micro_batches(self, step: int) -> int:
+        if step >= self.steps:
+            return self.full
+        share = self.start + (1.0 - self.start) * step / self.steps
+        return max(self.granule, self.granule * math.floor(round(share * self.full / self.granule, 6)))
+
+
+@dataclass(frozen=True)
+class StepPlace:
+    """Where optimizer step ``step`` lies: its first micro-batch in a rank's stream, its epoch and the position in
+    that epoch's order of its global batch's first sample."""
+
+    step: int
+    first_micro: int
+    epoch: int
+    offset: int
+
+
+@dataclass(frozen=True)
 class TrainOrder:
-    """Rank ``dp_rank``'s endless micro-batch sequence, starting at absolute global step ``start_step``
-    (``epoch * steps_per_epoch + step``). Global batch ``s`` of an epoch is positions [s*G, (s+1)*G) of its order;
-    rank r takes the contiguous slice [r*M*GA, (r+1)*M*GA) of it, cut into GA micro-batches of M. The order
-    permutes [0, num_samples), which are the sample ids themselves, or with ``ids`` (``num_samples`` of them: the
-    training samples of a directory whose held-out ones are not its last, ``holdout.Holdout.train``) indexes into
-    them."""
+    """Rank ``dp_rank``'s endless micro-batch sequence from optimizer step ``first_step``, whose global batch starts
+    ``first_offset`` samples into epoch ``first_epoch``. Each step's global batch is the next ``G`` positions of the
+    epoch's order (``G = micro_batch x grad_accum x dp_world``, or less while ``warmup`` grows it); a step that would
+    run past the epoch's end starts the next epoch instead (the remainder is dropped). Rank r takes the contiguous
+    ``r``-th ``1/dp_world`` of it, cut into micro-batches of ``micro_batch``. The order permutes [0, num_samples),
+    which are the sample ids themselves, or with ``ids`` (``num_samples`` of them: the training samples of a
+    directory whose held-out ones are not its last, ``holdout.Holdout.train``) indexes into them."""
 
     num_samples: int
     seed: int
@@ -72,8 +107,11 @@ class TrainOrder:
     grad_accum: int
     dp_rank: int
     dp_world: int
-    start_step: int = 0
+    first_step: int = 0
+    first_epoch: int = 0
+    first_offset: int = 0
     ids: SourceSamples | None = None
+    warmup: BatchWarmup | None = None
 
     @property
     def num_batches(self) -> None:
@@ -81,18 +119,68 @@ class TrainOrder:
 
     @property
     def global_batch(self) -> int:
+        """Samples of a full (warmed-up) optimizer step over all ranks."""
         return self.micro_batch * self.grad_accum * self.dp_world
 
     @property
+    def epoch_length(self) -> int:
+        return self.num_samples
+
+    @property
     def steps_per_epoch(self) -> int:
-        return self.num_samples // self.global_batch
+        """Full global batches per epoch."""
+        return self.epoch_length // self.global_batch
+
+    def micro_steps(self, step: int) -> int:
+        """Micro-batches of each rank in optimizer step ``step``."""
+        return self.grad_accum if self.warmup is None else self.warmup.micro_batches(step) // self.dp_world
+
+    def samples(self, step: int) -> int:
+        """The global batch of optimizer step ``step``, in samples."""
+        return self.micro_steps(step) * self.micro_batch * self.dp_world
+
+    @cached_property
+    def _warm(self) -> list[StepPlace]:
+        """The places of the steps from ``first_step`` to the first one with the full batch (walked once: only the
+        warmup's batches vary)."""
+        places, micro, epoch, offset = [], 0, self.first_epoch, self.first_offset
+        for step in range(self.first_step, max(self.first_step, self.warmup.steps if self.warmup else 0) + 1):
+            if offset + self.samples(step) > self.epoch_length:
+                epoch, offset = epoch + 1, 0
+            places.append(StepPlace(step, micro, epoch, offset))
+            micro, offset = micro + self.micro_steps(step), offset + self.samples(step)
+        return places
+
+    @cached_property
+    def _warm_starts(self) -> list[int]:
+        return [p.first_micro for p in self._warm]
+
+    def place(self, step: int) -> StepPlace:
+        """Where optimizer step ``step`` (>= ``first_step``) lies."""
+        warm = self._warm
+        if step <= warm[-1].step:
+            return warm[step - self.first_step]
+        last, size = warm[-1], self.global_batch  # from the last warm step on, every batch is full
+        n = step - last.step
+        left = (self.epoch_length - last.offset) // size  # full batches from last.offset to the epoch's end
+        epoch, offset = ((last.epoch, last.offset + n * size) if n < left else
+                         (last.epoch + 1 + (n - left) // self.steps_per_epoch, (n - left) % self.steps_per_epoch * size))
+        return StepPlace(step, last.first_micro + n * self.grad_accum, epoch, offset)
+
+    def locate(self, j: int) -> tuple[StepPlace, int]:
+        """The step of this rank's ``j``-th micro-batch counted from ``first_step``, and its index in the step."""
+        warm = self._warm
+        if j >= warm[-1].first_micro:
+            n, micro = divmod(j - warm[-1].first_micro, self.grad_accum)
+            return self.place(warm[-1].step + n), micro
+        i = bisect.bisect_right(self._warm_starts, j) - 1
+        return warm[i], j - warm[i].first_micro
 
     def sample_ids(self, j: int) -> np.ndarray:
-        """Global sample ids of this rank's ``j``-th micro-batch counted from ``start_step``."""
-        step, micro = divmod(self.start_step * self.grad_accum + j, self.grad_accum)
-        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
-        first = step_in_epoch * self.global_batch + (self.dp_rank * self.grad_accum + micro) * self.micro_batch
-        return self._at(np.arange(first, first + self.micro_batch), epoch)
+        """Global sample ids of this rank's ``j``-th micro-batch counted from ``first_step``."""
+        place, micro = self.locate(j)
+        first = place.offset + (self.dp_rank * self.micro_steps(place.step) + micro) * self.micro_batch
+        return self._at(np.arange(first, first + self.micro_batch), place.epoch)
 
     def _at(self, positions: np.ndarray, epoch: int) -> np.ndarray:
         order = permute(positions, self.num_samples, self.seed, epoch)
@@ -108,8 +196,8 @@ class MixtureOrder(TrainOrder):
     plan: MixturePlan | None = None
 
     @property
-    def steps_per_epoch(self) -> int:
-        return MAX_POSITION // self.global_batch
+    def epoch_length(self) -> int:
+        return MAX_POSITION
 
     def _at(self, positions: np.ndarray, epoch: int) -> np.ndarray:
         return self.plan.sample_ids(positions)

@@ -26,6 +26,7 @@ from pipeline.data.holdout import Holdout, held_out_count, split  # noqa: F401 -
 from pipeline.data.loader import check_compatible, check_enough_samples, check_shard_sizes, check_source
 from pipeline.data.manifest import MANIFEST, UNNAMED_SOURCE, DatasetIndex, load_index
 from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget
+from pipeline.data.order import BatchWarmup
 from pipeline.data.remote import ShardStore, is_url
 from pipeline.experiment import DataConfig, ExperimentConfig
 from pipeline.export.record import EncoderRecord, from_experiment
@@ -36,6 +37,7 @@ from pipeline.objectives.base import resolve_mask_id
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 from pipeline.train import errors
+from pipeline.train.batch_warmup import batch_warmup
 from pipeline.train.module import attn_implementation, fused_kind
 from pipeline.train.phases import WeightedObjective, build_objectives, data_sources
 from pipeline.train.trackers import check_trackers
@@ -63,6 +65,7 @@ class Prepared:
     held_out: HeldOut | None = None  # the validation samples (eval.every > 0)
     train_samples: int | None = None  # how many packed samples training reads (None: all)
     holdout: Holdout | None = None  # which ones: eval.holdout's split of data.shards
+    warmup: BatchWarmup | None = None  # train.batch_warmup on this world size (None: none)
     lock: DirLock | None = None  # held by rank 0 for the run's life
     notes: list[str] = field(default_factory=list)  # for rank 0 to print
 
@@ -187,7 +190,8 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
         prepared = Prepared(tokenizer, objectives, from_experiment(exp, tokenizer),
                             attn_implementation(exp.model, cuda),
                             exp.model.dtype == "bf16" or (exp.model.dtype == "auto" and cuda),
-                            fused_kind(exp.optim, cuda), lock=lock, notes=notes)
+                            fused_kind(exp.optim, cuda), lock=lock, notes=notes,
+                            warmup=batch_warmup(exp.train, world))
     except BaseException:
         if lock is not None:
             lock.release()

@@ -69,14 +69,22 @@ def _unreported_grad_norm(engine) -> torch.Tensor | None:
     return torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters() if p.grad is not None])
 
 
+def _mark_boundary(engine, micro: int, micro_steps: int) -> None:
+    """Tell DeepSpeed whether micro-step ``micro`` ends the optimizer step: the trainer owns the boundary, since a
+    batch warmup (``train.batch_warmup``) takes fewer micro-steps than DeepSpeed's ``gradient_accumulation_steps``
+    (whose counter would then also run out of step with ours)."""
+    engine.set_gradient_accumulation_boundary(micro == micro_steps - 1)
+
+
 def _micro_steps(engine, step_objs: list[WeightedObjective], batches: dict[str, list], names: list[str],
                  weights: dict[str, float], scale: torch.Tensor, sums: torch.Tensor, by_source: _SourceSums | None,
-                 grad_accum: int):
+                 micro_steps: int):
     """Forward, backward and (at the boundary, inside DeepSpeed) the update of each micro-batch; the gradients'
     norm where DeepSpeed measures none. With ``by_source``, each packed output's row losses are summed per
     source too."""
     grad_norm = None
-    for micro in range(grad_accum):
+    for micro in range(micro_steps):
+        _mark_boundary(engine, micro, micro_steps)
         loss = 0.0
         for o in step_objs:
             batch = batches[o.objective.source][micro]
@@ -89,19 +97,18 @@ def _micro_steps(engine, step_objs: list[WeightedObjective], batches: dict[str, 
                 if by_source is not None and o.objective.source == "packed" and len(out) == 5:
                     by_source.add(name, batch, out[3], out[4])
         engine.backward(loss)
-        if micro == grad_accum - 1:
+        if micro == micro_steps - 1:
             grad_norm = _unreported_grad_norm(engine)
         engine.step()
     return grad_norm
 
 
-def _cached_micro_steps(engine, o: WeightedObjective, micro: list, factor: torch.Tensor, sums: torch.Tensor,
-                        grad_accum: int):
+def _cached_micro_steps(engine, o: WeightedObjective, micro: list, factor: torch.Tensor, sums: torch.Tensor):
     """The micro-batches as one contrastive batch (``grad_cache``): embedded without a graph, the loss of all of
     them and its embedding gradient, then each re-run with its RNG state and back-propagated through the engine,
     which accumulates, clips and steps as for any micro-step. ``factor`` is the loss's weight times its
     normalisation (``world * grad_accum / global queries``)."""
-    objective, result, grad_norm = o.objective, {}, None
+    objective, result, grad_norm, micro_steps = o.objective, {}, None, len(micro)
 
     def loss(embeddings: torch.Tensor) -> torch.Tensor:
         result["out"] = out = objective.loss(embeddings, micro)
@@ -109,23 +116,26 @@ def _cached_micro_steps(engine, o: WeightedObjective, micro: list, factor: torch
 
     def backward(m: int, surrogate: torch.Tensor) -> None:
         nonlocal grad_norm
+        _mark_boundary(engine, m, micro_steps)
         engine.backward(surrogate)
-        if m == grad_accum - 1:
+        if m == micro_steps - 1:
             grad_norm = _unreported_grad_norm(engine)
         engine.step()
 
-    grad_cache(lambda m: engine(EmbedPass(objective), micro[m]), grad_accum, loss, backward)
+    grad_cache(lambda m: engine(EmbedPass(objective), micro[m]), micro_steps, loss, backward)
     sums += torch.stack([result["out"].loss_sum.detach().float(), result["out"].num_correct.float()])
     return grad_norm
 
 
 def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, list], world: int,
                grad_accum: int, sources: tuple[str, ...] = ()) -> StepResult:
-    """One optimizer step over ``grad_accum`` micro-steps.
+    """One optimizer step over the micro-batches in ``batches`` (``grad_accum`` of each source, or fewer while a
+    batch warmup grows the global batch).
 
     Every loss is normalised by its target count over the whole global batch (all ranks, all micro-steps), so
-    the step equals one big-batch step whatever the split; DeepSpeed averages gradients over ranks and
-    micro-steps, hence the ``world * grad_accum`` factor. The step's work is summed in the same all-reduce. An
+    the step equals one big-batch step whatever the split; DeepSpeed divides the gradients by the world size and
+    its ``gradient_accumulation_steps`` (``grad_accum``, whatever the micro-steps), hence the ``world * grad_accum``
+    factor. The step's work is summed in the same all-reduce. An
     objective with ``grad_cache`` (alone in its phase) takes its micro-batches as one contrastive batch.
     ``sources``: the names of the packed shards' sources when their batches carry source ids; each output of a
     packed objective is then also summed per source (its loss over that source's targets in the global batch).
@@ -162,9 +172,10 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
         o = cached[0]
         name = o.loss_name(o.objective.name)
         grad_norm = _cached_micro_steps(engine, o, batches[o.objective.source], weights[name] * scale[names.index(name)],
-                                        sums[names.index(name)], grad_accum)
+                                        sums[names.index(name)])
     else:
-        grad_norm = _micro_steps(engine, step_objs, batches, names, weights, scale, sums, by_source, grad_accum)
+        micro_steps = len(batches[step_objs[0].objective.source])
+        grad_norm = _micro_steps(engine, step_objs, batches, names, weights, scale, sums, by_source, micro_steps)
     if grad_norm is None:  # None only where the DeepSpeed config turns it off (zero_optimization.compute_grad_norm)
         grad_norm = engine.get_global_grad_norm()
     dist.all_reduce(sums)

@@ -104,12 +104,14 @@ class Trainer:
             phase_idx, phase = self.exp.phase_at(self.step)
             mask_ratios = at_step(self.objectives[phase_idx], self.exp, self.step)
             batches, local_tokens = self._next_batches(self.objectives[phase_idx])
+            world = dist.get_world_size()
+            samples = {f"batch/samples/{src}": world * sum(len(b.keys) for b in bs) for src, bs in batches.items()}
             t_data = time.time() - t0
-            result = train_step(self.engine, self.objectives[phase_idx], batches, dist.get_world_size(),
+            result = train_step(self.engine, self.objectives[phase_idx], batches, world,
                                 self.exp.train.grad_accum, self.sources)
             losses = result.losses
             self.step += 1
-            tokens = dist.get_world_size() * local_tokens
+            tokens = world * local_tokens
             self.tokens_seen += tokens
             seconds = time.time() - t0
             grad_norm = result.grad_norm
@@ -119,7 +121,8 @@ class Trainer:
                        | {"optim/lr": result.lr, "optim/grad_norm": grad_norm,
                           "optim/skipped_steps": self.engine.skipped_steps}
                        | self.throughput.scalars(tokens, seconds, t_data, work_flops(self.lm.config, result.work))
-                       | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx} | mask_ratios
+                       | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx, "batch/tokens": tokens}
+                       | samples | mask_ratios
                        | self._source_scalars(result))
             if self.validator is not None and self.validator.due(self.step, self.exp.train.steps):
                 scalars |= self.validator.run(self.engine, self.objectives[phase_idx], self.device)
@@ -188,11 +191,14 @@ class Trainer:
 def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: int,
                   pin: bool) -> dict[str, ShardLoader]:
     """A loader per data source: the packed shards (short of the held-out samples, in ``data.mixture`` when set),
-    and the sentence units when an objective reads them."""
+    and the sentence units when an objective reads them. The batch warmup lies in the first phase (the config
+    says so), so it warms up the loaders that phase reads, which count its steps as the optimizer does."""
     t, d = exp.train, exp.data
     micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch, "pairs": t.micro_batch}
     holdout = {"packed": prepared.holdout}
     mixture = {"packed": {name: s.ratio for name, s in d.mixture_sources().items()}}
+    warmed = {o.objective.source for o in prepared.objectives[0]}
     return {src: ShardLoader(index, micro[src], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
-                             verify=d.verify_shards, mixture=mixture.get(src), holdout=holdout.get(src))
+                             verify=d.verify_shards, mixture=mixture.get(src), holdout=holdout.get(src),
+                             warmup=prepared.warmup if src in warmed else None)
             for src, index in prepared.indexes.items()}
