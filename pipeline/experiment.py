@@ -395,6 +395,11 @@ class ExperimentConfig:
             acc += p.share
         return starts
 
+    def phase_lengths(self) -> list[int]:
+        """Optimizer steps of each phase."""
+        starts = self.phase_starts()
+        return [end - start for start, end in zip(starts, [*starts[1:], self.train.steps])]
+
     def phase_at(self, step: int) -> tuple[int, PhaseSpec]:
         idx = max(i for i, s in enumerate(self.phase_starts()) if s <= step)
         return idx, self.phases[idx]

@@ -184,11 +184,10 @@ def data_prep(corpus_tokens: float, seq_len: int, samples_per_shard: int = 4096,
 def phase_steps(exp, world: int) -> list[tuple]:
     """(``PhaseData``, optimizer steps, tokens per step) of each phase of the experiment ``exp`` on ``world``
     ranks: a context-extension phase has its own sequence length and micro-batch."""
-    starts = exp.phase_starts()
     out = []
-    for i, (start, end) in enumerate(zip(starts, [*starts[1:], exp.train.steps])):
+    for i, steps in enumerate(exp.phase_lengths()):
         data = exp.phase_data(i)
-        out.append((data, end - start, data.micro_batch * exp.train.grad_accum * world * data.seq_len))
+        out.append((data, steps, data.micro_batch * exp.train.grad_accum * world * data.seq_len))
     return out
 
 

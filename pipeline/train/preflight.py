@@ -257,12 +257,14 @@ def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokeniz
 
 def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int | dict[str, int],
                   world: int) -> list[str]:
-    """``data.mixture`` against the sources of ``index`` and the run's budget (``train.steps`` x global batch):
+    """``data.mixture`` against the sources of ``index`` and the run's budget (the steps of the phases reading
+    data.shards x global batch):
     every source named exists and can supply its share within its maximum repetition. Returns the plan's lines
     for rank 0 to print."""
     d, t = exp.data, exp.train
     sources = d.mixture_sources()
-    budget = Budget(t.steps, t.micro_batch * t.grad_accum * world, d.seq_len)
+    steps = sum(n for i, n in enumerate(exp.phase_lengths()) if exp.phase_data(i).loader == "packed")
+    budget = Budget(steps, t.micro_batch * t.grad_accum * world, d.seq_len)
     try:
         plan = MixturePlan.build(index, {name: s.ratio for name, s in sources.items()}, t.seed, train_samples)
         lines = check_budget(plan, budget, {name: s.max_repetition for name, s in sources.items()})
