@@ -23,6 +23,7 @@ from pipeline.experiment import SAMPLE_INPUTS, load_experiment, sample_shards
 from pipeline.model.presets import get_preset
 from pipeline.model.rope import set_rope
 from pipeline.planner.estimates import run_flops
+from pipeline.planner.report import main as plan_main
 from pipeline.run_dir import RunDir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,6 +99,21 @@ def test_the_planner_prices_each_phase_at_its_sequence_length():
                  "ratio: 0.3}]}, {share: 0.25, seq_len: 8192, shards: /d, objectives: [{name: mlm, ratio: 0.3}]}]")
     assert both == pytest.approx(0.75 * pre + 0.25 * ext, rel=1e-12)
     assert ext > pre  # the same tokens per step (micro-batch 8 -> 1): attention over 8x longer rows costs more
+
+
+def test_the_planners_grid_report_lists_each_phases_tokens(tmp_path, capsys):
+    (tmp_path / "base.yaml").write_text(
+        "data: {shards: /d1024, seq_len: 1024}\nmodel: {init: 210m}\ntrain: {steps: 1000, micro_batch: 16}\n"
+        "phases:\n  - {name: pre, share: 0.75, objectives: [{name: mlm, ratio: 0.3}]}\n"
+        "  - {name: ext, share: 0.25, objectives: [{name: mlm, ratio: 0.3}], seq_len: 8192, shards: /d8192}\n")
+    (tmp_path / "grid.yaml").write_text(
+        f"base: base.yaml\nds_config: {REPO}/ds_configs/zero3.json\nglobal_batch: 128\n"
+        "resources: {nodes: 1, gpus_per_node: 8}\naxes: {size: {210m: {model.init: 210m}}}\n"
+        "groups: {ext: {axes: {size: [210m]}}}\n")
+    assert plan_main(["--model", "210m", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100", "--grid",
+                      str(tmp_path / "grid.yaml")]) == 0
+    # 750 steps x 128 x 1024 tokens, then 250 x (8 ranks x micro-batch 2) x 8192: 98.3 M + 32.8 M
+    assert "    pre 0.10B at seq_len 1024, ext 0.03B at seq_len 8192" in capsys.readouterr().out
 
 
 @pytest.mark.e2e
