@@ -359,13 +359,19 @@ class ExperimentConfig:
 
     def _check_phase_data(self) -> None:
         """Each phase's data resolves, and phases reading one shard directory (one loader, one order) agree on
-        its micro-batch: data.shards' is train.micro_batch."""
+        its sequence length and micro-batch: data.shards' are data.seq_len and train.micro_batch."""
         batch = {"packed": ("train.micro_batch", self.train.micro_batch)}
+        length = {"packed": ("data.seq_len", self.data.seq_len)}
         for i, p in enumerate(self.phases):
             if 0 < p.seq_len < 8:
                 raise ConfigError(f"phases[{i}].seq_len: {p.seq_len} is out of range; it must be 0 (data.seq_len) "
                                   f"or >= 8")
             data = self.phase_data(i)
+            key, seq_len = length.setdefault(data.loader, (f"phases[{i}].seq_len", data.seq_len))
+            if seq_len != data.seq_len:
+                raise ConfigError(f"phases[{i}].seq_len: {data.seq_len}, but its shards {data.shards} are read at "
+                                  f"{key} {seq_len}; a shard directory holds one sequence length, so name shards "
+                                  f"built at {data.seq_len} in phases[{i}].shards")
             key, micro = batch.setdefault(data.loader, (f"phases[{i}].micro_batch", data.micro_batch))
             if micro != data.micro_batch:
                 raise ConfigError(f"phases[{i}].micro_batch: {data.micro_batch}, but {data.shards} is read with "

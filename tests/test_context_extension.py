@@ -63,6 +63,8 @@ def test_a_phase_fills_its_data_from_the_run_and_keeps_the_tokens_per_micro_batc
     (("seq_len: 96",), (), "phases[1].micro_batch: 0 keeps the run's 256 tokens per micro-batch"),
     (("micro_batch: 2",), (), "phases[1].micro_batch: 2, but runs/shards/sample-64 is read with train.micro_batch 4"),
     (("seq_len: 4",), (), "phases[1].seq_len: 4 is out of range"),
+    (("seq_len: 128", "shards: runs/shards/sample-64"), (), "phases[1].seq_len: 128, but its shards "
+                                                            "runs/shards/sample-64 are read at data.seq_len 64"),
     (("rope_theta: 0",), (), "phases[1].rope_theta: 0.0 is out of range"),
 ])
 def test_a_phase_that_cannot_work_is_refused_in_one_line_naming_the_field(fields, overrides, starts):
