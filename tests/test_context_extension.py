@@ -10,8 +10,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from pipeline.config import ConfigError
 from pipeline.experiment import SAMPLE_INPUTS, load_experiment, sample_shards
+from pipeline.export.hf import export_checkpoint
 from pipeline.model.presets import get_preset
 from pipeline.model.rope import set_rope
 from pipeline.planner.estimates import run_flops
@@ -151,9 +150,11 @@ def test_the_switch_trains_longer_rows_with_the_new_theta_exports_it_and_resumes
     with open(os.path.join(hf, "config.json")) as f:
         config = json.load(f)
     assert config["rope_parameters"]["rope_theta"] == 40000.0 and config["max_position_embeddings"] == 256
+    with open(os.path.join(hf, "README.md")) as f:
+        assert f"- ext (0.5 of the steps): mlm; the shards in `{ext_shards}` (sequence length 128), RoPE θ 40000" \
+            in f.read()
     offline = str(tmp_path / "offline")  # from the checkpoint: the theta of the phase that trained step 8
-    subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", straight, "--output",
-                    offline], check=True, capture_output=True, cwd=REPO)
+    assert export_checkpoint(RunDir(straight), offline) == 8
     ids = torch.randint(4, 1000, (2, 128), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model = AutoModel.from_pretrained(hf).eval()
