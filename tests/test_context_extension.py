@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import launch_training, logged_steps
+from helpers import launch_training, logged_steps, make_shard_dir
 from transformers import AutoModel, AutoModelForCausalLM
 
 from pipeline.config import ConfigError
@@ -24,6 +24,7 @@ from pipeline.model.rope import set_rope
 from pipeline.planner.estimates import run_flops
 from pipeline.planner.report import main as plan_main
 from pipeline.run_dir import RunDir
+from pipeline.train.preflight import check_setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MLM = "{name: mlm, ratio: 0.3}"
@@ -70,6 +71,18 @@ def test_a_phase_that_cannot_work_is_refused_in_one_line_naming_the_field(fields
     with pytest.raises(ConfigError) as e:
         experiment(*fields, overrides=overrides)
     assert str(e.value).startswith(starts) and "\n" not in str(e.value), str(e.value)
+
+
+def test_preflight_refuses_a_phases_missing_shards_it_may_not_build_in_one_line(tmp_path):
+    missing = tmp_path / "ext-128"
+    exp = load_experiment(None, [f"run_dir={tmp_path / 'run'}", "data.seq_len=32", "train.micro_batch=4",
+                                 f"data.shards={make_shard_dir(tmp_path, seq_len=32)}", "data.build_if_missing=false",
+                                 phases("seq_len: 128", f"shards: {missing}")])
+    with pytest.raises(ConfigError) as e:
+        check_setup(exp, 0, 1, False)
+    assert str(e.value) == (f"phases[1].shards: {missing} is not a shard directory; build it with "
+                            f"data_prep/build_shards.py or set data.build_if_missing=true with data.build_inputs")
+    assert not missing.exists()
 
 
 def test_set_rope_gives_the_model_a_fresh_build_with_that_theta_would_have():

@@ -154,12 +154,12 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
         objectives = [build_objectives(p, tokenizer, f"phases[{i}]") for i, p in enumerate(exp.phases)]
         _check_model(exp, tokenizer)
         d = exp.data
-        _check_buildable(d.shards, "data.shards", "data.build_inputs", d.build_inputs, d.seq_len, d)
+        has_shards = _check_buildable(d.shards, "data.shards", "data.build_inputs", d.build_inputs, d.seq_len, d)
         for i, data in _own_phase_data(exp):
             _check_buildable(data.shards, f"phases[{i}].shards", f"data.build_inputs (for phases[{i}])",
                              list(data.build_inputs), data.seq_len, d)
-        if not _has_shards(d.shards, d) and set(d.mixture) - {UNNAMED_SOURCE} and not (d.build_source_field or
-                                                                                      d.build_source_default):
+        if not has_shards and set(d.mixture) - {UNNAMED_SOURCE} and not (d.build_source_field or
+                                                                        d.build_source_default):
             raise ConfigError(f"data.mixture: mixes sources, but the shards data.build_if_missing would build into "
                               f"{d.shards} record none (one source {UNNAMED_SOURCE!r}); set data.build_source_field "
                               f"to the record field naming each document's source (SlimPajama: "
@@ -194,10 +194,10 @@ def _own_phase_data(exp: ExperimentConfig) -> list[tuple[int, PhaseData]]:
 
 
 def _check_buildable(directory: str, setting: str, inputs_setting: str, inputs: list[str], seq_len: int,
-                     d: DataConfig) -> None:
-    """``directory`` holds shards, or data.build_if_missing can build it (locally, from ``inputs``)."""
+                     d: DataConfig) -> bool:
+    """``directory`` holds shards (True), or data.build_if_missing can build it (locally, from ``inputs``)."""
     if _has_shards(directory, d):
-        return
+        return True
     if is_url(directory):
         raise ConfigError(f"{setting}: {directory} has no {MANIFEST}, and shards are never built at a URL "
                           f"(data.build_if_missing builds local directories only); build them with "
@@ -210,6 +210,7 @@ def _check_buildable(directory: str, setting: str, inputs_setting: str, inputs: 
                           f"nothing to build them from; check the path, build them with data_prep/build_shards.py "
                           f"--output {directory} --seq-len {seq_len} --tokenizer {d.tokenizer} --input FILES, or "
                           f"set data.build_inputs=[FILES] to have rank 0 build them")
+    return False
 
 
 def _check_probe_mask(mask_token: str | None, tokenizer: Tokenizer) -> None:
