@@ -148,6 +148,12 @@ def test_the_switch_trains_longer_rows_with_the_new_theta_exports_it_and_resumes
     assert [base[s]["progress/seq_len"] for s in range(1, 9)] == [64] * 4 + [128] * 4
     assert [base[s]["phase"] for s in range(1, 9)] == ["pre"] * 4 + ["ext"] * 4
 
+    # each loader's place in its own order: data.shards' 4 steps x 8 samples, the extension's 4 steps x 2 x 2 ranks
+    states = torch.load(os.path.join(RunDir(straight).checkpoint(8), "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+                        weights_only=False)["loaders"]
+    assert (states["packed"]["samples_consumed"], states["phases[1]"]["samples_consumed"]) == (32, 16)
+    assert (states["packed"]["global_batch"], states["phases[1]"]["global_batch"]) == (8, 4)
+
     resumed = str(tmp_path / "resumed")
     shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step00000008", "hf"))
     assert RunDir(resumed).complete_steps() == [4]
