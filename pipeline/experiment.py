@@ -152,12 +152,34 @@ class PhaseSpec:
     share: float = 1.0  # fraction of train.steps; shares of all phases sum to 1
     name: str = ""
     document_masking: bool = True  # attend only within the document inside packed samples
-    RANGES: ClassVar[dict[str, str]] = {"share": "(0, 1]"}
+    # context extension (docs/training.md, "Context extension"): the phase's own packed shards and sequence length
+    # ("" / 0: data.shards / data.seq_len; "" at another seq_len: the sample corpus at it when data.shards is),
+    # its micro-batch (0: the run's tokens per micro-batch, train.micro_batch x data.seq_len / seq_len), and the
+    # RoPE theta from its first step on (None: the one before, the start model's in the first phase)
+    shards: str = ""
+    seq_len: int = 0
+    micro_batch: int = 0
+    rope_theta: float | None = None
+    RANGES: ClassVar[dict[str, str]] = {"share": "(0, 1]", "seq_len": ">= 0", "micro_batch": ">= 0",
+                                        "rope_theta": "> 0"}
 
     def validate(self) -> None:
         if not self.objectives:
             raise ConfigError(f"phase {self.name!r}: needs at least one objective")
         self.name = self.name or "+".join(o.name for o in self.objectives)
+
+
+@dataclass(frozen=True)
+class PhaseData:
+    """The packed samples a phase reads and the RoPE settings it trains with (``ExperimentConfig.phase_data``)."""
+
+    shards: str
+    seq_len: int
+    micro_batch: int  # samples per rank per micro-step
+    build_inputs: tuple[str, ...]  # what preflight builds ``shards`` from when missing (data.build_if_missing)
+    loader: str  # the loader (and its state in checkpoints): "packed" for data.shards, else the first phase's key
+    rope_theta: float | None  # the latest rope_theta of this and the earlier phases (None: the start model's)
+    context: int  # the longest seq_len of this and the earlier phases: the model's max_position_embeddings floor
 
 
 @dataclass
@@ -315,12 +337,75 @@ class ExperimentConfig:
                 objective.check_schedule(f"phases[{i}].objectives[{j}]")
         if not math.isclose(sum(p.share for p in self.phases), 1.0, abs_tol=1e-6):
             raise ConfigError(f"phases: shares must sum to 1, got {[p.share for p in self.phases]}")
-        first_phase = ([*self.phase_starts(), self.train.steps])[1]
+        first_phase = self.phase_lengths()[0]
         if self.train.batch_warmup.steps > first_phase:
             raise ConfigError(f"train.batch_warmup.steps: {self.train.batch_warmup.steps} steps outlast the first "
                               f"phase ({first_phase} steps); warm the batch up within it (the loaders of later "
                               f"phases count only the steps they read)")
+        self._check_phase_data()
         self._check_schedule_fits()
+
+    def phase_data(self, i: int) -> PhaseData:
+        """Phase ``i``'s shards, sequence length, micro-batch and RoPE settings, its unset fields filled from the
+        run's ``data`` and ``train`` (and the earlier phases, for the RoPE theta)."""
+        p, d = self.phases[i], self.data
+        seq_len = p.seq_len or d.seq_len
+        shards = self._phase_shards(i)
+        own = os.path.normpath(shards) != os.path.normpath(d.shards)
+        first = next(j for j in range(i + 1) if os.path.normpath(self._phase_shards(j)) == os.path.normpath(shards))
+        if not own:
+            inputs = tuple(d.build_inputs)
+        elif os.path.normpath(shards) == sample_shards(seq_len):
+            inputs = SAMPLE_INPUTS
+        else:  # data.build_inputs, unless they are the sample's that data.shards' default brought
+            inputs = () if os.path.normpath(d.shards) == sample_shards(d.seq_len) else tuple(d.build_inputs)
+        return PhaseData(shards, seq_len, p.micro_batch or self._tokens_kept(i, seq_len), inputs,
+                         f"phases[{first}]" if own else "packed",
+                         next((q.rope_theta for q in reversed(self.phases[:i + 1]) if q.rope_theta is not None), None),
+                         max(q.seq_len or d.seq_len for q in self.phases[:i + 1]))
+
+    def _phase_shards(self, i: int) -> str:
+        p, d, where = self.phases[i], self.data, f"phases[{i}]"
+        seq_len = p.seq_len or d.seq_len
+        if p.shards or seq_len == d.seq_len:
+            return p.shards or d.shards
+        if os.path.normpath(d.shards) == sample_shards(d.seq_len):
+            return sample_shards(seq_len)
+        raise ConfigError(f"{where}.shards: the phase's seq_len {seq_len} is not data.seq_len {d.seq_len}, so it "
+                          f"cannot read data.shards ({d.shards}); set {where}.shards to shards built at seq_len "
+                          f"{seq_len} (preflight builds them from data.build_inputs when missing)")
+
+    def _tokens_kept(self, i: int, seq_len: int) -> int:
+        """The micro-batch of phase ``i`` at ``seq_len`` with the run's tokens per micro-batch."""
+        tokens, where = self.train.micro_batch * self.data.seq_len, f"phases[{i}]"
+        if tokens % seq_len:
+            raise ConfigError(f"{where}.micro_batch: 0 keeps the run's {tokens} tokens per micro-batch "
+                              f"(train.micro_batch {self.train.micro_batch} x data.seq_len {self.data.seq_len}), "
+                              f"which seq_len {seq_len} does not divide; set {where}.micro_batch, e.g. "
+                              f"{where}.micro_batch={max(1, tokens // seq_len)}")
+        return tokens // seq_len
+
+    def _check_phase_data(self) -> None:
+        """Each phase's data resolves, and phases reading one shard directory (one loader, one order) agree on
+        its sequence length and micro-batch: data.shards' are data.seq_len and train.micro_batch."""
+        batch = {"packed": ("train.micro_batch", self.train.micro_batch)}
+        length = {"packed": ("data.seq_len", self.data.seq_len)}
+        for i, p in enumerate(self.phases):
+            if 0 < p.seq_len < 8:
+                raise ConfigError(f"phases[{i}].seq_len: {p.seq_len} is out of range; it must be 0 (data.seq_len) "
+                                  f"or >= 8")
+            data = self.phase_data(i)
+            key, seq_len = length.setdefault(data.loader, (f"phases[{i}].seq_len", data.seq_len))
+            if seq_len != data.seq_len:
+                raise ConfigError(f"phases[{i}].seq_len: {data.seq_len}, but its shards {data.shards} are read at "
+                                  f"{key} {seq_len}; a shard directory holds one sequence length, so name shards "
+                                  f"built at {data.seq_len} in phases[{i}].shards")
+            key, micro = batch.setdefault(data.loader, (f"phases[{i}].micro_batch", data.micro_batch))
+            if micro != data.micro_batch:
+                raise ConfigError(f"phases[{i}].micro_batch: {data.micro_batch}, but {data.shards} is read with "
+                                  f"{key} {micro}; phases reading one shard directory continue one order at one "
+                                  f"micro-batch, so set phases[{i}].micro_batch={micro} (or give the phase its own "
+                                  f"shards)")
 
     def _check_schedule_fits(self) -> None:
         optim, steps = self.optim, self.train.steps
@@ -343,6 +428,11 @@ class ExperimentConfig:
             starts.append(round(acc * self.train.steps))
             acc += p.share
         return starts
+
+    def phase_lengths(self) -> list[int]:
+        """Optimizer steps of each phase."""
+        starts = self.phase_starts()
+        return [end - start for start, end in zip(starts, [*starts[1:], self.train.steps])]
 
     def phase_at(self, step: int) -> tuple[int, PhaseSpec]:
         idx = max(i for i, s in enumerate(self.phase_starts()) if s <= step)

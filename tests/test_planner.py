@@ -191,7 +191,7 @@ def test_a_masking_ratio_schedule_is_priced_at_its_mean_over_the_phase():
     """A ratio falling linearly from 0.4 to 0.2 over a phase puts as many targets through the LM head as 0.3."""
     def flops(objective: str) -> float:
         exp = load_experiment(None, ["train.steps=101", f"phases=[{{objectives: [{objective}]}}]"])
-        return run_flops(exp, tokens_per_step=4096, vocab_size=8000)
+        return run_flops(exp, world=8, vocab_size=8000)
 
     falling = flops("{name: mlm, ratio: 0.4, ratio_schedule: {shape: linear, final: 0.2}}")
     assert falling == pytest.approx(flops("{name: mlm, ratio: 0.3}"), rel=1e-12)

@@ -59,6 +59,10 @@ class FakeEngine:
         self.module, self.skip, self.on_step = module, set(skip), on_step
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
         self.steps, self.skipped_steps, self.grad_norm = 0, 0, 0.0
+        self.boundary = True
+
+    def set_gradient_accumulation_boundary(self, boundary: bool):
+        self.boundary = boundary  # the trainer marks the micro-step that ends the optimizer step
 
     def __call__(self, objective, batch):
         return self.module(objective, batch)
@@ -67,6 +71,8 @@ class FakeEngine:
         loss.backward()
 
     def step(self):
+        if not self.boundary:  # DeepSpeed's step() only accumulates before the boundary
+            return
         self.steps += 1
         self.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), float("inf")))
         if self.steps in self.skip:

@@ -89,7 +89,7 @@ def body(out: str, record: EncoderRecord, exp: ExperimentConfig, step: int, toke
          sentence_transformers: bool, special: tuple[list[int], list[int]]) -> str:
     """The card's text: the run (start, objectives per phase, data, steps, tokens) and how to use the export."""
     phases = "\n".join(f"- {p.name or f'phase {i}'} ({p.share:g} of the steps): "
-                       + ", ".join(o.name for o in p.objectives) for i, p in enumerate(exp.phases))
+                       + ", ".join(o.name for o in p.objectives) + _context(exp, i) for i, p in enumerate(exp.phases))
     lora = (f" as LoRA adapters (r {exp.model.lora.r}, alpha {exp.model.lora.alpha:g}) merged into the weights; "
             "the adapter alone is in `adapter/`" if exp.model.lora.r else "")
     reading = (f"{record.attention} attention, {record.pooling} pooling, layout `{record.layout}`"
@@ -102,6 +102,15 @@ def body(out: str, record: EncoderRecord, exp: ExperimentConfig, step: int, toke
             f"Data: the shards in `{exp.data.shards}` (sequence length {exp.data.seq_len}); {step} steps{seen}.\n\n"
             f"Read as trained ({reading}; `config.json` → `decoder_encoders`, `is_causal`).\n\n"
             f"## Usage\n\n{_usage(out, record, sentence_transformers, special)}")
+
+
+def _context(exp: ExperimentConfig, i: int) -> str:
+    """A context-extension phase's shards, sequence length and RoPE theta ("" for a phase at the run's)."""
+    data, theta = exp.phase_data(i), exp.phases[i].rope_theta
+    if data.loader == "packed" and theta is None:
+        return ""
+    return f"; the shards in `{data.shards}` (sequence length {data.seq_len})" + (
+        f", RoPE θ {theta:g}" if theta is not None else "")
 
 
 def write_card(out: str, record: EncoderRecord, exp: ExperimentConfig, step: int, tokens: int | None,

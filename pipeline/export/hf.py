@@ -26,6 +26,7 @@ from pipeline.export.sentence_transformers import st_record, write_sentence_tran
 from pipeline.export.weights import save_weights
 from pipeline.model.build import DTYPES
 from pipeline.model.lora import ADAPTER_DIR, merge_lora, save_adapter
+from pipeline.model.rope import configure_rope
 from pipeline.run_dir import RunDir, tag
 
 PREFIX = "lm."  # the HF model's parameter names inside the engine's module (pipeline.train.module.TrainModule.lm)
@@ -109,7 +110,10 @@ def export_checkpoint(run: RunDir, out: str, step: int | None = None, dtype: str
     else:
         record = replace(record, **{k: v for k, v in (("pooling", pooling), ("layout", layout)) if v})
     sd = checkpoint_state_dict(run, step)
-    lm = AutoModelForCausalLM.from_config(run.model_config(), dtype=DTYPES[dtype])
+    config = run.model_config()  # the start model's; the RoPE settings of the phase that trained step `step`:
+    phase = exp.phase_data(exp.phase_at(max(step - 1, 0))[0])
+    configure_rope(config, phase.rope_theta, phase.context)
+    lm = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     save_hf(lm, {k: v.to(DTYPES[dtype]) for k, v in sd.items()}, tokenizer, out, record, exp, step,
             tokens_at(run, step), sentence_transformers)
     return step

@@ -181,19 +181,28 @@ def data_prep(corpus_tokens: float, seq_len: int, samples_per_shard: int = 4096,
                     disk_bytes=corpus_tokens * SHARD_BYTES_PER_TOKEN + samples * SHARD_BYTES_PER_SAMPLE)
 
 
-def run_flops(exp, tokens_per_step: int, vocab_size: int) -> float:
-    """Training FLOPs of a whole run of the experiment ``exp`` (the LM head on all tokens for CLM, on the masking
-    ratio for MLM: its mean over the phase under a schedule); the model is ``model.shape``, else the preset in
-    ``model.init``."""
+def phase_steps(exp, world: int) -> list[tuple]:
+    """(``PhaseData``, optimizer steps, tokens per step) of each phase of the experiment ``exp`` on ``world``
+    ranks: a context-extension phase has its own sequence length and micro-batch."""
+    out = []
+    for i, steps in enumerate(exp.phase_lengths()):
+        data = exp.phase_data(i)
+        out.append((data, steps, data.micro_batch * exp.train.grad_accum * world * data.seq_len))
+    return out
+
+
+def run_flops(exp, world: int, vocab_size: int) -> float:
+    """Training FLOPs of a whole run of the experiment ``exp`` on ``world`` ranks, phase by phase at each phase's
+    sequence length and tokens per step (the LM head on all tokens for CLM, on the masking ratio for MLM); the
+    model is ``model.shape``, else the preset in ``model.init``."""
     preset = exp.model.shape or exp.model.init
     if preset not in PRESETS:
         raise ValueError(f"{exp.name}: model.init {exp.model.init!r} is no preset and model.shape is not set; "
                          "the planner needs the model's size")
     config = get_preset(preset).to_config(vocab_size)
-    starts = exp.phase_starts()
     total = 0.0
-    for phase, start, end in zip(exp.phases, starts, [*starts[1:], exp.train.steps]):
+    for phase, (data, steps, tokens) in zip(exp.phases, phase_steps(exp, world)):
         for o in phase.objectives:  # each objective runs its own forward and backward over the batch
-            head = o.mean_ratio(end - start) if OBJECTIVES[o.name].masks else 1.0
-            total += (end - start) * tokens_per_step * flops_per_token(config, exp.data.seq_len, head)
+            head = o.mean_ratio(steps) if OBJECTIVES[o.name].masks else 1.0
+            total += steps * tokens * flops_per_token(config, data.seq_len, head)
     return total

@@ -35,6 +35,7 @@ from pipeline.planner.estimates import (
     gpu_key,
     largest_layer_params,
     model_states,
+    phase_steps,
     run_flops,
     throughput,
 )
@@ -193,17 +194,20 @@ def grid_report(plan: PlannerInput, cluster: Cluster) -> list[str]:
              f"  {'run':<26}{'tokens':>10}{'GPU-hours':>12}{'days':>8}"]
     total = 0.0
     for v in load_grid(plan.grid).variants():
-        t = v.experiment.train
-        step_tokens = t.micro_batch * t.grad_accum * v.resources.world_size * v.experiment.data.seq_len
-        hours = gpu_hours(run_flops(v.experiment, step_tokens, plan.vocab), cluster.gpu, plan.mfu)
+        exp, world = v.experiment, v.resources.world_size
+        phases = phase_steps(exp, world)
+        hours = gpu_hours(run_flops(exp, world, plan.vocab), cluster.gpu, plan.mfu)
         total += hours
-        lines.append(f"  {v.name:<26}{t.steps * step_tokens / 1e9:>9.1f}B{hours:>12,.0f}"
+        lines.append(f"  {v.name:<26}{sum(s * n for _, s, n in phases) / 1e9:>9.1f}B{hours:>12,.0f}"
                      f"{hours / cluster.gpus / 24:>8.2f}")
-        sources = v.experiment.data.mixture_sources()
-        if sources:
-            seq_len = v.experiment.data.seq_len
+        if any(data.loader != "packed" for data, _, _ in phases):  # context extension: each phase's share
+            lines.append("    " + ", ".join(f"{p.name} {s * n / 1e9:.2f}B at seq_len {data.seq_len}"
+                                            for p, (data, s, n) in zip(exp.phases, phases)))
+        sources = exp.data.mixture_sources()
+        if sources:  # data.mixture mixes data.shards, which the phases without shards of their own read
+            seq_len = exp.data.seq_len
             counts = MixturePlan.of_ratios({n: s.ratio for n, s in sources.items()}).counts(
-                t.steps * step_tokens // seq_len)
+                sum(s * n // seq_len for data, s, n in phases if data.loader == "packed"))
             lines.append("    " + ", ".join(f"{n} {c * seq_len / 1e9:.2f}B" for n, c in counts.items()))
     lines.append(f"  {'total':<26}{'':>10}{total:>12,.0f}{total / cluster.gpus / 24:>8.1f}")
     return lines

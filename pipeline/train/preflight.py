@@ -28,7 +28,7 @@ from pipeline.data.manifest import MANIFEST, UNNAMED_SOURCE, DatasetIndex, load_
 from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget
 from pipeline.data.order import BatchWarmup
 from pipeline.data.remote import ShardStore, is_url
-from pipeline.experiment import DataConfig, ExperimentConfig
+from pipeline.experiment import DataConfig, ExperimentConfig, PhaseData
 from pipeline.export.record import EncoderRecord, from_experiment
 from pipeline.lock import DirLock, describe
 from pipeline.model.build import check_checkpoint_shape, check_sliding_window, start_checkpoint_config
@@ -61,7 +61,8 @@ class Prepared:
     attn_implementation: str  # the HF attention implementation to train with
     bf16: bool
     fused: str  # the AdamW kernel (module.fused_kind)
-    indexes: dict[str, DatasetIndex] = field(default_factory=dict)  # per data source ("packed", "units")
+    # per data source ("packed", "units", "pairs"), and per phase with shards of its own (PhaseData.loader)
+    indexes: dict[str, DatasetIndex] = field(default_factory=dict)
     held_out: HeldOut | None = None  # the validation samples (eval.every > 0)
     train_samples: int | None = None  # how many packed samples training reads (None: all)
     holdout: Holdout | None = None  # which ones: eval.holdout's split of data.shards
@@ -103,7 +104,7 @@ def _check_model(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
             info = tokenizer.info
             config = start_checkpoint_config(exp.model.init, info.vocab_size, bos_token_id=info.bos_id,
                                              eos_token_id=info.eos_id)
-            check_sliding_window(config, exp.model.init, exp.data.seq_len)
+            check_sliding_window(config, exp.model.init, exp.phase_data(len(exp.phases) - 1).context)
     except ValueError as e:
         raise ConfigError(f"model.init: {e}") from None
 
@@ -156,19 +157,10 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
         objectives = [build_objectives(p, tokenizer, f"phases[{i}]") for i, p in enumerate(exp.phases)]
         _check_model(exp, tokenizer)
         d = exp.data
-        has_shards = _has_shards(d.shards, d)
-        if is_url(d.shards) and not has_shards:
-            raise ConfigError(f"data.shards: {d.shards} has no {MANIFEST}, and shards are never built at a URL "
-                              f"(data.build_if_missing builds local directories only); build them with "
-                              f"data_prep/build_shards.py and upload the directory there")
-        if not has_shards and not d.build_if_missing:
-            raise ConfigError(f"data.shards: {d.shards} is not a shard directory; build it with "
-                              f"data_prep/build_shards.py or set data.build_if_missing=true with data.build_inputs")
-        if not has_shards and not d.build_inputs:
-            raise ConfigError(f"data.shards: {d.shards} holds no shards (no {MANIFEST}) and data.build_inputs names "
-                              f"nothing to build them from; check the path, build them with data_prep/build_shards.py "
-                              f"--output {d.shards} --seq-len {d.seq_len} --tokenizer {d.tokenizer} --input FILES, or "
-                              f"set data.build_inputs=[FILES] to have rank 0 build them")
+        has_shards = _check_buildable(d.shards, "data.shards", "data.build_inputs", d.build_inputs, d.seq_len, d)
+        for i, data in _own_phase_data(exp):
+            _check_buildable(data.shards, f"phases[{i}].shards", f"data.build_inputs (for phases[{i}])",
+                             list(data.build_inputs), data.seq_len, d)
         if not has_shards and set(d.mixture) - {UNNAMED_SOURCE} and not (d.build_source_field or
                                                                         d.build_source_default):
             raise ConfigError(f"data.mixture: mixes sources, but the shards data.build_if_missing would build into "
@@ -199,6 +191,32 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Pre
     return prepared
 
 
+def _own_phase_data(exp: ExperimentConfig) -> list[tuple[int, PhaseData]]:
+    """(phase index, its data) of the first phase reading each shard directory other than data.shards."""
+    data = [(i, exp.phase_data(i)) for i in range(len(exp.phases))]
+    return [(i, pd) for i, pd in data if pd.loader == f"phases[{i}]"]
+
+
+def _check_buildable(directory: str, setting: str, inputs_setting: str, inputs: list[str], seq_len: int,
+                     d: DataConfig) -> bool:
+    """``directory`` holds shards (True), or data.build_if_missing can build it (locally, from ``inputs``)."""
+    if _has_shards(directory, d):
+        return True
+    if is_url(directory):
+        raise ConfigError(f"{setting}: {directory} has no {MANIFEST}, and shards are never built at a URL "
+                          f"(data.build_if_missing builds local directories only); build them with "
+                          f"data_prep/build_shards.py and upload the directory there")
+    if not d.build_if_missing:
+        raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with "
+                          f"data_prep/build_shards.py or set data.build_if_missing=true with data.build_inputs")
+    if not inputs:
+        raise ConfigError(f"{setting}: {directory} holds no shards (no {MANIFEST}) and {inputs_setting} names "
+                          f"nothing to build them from; check the path, build them with data_prep/build_shards.py "
+                          f"--output {directory} --seq-len {seq_len} --tokenizer {d.tokenizer} --input FILES, or "
+                          f"set data.build_inputs=[FILES] to have rank 0 build them")
+    return False
+
+
 def _check_probe_mask(mask_token: str | None, tokenizer: Tokenizer) -> None:
     try:
         resolve_mask_id(tokenizer, mask_token)
@@ -210,16 +228,19 @@ def _check_probe_mask(mask_token: str | None, tokenizer: Tokenizer) -> None:
 
 
 def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
-    """Rank 0's job: the packed shards from ``data.build_inputs`` when ``data.shards`` has none."""
+    """Rank 0's job: the packed shards from ``data.build_inputs`` when ``data.shards`` has none, and each phase's
+    own shards (at its sequence length) when they are missing."""
     d = exp.data
-    if _has_shards(d.shards, d):
-        return
-    sources = f", sources from {d.build_source_field or d.build_source_default!r}" if d.build_source_field or \
-        d.build_source_default else ""
-    print(f"building shards of {d.build_inputs} into {d.shards} (seq_len {d.seq_len}{sources})", flush=True)
-    run_job(BuildConfig(inputs=tuple(d.build_inputs), tokenizer=tokenizer.path, output=d.shards, seq_len=d.seq_len,
-                        workers=1, progress=False, source_field=d.build_source_field,
-                        source_default=d.build_source_default))
+    for directory, seq_len, inputs in [(d.shards, d.seq_len, tuple(d.build_inputs)),
+                                       *((pd.shards, pd.seq_len, pd.build_inputs) for _, pd in _own_phase_data(exp))]:
+        if _has_shards(directory, d):
+            continue
+        sources = f", sources from {d.build_source_field or d.build_source_default!r}" if d.build_source_field or \
+            d.build_source_default else ""
+        print(f"building shards of {list(inputs)} into {directory} (seq_len {seq_len}{sources})", flush=True)
+        run_job(BuildConfig(inputs=inputs, tokenizer=tokenizer.path, output=directory, seq_len=seq_len,
+                            workers=1, progress=False, source_field=d.build_source_field,
+                            source_default=d.build_source_default))
 
 
 def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
@@ -241,12 +262,14 @@ def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokeniz
 
 def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int | dict[str, int],
                   world: int) -> list[str]:
-    """``data.mixture`` against the sources of ``index`` and the run's budget (``train.steps`` x global batch):
+    """``data.mixture`` against the sources of ``index`` and the run's budget (the steps of the phases reading
+    data.shards x global batch):
     every source named exists and can supply its share within its maximum repetition. Returns the plan's lines
     for rank 0 to print."""
     d, t = exp.data, exp.train
     sources = d.mixture_sources()
-    budget = Budget(t.steps, t.micro_batch * t.grad_accum * world, d.seq_len)
+    steps = sum(n for i, n in enumerate(exp.phase_lengths()) if exp.phase_data(i).loader == "packed")
+    budget = Budget(steps, t.micro_batch * t.grad_accum * world, d.seq_len)
     try:
         plan = MixturePlan.build(index, {name: s.ratio for name, s in sources.items()}, t.seed, train_samples)
         lines = check_budget(plan, budget, {name: s.max_repetition for name, s in sources.items()})
@@ -265,6 +288,10 @@ def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: in
     t, d, tok = exp.train, exp.data, prepared.tokenizer
     indexes = {"packed": _check_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"],
                                       t.micro_batch * t.grad_accum * world, exp.eval.holdout)}
+    for i, pd in _own_phase_data(exp):
+        phase_readers = sorted({o.name for o in prepared.objectives[i] if o.objective.source == "packed"})
+        indexes[pd.loader] = _check_index(pd.shards, f"phases[{i}].shards", d, tok, pd.seq_len, "packed",
+                                          phase_readers, pd.micro_batch * t.grad_accum * world)
     prepared.held_out, prepared.holdout = check_held_out(exp, tok, indexes["packed"])
     prepared.train_samples = prepared.holdout.train_count
     if d.mixture:

@@ -12,16 +12,17 @@ signal, :class:`~pipeline.train.validation.Validator` the held-out evaluation wh
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
 from pipeline.data.loader import ShardLoader
-from pipeline.experiment import ExperimentConfig
+from pipeline.experiment import ExperimentConfig, PhaseData
 from pipeline.export.record import EncoderRecord
 from pipeline.model.flops import device_peak_tflops, work_flops
+from pipeline.model.rope import set_rope
 from pipeline.run_dir import DataRecord, RunDir, tag
 from pipeline.train.checkpoint import Checkpointer
 from pipeline.train.ds_config import resolve_ds_config
@@ -56,6 +57,11 @@ class Trainer:
     validator: Validator | None = None  # None without eval.every
     sources: tuple[str, ...] = ()  # the packed shards' sources when there are several: losses are logged per source
     source_tokens: dict[str, int] | None = None  # tokens seen of each source (with sources)
+    phase_data: tuple[PhaseData, ...] = field(init=False)  # per phase: its packed loader, seq_len, RoPE settings
+    rope_phase: int = field(init=False, default=-1)  # the phase whose RoPE settings the model holds (-1: the start's)
+
+    def __post_init__(self) -> None:
+        self.phase_data = tuple(self.exp.phase_data(i) for i in range(len(self.exp.phases)))
 
     @classmethod
     def build(cls, exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopRequest,
@@ -102,13 +108,15 @@ class Trainer:
         while self.step < self.exp.train.steps:
             t0 = time.time()
             phase_idx, phase = self.exp.phase_at(self.step)
+            self._enter_phase(phase_idx)
+            data = self.phase_data[phase_idx]
             mask_ratios = at_step(self.objectives[phase_idx], self.exp, self.step)
-            batches, local_tokens = self._next_batches(self.objectives[phase_idx])
+            batches, local_tokens = self._next_batches(self.objectives[phase_idx], data.loader)
             world = dist.get_world_size()
             samples = {f"batch/samples/{src}": world * sum(len(b.keys) for b in bs) for src, bs in batches.items()}
             t_data = time.time() - t0
             result = train_step(self.engine, self.objectives[phase_idx], batches, world,
-                                self.exp.train.grad_accum, self.sources)
+                                self.exp.train.grad_accum, self.sources if data.loader == "packed" else ())
             losses = result.losses
             self.step += 1
             tokens = world * local_tokens
@@ -122,6 +130,7 @@ class Trainer:
                           "optim/skipped_steps": self.engine.skipped_steps}
                        | self.throughput.scalars(tokens, seconds, t_data, work_flops(self.lm.config, result.work))
                        | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx, "batch/tokens": tokens}
+                       | ({"progress/seq_len": batches["packed"][0].input_ids.shape[1]} if "packed" in batches else {})
                        | samples | mask_ratios
                        | self._source_scalars(result))
             if self.validator is not None and self.validator.due(self.step, self.exp.train.steps):
@@ -139,11 +148,23 @@ class Trainer:
         return ({f"source_loss/{name}/{src}": v for name, by in result.source_losses.items() for src, v in by.items()}
                 | {f"progress/source_tokens/{src}": n for src, n in (self.source_tokens or {}).items()})
 
-    def _next_batches(self, step_objs: list[WeightedObjective]) -> tuple[dict[str, list], int]:
-        """The step's micro-batches of each source on the device, and this rank's non-padding tokens in them,
-        counted on the host copies (counting on the device would wait for it). The copies are asynchronous: the
-        loaders pin the host memory on CUDA."""
-        host = {src: self.loaders[src].next_global_step() for src in sorted({o.objective.source for o in step_objs})}
+    def _enter_phase(self, phase_idx: int) -> None:
+        """The phase's RoPE theta and context on the model before its first step (and a resumed run's first),
+        a function of the phase alone, so a resume continues with the settings the run had."""
+        if phase_idx == self.rope_phase:
+            return
+        data, self.rope_phase = self.phase_data[phase_idx], phase_idx
+        if set_rope(self.lm, data.rope_theta, data.context) and dist.get_rank() == 0:
+            print(f"phase {self.exp.phases[phase_idx].name}: seq_len {data.seq_len}, RoPE "
+                  f"{self.lm.config.rope_parameters}, max_position_embeddings "
+                  f"{self.lm.config.max_position_embeddings}", flush=True)
+
+    def _next_batches(self, step_objs: list[WeightedObjective], packed: str) -> tuple[dict[str, list], int]:
+        """The step's micro-batches of each source on the device (the packed ones from the loader ``packed``,
+        the phase's), and this rank's non-padding tokens in them, counted on the host copies (counting on the
+        device would wait for it). The copies are asynchronous: the loaders pin the host memory on CUDA."""
+        host = {src: self.loaders[packed if src == "packed" else src].next_global_step()
+                for src in sorted({o.objective.source for o in step_objs})}
         tokens = sum(int((b.doc_ids >= 0).sum()) for bs in host.values() for b in bs)
         return {src: [b.to(self.device, non_blocking=True) for b in bs] for src, bs in host.items()}, tokens
 
@@ -191,13 +212,16 @@ class Trainer:
 def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: int,
                   pin: bool) -> dict[str, ShardLoader]:
     """A loader per data source: the packed shards (short of the held-out samples, in ``data.mixture`` when set),
-    and the sentence units when an objective reads them. The batch warmup lies in the first phase (the config
-    says so), so it warms up the loaders that phase reads, which count its steps as the optimizer does."""
+    the sentence units when an objective reads them, and each phase's own shards (all of them, one permutation).
+    The batch warmup lies in the first phase (the config says so), so it warms up the loaders that phase reads,
+    which count its steps as the optimizer does."""
     t, d = exp.train, exp.data
     micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch, "pairs": t.micro_batch}
+    micro |= {pd.loader: pd.micro_batch for pd in map(exp.phase_data, range(len(exp.phases)))}
     holdout = {"packed": prepared.holdout}
     mixture = {"packed": {name: s.ratio for name, s in d.mixture_sources().items()}}
-    warmed = {o.objective.source for o in prepared.objectives[0]}
+    first = exp.phase_data(0).loader
+    warmed = {first if o.objective.source == "packed" else o.objective.source for o in prepared.objectives[0]}
     return {src: ShardLoader(index, micro[src], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
                              verify=d.verify_shards, mixture=mixture.get(src), holdout=holdout.get(src),
                              warmup=prepared.warmup if src in warmed else None)
