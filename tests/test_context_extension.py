@@ -27,6 +27,7 @@ from pipeline.run_dir import RunDir
 from pipeline.train.preflight import check_setup
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ETTIN_SMOKE = os.path.join(REPO, "experiments", "ettin", "ettin-210m-smoke.yaml")
 MLM = "{name: mlm, ratio: 0.3}"
 
 
@@ -131,35 +132,53 @@ def test_the_planners_grid_report_lists_each_phases_tokens(tmp_path, capsys):
 
 
 @pytest.mark.e2e
-def test_the_switch_trains_longer_rows_with_the_new_theta_exports_it_and_resumes_exactly(shards, tmp_path):
-    """8 steps: 4 at seq_len 64 on ``shards``, 4 at 128 with RoPE theta 40 000 on shards rank 0 builds at the start
-    (micro-batch 4 -> 2: the tokens per step kept). The resumed run starts from a copy of the straight run's step-4
+def test_the_ettin_recipe_and_its_smoke_twin_have_the_same_three_phases():
+    """experiments/ettin: pretraining, context extension (own shards, longer rows, a larger theta, the tokens per
+    step kept), decay on the extension's shards with the masking ratio falling to 0.15 while WSD decays the lr."""
+    for name in ("ettin-210m.yaml", "ettin-210m-smoke.yaml"):
+        exp = load_experiment(os.path.join(REPO, "experiments", "ettin", name))
+        assert [p.name for p in exp.phases] == ["pretrain", "context-extension", "decay"], name
+        pre, ext, decay = map(exp.phase_data, range(3))
+        assert ext.seq_len == decay.seq_len > pre.seq_len and ext.loader == decay.loader != pre.loader, name
+        assert pre.rope_theta is None and ext.rope_theta == decay.rope_theta > 10000, name
+        assert ext.micro_batch * ext.seq_len == pre.micro_batch * pre.seq_len, name
+        assert exp.optim.decay(exp.train.steps) == exp.phase_lengths()[2], name
+        assert exp.train.batch_warmup.steps and exp.checkpoint.async_save, name
+        schedule = exp.phases[2].objectives[0].ratio_schedule
+        assert (exp.phases[2].objectives[0].ratio, schedule.shape, schedule.final) == (0.3, "linear", 0.15), name
+
+
+def test_the_ettin_smoke_twin_switches_context_exports_the_theta_and_resumes_exactly(shards, tmp_path):
+    """experiments/ettin/ettin-210m-smoke.yaml on 2 ZeRO-3 ranks, 8 steps: 4 at seq_len 64 on ``shards`` (the batch
+    warming up over the first 2), 2 of context extension at 128 with RoPE theta 40 000 on shards rank 0 builds at
+    the start (micro-batch 2 -> 1: the tokens per step kept), 2 of decay on them with the masking ratio falling from
+    0.3 to 0.15; checkpoints written by async_save. The resumed run starts from a copy of the straight run's step-4
     checkpoint (what a run stopped there leaves), at the first step of the extension phase."""
     ext_shards = str(tmp_path / "sample-128")
-    settings = ["data.seq_len=64", f"data.shards={shards}", f"data.build_inputs=[{SAMPLE_INPUTS[0]}]",
-                "model.init=tiny", "train.steps=8", "train.micro_batch=4", "train.log_every=1",
-                "checkpoint.every=4", "optim.warmup_steps=2", "optim.decay_steps=2", "optim.lr=0.002",
-                phases("seq_len: 128", "rope_theta: 40000", f"shards: {ext_shards}")]
+    settings = [f"data.shards={shards}", f"data.build_inputs=[{SAMPLE_INPUTS[0]}]", f"phases.1.shards={ext_shards}",
+                f"phases.2.shards={ext_shards}"]
     straight = str(tmp_path / "straight")
-    out = launch_training(straight, None, *settings).stdout
+    out = launch_training(straight, ETTIN_SMOKE, *settings).stdout
     assert f"building shards of ['{SAMPLE_INPUTS[0]}'] into {ext_shards} (seq_len 128)" in out
-    assert "phase ext: seq_len 128, RoPE {'rope_type': 'default', 'rope_theta': 40000.0}" in out
+    assert "phase context-extension: seq_len 128, RoPE {'rope_type': 'default', 'rope_theta': 40000.0}" in out
     base = logged_steps(straight)
     assert [base[s]["progress/seq_len"] for s in range(1, 9)] == [64] * 4 + [128] * 4
-    assert [base[s]["phase"] for s in range(1, 9)] == ["pre"] * 4 + ["ext"] * 4
+    assert [base[s]["phase"] for s in range(1, 9)] == ["pretrain"] * 4 + ["context-extension"] * 2 + ["decay"] * 2
+    assert [base[s]["batch/samples/packed"] for s in range(1, 9)] == [4, 4, 8, 8, 4, 4, 4, 4]  # warmup, then 1 x 128
+    assert [base[s]["mask_ratio/mlm"] for s in range(1, 9)] == [0.3] * 7 + [0.15]
 
-    # each loader's place in its own order: data.shards' 4 steps x 8 samples, the extension's 4 steps x 2 x 2 ranks
+    # each loader's place in its own order: data.shards' 4 steps (24 samples), the extension's 4 steps x 4
     states = torch.load(os.path.join(RunDir(straight).checkpoint(8), "zero_pp_rank_0_mp_rank_00_model_states.pt"),
                         weights_only=False)["loaders"]
-    assert (states["packed"]["samples_consumed"], states["phases[1]"]["samples_consumed"]) == (32, 16)
+    assert (states["packed"]["samples_consumed"], states["phases[1]"]["samples_consumed"]) == (24, 16)
     assert (states["packed"]["global_batch"], states["phases[1]"]["global_batch"]) == (8, 4)
 
     resumed = str(tmp_path / "resumed")
     shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step00000008", "hf"))
     assert RunDir(resumed).complete_steps() == [4]
-    again = launch_training(resumed, None, *settings).stdout
+    again = launch_training(resumed, ETTIN_SMOKE, *settings).stdout
     assert "resumed from step00000004" in again and "building shards" not in again
-    assert "phase ext: seq_len 128, RoPE {'rope_type': 'default', 'rope_theta': 40000.0}" in again
+    assert "phase context-extension: seq_len 128, RoPE {'rope_type': 'default', 'rope_theta': 40000.0}" in again
     ours = logged_steps(resumed)
     for step in range(5, 9):
         assert ours[step]["loss/mlm"] == base[step]["loss/mlm"], step
@@ -170,8 +189,8 @@ def test_the_switch_trains_longer_rows_with_the_new_theta_exports_it_and_resumes
         config = json.load(f)
     assert config["rope_parameters"]["rope_theta"] == 40000.0 and config["max_position_embeddings"] == 256
     with open(os.path.join(hf, "README.md")) as f:
-        assert f"- ext (0.5 of the steps): mlm; the shards in `{ext_shards}` (sequence length 128), RoPE θ 40000" \
-            in f.read()
+        assert (f"- context-extension (0.25 of the steps): mlm; the shards in `{ext_shards}` (sequence length 128), "
+                "RoPE θ 40000") in f.read()
     offline = str(tmp_path / "offline")  # from the checkpoint: the theta of the phase that trained step 8
     assert export_checkpoint(RunDir(straight), offline) == 8
     ids = torch.randint(4, 1000, (2, 128), generator=torch.Generator().manual_seed(0))
