@@ -276,6 +276,21 @@ def test_compiled_flex_kernel_equals_dense_sdpa(mode):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_block_mask_build_equals_eager():
+    """The compiled block-mask build (CUDA's default; inductor's C++ kernel here) gives the eager build's BlockMask
+    for MAGNET's mask, and a new batch of the same shape reuses the compiled graph (its ids are inputs)."""
+    torch._dynamo.reset()
+    counters.clear()
+    for layout in ("many docs", "padding"):
+        _, doc_ids, span_ids = layout_batch(layout)
+        eager = flex_block_mask("magnet", doc_ids, span_ids, compiled=False)
+        compiled = flex_block_mask("magnet", doc_ids, span_ids, compiled=True)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(compiled, name), getattr(eager, name)), (layout, name)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_compiled_flex_does_not_recompile_for_each_batch_width():
     """Batches of new widths (SSCL's padded views) reuse the compiled kernel once its sizes are symbolic: a
     compile per width would reach dynamo's recompile limit and fall back to eager FlexAttention."""

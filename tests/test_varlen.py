@@ -1,0 +1,208 @@
+"""Variable-length attention (``model.attn_implementation: varlen``): the segments built from ``doc_ids``, the
+dispatch, and the numerics of every decoder family's varlen path against SDPA on the dense mask (hidden states,
+loss and gradients). torch has no CPU kernel for ``varlen_attn``, so on CPU a per-segment SDPA reference with its
+signature stands in for the kernel alone; the CUDA test runs the real flash kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pipeline.model import varlen
+from pipeline.model.attention import VARLEN, attention_inputs, dense_allowed
+from pipeline.model.build import ARCHITECTURES
+from pipeline.model.varlen import packed_segments, segment_ids
+
+VOCAB = 64
+
+
+def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                          enable_gqa=False):
+    """``varlen_attn``'s contract on CPU: SDPA on each segment of the flattened [T, heads, head_dim] rows. It
+    records what it was given, so tests can see the kernel's inputs."""
+    CALLS.append({"cu": cu_seq_q, "max": max_q, "kv_heads": key.shape[1], "enable_gqa": enable_gqa,
+                  "window": window_size})
+    assert cu_seq_q is cu_seq_k and max_q == max_k == int(cu_seq_q.diff().max())
+    bounds = cu_seq_q.tolist()
+    pieces = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (query, key, value)), scale=scale,
+                                             is_causal=tuple(window_size) == (-1, 0), enable_gqa=enable_gqa)
+              for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return torch.cat(pieces, dim=1).transpose(0, 1)
+
+
+CALLS: list[dict] = []
+
+
+@pytest.fixture
+def cpu_kernel(monkeypatch):
+    """The reference in place of torch's kernel (CPU only: on CUDA the real one runs)."""
+    CALLS.clear()
+    monkeypatch.setattr(varlen, "varlen_attn", reference_varlen_attn)
+    monkeypatch.setattr(varlen, "_PARAMETERS", frozenset({"scale", "window_size", "enable_gqa"}))
+    return CALLS
+
+
+def packed(length: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row 0: documents of 9 and 10 tokens, then 5 of padding; row 1: three documents filling the row."""
+    input_ids = torch.randint(4, VOCAB, (2, length), generator=torch.Generator().manual_seed(1))
+    doc_ids = torch.tensor([[0] * 9 + [1] * 10 + [-1] * (length - 19), [0] * 5 + [1] * 9 + [2] * (length - 14)],
+                           dtype=torch.int32)
+    return input_ids.masked_fill(doc_ids < 0, 0), doc_ids
+
+
+def test_segments_from_doc_ids():
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, -1, -1], [0, 1, 1, 1, 1, 2, 2]], dtype=torch.int32)
+    docs = packed_segments(doc_ids, document_masking=True)  # row 0: two documents, then its padding
+    assert docs.cu_seqlens.tolist() == [0, 3, 5, 7, 8, 12, 14] and docs.max_seqlen == 4
+    assert docs.cu_seqlens.dtype == torch.int32
+    rows = packed_segments(doc_ids, document_masking=False)  # each row's tokens, padding apart
+    assert rows.cu_seqlens.tolist() == [0, 5, 7, 14] and rows.max_seqlen == 7
+    one_doc = torch.zeros(2, 7, dtype=torch.int32)
+    assert packed_segments(one_doc, document_masking=True) is None  # plain attention: no segments
+    assert packed_segments(doc_ids[1:], document_masking=False) is None
+    padded = one_doc.clone()
+    padded[1] = -1  # an all-padding row (SSCL's rows without a unit) is one padding segment
+    assert packed_segments(padded, document_masking=True).cu_seqlens.tolist() == [0, 7, 14]
+
+
+def test_varlen_inputs_per_mode():
+    _, doc_ids = packed()
+    for mode, causal in (("causal", True), ("bidirectional", False)):
+        got = attention_inputs(mode, doc_ids, attn_implementation=VARLEN)
+        assert set(got) == {"is_causal", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+        assert got["is_causal"] is causal and got["cu_seq_lens_q"] is got["cu_seq_lens_k"]
+        assert got["cu_seq_lens_q"].tolist() == [0, 9, 19, 24, 29, 38, 48] and got["max_length_q"] == 10
+        assert attention_inputs(mode, torch.zeros_like(doc_ids), attn_implementation=VARLEN) == {"is_causal": causal}
+    for mode in ("magnet", "magnet_own_span"):  # segments cannot express MAGNET's masks: FlexAttention's block mask
+        assert isinstance(attention_inputs(mode, doc_ids, attn_implementation=VARLEN)["attention_mask"], BlockMask)
+
+
+def model_pair(model_type: str, heads: int = 4, kv_heads: int = 2) -> dict[str, torch.nn.Module]:
+    """The same tiny random model of ``model_type`` under SDPA (eager for Gemma 2, which SDPA cannot softcap)
+    and under VARLEN."""
+    def config():  # one each: from_config sets the implementation on the config it is given
+        return AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                    head_dim=8, max_position_embeddings=256)
+
+    reference = "eager" if model_type == "gemma2" else "sdpa"
+    torch.manual_seed(0)
+    pair = {impl: AutoModelForCausalLM.from_config(config(), attn_implementation=impl)
+            for impl in (reference, VARLEN)}
+    assert [m.config._attn_implementation for m in pair.values()] == [reference, VARLEN]
+    pair[VARLEN].load_state_dict(pair[reference].state_dict())
+    return pair
+
+
+def loss_and_grads(model, input_ids, doc_ids, mode, document_masking=True):
+    """Next-token cross-entropy over real tokens (what CLM trains on; bidirectional modes train a head on the same
+    states), its hidden states and every parameter's gradient."""
+    model.zero_grad()
+    kwargs = attention_inputs(mode, doc_ids, document_masking=document_masking,
+                              attn_implementation=model.config._attn_implementation, dtype=model.dtype)
+    hidden = model.model(input_ids=input_ids, **kwargs).last_hidden_state
+    logits = model.lm_head(hidden)[:, :-1]
+    keep = (doc_ids[:, :-1] >= 0) & (doc_ids[:, 1:] >= 0)
+    loss = F.cross_entropy(logits[keep], input_ids[:, 1:][keep])
+    loss.backward()
+    return loss.detach(), hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("mode", ["causal", "bidirectional"])
+def test_varlen_equals_dense_sdpa_loss_and_gradients(cpu_kernel, mode, heads):
+    """Llama with multi-head, GQA (6 / 2 heads, like the 1b preset's 18 / 6) and multi-query attention: the
+    loss, real tokens' states and all gradients equal SDPA's on the dense mask; with and without document masking.
+    The kernel gets the un-repeated K/V heads and one ``cu_seqlens`` tensor per forward, shared by the layers."""
+    models = model_pair("llama", *heads)
+    input_ids, doc_ids = packed()
+    real = doc_ids >= 0
+    for document_masking in (True, False):
+        cpu_kernel.clear()
+        loss, hidden, grads = loss_and_grads(models[VARLEN], input_ids, doc_ids, mode, document_masking)
+        ref_loss, ref_hidden, ref_grads = loss_and_grads(models["sdpa"], input_ids, doc_ids, mode, document_masking)
+        torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(hidden[real], ref_hidden[real], atol=1e-5, rtol=1e-5)
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+        assert len(cpu_kernel) == 2 and cpu_kernel[0]["cu"] is cpu_kernel[1]["cu"]  # one per layer, built once
+        assert all(c["kv_heads"] == heads[1] and c["enable_gqa"] == (heads[0] != heads[1])
+                   and c["window"] == ((-1, 0) if mode == "causal" else (-1, -1)) for c in cpu_kernel)
+
+
+def test_torch_2_10_signature(cpu_kernel, monkeypatch):
+    """torch 2.10's varlen_attn takes ``is_causal`` where 2.11 takes ``window_size``: both give the same result."""
+    def is_causal_style(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
+        return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                     window_size=(-1, 0) if is_causal else (-1, -1), enable_gqa=True)
+
+    model = model_pair("llama")[VARLEN]
+    input_ids, doc_ids = packed()
+    windowed = {mode: loss_and_grads(model, input_ids, doc_ids, mode)[0] for mode in ("causal", "bidirectional")}
+    monkeypatch.setattr(varlen, "varlen_attn", is_causal_style)
+    monkeypatch.setattr(varlen, "_PARAMETERS", frozenset({"is_causal", "scale"}))
+    for mode, loss in windowed.items():
+        assert torch.equal(loss_and_grads(model, input_ids, doc_ids, mode)[0], loss)
+    assert windowed["causal"] != windowed["bidirectional"]
+
+
+@pytest.mark.parametrize("family", ARCHITECTURES)
+def test_every_family_takes_varlen(cpu_kernel, family):
+    """Each HF family of ``ARCHITECTURES`` passes the segments through its forward to the registered function
+    (Gemma 2's softcap runs them as a FlexAttention block mask, against eager): real tokens' states equal the
+    dense mask's in both plain modes."""
+    models = model_pair(family)
+    reference = next(impl for impl in models if impl != VARLEN)
+    input_ids, doc_ids = packed()
+    real = doc_ids >= 0
+    for mode in ("causal", "bidirectional"):
+        with torch.no_grad():
+            out = {impl: model.model(input_ids=input_ids, **attention_inputs(
+                mode, doc_ids, attn_implementation=impl, dtype=model.dtype)).last_hidden_state
+                for impl, model in models.items()}
+        torch.testing.assert_close(out[VARLEN][real], out[reference][real], atol=1e-5, rtol=1e-5)
+    assert bool(cpu_kernel) == (family != "gemma2")
+
+
+def test_varlen_refuses_attention_dropout(cpu_kernel):
+    model = model_pair("llama")[VARLEN].train()
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    input_ids, doc_ids = packed()
+    with pytest.raises(ValueError, match="varlen attention has no attention dropout.*attn_implementation: sdpa"):
+        model.model(input_ids=input_ids, **attention_inputs("causal", doc_ids, attn_implementation=VARLEN))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="torch.nn.attention.varlen has flash kernels on CUDA only (NotImplementedError on CPU)")
+@pytest.mark.parametrize("mode", ["causal", "bidirectional"])
+def test_varlen_kernel_equals_dense_sdpa_on_cuda(mode):
+    """The real flash varlen kernel in bf16 (GQA 4 / 2, head_dim 64): loss and gradients within bf16's reach of
+    SDPA on the dense mask, real tokens only."""
+    models = {impl: m.cuda().to(torch.bfloat16) for impl, m in model_pair("llama").items()}
+    input_ids, doc_ids = (t.cuda() for t in packed(length=300))
+    real = doc_ids >= 0
+    got = loss_and_grads(models[VARLEN], input_ids, doc_ids, mode)
+    ref = loss_and_grads(models["sdpa"], input_ids, doc_ids, mode)
+    torch.testing.assert_close(got[0], ref[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[1][real], ref[1][real], atol=5e-2, rtol=5e-2)
+    for name, grad in ref[2].items():
+        torch.testing.assert_close(got[2][name], grad, atol=5e-2, rtol=5e-2, msg=name)
+
+
+def test_segments_are_the_dense_rule_on_real_tokens():
+    """Two real tokens share a segment exactly where the dense mask lets them attend (causal: and not later),
+    which is what the equality tests above stand on; ``segment_ids`` (Gemma 2's fallback) reads them back."""
+    _, doc_ids = packed()
+    for document_masking in (True, False):
+        segments = packed_segments(doc_ids, document_masking)
+        ids = segment_ids(segments.cu_seqlens, *doc_ids.shape)
+        real = (doc_ids >= 0)[:, :, None] & (doc_ids >= 0)[:, None, :]
+        for mode in ("causal", "bidirectional"):
+            same = ids[:, :, None] == ids[:, None, :]
+            if mode == "causal":
+                same = same & torch.ones(24, 24, dtype=torch.bool).tril()
+            assert torch.equal(same & real, dense_allowed(mode, doc_ids, document_masking=document_masking)[:, 0] & real)
