@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pipeline.model.attention import (
     FLEX,
     RULES,
+    VARLEN,
     attention_inputs,
     compiled_flex,
     dense_allowed,
@@ -337,9 +338,10 @@ def test_flex_attention_inputs():
 
 
 def test_resolve_implementation():
-    assert resolve_implementation("auto", cuda=True) == FLEX
+    assert resolve_implementation("auto", cuda=True) == VARLEN  # FlexAttention's block masks for MAGNET
     assert resolve_implementation("auto", cuda=False) == "sdpa"  # torch 2.13 has no FlexAttention backward on CPU
     assert resolve_implementation("flex", cuda=False) == FLEX
+    assert resolve_implementation("varlen", cuda=True) == VARLEN
     assert [resolve_implementation(s, cuda=True) for s in ("sdpa", "eager")] == ["sdpa", "eager"]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -19,30 +20,86 @@ from pipeline.model.varlen import packed_segments, segment_ids
 VOCAB = 64
 
 
-def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                          enable_gqa=False):
-    """``varlen_attn``'s contract on CPU: SDPA on each segment of the flattened [T, heads, head_dim] rows. It
-    records what it was given, so tests can see the kernel's inputs."""
+def _segments(cu_seqlens):
+    bounds = cu_seqlens.tolist()
+    return zip(bounds[:-1], bounds[1:], strict=True)
+
+
+def _probabilities(q, k, causal: bool, scale: float):
+    """Softmax attention weights [heads, n, n] of one segment and their log-sum-exp [heads, n]."""
+    scores = q @ k.transpose(1, 2) * scale
+    if causal:
+        scores = scores.masked_fill(~torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).tril(), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp(), lse
+
+
+def _heads(t, group: int, a: int, b: int):
+    """Segment [a, b) of flattened [T, heads, head_dim] rows as [heads, n, head_dim], K/V heads repeated."""
+    return t[a:b].transpose(0, 1).repeat_interleave(group, 0)
+
+
+def segment_attention(query, key, value, cu_seqlens, causal: bool, scale: float | None):
+    """What the flash varlen kernel computes, spelled out: softmax attention within each segment of the flattened
+    [T, heads, head_dim] rows, K/V heads shared by groups of query heads. (out [T, heads, head_dim], its log-sum-exp
+    [heads, T].)"""
+    group, scale = query.shape[1] // key.shape[1], query.shape[-1] ** -0.5 if scale is None else scale
+    outs, lses = [], []
+    for a, b in _segments(cu_seqlens):
+        p, lse = _probabilities(_heads(query, 1, a, b), _heads(key, group, a, b), causal, scale)
+        outs.append(p @ _heads(value, group, a, b))
+        lses.append(lse)
+    return torch.cat(outs, 1).transpose(0, 1).contiguous(), torch.cat(lses, 1)  # contiguous, as flash's
+
+
+def segment_attention_backward(grad_out, query, key, value, cu_seqlens, causal: bool, scale: float | None):
+    """Its gradients (dq, dk, dv) as flash attention's backward forms them from the recomputed weights:
+    dS = P * (dO V^T - rowsum(dO * O)); a K/V head's gradient sums over the query heads that share it."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    group, scale = heads // kv_heads, query.shape[-1] ** -0.5 if scale is None else scale
+    dq, dk, dv = (torch.zeros_like(t) for t in (query, key, value))
+    for a, b in _segments(cu_seqlens):
+        q, k, v, do = (_heads(t, g, a, b) for t, g in ((query, 1), (key, group), (value, group), (grad_out, 1)))
+        p, _ = _probabilities(q, k, causal, scale)
+        ds = p * (do @ v.transpose(1, 2) - (do * (p @ v)).sum(-1, keepdim=True))
+        dq[a:b] = (ds @ k * scale).transpose(0, 1)
+        for grad, full in ((dk, ds.transpose(1, 2) @ q * scale), (dv, p.transpose(1, 2) @ do)):
+            grad[a:b] = full.view(kv_heads, group, b - a, -1).sum(1).transpose(0, 1)
+    return dq, dk, dv
+
+
+CALLS: list[dict] = []  # what the kernel was given, while the cpu_kernel fixture is on
+CPU_KERNEL = {"on": False}
+
+
+def _cpu_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, window_size=None,
+                 enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    if not CPU_KERNEL["on"]:
+        raise NotImplementedError("varlen_attn has no CPU kernel (the tests' reference is off)")
     CALLS.append({"cu": cu_seq_q, "max": max_q, "kv_heads": key.shape[1], "enable_gqa": enable_gqa,
-                  "window": window_size})
-    assert cu_seq_q is cu_seq_k and max_q == max_k == int(cu_seq_q.diff().max())
-    bounds = cu_seq_q.tolist()
-    pieces = [F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (query, key, value)), scale=scale,
-                                             is_causal=tuple(window_size) == (-1, 0), enable_gqa=enable_gqa)
-              for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    return torch.cat(pieces, dim=1).transpose(0, 1)
+                  "causal": is_causal})
+    assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k == int(cu_seq_q.diff().max())
+    out, lse = segment_attention(query, key, value, cu_seq_q, is_causal, scale)
+    return out, lse, torch.zeros(2, dtype=torch.uint64)
 
 
-CALLS: list[dict] = []
+def _cpu_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, rng_state,
+                  scale=None, window_size=None):
+    return segment_attention_backward(grad_out, query, key, value, cu_seq_q, is_causal, scale)
+
+
+# torch's own varlen_attn (its signature, checks and autograd) runs on CPU with these kernels behind its custom ops
+torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", _cpu_forward)
+torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", _cpu_backward)
 
 
 @pytest.fixture
-def cpu_kernel(monkeypatch):
-    """The reference in place of torch's kernel (CPU only: on CUDA the real one runs)."""
+def cpu_kernel():
+    """The reference kernels on for one test (CPU only: on CUDA the flash kernels run)."""
     CALLS.clear()
-    monkeypatch.setattr(varlen, "varlen_attn", reference_varlen_attn)
-    monkeypatch.setattr(varlen, "_PARAMETERS", frozenset({"scale", "window_size", "enable_gqa"}))
-    return CALLS
+    CPU_KERNEL["on"] = True
+    yield CALLS
+    CPU_KERNEL["on"] = False
 
 
 def packed(length: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,14 +187,16 @@ def test_varlen_equals_dense_sdpa_loss_and_gradients(cpu_kernel, mode, heads):
             torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
         assert len(cpu_kernel) == 2 and cpu_kernel[0]["cu"] is cpu_kernel[1]["cu"]  # one per layer, built once
         assert all(c["kv_heads"] == heads[1] and c["enable_gqa"] == (heads[0] != heads[1])
-                   and c["window"] == ((-1, 0) if mode == "causal" else (-1, -1)) for c in cpu_kernel)
+                   and c["causal"] == (mode == "causal") for c in cpu_kernel)
 
 
 def test_torch_2_10_signature(cpu_kernel, monkeypatch):
     """torch 2.10's varlen_attn takes ``is_causal`` where 2.11 takes ``window_size``: both give the same result."""
+    windowed_attn = varlen.varlen_attn
+
     def is_causal_style(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
-        return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                                     window_size=(-1, 0) if is_causal else (-1, -1), enable_gqa=True)
+        return windowed_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                             window_size=(-1, 0) if is_causal else (-1, -1), enable_gqa=True)
 
     model = model_pair("llama")[VARLEN]
     input_ids, doc_ids = packed()
@@ -147,6 +206,32 @@ def test_torch_2_10_signature(cpu_kernel, monkeypatch):
     for mode, loss in windowed.items():
         assert torch.equal(loss_and_grads(model, input_ids, doc_ids, mode)[0], loss)
     assert windowed["causal"] != windowed["bidirectional"]
+
+
+def test_varlen_compiles_and_takes_new_segment_sizes(cpu_kernel):
+    """Regionally compiled layers (``model.compile``; aot_eager here: dynamo's graph of torch's varlen custom op
+    and its autograd, without inductor's compile time) equal eager on loss and gradients, over micro-batches whose
+    longest segment differs (``max_length_q`` is an int input: one recompile makes it symbolic, then none)."""
+    models = model_pair("llama")
+    compiled = models[VARLEN]
+    eager = model_pair("llama")[VARLEN]
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in compiled.model.layers:
+        layer.forward = torch.compile(layer.forward, backend="aot_eager")
+    input_ids, doc_ids = packed()
+    graphs = []
+    for shift in range(4):  # longest segments 10, 11, 12, 13
+        graphs.append(counters["stats"]["unique_graphs"])
+        docs = doc_ids.clone()
+        docs[0, 9 - shift:19] = 1
+        for mode in ("causal", "bidirectional"):
+            got, ref = loss_and_grads(compiled, input_ids, docs, mode), loss_and_grads(eager, input_ids, docs, mode)
+            torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
+            for name, grad in ref[2].items():
+                torch.testing.assert_close(got[2][name], grad, atol=1e-5, rtol=1e-5, msg=name)
+    assert {c["max"] for c in cpu_kernel} == {10, 11, 12, 13}
+    assert graphs[2] == graphs[3] == counters["stats"]["unique_graphs"] > graphs[1] > 0  # symbolic after one
 
 
 @pytest.mark.parametrize("family", ARCHITECTURES)

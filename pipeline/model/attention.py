@@ -240,12 +240,17 @@ def _flex(query: torch.Tensor):
 _SM90_FORWARD_TILES = {64: (128, 128, 3, 4), 96: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
 
 
+@torch.compiler.assume_constant_result  # read once while a compiled layer traces, not a graph break
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def flex_kernel_options(query: torch.Tensor) -> dict[str, int] | None:
     """FlexAttention ``kernel_options`` for ``query`` [B, H, L, head_dim]: the forward tiles above on an sm90 GPU
     in half precision (``fwd_``: the backward keeps its own), None (torch's choice) elsewhere."""
     tiles = _SM90_FORWARD_TILES.get(query.shape[-1])
     if (tiles is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16)
-            or torch.cuda.get_device_capability(query.device) != (9, 0)):
+            or not _is_sm90(query.device)):
         return None
     return dict(zip(("fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_stages", "fwd_num_warps"), tiles, strict=True))
 
