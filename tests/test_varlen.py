@@ -212,26 +212,23 @@ def test_varlen_compiles_and_takes_new_segment_sizes(cpu_kernel):
     """Regionally compiled layers (``model.compile``; aot_eager here: dynamo's graph of torch's varlen custom op
     and its autograd, without inductor's compile time) equal eager on loss and gradients, over micro-batches whose
     longest segment differs (``max_length_q`` is an int input: one recompile makes it symbolic, then none)."""
-    models = model_pair("llama")
-    compiled = models[VARLEN]
-    eager = model_pair("llama")[VARLEN]
+    compiled, eager = model_pair("llama")[VARLEN], model_pair("llama")[VARLEN]
     torch._dynamo.reset()
     counters.clear()
     for layer in compiled.model.layers:
         layer.forward = torch.compile(layer.forward, backend="aot_eager")
     input_ids, doc_ids = packed()
     graphs = []
-    for shift in range(4):  # longest segments 10, 11, 12, 13
-        graphs.append(counters["stats"]["unique_graphs"])
+    for shift in range(3):  # longest segments 10, 11, 12
         docs = doc_ids.clone()
         docs[0, 9 - shift:19] = 1
-        for mode in ("causal", "bidirectional"):
-            got, ref = loss_and_grads(compiled, input_ids, docs, mode), loss_and_grads(eager, input_ids, docs, mode)
-            torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
-            for name, grad in ref[2].items():
-                torch.testing.assert_close(got[2][name], grad, atol=1e-5, rtol=1e-5, msg=name)
-    assert {c["max"] for c in cpu_kernel} == {10, 11, 12, 13}
-    assert graphs[2] == graphs[3] == counters["stats"]["unique_graphs"] > graphs[1] > 0  # symbolic after one
+        got, ref = loss_and_grads(compiled, input_ids, docs, "causal"), loss_and_grads(eager, input_ids, docs, "causal")
+        torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
+        for name, grad in ref[2].items():
+            torch.testing.assert_close(got[2][name], grad, atol=1e-5, rtol=1e-5, msg=name)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert {c["max"] for c in cpu_kernel} == {10, 11, 12}
+    assert 0 < graphs[0] < graphs[1] == graphs[2]  # symbolic after one recompile
 
 
 @pytest.mark.parametrize("family", ARCHITECTURES)
