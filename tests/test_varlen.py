@@ -1,7 +1,7 @@
 """Variable-length attention (``model.attn_implementation: varlen``): the segments built from ``doc_ids``, the
 dispatch, and the numerics of every decoder family's varlen path against SDPA on the dense mask (hidden states,
-loss and gradients). torch has no CPU kernel for ``varlen_attn``, so on CPU a per-segment SDPA reference with its
-signature stands in for the kernel alone; the CUDA test runs the real flash kernel."""
+loss and gradients). torch has no CPU kernel for ``varlen_attn``, so on CPU torch's own ``varlen_attn`` runs with
+reference kernels registered behind its custom ops; the CUDA test runs the real flash kernel."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ padding states. A document must be one contiguous run of its row and padding mus
 rows out.
 
 ``varlen_attn`` came with torch 2.10 (``is_causal=``; ``window_size`` from 2.11, both detected) and has kernels on
-CUDA only (on CPU torch 2.13 raises ``NotImplementedError``): the CPU tests check everything around the kernel and
-swap a per-segment SDPA reference in for it.
+CUDA only (on CPU torch 2.13 raises ``NotImplementedError``): the CPU tests check everything around the kernel,
+with reference CPU kernels (per-segment attention and its backward) registered behind torch's own custom ops.
 """
 
 from __future__ import annotations
