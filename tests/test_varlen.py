@@ -8,14 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import loss_and_grads as objective_loss_and_grads
+from helpers import packed_text_batch
+from shard_corpus import TOKENIZER
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pipeline.config import from_dict
+from pipeline.experiment import PhaseSpec
 from pipeline.model import varlen
 from pipeline.model.attention import VARLEN, attention_inputs, dense_allowed
-from pipeline.model.build import ARCHITECTURES
+from pipeline.model.build import ARCHITECTURES, build_model
 from pipeline.model.varlen import packed_segments, segment_ids
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train.phases import build_objectives
 
 VOCAB = 64
 
@@ -247,6 +254,32 @@ def test_every_family_takes_varlen(cpu_kernel, family):
                 for impl, model in models.items()}
         torch.testing.assert_close(out[VARLEN][real], out[reference][real], atol=1e-5, rtol=1e-5)
     assert bool(cpu_kernel) == (family != "gemma2")
+
+
+def test_objectives_train_the_same_on_varlen(cpu_kernel):
+    """CLM, MLM and MNTP (the objectives varlen serves) on a real packed batch (documents crossing rows, the last
+    row padded, real masking plans): each loss sum and every gradient of the tiny preset under VARLEN equal SDPA's."""
+    tokenizer = load_tokenizer(TOKENIZER)
+    texts = ["The river rises in the hills and flows south to the sea.", "A king, a queen, and a knight."] * 3
+    batch = packed_text_batch(tokenizer, texts, seq_len=32, rows=3)
+    assert (batch.doc_ids < 0).any() and (batch.doc_ids.amax(-1) > 0).any()  # padding, and packed documents
+    models = {}
+    for impl in ("sdpa", VARLEN):
+        torch.manual_seed(0)
+        models[impl] = build_model("tiny", tokenizer.info.vocab_size, attn_implementation=impl,
+                                   pad_token_id=tokenizer.pad_id)
+    phase = from_dict(PhaseSpec, {"objectives": [{"name": "clm"}, {"name": "mlm", "ratio": 0.3},
+                                                 {"name": "mntp", "ratio": 0.3}]})
+    for weighted in build_objectives(phase, tokenizer):
+        cpu_kernel.clear()
+        for model in models.values():
+            model.zero_grad()
+        (loss, targets, grads), (ref_loss, ref_targets, ref_grads) = (
+            objective_loss_and_grads(weighted.objective, models[impl], batch) for impl in (VARLEN, "sdpa"))
+        assert cpu_kernel and targets == ref_targets > 0, weighted.objective.name
+        assert loss == pytest.approx(ref_loss, rel=1e-6), weighted.objective.name
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_varlen_refuses_attention_dropout(cpu_kernel):
