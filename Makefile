@@ -88,6 +88,7 @@ bench: setup
 	$(BIN)/python bench/bench_magnet.py
 	$(BIN)/python bench/bench_lm_head.py
 	$(BIN)/python bench/bench_block_mask.py
+	$(BIN)/python bench/bench_attention.py
 	$(BIN)/python bench/bench_verify.py
 
 clean-runs:

@@ -131,8 +131,9 @@ class LoraConfig:
 class ModelConfig:
     init: str = "tiny"  # a preset name (tiny, 20m, 210m, 610m, 1b, 7b, 8b) or a local HF checkpoint directory
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    # auto: FlexAttention block masks on CUDA where a batch needs a mask, SDPA on CPU (no flex backward there)
-    attn_implementation: Literal["auto", "sdpa", "eager", "flex"] = "auto"
+    # auto: on CUDA flash varlen for packed causal/bidirectional batches, FlexAttention block masks for MAGNET;
+    # SDPA on CPU (no varlen kernel, no flex backward there)
+    attn_implementation: Literal["auto", "sdpa", "eager", "flex", "varlen"] = "auto"
     compile: bool = False  # torch.compile each decoder layer's forward
     lm_head_chunk: int = 1024  # target rows per chunk of the LM head loss (0: unchunked fp32 logits of all targets)
     activation_checkpointing: bool = False

@@ -14,10 +14,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pipeline.model.attention import (
     FLEX,
     RULES,
+    VARLEN,
     attention_inputs,
     compiled_flex,
     dense_allowed,
     flex_block_mask,
+    flex_kernel_options,
     resolve_implementation,
     skipped_blocks,
 )
@@ -276,6 +278,21 @@ def test_compiled_flex_kernel_equals_dense_sdpa(mode):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_block_mask_build_equals_eager():
+    """The compiled block-mask build (CUDA's default; inductor's C++ kernel here) gives the eager build's BlockMask
+    for MAGNET's mask, and a new batch of the same shape reuses the compiled graph (its ids are inputs)."""
+    torch._dynamo.reset()
+    counters.clear()
+    for layout in ("many docs", "padding"):
+        _, doc_ids, span_ids = layout_batch(layout)
+        eager = flex_block_mask("magnet", doc_ids, span_ids, compiled=False)
+        compiled = flex_block_mask("magnet", doc_ids, span_ids, compiled=True)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(compiled, name), getattr(eager, name)), (layout, name)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_compiled_flex_does_not_recompile_for_each_batch_width():
     """Batches of new widths (SSCL's padded views) reuse the compiled kernel once its sizes are symbolic: a
     compile per width would reach dynamo's recompile limit and fall back to eager FlexAttention."""
@@ -322,9 +339,10 @@ def test_flex_attention_inputs():
 
 
 def test_resolve_implementation():
-    assert resolve_implementation("auto", cuda=True) == FLEX
+    assert resolve_implementation("auto", cuda=True) == VARLEN  # FlexAttention's block masks for MAGNET
     assert resolve_implementation("auto", cuda=False) == "sdpa"  # torch 2.13 has no FlexAttention backward on CPU
     assert resolve_implementation("flex", cuda=False) == FLEX
+    assert resolve_implementation("varlen", cuda=True) == VARLEN
     assert [resolve_implementation(s, cuda=True) for s in ("sdpa", "eager")] == ["sdpa", "eager"]
 
 
@@ -391,3 +409,24 @@ def test_flex_backward_equals_dense_sdpa_on_cuda(mode):
     assert grads[FLEX].keys() == grads["sdpa"].keys() and grads["sdpa"]
     for name, grad in grads["sdpa"].items():
         torch.testing.assert_close(grads[FLEX][name], grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="FlexAttention's kernel_options apply to its Triton kernels on CUDA only")
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_flex_kernel_options_keep_the_result_on_cuda(head_dim):
+    """The forward tiles of ``flex_kernel_options`` (on sm90 in bf16; None elsewhere) give SDPA's output and
+    gradients on the dense mask, at each head_dim they are set for (96: the 1b preset's)."""
+    _, doc_ids, span_ids = (t.cuda() for t in layout_batch("many docs"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, heads, FLEX_LEN, head_dim, generator=g, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for heads in (6, 2, 2))
+    assert (flex_kernel_options(q) is not None) == (torch.cuda.get_device_capability() == (9, 0))
+    block, dense = flex_block_mask("magnet", doc_ids, span_ids), dense_allowed("magnet", doc_ids, span_ids)
+    out = compiled_flex()(q, k, v, block_mask=block, enable_gqa=True, kernel_options=flex_kernel_options(q))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+    got_grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    for got, want in zip(got_grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)

@@ -19,7 +19,7 @@ from pipeline.config import to_dict
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.experiment import load_experiment
-from pipeline.model.attention import FLEX
+from pipeline.model.attention import VARLEN
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.module import attn_implementation
 from pipeline.train.phases import build_objectives
@@ -76,7 +76,7 @@ def test_magnet_trains_on_flex_with_token_edits_for_the_positive_view():
     for name in ("magnet.yaml", "magnet-smoke.yaml"):
         path = os.path.join(EXPERIMENTS, name)
         assert attn_implementation(load_experiment(path).model, cuda=True) == "sdpa"
-        assert attn_implementation(load_experiment(path, recipe).model, cuda=True) == FLEX
+        assert attn_implementation(load_experiment(path, recipe).model, cuda=True) == VARLEN  # FLEX's masks
     smoke = load_experiment(os.path.join(EXPERIMENTS, "magnet-smoke.yaml"), recipe)  # the sample tokenizer's
     magnet, sscl = build_objectives(smoke.phases[0], load_tokenizer(TOKENIZER))
     assert (magnet.objective.name, sscl.objective.config.augment) == ("magnet", "crop")

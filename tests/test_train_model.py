@@ -7,19 +7,35 @@ import torch
 
 from pipeline.config import ConfigError
 from pipeline.experiment import ModelConfig, OptimConfig, load_experiment
-from pipeline.model.attention import FLEX
+from pipeline.model import varlen
+from pipeline.model.attention import FLEX, VARLEN
 from pipeline.train.module import attn_implementation, build_optimizer, fused_kind
 
 
 def test_attention_implementation_per_device_and_dropout():
     assert attn_implementation(ModelConfig(), cuda=False) == "sdpa"  # the CPU default path is unchanged
-    assert attn_implementation(ModelConfig(), cuda=True) == FLEX
-    assert attn_implementation(ModelConfig(attention_dropout=0.3), cuda=True) == "sdpa"  # SimCSE: flex has none
+    assert attn_implementation(ModelConfig(), cuda=True) == VARLEN  # which runs MAGNET's masks as FLEX does
+    assert attn_implementation(ModelConfig(attention_dropout=0.3), cuda=True) == "sdpa"  # SimCSE: neither has it
+    assert attn_implementation(ModelConfig(attn_implementation="flex"), cuda=True) == FLEX
+    assert attn_implementation(ModelConfig(attn_implementation="varlen"), cuda=True) == VARLEN
     assert attn_implementation(ModelConfig(attn_implementation="eager"), cuda=True) == "eager"
     with pytest.raises(ConfigError, match="model.attn_implementation: flex trains on CUDA only.*auto or sdpa"):
         attn_implementation(ModelConfig(attn_implementation="flex"), cuda=False)
     with pytest.raises(ConfigError, match="flex has no attention dropout.*model.attention_dropout is 0.3"):
         attn_implementation(ModelConfig(attn_implementation="flex", attention_dropout=0.3), cuda=True)
+    with pytest.raises(ConfigError, match="model.attn_implementation: varlen trains on CUDA only.*auto or sdpa"):
+        attn_implementation(ModelConfig(attn_implementation="varlen"), cuda=False)
+    with pytest.raises(ConfigError, match="varlen has no attention dropout.*model.attention_dropout is 0.3"):
+        attn_implementation(ModelConfig(attn_implementation="varlen", attention_dropout=0.3), cuda=True)
+
+
+def test_attention_implementation_without_torch_varlen(monkeypatch):
+    """torch < 2.10 has no torch.nn.attention.varlen: auto takes FlexAttention, an explicit varlen says why not."""
+    monkeypatch.setattr(varlen, "varlen_attn", None)
+    assert attn_implementation(ModelConfig(), cuda=True) == FLEX
+    with pytest.raises(ConfigError, match=r"model.attn_implementation: varlen needs torch.nn.attention.varlen "
+                                          r"\(torch >= 2.10\).*use auto, flex or sdpa"):
+        attn_implementation(ModelConfig(attn_implementation="varlen"), cuda=True)
 
 
 def test_adamw_kernel_choice():

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.model.attention import FLEX, attention_inputs
+from pipeline.model.attention import FLEX, VARLEN, attention_inputs
 from pipeline.tokenizer import Tokenizer
 
 
@@ -96,7 +96,7 @@ def row_states(lm: PreTrainedModel, rows: Sequence[Sequence[int]], pad: int, mod
     if mode == "causal" or len({len(r) for r in rows}) == 1:
         return lm.model(input_ids=ids, is_causal=mode == "causal").last_hidden_state
     keys = (doc_ids >= 0)[:, None, None, :]  # [B, 1, 1, L]: every query reads the row's tokens
-    if lm.config._attn_implementation not in ("sdpa", FLEX):  # eager adds a float mask
+    if lm.config._attn_implementation not in ("sdpa", FLEX, VARLEN):  # eager adds a float mask
         keys = torch.zeros(keys.shape, dtype=lm.dtype, device=device).masked_fill(~keys, torch.finfo(lm.dtype).min)
     return lm.model(input_ids=ids, attention_mask=keys).last_hidden_state
 

@@ -19,6 +19,12 @@ The result is what the HF model's forward needs, in the form each attention impl
   own SDPA, so a ``FLEX`` model is an SDPA model that also takes block masks. The exception is an attention
   logit softcap (Gemma 2), which SDPA cannot apply: it is FlexAttention's ``score_mod`` on every batch, and what
   SDPA would have read (``is_causal``, a bool mask) becomes a ``BlockMask`` in each layer.
+- ``VARLEN`` (``pipeline_varlen``, registered the same way): causal and bidirectional batches that need a mask get
+  no mask but their attention segments (:mod:`pipeline.model.varlen`: ``cu_seqlens`` from ``doc_ids``, built once
+  per micro-batch and passed to every layer as HF's flash-varlen kwargs ``cu_seq_lens_q/k``, ``max_length_q/k``)
+  and run ``torch.nn.attention.varlen.varlen_attn``'s flash kernels; the MAGNET modes, which segments cannot
+  express, get FLEX's block mask; anything else runs HF's SDPA. So a ``VARLEN`` model is a ``FLEX`` model whose
+  plain modes skip the mask build and the masked-out tiles.
 
 When a batch has no padding and document masking changes nothing (document masking off, or one document per row),
 causal and bidirectional need no mask at all: the builder then passes ``is_causal`` explicitly (so SDPA can use
@@ -41,6 +47,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from pipeline.model.varlen import available as varlen_available
+from pipeline.model.varlen import packed_segments, segment_ids, varlen_attention
 
 
 @dataclass(frozen=True)
@@ -85,9 +94,10 @@ RULES: dict[str, Rule] = {"causal": _causal, "bidirectional": _bidirectional, "m
                           "magnet_own_span": _magnet_own_span}
 # Modes that, without padding or document boundaries, are exactly HF's own causal / bidirectional attention.
 _PLAIN_IS_CAUSAL = {"causal": True, "bidirectional": False}
-FLEX = "pipeline_flex"  # the HF attention implementation registered below
-IMPLEMENTATIONS = ("eager", "sdpa", FLEX)
-SETTINGS = ("auto", "sdpa", "eager", "flex")  # model.attn_implementation
+FLEX = "pipeline_flex"  # the HF attention implementations registered below
+VARLEN = "pipeline_varlen"
+IMPLEMENTATIONS = ("eager", "sdpa", FLEX, VARLEN)
+SETTINGS = ("auto", "sdpa", "eager", "flex", "varlen")  # model.attn_implementation
 BLOCK_SIZE = 128  # FlexAttention's tile: the granularity at which masked-out blocks are skipped
 
 
@@ -115,10 +125,20 @@ def dense_allowed(mode: str, doc_ids: torch.Tensor, span_ids: torch.Tensor | Non
     return allowed(mode, view(2), view(3), document_masking)
 
 
+@functools.cache
+def compiled_create_block_mask() -> Callable:
+    """``create_block_mask`` compiled once per process (as torchtitan does): the eager build evaluates the
+    ``mask_mod`` on every pair with many small kernels, 12-20 ms a micro-batch on an H200 (issue 32's
+    measurement); compiled it is one fused kernel. A new batch's ids are new tensor inputs, not a recompile."""
+    return torch.compile(create_block_mask)
+
+
 def flex_block_mask(mode: str, doc_ids: torch.Tensor, span_ids: torch.Tensor | None = None,
-                    document_masking: bool = True, block_size: int = BLOCK_SIZE) -> BlockMask:
+                    document_masking: bool = True, block_size: int = BLOCK_SIZE,
+                    compiled: bool | None = None) -> BlockMask:
     """The ``BlockMask`` of ``allowed`` for a batch of ``doc_ids`` [B, L]: its ``mask_mod`` gathers the facts of
-    query ``q_idx`` and key ``kv_idx`` of sample ``b`` and evaluates the same rule as ``dense_allowed``."""
+    query ``q_idx`` and key ``kv_idx`` of sample ``b`` and evaluates the same rule as ``dense_allowed``. Built
+    by :func:`compiled_create_block_mask` when ``compiled`` (default: on CUDA), else eagerly."""
     if mode not in RULES:
         raise ValueError(f"unknown attention mode {mode!r}; known modes: {', '.join(RULES)}")
 
@@ -129,7 +149,8 @@ def flex_block_mask(mode: str, doc_ids: torch.Tensor, span_ids: torch.Tensor | N
         return allowed(mode, facts(b, q_idx), facts(b, kv_idx), document_masking)
 
     batch, length = doc_ids.shape
-    return create_block_mask(mask_mod, batch, None, length, length, device=doc_ids.device, BLOCK_SIZE=block_size)
+    build = compiled_create_block_mask() if (doc_ids.is_cuda if compiled is None else compiled) else create_block_mask
+    return build(mask_mod, batch, None, length, length, device=doc_ids.device, BLOCK_SIZE=block_size)
 
 
 def skipped_blocks(block_mask: BlockMask) -> float:
@@ -163,9 +184,16 @@ def attention_inputs(mode: str, doc_ids: torch.Tensor, span_ids: torch.Tensor | 
     if attn_implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {attn_implementation!r} cannot express custom masks; "
                          f"use one of {', '.join(IMPLEMENTATIONS)}")
+    if attn_implementation == VARLEN and mode in _PLAIN_IS_CAUSAL:
+        segments = packed_segments(doc_ids, document_masking)  # its one host sync stands for _needs_mask's
+        if segments is None:
+            return {"is_causal": _PLAIN_IS_CAUSAL[mode]}
+        return {"is_causal": _PLAIN_IS_CAUSAL[mode], "cu_seq_lens_q": segments.cu_seqlens,
+                "cu_seq_lens_k": segments.cu_seqlens, "max_length_q": segments.max_seqlen,
+                "max_length_k": segments.max_seqlen}
     if not _needs_mask(mode, doc_ids, document_masking):
         return {"is_causal": _PLAIN_IS_CAUSAL[mode]}
-    if attn_implementation == FLEX:
+    if attn_implementation in (FLEX, VARLEN):
         return {"attention_mask": flex_block_mask(mode, doc_ids, span_ids, document_masking)}
     ok = dense_allowed(mode, doc_ids, span_ids, document_masking)
     if attn_implementation == "sdpa":
@@ -175,13 +203,17 @@ def attention_inputs(mode: str, doc_ids: torch.Tensor, span_ids: torch.Tensor | 
 
 
 def resolve_implementation(setting: str, cuda: bool) -> str:
-    """The HF attention implementation for ``model.attn_implementation``: ``auto`` is FlexAttention on CUDA (block
-    masks for batches that need a mask, SDPA's flash path for those that do not) and SDPA on CPU."""
+    """The HF attention implementation for ``model.attn_implementation``: ``auto`` is VARLEN on CUDA (flash varlen
+    for causal / bidirectional batches that need a mask, FlexAttention block masks for MAGNET, SDPA's flash path
+    for batches that need no mask; FLEX where this torch has no varlen) and SDPA on CPU."""
     if setting not in SETTINGS:
         raise ValueError(f"model.attn_implementation: {setting!r} is not one of {', '.join(SETTINGS)}")
+    if setting == "varlen" and not varlen_available():
+        raise ValueError(f"model.attn_implementation: varlen needs torch.nn.attention.varlen (torch >= 2.10), which "
+                         f"torch {torch.__version__} lacks; use auto, flex or sdpa")
     if setting == "auto":
-        return FLEX if cuda else "sdpa"
-    return FLEX if setting == "flex" else setting
+        return (VARLEN if varlen_available() else FLEX) if cuda else "sdpa"
+    return {"flex": FLEX, "varlen": VARLEN}.get(setting, setting)
 
 
 @functools.cache
@@ -199,6 +231,28 @@ def _flex(query: torch.Tensor):
     if not query.is_cuda or torch.compiler.is_compiling():
         return flex_attention
     return compiled_flex()
+
+
+# FlexAttention's forward tiles on Hopper (H100/H200) in bf16/fp16 by head_dim, as (BLOCK_M, BLOCK_N, num_stages,
+# num_warps): torch's own sm90 defaults for 64 and 128 (inductor's ``h100_default_flex_config``); head_dim 96 has no
+# entry there, so torch falls back to 64 x 64 tiles with 4 warps, and gets the config of 128, the size its kernel
+# pads 96 to. The backward's sm90 default already covers head_dim <= 128. Not yet measured against torch's choice.
+_SM90_FORWARD_TILES = {64: (128, 128, 3, 4), 96: (128, 64, 3, 8), 128: (128, 64, 3, 8)}
+
+
+@torch.compiler.assume_constant_result  # read once while a compiled layer traces, not a graph break
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def flex_kernel_options(query: torch.Tensor) -> dict[str, int] | None:
+    """FlexAttention ``kernel_options`` for ``query`` [B, H, L, head_dim]: the forward tiles above on an sm90 GPU
+    in half precision (``fwd_``: the backward keeps its own), None (torch's choice) elsewhere."""
+    tiles = _SM90_FORWARD_TILES.get(query.shape[-1])
+    if (tiles is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16)
+            or not _is_sm90(query.device)):
+        return None
+    return dict(zip(("fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_stages", "fwd_num_warps"), tiles, strict=True))
 
 
 def _softcapped(softcap: float):
@@ -242,9 +296,40 @@ def flex_or_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
         raise ValueError("FlexAttention has no attention dropout; set model.attn_implementation: sdpa for "
                          "model.attention_dropout > 0")
     out = _flex(query)(query, key, value, score_mod=None if softcap is None else _softcapped(softcap),
-                       block_mask=attention_mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+                       block_mask=attention_mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1],
+                       kernel_options=flex_kernel_options(query))
     return out.transpose(1, 2).contiguous(), None
 
 
+def varlen_or_flex_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                           softcap: float | None = None, is_causal: bool | None = None,
+                           cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None, **kwargs):
+    """HF attention function: flash varlen over the segments ``attention_inputs`` passed (``cu_seq_lens_q``),
+    :func:`flex_or_sdpa_forward` for anything else. A softcapped model (Gemma 2; varlen has no softcap) runs its
+    segments as a FlexAttention block mask built in each layer, like FLEX's softcap path."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_k", "max_length_k")}  # self-attention: q's
+    if cu_seq_lens_q is None:
+        return flex_or_sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                    softcap=softcap, is_causal=is_causal, **kwargs)
+    if dropout > 0:
+        raise ValueError("varlen attention has no attention dropout; set model.attn_implementation: sdpa for "
+                         "model.attention_dropout > 0")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if softcap is None:
+        return varlen_attention(query, key, value, cu_seq_lens_q, max_length_q, causal=causal, scale=scaling), None
+    batch, _, length, _ = query.shape
+    segment = segment_ids(cu_seq_lens_q, batch, length)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = segment[b, q_idx] == segment[b, kv_idx]
+        return same & (kv_idx <= q_idx) if causal else same
+
+    block_mask = create_block_mask(mask_mod, batch, None, length, length, device=query.device)
+    return flex_or_sdpa_forward(module, query, key, value, block_mask, scaling=scaling, softcap=softcap)
+
+
 AttentionInterface.register(FLEX, flex_or_sdpa_forward)
-ALL_MASK_ATTENTION_FUNCTIONS.register(FLEX, sdpa_mask)  # 2D padding masks and no mask: exactly as for sdpa
+AttentionInterface.register(VARLEN, varlen_or_flex_forward)
+for _name in (FLEX, VARLEN):  # 2D padding masks and no mask: exactly as for sdpa
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_name, sdpa_mask)

@@ -11,7 +11,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from pipeline.config import ConfigError
 from pipeline.experiment import ExperimentConfig, ModelConfig, OptimConfig
-from pipeline.model.attention import FLEX, resolve_implementation
+from pipeline.model.attention import FLEX, VARLEN, resolve_implementation
 from pipeline.model.build import build_model, compile_body
 from pipeline.model.lm_head import chunk_lm_head
 from pipeline.model.lora import add_lora
@@ -40,17 +40,23 @@ class TrainModule(nn.Module):
 
 
 def attn_implementation(config: ModelConfig, cuda: bool) -> str:
-    """The HF attention implementation to train with; FlexAttention needs CUDA (no backward on CPU) and has no
-    attention dropout, so ``auto`` then falls back to SDPA and an explicit ``flex`` is an error."""
-    impl = resolve_implementation(config.attn_implementation, cuda)
-    explicit = config.attn_implementation == "flex"
-    if impl == FLEX and not cuda:
-        raise ConfigError("model.attn_implementation: flex trains on CUDA only (torch 2.13 has no FlexAttention "
-                          "backward on CPU); use auto or sdpa")
-    if impl == FLEX and config.attention_dropout > 0:
-        if explicit:
-            raise ConfigError(f"model.attn_implementation: flex has no attention dropout, but model.attention_dropout "
-                              f"is {config.attention_dropout}; use auto or sdpa")
+    """The HF attention implementation to train with; FlexAttention and varlen need CUDA (no FlexAttention backward,
+    no varlen kernel on CPU) and have no attention dropout, so ``auto`` then falls back to SDPA and an explicit
+    ``flex`` / ``varlen`` is an error."""
+    setting = config.attn_implementation
+    try:
+        impl = resolve_implementation(setting, cuda)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if impl not in (FLEX, VARLEN):
+        return impl
+    if not cuda:
+        raise ConfigError(f"model.attn_implementation: {setting} trains on CUDA only (torch has no FlexAttention "
+                          "backward and no varlen kernel on CPU); use auto or sdpa")
+    if config.attention_dropout > 0:
+        if setting != "auto":
+            raise ConfigError(f"model.attn_implementation: {setting} has no attention dropout, but "
+                              f"model.attention_dropout is {config.attention_dropout}; use auto or sdpa")
         return "sdpa"
     return impl
 
