@@ -1,6 +1,6 @@
 """bench/gpu's install recipe on CPU, so that it cannot rot between GPU loans: prepare.sh fetches the pinned wheels
 for this Python, and run.sh installs exactly them (install.sh: no index, no pip configuration) into an environment
-that lacks them as the lent GPU's image does, checks the imports, prints the versions and starts bench_gpu.py (its
+that lacks them as the lent GPU's image does, checks the imports, prints the versions and starts ablate.py (its
 --help: tests/test_bench.py runs the benchmark itself). prepare.sh's default, the GPU's cp312 set, is fetched too.
 Needs PyPI; ~1 min."""
 
@@ -83,6 +83,6 @@ def test_prepared_wheels_install_offline_and_import_the_pipeline(tmp_path):
     proc = run([os.path.join(GPU, "run.sh"), str(tmp_path / "out"), "--help"], cwd=tmp_path,
                env={**env, "PYTHON": python, "WHEELS": str(wheels), "DS_ACCELERATOR": "cpu"})
     assert f"deepspeed {pinned['deepspeed']}; " in proc.stdout and f"deepspeed from {venv_site}" in proc.stdout
-    assert "usage: bench_gpu.py" in proc.stdout
+    assert "usage: ablate.py" in proc.stdout
     installed = json.loads(run([python, "-m", "pip", "list", "--path", venv_site, "--format", "json"], env=env).stdout)
     assert {canonical(d["name"]): d["version"] for d in installed} == pinned
