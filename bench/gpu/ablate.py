@@ -194,8 +194,8 @@ def child(args: argparse.Namespace) -> None:
 
     from pipeline.model.flops import device_peak_tflops
 
-    cfg, data = RunConfig(**{**json.loads(args.row), "overrides": tuple(json.loads(args.row)["overrides"])}), \
-        Data(**json.loads(args.data_json))
+    raw = json.loads(args.row)
+    cfg, data = RunConfig(**{**raw, "overrides": tuple(raw["overrides"])}), Data(**json.loads(args.data_json))
     device = single_process()
     cuda = device.type == "cuda"
     result: dict = {}
@@ -288,7 +288,7 @@ def run(s: Settings, args: argparse.Namespace, started: float) -> None:
             return
         done.append(row)
         row.error = config_error(row.config, data)
-        if not row.error and deadline - time.time() < s.min_row_s or time.time() >= deadline:
+        if not row.error and deadline - time.time() < max(s.min_row_s, 0.0):
             row.error = OVER_BUDGET
         if not row.error:
             run_row(row, s, data, out, deadline, attribute)
