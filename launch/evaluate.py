@@ -4,6 +4,8 @@
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.eval.runner import main
 
 if __name__ == "__main__":

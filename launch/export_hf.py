@@ -3,6 +3,8 @@
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.export.hf import main
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ Also installed as ``pipeline-import-gguf``; options: ``--help``. The conversion 
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.model.gguf_import import main
 
 if __name__ == "__main__":

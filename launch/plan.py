@@ -7,6 +7,8 @@ Also installed as ``pipeline-plan``; options: ``--help``. The planner is pipelin
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.planner.report import main
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ paper and PNG plots; options: ``pipeline.eval.report.write.main``)."""
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.eval.report.write import main
 
 if __name__ == "__main__":

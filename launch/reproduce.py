@@ -12,6 +12,8 @@ GPU where torch sees one. Re-running skips what is finished and resumes unfinish
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.reproduce.driver import main
 
 if __name__ == "__main__":

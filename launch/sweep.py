@@ -7,6 +7,8 @@ Also installed as ``pipeline-sweep``; options: ``--help``. The sweep is pipeline
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.sweep import main
 
 if __name__ == "__main__":

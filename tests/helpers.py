@@ -10,10 +10,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
+import sysconfig
 import threading
 
 import numpy as np
@@ -287,3 +290,34 @@ def http_server(directory: str, drop: str | None = None):
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+def canonical(name: str) -> str:
+    """A distribution's name as pip compares them."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def image_without(hidden: set[str], directory) -> str:
+    """This venv's site-packages less the distributions ``hidden``, as links in ``directory``."""
+    site = sysconfig.get_paths()["purelib"]
+    drop = set()
+    for dist in importlib.metadata.distributions(path=[site]):
+        if canonical(dist.metadata["Name"]) in hidden:
+            drop |= {f.parts[0] for f in dist.files or () if f.parts[0] != ".."}
+    directory.mkdir()
+    for entry in set(os.listdir(site)) - drop:
+        os.symlink(os.path.join(site, entry), directory / entry)
+    return str(directory)
+
+
+def venv_without(hidden: set[str], root) -> tuple[str, str]:
+    """(python, its site-packages) of a new venv in ``root`` that sees this venv's packages less the distributions
+    ``hidden`` (:func:`image_without`): e.g. the project's own editable install, or what a GPU image lacks."""
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                          capture_output=True, text=True, timeout=60).stdout.strip()
+    with open(os.path.join(site, "image.pth"), "w") as f:
+        f.write(image_without(hidden, root / "image") + "\n")
+    return python, site

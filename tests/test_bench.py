@@ -5,6 +5,8 @@ deadline, the optimizers' process killed with its children, a run out of budget 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import importlib.util
 import json
 import os
@@ -14,6 +16,7 @@ import sys
 import time
 
 import pytest
+from helpers import ONE_RANK, launch_training, logged_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_GPU = os.path.join(REPO, "bench", "gpu", "bench_gpu.py")
@@ -119,3 +122,108 @@ def test_encode_bench_dry_run_checks_agreement_then_times_all_three(tmp_path):
     assert all(rate > 0 for rate in rates.values()) and results["sentences"] == 96
     assert results["ratio_to_sentence_transformers"]["sentence-transformers encode"] == 1.0
     assert proc.stdout.rstrip().endswith(f"{rates['encode()'] / rates['sentence-transformers encode']:.2f}x")
+
+
+def _bench_module(name: str):
+    """A bench/gpu script as a module (they import each other by file name)."""
+    sys.path.insert(0, os.path.dirname(BENCH_GPU))
+    return importlib.import_module(name)
+
+
+ablate = _bench_module("ablate")
+attribute = _bench_module("attribute")
+
+
+@pytest.mark.e2e
+def test_gpu_ablation_dry_run_and_the_training_log_agree_on_flops(tmp_path):
+    """bench/gpu/ablate.py's CPU dry run: its best row (with no lever rows run, the baseline's config) in its own
+    process on real shards and the trainer's engine, timed and attributed with the report's full shape; then
+    launch/train.py on the same shards with the same experiment logs, for the step the bench timed, the FLOPs per
+    token the bench reported (one ``Throughput`` over ``train_step``'s ``Work``). ~25 s on a quiet machine."""
+    out, data = tmp_path / "out", tmp_path / "data"
+    proc = subprocess.run([sys.executable, ablate.__file__, "--dry-run", "--out", str(out), "--data", str(data),
+                           "--rows", "best"], capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = json.loads((out / "results.json").read_text())
+    [row] = results["rows"]
+    assert row["group"] == "best" and row["setting"] == "the baseline" and not row["error"], row
+    assert row["step_s"] > 0 and row["tokens_per_step"] > 0 and row["flops_per_token"] > 0, row
+    report = json.loads((out / "attribution.json").read_text())["attribution"]
+    assert set(report) == {"device", "step_ms", "busy_ms", "busy_share", "idle_ms", "idle_gaps",
+                           "kernel_ms_by_category", "top_kernels", "host_syncs", "dtoh_copies", "kernel_launches",
+                           "ranges_ms"}
+    assert 0 < report["busy_ms"] <= report["step_ms"] and report["kernel_ms_by_category"]["matmul"] > 0
+    assert all(report["ranges_ms"][r]["host"] > 0 for r in attribute.RANGES) and report["top_kernels"]
+    assert "| best | the baseline | tiny | zero2.json | 2 x 1 |" in proc.stdout
+    assert "## Step attribution: tiny" in proc.stdout and "| matmul |" in proc.stdout
+
+    cfg = attribute.RunConfig(**{**row["config"], "overrides": ()})
+    run_dir = tmp_path / "run"
+    sets = attribute.experiment_overrides(cfg, attribute.Data(**results["data"]), str(run_dir))[1:]
+    launch_training(str(run_dir), None, *sets, "train.steps=2", "train.log_every=1", "train.export_hf=false",
+                    **ONE_RANK)
+    steps = logged_steps(str(run_dir))  # the bench timed the step after its one warm-up step
+    assert steps[2]["perf/flops_per_token"] == pytest.approx(row["flops_per_token"], rel=1e-12)
+    assert steps[1]["perf/flops_per_token"] != steps[2]["perf/flops_per_token"]  # else any step would match
+
+
+def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path):
+    """Levers come from other branches: an unknown override or DeepSpeed JSON is that row's config error, found
+    before a process starts; the best row combines the fastest measured settings; the planner's 7b row on an
+    H200 is ZeRO-3 with activation checkpointing, its estimate beside it."""
+    data = attribute.Data(str(tmp_path / "shards"), str(tmp_path / "tokenizer"))
+    base = ablate.DRY.base
+    assert ablate.config_error(base, data) == ""
+    missing = ablate.config_error(dataclasses.replace(base, overrides=("model.no_such_lever=true",)), data)
+    assert missing.startswith("config error: ") and "no_such_lever" in missing
+    assert "ds_configs/zero9.json does not exist" in ablate.config_error(
+        dataclasses.replace(base, ds_config="ds_configs/zero9.json"), data)
+
+    rows = ablate.lever_rows(ablate.FULL)
+    assert {r.group for r in rows} == {"baseline", "engine", "attention", "compile", "checkpointing", "batch"}
+    batch = [r.config for r in rows if r.group == "batch"]
+    assert all(c.micro_batch * c.grad_accum * c.seq_len >= 65536 for c in batch)
+    speed = {"baseline": 1.0, "ds_configs/zero3.json": 0.8, "ds_configs/zero1.json": 1.3, "varlen": 1.5,
+             "flex": 1.2, "true": 0.9, f"micro 4 x accumulation {batch[0].grad_accum}": 2.0}
+    for r in rows:
+        r.tokens_per_s = speed.get(r.group if r.group == "baseline" else r.setting, 0.0)
+    best = ablate.best_row(rows, ablate.FULL.base)
+    assert best.config.ds_config == "ds_configs/zero1.json" and best.config.micro_batch == 4
+    assert best.config.overrides == ("model.attn_implementation=varlen",)  # compile lost to the baseline
+    assert best.config.grad_accum == batch[0].grad_accum
+
+    planner = ablate.planner_row(ablate.FULL)
+    assert planner.config.preset == "7b" and planner.config.ds_config == "ds_configs/zero3.json"
+    assert planner.config.overrides == ("model.activation_checkpointing=true",)
+    assert 0 < planner.estimate_gib <= 141
+
+
+def test_attribution_of_a_cuda_trace():
+    """The CUDA side of the report, which the CPU dry run cannot reach, on a hand-written trace: kernels placed
+    in the engine range whose launch they follow, busy and idle time, syncs, device-to-host copies, launches."""
+    def x(name, cat, ts, dur, **args):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "args": args, "tid": 1}
+
+    events = [x("STEP", "user_annotation", 0, 10_000), x("ENGINE_forward", "user_annotation", 0, 2_000),
+              x("ENGINE_backward", "user_annotation", 2_000, 3_000), x("ENGINE_step", "user_annotation", 5_000, 4_000),
+              x("cudaLaunchKernel", "cuda_runtime", 100, 10, correlation=1),
+              x("cudaLaunchKernel", "cuda_runtime", 2_100, 10, correlation=2),
+              x("cudaLaunchKernel", "cuda_runtime", 5_100, 10, correlation=3),
+              x("cudaMemcpyAsync", "cuda_runtime", 5_200, 10, correlation=4),
+              x("cudaStreamSynchronize", "cuda_runtime", 5_300, 700),
+              x("aten::item", "cpu_op", 5_290, 720),
+              x("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 200, 1_000, correlation=1),
+              x("pytorch_flash::flash_bwd_kernel", "kernel", 2_200, 2_000, correlation=2),
+              x("multi_tensor_apply_kernel<AdamFunctor>", "kernel", 5_150, 100, correlation=3),
+              x("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 5_400, 50, correlation=4)]
+    r = attribute.attribution(events, cuda=True)
+    assert r["step_ms"] == 10.0 and r["busy_ms"] == 3.15 and r["idle_ms"] == 6.85
+    assert r["kernel_ms_by_category"] == {"communication": 0.0, "copies": 0.05, "attention": 2.0, "matmul": 1.0,
+                                          "optimizer": 0.1, "norm/elementwise": 0.0}
+    assert r["host_syncs"]["count"] == 1 and r["host_syncs"]["blocked_ms"] == 0.7
+    assert r["host_syncs"]["sync_ops"]["aten::item"] == 1 and r["dtoh_copies"] == 1 and r["kernel_launches"] == 3
+    assert {k: v["device"] for k, v in r["ranges_ms"].items()} == {"forward": 1.0, "backward": 2.0, "step": 0.15,
+                                                                  "other": 0.0}
+    assert r["ranges_ms"]["step"]["host"] == 4.0 and r["top_kernels"][0]["name"] == "pytorch_flash::flash_bwd_kernel"
+    assert r["idle_gaps"] == {"count": 3, "total_ms": 6.5, "largest_ms": [4.55, 1.0, 0.95]}

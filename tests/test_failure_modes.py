@@ -58,6 +58,8 @@ from pipeline.run_dir import RunDir
 from pipeline.train import preflight as preflight_module
 from pipeline.train.distributed import (
     CPU_COMM_OP,
+    arch_list_for_deepspeed,
+    deepspeed_arch_list,
     say_if_building_cpu_op,
     stale_build_locks,
     warn_stale_build_locks,
@@ -382,6 +384,30 @@ def test_a_left_over_op_build_lock_is_named_with_the_fix(tmp_path, monkeypatch, 
     warn_stale_build_locks()
     err = capsys.readouterr().err
     assert f"{old} is 60 min old" in err and "'fused_adam'" in err and f"rm {old}" in err and str(fresh) not in err
+
+
+def test_arch_suffixes_are_dropped_for_deepspeeds_op_builder(monkeypatch, capsys):
+    """Issue 32: FusedAdam did not build on an H200 image whose TORCH_CUDA_ARCH_LIST is "9.0a": DeepSpeed's CUDA
+    op builder (its real FusedAdamBuilder, run for its arch flags only) int()s "0a". The rewritten list builds."""
+    # the CUDA builder, whatever the accelerator
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    builder._jit_arch_list = "8.0 9.0a+PTX"
+    with pytest.raises(ValueError, match="'0a'"):
+        builder.compute_capability_args()
+    assert deepspeed_arch_list("8.0 9.0a+PTX") == "8.0;9.0+PTX"
+    assert deepspeed_arch_list("9.0a;9.0;10.0f") == "9.0;10.0"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0 9.0a+PTX")
+    arch_list_for_deepspeed()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX" and "'8.0;9.0+PTX'" in capsys.readouterr().err
+    builder._jit_arch_list = os.environ["TORCH_CUDA_ARCH_LIST"]
+    assert builder.compute_capability_args() == [] and os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"
+    arch_list_for_deepspeed()  # already plain: left alone, silently
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ConfigError, match=r"cannot read 'Hopper'; set it to the GPU's compute capability"):
+        deepspeed_arch_list("8.0;Hopper")
 
 
 def test_the_first_start_says_it_builds_deepspeeds_cpu_op(tmp_path, monkeypatch, capsys):

@@ -1,21 +1,20 @@
 """bench/gpu's install recipe on CPU, so that it cannot rot between GPU loans: prepare.sh fetches the pinned wheels
 for this Python, and run.sh installs exactly them (install.sh: no index, no pip configuration) into an environment
-that lacks them as the lent GPU's image does, checks the imports, prints the versions and starts bench_gpu.py (its
+that lacks them as the lent GPU's image does, checks the imports, prints the versions and starts ablate.py (its
 --help: tests/test_bench.py runs the benchmark itself). prepare.sh's default, the GPU's cp312 set, is fetched too.
 Needs PyPI; ~1 min."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import re
 import subprocess
 import sys
-import sysconfig
 import urllib.request
 
 import pytest
+from helpers import canonical, venv_without
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU = os.path.join(REPO, "bench", "gpu")
@@ -26,10 +25,6 @@ LACKING = ("deepspeed", "hjson", "pydantic", "pydantic-core", "annotated-types",
            "typing-extensions", "zstandard")
 # ... and the rest must not be needed (the project itself comes from the checkout)
 NOT_NEEDED = ("decoder-encoders", "datasets", "mteb", "webdataset", "wids")
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def pins() -> dict[str, str]:
@@ -45,19 +40,6 @@ def pypi_reachable() -> bool:
         return True
     except OSError:
         return False
-
-
-def image_without(hidden: set[str], directory) -> str:
-    """This venv's site-packages less the distributions ``hidden``, as links in ``directory``."""
-    site = sysconfig.get_paths()["purelib"]
-    drop = set()
-    for dist in importlib.metadata.distributions(path=[site]):
-        if canonical(dist.metadata["Name"]) in hidden:
-            drop |= {f.parts[0] for f in dist.files or () if f.parts[0] != ".."}
-    directory.mkdir()
-    for entry in set(os.listdir(site)) - drop:
-        os.symlink(os.path.join(site, entry), directory / entry)
-    return str(directory)
 
 
 def run(cmd, **kwargs) -> subprocess.CompletedProcess:
@@ -93,12 +75,7 @@ def test_prepared_wheels_install_offline_and_import_the_pipeline(tmp_path):
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     wheels = tmp_path / "wheels"
     assert set(prepare(wheels, "--python-version", here)) == set(pinned)
-    venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
-    python = str(venv / "bin" / "python")
-    venv_site = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
-    with open(os.path.join(venv_site, "image.pth"), "w") as f:
-        f.write(image_without({canonical(n) for n in LACKING + NOT_NEEDED}, tmp_path / "image") + "\n")
+    python, venv_site = venv_without({canonical(n) for n in LACKING + NOT_NEEDED}, tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     missing = subprocess.run([python, "-c", "import deepspeed"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert "No module named 'deepspeed'" in missing.stderr  # else the install below would prove nothing
@@ -106,6 +83,6 @@ def test_prepared_wheels_install_offline_and_import_the_pipeline(tmp_path):
     proc = run([os.path.join(GPU, "run.sh"), str(tmp_path / "out"), "--help"], cwd=tmp_path,
                env={**env, "PYTHON": python, "WHEELS": str(wheels), "DS_ACCELERATOR": "cpu"})
     assert f"deepspeed {pinned['deepspeed']}; " in proc.stdout and f"deepspeed from {venv_site}" in proc.stdout
-    assert "usage: bench_gpu.py" in proc.stdout
+    assert "usage: ablate.py" in proc.stdout
     installed = json.loads(run([python, "-m", "pip", "list", "--path", venv_site, "--format", "json"], env=env).stdout)
     assert {canonical(d["name"]): d["version"] for d in installed} == pinned

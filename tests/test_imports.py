@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
 
 import pytest
-from helpers import REPO
+from helpers import REPO, venv_without
 
 
 def imported_modules(path: str) -> set[str]:
@@ -39,6 +40,7 @@ def test_launch_scripts_parse_no_options_themselves():
 # scripts that get no command, and why; every other script of launch/ and data_prep/ must have one
 NOT_COMMANDS = {
     "launch/train.py": "runs under DeepSpeed's launcher (deepspeed launch/train.py)",
+    "launch/_repo.py": "not a script: what every launch/ script imports first (the checkout's root on sys.path)",
     "data_prep/make_sample_corpus.py": "regenerates the checkout's data/sample",
     "data_prep/make_pairs_sample.py": "regenerates the checkout's data/sample/pairs",
 }
@@ -75,3 +77,28 @@ def test_every_script_that_needs_no_launcher_is_a_command_the_readme_lists():
         assert "main" in {n.name for n in ast.parse(open(module).read()).body if isinstance(n, ast.FunctionDef)}
     readme = open(os.path.join(REPO, "README.md")).read()
     assert [c for c in commands if f"`{c}`" not in readme] == []
+
+
+def test_every_launch_script_puts_the_checkout_first_on_sys_path():
+    """Each script imports launch/_repo.py before any ``pipeline`` module (checked on the source, no start-up)."""
+    for path in python_files("launch"):
+        if path.endswith("_repo.py"):
+            continue
+        imports = [n for n in ast.parse(open(path).read(), path).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        first = next(i for i, n in enumerate(imports) if isinstance(n, ast.ImportFrom)
+                     and (n.module or "").startswith("pipeline"))
+        assert any(isinstance(n, ast.Import) and n.names[0].name == "_repo" for n in imports[:first]), path
+
+
+@pytest.mark.e2e
+def test_deepspeed_train_script_runs_from_a_checkout_that_is_not_installed(tmp_path):
+    """``deepspeed launch/train.py`` starts ``python -u launch/train.py`` (issue 32: "No module named 'pipeline'"
+    on a checkout that was not pip-installed): a python with every dependency but not the project's editable
+    install, no PYTHONPATH, started elsewhere, still reaches the trainer's own usage (~5 s)."""
+    python, _ = venv_without({"decoder-encoders"}, tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    hidden = subprocess.run([python, "-c", "import pipeline"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert "No module named 'pipeline'" in hidden.stderr  # else the run below would prove nothing
+    proc = subprocess.run([python, "-u", os.path.join(REPO, "launch", "train.py"), "--help"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0 and "deepspeed launch/train.py --config" in proc.stdout, proc.stderr[-3000:]

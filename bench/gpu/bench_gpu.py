@@ -7,8 +7,9 @@ with dense-mask SDPA and with FlexAttention block masks (the attention implement
 model), and CLM also with the unchunked LM head. Batches come from the real ``ShardLoader`` over shards that data
 prep builds from a synthetic corpus (random words of a word-level tokenizer with a Llama-3-sized vocabulary,
 documents of 64..4096 tokens packed at seq 2048 with document masking, so every objective needs a mask). A few
-warm-up steps (FlexAttention compiles its kernels there), then timed steps; the MFU counts the FLOPs the objective
-needs (``flops_per_token`` with the LM head on its targets only) against the device's dense bf16 peak. Flex rows
+warm-up steps (FlexAttention compiles its kernels there), then timed steps; the MFU is the training log's (the
+``Throughput`` of pipeline/train/metrics.py over ``train_step``'s ``Work``: the LM head on its targets only,
+attention over each document) against the device's dense bf16 peak. Flex rows
 also give the share of attention tiles the block mask skips and the time to build it per micro-batch. Last (its
 FusedAdam builds a CUDA extension, which may take minutes), one AdamW step over the 1b preset's parameters in
 ZeRO-3's flat fp32 layout with each kernel (torch foreach, torch fused, DeepSpeed FusedAdam), which decides
@@ -162,13 +163,13 @@ def make_tokenizer(directory: str, vocab: int) -> str:
     return directory
 
 
-def make_corpus(path: str, vocab: int, tokens: int, seed: int = 0) -> str:
-    """Documents of 64..4096 random words (uniform ids), ``tokens`` words in all, as one jsonl file."""
+def make_corpus(path: str, vocab: int, tokens: int, seed: int = 0, lengths: tuple[int, int] = (64, 4096)) -> str:
+    """Documents of ``lengths`` (inclusive) random words (uniform ids), ``tokens`` words in all, as one jsonl file."""
     rng = random.Random(seed)
     with open(path, "w") as f:
         written = 0
         while written < tokens:
-            n = rng.randint(64, 4096)
+            n = rng.randint(*lengths)
             f.write(json.dumps({"text": " ".join(f"w{rng.randrange(len(SPECIALS), vocab)}" for _ in range(n))}) + "\n")
             written += n
     return path
@@ -323,7 +324,6 @@ def measure_presets(settings: Settings, device, work: str, ds_raw: dict, peak: f
     from pipeline.data.loader import ShardLoader
     from pipeline.data.manifest import load_index
     from pipeline.experiment import load_experiment
-    from pipeline.model.flops import flops_per_token
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import resolve_ds_config
     from pipeline.train.module import attn_implementation, build_train_model, fused_kind
@@ -368,9 +368,7 @@ def measure_presets(settings: Settings, device, work: str, ds_raw: dict, peak: f
                 else:
                     try:
                         with variant(lm, row):
-                            measure(row, engine, built[row.objective], loader, device, settings)
-                        row.mfu = (row.tokens_per_s * flops_per_token(lm.config, settings.seq_len,
-                                                                      row.targets_per_token) / (peak * 1e12)) if peak else None
+                            measure(row, engine, built[row.objective], loader, device, settings, lm.config, peak)
                     except OverBudget:
                         row.error = CUT_AT_BUDGET
                         raise
@@ -423,28 +421,32 @@ def _failure(e: Exception, cuda: bool) -> str:
     return "out of memory" if isinstance(e, torch.cuda.OutOfMemoryError) else f"{type(e).__name__}: {e}"[:120]
 
 
-def measure(row: Row, engine, wobj, loader, device, settings: Settings) -> None:
-    """Warm-up steps, then timed optimizer steps of ``wobj`` alone; fills the row's timings in place."""
+def measure(row: Row, engine, wobj, loader, device, settings: Settings, config, peak: float) -> None:
+    """Warm-up steps, then timed optimizer steps of ``wobj`` alone; fills the row's timings and MFU (against
+    ``peak`` TFLOP/s of ``config``'s model FLOPs; None without a peak) in place."""
     import torch
     import torch.distributed as dist
 
     from pipeline.model.attention import FLEX, attention_inputs, skipped_blocks
+    from pipeline.model.flops import work_flops
+    from pipeline.train.metrics import Throughput
     from pipeline.train.step import train_step
 
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, tokens, targets, skipped, mask_s = [], 0, 0, [], []
+    times, tokens, targets, flops, skipped, mask_s = [], 0, 0, 0.0, [], []
     for i in range(settings.warmup + settings.steps):
         start = time.perf_counter()
         batches = [b.to(device, non_blocking=True) for b in loader.next_global_step()]
-        train_step(engine, [wobj], {wobj.objective.source: batches}, dist.get_world_size(), 1)
+        result = train_step(engine, [wobj], {wobj.objective.source: batches}, dist.get_world_size(), 1)
         if cuda:
             torch.cuda.synchronize()
         if i >= settings.warmup:
             times.append(time.perf_counter() - start)
             tokens += sum(int((b.doc_ids >= 0).sum()) for b in batches)
             targets += sum(int(n) for b in batches for n in wobj.objective.num_targets(b).values())
+            flops += work_flops(config, result.work)
             if row.attention == "flex":  # the block mask this step built, again, timed on its own
                 b, mode = batches[0], wobj.objective.attention_mode
                 t0 = time.perf_counter()
@@ -455,7 +457,8 @@ def measure(row: Row, engine, wobj, loader, device, settings: Settings) -> None:
                 mask_s.append(time.perf_counter() - t0)
                 skipped += [skipped_blocks(mask)] if mask is not None else []
     row.step_s = statistics.median(times)
-    row.tokens_per_s = tokens / sum(times)
+    perf = Throughput(peak, 1).scalars(tokens, sum(times), 0.0, flops)  # as the training log computes them
+    row.tokens_per_s, row.mfu = perf["perf/tokens_per_s"], perf["perf/mfu"] if peak else None
     row.targets_per_token = targets / max(tokens, 1)
     row.peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     row.skipped_blocks = statistics.mean(skipped) if skipped else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 import sys
 import time
 
@@ -76,6 +77,42 @@ def warn_stale_build_locks() -> None:
               f"'ninja|cc1plus'), remove it: rm {path}", file=sys.stderr, flush=True)
 
 
+# One entry of TORCH_CUDA_ARCH_LIST: torch reads "9.0a" (Hopper's arch-specific features) or "10.0f" (a family),
+# but DeepSpeed's op builder int()s each part of MAJOR.MINOR[+PTX] and stops on the suffix (issue 32: FusedAdam on an
+# H200 image that sets 9.0a). Its ops use none of those features, so the plain MAJOR.MINOR builds the same code.
+ARCH_ENTRY = re.compile(r"(\d+)\.(\d+)[af]?(\+PTX)?")
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """``value`` (a TORCH_CUDA_ARCH_LIST, ``;`` or space separated) as DeepSpeed's JIT op builder can read it: each
+    entry's ``a``/``f`` suffix dropped, duplicates once. An entry it cannot read is a ConfigError naming the fix."""
+    from pipeline.config import ConfigError
+
+    entries = []
+    for entry in value.replace(" ", ";").split(";"):
+        if not entry.strip():
+            continue
+        m = ARCH_ENTRY.fullmatch(entry.strip())
+        if m is None:
+            raise ConfigError(f"TORCH_CUDA_ARCH_LIST={value!r}: DeepSpeed's op builder reads each entry as "
+                              f"MAJOR.MINOR[+PTX] and cannot read {entry.strip()!r}; set it to the GPU's compute "
+                              f"capability, e.g. TORCH_CUDA_ARCH_LIST=9.0, or unset it")
+        plain = f"{m[1]}.{m[2]}{m[3] or ''}"
+        if plain not in entries:
+            entries.append(plain)
+    return ";".join(entries)
+
+
+def arch_list_for_deepspeed(env=os.environ) -> None:
+    """Rewrite ``env``'s TORCH_CUDA_ARCH_LIST (when set) to :func:`deepspeed_arch_list`'s form before DeepSpeed
+    JIT-builds an op (FusedAdam, the ops the engine loads), saying so once when it changed."""
+    value = env.get("TORCH_CUDA_ARCH_LIST", "")
+    if value.strip() and (plain := deepspeed_arch_list(value)) != value:
+        env["TORCH_CUDA_ARCH_LIST"] = plain
+        print(f"TORCH_CUDA_ARCH_LIST={value!r} -> {plain!r} for DeepSpeed's op builds (it cannot read arch "
+              f"suffixes)", file=sys.stderr, flush=True)
+
+
 class PortTaken(RuntimeError):
     """Rank 0 could not open the rendezvous port: another process (usually another run) listens on it."""
 
@@ -87,12 +124,14 @@ def port_taken_message(port: str) -> str:
 
 def start_distributed():
     """(device, rank, world size) once torch.distributed runs: the rendezvous only, no engine yet. The first local
-    rank warns first of build locks that would hang it (DeepSpeed builds ops from here on). A taken port is a
+    rank warns first of build locks that would hang it (DeepSpeed builds ops from here on, with
+    :func:`arch_list_for_deepspeed`'s TORCH_CUDA_ARCH_LIST). A taken port is a
     :class:`PortTaken` on rank 0 (the other ranks wait for it until the launcher stops them)."""
     import deepspeed
     import torch.distributed as dist
 
     device = _device()
+    arch_list_for_deepspeed()
     if os.environ.get("LOCAL_RANK", "0") == "0":
         warn_stale_build_locks()
         if device.type == "cpu":

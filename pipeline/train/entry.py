@@ -57,7 +57,7 @@ def run(ds_config: str, experiment: str | None, overrides: list[str], stop: Stop
 
     try:
         device, rank, world = start_distributed()
-    except PortTaken as e:
+    except (PortTaken, ConfigError) as e:  # the port, or TORCH_CUDA_ARCH_LIST
         stop.failing()
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return CONFIG_ERROR

@@ -25,16 +25,17 @@ def memory_gib() -> float:
 
 @dataclass(frozen=True)
 class Throughput:
-    """The ``perf/*`` scalars of a step: tokens per second, the share spent waiting for data, MFU (the step's model
-    FLOPs, ``pipeline.model.flops.work_flops``, against ``world`` devices' dense peak; 0 without a known peak) and
-    peak memory."""
+    """The ``perf/*`` scalars of a step: tokens per second, the share spent waiting for data, the step's model FLOPs
+    (``pipeline.model.flops.work_flops``) per token, MFU (those FLOPs against ``world`` devices' dense peak; 0
+    without a known peak) and peak memory. bench/gpu reports its rows through this too, so the log and the bench
+    agree on one config."""
     peak_tflops: float
     world: int
 
     def scalars(self, tokens: int, seconds: float, data_seconds: float, flops: float) -> dict[str, float]:
         mfu = flops / seconds / (self.world * self.peak_tflops * 1e12) if self.peak_tflops else 0.0
-        return {"perf/tokens_per_s": tokens / seconds, "perf/data_wait": data_seconds / seconds, "perf/mfu": mfu,
-                "perf/mem_gib": memory_gib()}
+        return {"perf/tokens_per_s": tokens / seconds, "perf/data_wait": data_seconds / seconds,
+                "perf/flops_per_token": flops / max(tokens, 1), "perf/mfu": mfu, "perf/mem_gib": memory_gib()}
 
 
 class MetricsLogger:

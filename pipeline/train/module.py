@@ -16,6 +16,7 @@ from pipeline.model.build import build_model, compile_body
 from pipeline.model.lm_head import chunk_lm_head
 from pipeline.model.lora import add_lora
 from pipeline.model.weight_decay import param_groups
+from pipeline.train.distributed import arch_list_for_deepspeed
 from pipeline.train.gloo_gathers import wait_for_every_gather
 from pipeline.train.schedule import lr_scheduler
 
@@ -73,6 +74,8 @@ def build_optimizer(groups: list[dict], o: OptimConfig, kind: str) -> torch.opti
     """AdamW for the DeepSpeed engine with the kernel ``kind`` (:func:`fused_kind`)."""
     if kind == "deepspeed":
         from deepspeed.ops.adam import FusedAdam
+
+        arch_list_for_deepspeed()  # its JIT build reads TORCH_CUDA_ARCH_LIST
 
         return FusedAdam(groups, lr=o.lr, betas=o.betas, eps=o.eps, adam_w_mode=True)
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True if kind == "torch" else None)

@@ -1,0 +1,10 @@
+"""Puts this checkout's root first on ``sys.path``: each launch/ script imports it before ``pipeline``, so that
+``deepspeed launch/train.py`` (and every other script here) runs the checkout's own library whether or not it is
+pip-installed, and a checkout beside an editable install of another runs its own code, not the other's."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if sys.path[:1] != [ROOT]:
+    sys.path.insert(0, ROOT)
