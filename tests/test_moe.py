@@ -1,19 +1,21 @@
 """Mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) on tiny random checkpoints, in process: the
 router loss is transformers' own over the non-padding tokens, an MNTP step counts it in the loss and logs it, a
 resumed run continues bit for bit, and the planner's FLOPs count the routed experts only. Their masks, SDPA vs eager
-and plain-transformers export: tests/test_families.py; 2 ZeRO-3 ranks: there and test_a_zero3_moe_run_* below."""
+and plain-transformers export: tests/test_families.py; 2 ZeRO-3 ranks: there, and the trainer's run of the tiny-moe
+preset below (its resume from a DeepSpeed checkpoint: make test-extended)."""
 
 from __future__ import annotations
 
 import copy
 import importlib
+import json
 import os
 import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import launch_training, logged_steps, packed_text_batch
+from helpers import ZERO3, launch_training, logged_steps, packed_text_batch
 from safetensors.torch import load_file
 from shard_corpus import TOKENIZER
 from test_families import TINY_MOE, batch, tiny_checkpoint
@@ -162,27 +164,55 @@ def test_tiny_moe_preset_flops_match_torch_flop_counter():
     assert param_counts(lm.config).active < param_counts(lm.config).body
 
 
+
 RUN = ["train.steps=4", "train.micro_batch=2", "train.log_every=1", "optim.warmup_steps=0", "optim.decay_steps=0",
        "checkpoint.every=2", "data.seq_len=64", "data.build_if_missing=false", "model.init=tiny-moe",
        "phases=[{objectives: [{name: mntp}]}]"]
 
 
+@pytest.fixture(scope="module")
+def zero3_all_partitioned(tmp_path_factory) -> str:
+    """ds_configs/zero3.json with no persistent parameters, so the tiny experts are partitioned too."""
+    with open(ZERO3) as f:
+        config = json.load(f)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    out = str(tmp_path_factory.mktemp("ds") / "zero3.json")
+    with open(out, "w") as f:
+        json.dump(config, f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_run(shards, zero3_all_partitioned, tmp_path_factory) -> str:
+    """The tiny-moe preset trained with MNTP by the trainer on 2 ZeRO-3 ranks, its experts partitioned."""
+    run_dir = str(tmp_path_factory.mktemp("moe_run") / "straight")
+    launch_training(run_dir, None, *RUN, f"data.shards={shards}", ds_config=zero3_all_partitioned)
+    return run_dir
+
+
 @pytest.mark.e2e
-@pytest.mark.slow  # two 2-rank launches
-def test_a_zero3_moe_run_logs_the_router_loss_resumes_exactly_and_exports_an_encoder(shards, tmp_path):
-    """The tiny-moe preset trained by the trainer on 2 ZeRO-3 ranks, then again from its step-2 checkpoint."""
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    launch_training(straight, None, *RUN, f"data.shards={shards}")
-    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("step00000004", "hf", ".lock"))
-    out = launch_training(resumed, None, *RUN, f"data.shards={shards}").stdout
+@pytest.mark.slow  # a 2-rank launch
+def test_a_zero3_moe_run_logs_the_router_loss_and_exports_an_encoder(moe_run):
+    logged = logged_steps(moe_run)
+    assert sorted(logged) == [1, 2, 3, 4] and all(r["loss/router_aux"] > 1.0 for r in logged.values())
+    assert "acc/router_aux" not in logged[1] and "acc/mntp" in logged[1]
+    plain = AutoModel.from_pretrained(os.path.join(moe_run, "hf"))  # transformers alone, an encoder
+    assert type(plain).__name__ == "MixtralModel" and plain.config.is_causal is False
+    counts = param_counts(plain.config)
+    assert sum(p.numel() for p in plain.parameters()) == counts.embedding + counts.body
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.extended  # the in-process resume above checks each family's steps; this, DeepSpeed's checkpoint of them
+def test_a_zero3_moe_run_resumed_from_its_checkpoint_continues_bit_for_bit(moe_run, shards, zero3_all_partitioned,
+                                                                           tmp_path):
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(moe_run, resumed, ignore=shutil.ignore_patterns("step00000004", "hf", ".lock"))
+    out = launch_training(resumed, None, *RUN, f"data.shards={shards}", ds_config=zero3_all_partitioned).stdout
     assert "resumed from step00000002" in out
     logged = [{s: (r["loss/mntp"], r["loss/router_aux"]) for s, r in logged_steps(d).items()}
-              for d in (straight, resumed)]
-    assert logged[0] == logged[1] and sorted(logged[0]) == [1, 2, 3, 4]
-    assert all(aux > 1.0 for _, aux in logged[0].values())
-    weights = [load_file(os.path.join(d, "hf", "model.safetensors")) for d in (straight, resumed)]
+              for d in (moe_run, resumed)]
+    assert logged[0] == logged[1]
+    weights = [load_file(os.path.join(d, "hf", "model.safetensors")) for d in (moe_run, resumed)]
     assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-    plain = AutoModel.from_pretrained(os.path.join(straight, "hf"))  # transformers alone, an encoder
-    assert type(plain).__name__ == "MixtralModel" and plain.config.is_causal is False
-    assert sum(p.numel() for p in plain.parameters()) == param_counts(plain.config).total - param_counts(
-        plain.config).head

@@ -77,12 +77,14 @@ def param_counts(config: PretrainedConfig) -> ParamCounts:
 def moe_param_counts(config_json: str) -> ParamCounts:
     """Counts of the MoE config ``config_json`` (its JSON: a cache key), read off its model built on the meta
     device: the routed experts' parameters (``.experts.``) count in full in ``body`` and by ``top_k / experts`` in
-    ``active_body``; shared experts, routers and attention run for every token."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    ``active_body``; shared experts, routers and attention run for every token. The class is built directly, not
+    through ``from_config``, which under a live ZeRO-3 config (the trainer's) would partition and initialise it."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = AutoConfig.for_model(**json.loads(config_json))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     sizes = {name: p.numel() for name, p in model.named_parameters(remove_duplicate=False)}
     embedding = sizes.pop("model.embed_tokens.weight")
     head = 0 if config.tie_word_embeddings else sizes.pop("lm_head.weight")
