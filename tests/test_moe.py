@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModel
 from pipeline.config import ConfigError, from_dict
 from pipeline.experiment import ExperimentConfig, PhaseSpec
 from pipeline.model.attention import attention_inputs
-from pipeline.model.build import MOE_ARCHITECTURES, build_model
+from pipeline.model.build import MOE_ARCHITECTURES, build_model, check_checkpoint_shape
 from pipeline.model.flops import flops_per_token, param_counts
 from pipeline.model.moe import ROUTER_AUX, load_balancing_loss, num_experts, router_aux_scope
 from pipeline.train.module import build_train_model
@@ -163,6 +163,16 @@ def test_tiny_moe_preset_flops_match_torch_flop_counter():
     assert counter.get_total_flops() == pytest.approx(flops_per_token(lm.config, 32) * ids.numel(), rel=0.005)
     assert param_counts(lm.config).active < param_counts(lm.config).body
 
+
+
+
+def test_continued_pretraining_checks_the_experts_of_the_start(tmp_path):
+    build_model("tiny", 64).save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match=r"has 2 layers, hidden 64, FFN 128, 4/2 heads, but model.shape 'tiny-moe' "
+                                         r"has 2 layers, hidden 64, FFN 128, 4/2 heads, 4 experts; point model.init"):
+        check_checkpoint_shape(str(tmp_path / "dense"), "tiny-moe")
+    build_model("tiny-moe", 64).save_pretrained(tmp_path / "moe")
+    check_checkpoint_shape(str(tmp_path / "moe"), "tiny-moe")
 
 
 RUN = ["train.steps=4", "train.micro_batch=2", "train.log_every=1", "optim.warmup_steps=0", "optim.decay_steps=0",
