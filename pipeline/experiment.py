@@ -129,7 +129,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    init: str = "tiny"  # a preset name (tiny, 20m, 210m, 610m, 1b, 7b, 8b) or a local HF checkpoint directory
+    init: str = "tiny"  # a preset name (tiny, 20m, 210m, 610m, 1b, 7b, 8b, tiny-moe) or a local HF checkpoint directory
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     # auto: on CUDA flash varlen for packed causal/bidirectional batches, FlexAttention block masks for MAGNET;
     # SDPA on CPU (no varlen kernel, no flex backward there)
@@ -140,7 +140,10 @@ class ModelConfig:
     attention_dropout: float = 0.0  # dropout on attention probabilities (SimCSE's positives need > 0, e.g. 0.3)
     shape: str = ""  # a preset whose shape the checkpoint in `init` must have (continued pretraining); "": unchecked
     lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters only (lora.r > 0)
-    RANGES: ClassVar[dict[str, str]] = {"attention_dropout": "[0, 1)", "lm_head_chunk": ">= 0"}
+    # weight of a mixture-of-experts model's router load-balancing loss; None: the checkpoint's router_aux_loss_coef
+    router_aux_coef: float | None = None
+    RANGES: ClassVar[dict[str, str]] = {"attention_dropout": "[0, 1)", "lm_head_chunk": ">= 0",
+                                        "router_aux_coef": ">= 0"}
 
     def validate(self) -> None:
         if self.shape and self.shape not in PRESETS:

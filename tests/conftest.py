@@ -29,6 +29,12 @@ def smollm2(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tokenizer():
+    """The sample tokenizer the shipped shards and the tiny checkpoints use."""
+    return load_tokenizer(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("data") / "shards")
     run_job(BuildConfig(inputs=(os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),), tokenizer=TOKENIZER,

@@ -1,7 +1,9 @@
-"""Decoder families beyond Llama (Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3) on tiny random configs: the
-project's masks make each bidirectional and leave its causal forward unchanged, a bidirectional export runs the
-same in plain transformers, a sliding window shorter than the sequences is refused, and (2 ZeRO-3 ranks, one run
-for all families) the trainer builds each one partitioned and takes a step of MNTP, MLM, MAGNET and SimCSE."""
+"""Decoder families beyond Llama (Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, and the mixture-of-experts
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) on tiny random configs: the project's masks make each bidirectional (SDPA's
+forward equal to eager's) and leave its causal forward unchanged, a bidirectional export runs the same in plain
+transformers, a sliding window shorter than the sequences is refused, and (2 ZeRO-3 ranks, one run for the dense
+families and Mixtral) the trainer builds each one partitioned and takes a step of MNTP, MLM, MAGNET and SimCSE.
+The MoE router loss, steps and resume: tests/test_moe.py."""
 
 from __future__ import annotations
 
@@ -22,28 +24,29 @@ from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord
 from pipeline.model.attention import attention_inputs
 from pipeline.model.build import ARCHITECTURES, build_model, check_sliding_window
-from pipeline.tokenizer import load_tokenizer
 
 FAMILIES = [a for a in ARCHITECTURES if a != "llama"]  # llama: every other test
 IMPLEMENTATION = {"gemma2": "eager"}  # transformers has no SDPA path for Gemma 2
 
 
+# the mixture-of-experts families at a tiny size: 4 experts, 2 per token (their defaults: up to 128 experts)
+TINY_MOE = {"mixtral": {"num_local_experts": 4}, "olmoe": {"num_experts": 4},
+            "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+            "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 32}}
+
+
 def tiny_checkpoint(model_type: str, out: str, tokenizer) -> str:
     """A seeded tiny random checkpoint of ``model_type`` with the sample tokenizer's vocabulary and ids."""
+    moe = {**TINY_MOE[model_type], "num_experts_per_tok": 2} if model_type in TINY_MOE else {}
     config = AutoConfig.for_model(model_type, vocab_size=tokenizer.info.vocab_size, hidden_size=32,
                                   intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
                                   pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id,
-                                  eos_token_id=tokenizer.eos_id)
+                                  eos_token_id=tokenizer.eos_id, **moe)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=IMPLEMENTATION.get(model_type, "sdpa"))
     model.save_pretrained(out)
     return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(TOKENIZER)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +87,12 @@ def test_family_bidirectional_causal_and_plain_export(family, checkpoints, token
     assert torch.equal(hidden("causal", changed)[0, 0], hidden("causal")[0, 0])
     bidirectional = hidden("bidirectional")
     assert (hidden("bidirectional", changed)[0, 0] - bidirectional[0, 0]).abs().max() > 1e-4
+    if impl != "eager":  # eager attention reads the float form of the same mask
+        eager = build_model(checkpoints[family], tokenizer.info.vocab_size, attn_implementation="eager").eval()
+        with torch.no_grad():
+            got = eager.model(input_ids=ids, **attention_inputs("bidirectional", doc_ids, attn_implementation="eager",
+                                                                dtype=eager.dtype)).last_hidden_state
+        torch.testing.assert_close(got[valid], bidirectional[valid], atol=1e-5, rtol=0)
     out = save_hf(model, model.state_dict(), tokenizer, str(tmp_path / "export"),
                   EncoderRecord(attention="bidirectional", reads_previous=True, objectives=("mntp",)),
                   ExperimentConfig(), 0)
@@ -128,7 +137,8 @@ units = unit_text_batch(tok, texts[rank::2], seq_len=32, first_index=3 * rank)
 results = {}
 for family, path in json.loads(sys.argv[3]).items():
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-          "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},  # tiny experts partitioned too
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     impl = "eager" if family == "gemma2" else "sdpa"
     exp = from_dict(ExperimentConfig, {"model": {"init": path, "attention_dropout": 0.1, "attn_implementation": impl},
                                        "data": {"tokenizer": sys.argv[2], "seq_len": 32}})
@@ -136,19 +146,21 @@ for family, path in json.loads(sys.argv[3]).items():
                                       attn_implementation=impl, fused="none")
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=ds)
     embed = lm.get_input_embeddings().weight
+    experts = [p for n, p in lm.named_parameters() if ".experts." in n]  # an MoE model's routed experts
+    watched = [embed, *experts[:1]]
     losses = {}
-    with deepspeed.zero.GatheredParameters([embed]):
-        before = embed.detach().clone()
+    with deepspeed.zero.GatheredParameters(watched):
+        before = [p.detach().clone() for p in watched]
     for o in objectives:
         out = engine(o.objective, units if o.objective.source == "units" else packed)
         loss = sum(v[0] / max(int(v[1]), 1) for v in out.values())
         engine.backward(loss)
         losses.update({k: float(v[0]) / max(int(v[1]), 1) for k, v in out.items()})
     engine.step()
-    with deepspeed.zero.GatheredParameters([embed]):
-        moved = float((embed.detach() - before).abs().max())
-    results[family] = {"partitioned": embed.numel() == 0 and embed.ds_numel > 0,
-                       "class": type(lm).__name__, "losses": losses, "moved": moved}
+    with deepspeed.zero.GatheredParameters(watched):
+        moved = [float((p.detach() - b).abs().max()) for p, b in zip(watched, before)]
+    results[family] = {"partitioned": all(p.numel() == 0 and p.ds_numel > 0 for p in [embed, *experts]),
+                       "experts": len(experts), "class": type(lm).__name__, "losses": losses, "moved": min(moved)}
 if rank == 0:
     print(json.dumps(results), flush=True)
 # as launch/train.py leaves a finished rank: DeepSpeed's gloo threads outlive the process group, and interpreter
@@ -160,15 +172,19 @@ os._exit(0)
 @pytest.mark.e2e
 @pytest.mark.slow  # ~1 min of launches: the slow suite keeps make test under 20 min
 def test_families_build_partitioned_and_step_under_zero3(checkpoints, tmp_path):
-    """One 2-rank gloo run for all families (75 s on 2 cores): each built by the trainer under ZeRO-3, then one
-    step of four objectives."""
+    """One 2-rank gloo run for the dense families and one MoE family (75 s on 2 cores): each built by the trainer
+    under ZeRO-3 (an MoE model's experts partitioned too), then one step of four objectives, each with the
+    router loss of an MoE model."""
+    families = {f: path for f, path in checkpoints.items() if f not in TINY_MOE or f == "mixtral"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           "--no-python", sys.executable, "-c", ZERO3_STEP, REPO, TOKENIZER, json.dumps(checkpoints)]
+           "--no-python", sys.executable, "-c", ZERO3_STEP, REPO, TOKENIZER, json.dumps(families)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
                           env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert sorted(results) == sorted(FAMILIES)
+    assert sorted(results) == sorted(families)
     for family, r in results.items():
-        assert r["partitioned"] and r["moved"] > 0, (family, r)
-        assert set(r["losses"]) == {"mntp", "mlm", "msg", "simcse"} and all(np.isfinite(list(r["losses"].values())))
+        assert r["partitioned"] and r["moved"] > 0 and (r["experts"] > 0) == (family in TINY_MOE), (family, r)
+        routed = {"router_aux"} if family in TINY_MOE else set()
+        assert set(r["losses"]) == {"mntp", "mlm", "msg", "simcse"} | routed, (family, r)
+        assert all(np.isfinite(list(r["losses"].values())))

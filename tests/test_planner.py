@@ -77,7 +77,8 @@ def test_printed_estimates_show_the_planners_numbers():
 def test_largest_layer_is_what_deepspeed_measures_on_a_built_model():
     for config in (get_preset("tiny").to_config(1000),  # the embedding is the largest module
                    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=256, num_hidden_layers=1,
-                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)):  # an MLP
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),  # an MLP
+                   get_preset("tiny-moe").to_config(64)):  # a layer's experts (one module)
         model = AutoModelForCausalLM.from_config(config)
         assert model_to_params(model) == (param_counts(config).total, largest_layer_params(config))
 

@@ -1,8 +1,10 @@
 """Build the model: a preset trained from scratch, or a local HF decoder checkpoint for continued pretraining.
 
-Checkpoint families (``ARCHITECTURES``): Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2 and Gemma 3 (text). Each runs
-the project's attention masks through its HF ``model.model(...)`` forward unchanged (tests/test_families.py); their
-sliding-window layers are the one thing those masks do not express (``check_sliding_window``).
+Checkpoint families (``ARCHITECTURES``): Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2 and Gemma 3 (text), and the
+mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (their router loss: ``pipeline.model.moe``). Each runs
+the project's attention masks through its HF ``model.model(...)`` forward unchanged (tests/test_families.py,
+tests/test_moe.py); their sliding-window layers are the one thing those masks do not express
+(``check_sliding_window``).
 
 Both routes go through ``AutoModelForCausalLM.from_config`` / ``from_pretrained``: under ZeRO-3 (while the trainer
 keeps a ``transformers.integrations.HfDeepSpeedConfig`` alive) transformers wraps construction in
@@ -18,11 +20,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from pipeline.export.weights import causal_lm_kwargs
+from pipeline.model.moe import num_experts
 from pipeline.model.presets import PRESETS, get_preset
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # by the name configs and command lines give
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+DENSE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 
 
 def build_model(spec: str, vocab_size: int, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
@@ -114,11 +119,11 @@ def check_checkpoint_shape(spec: str, preset: str) -> None:
                          "launch/export_hf.py --run RUN --output DIR); finish or export that run first")
     config = load_checkpoint_config(path)
     got = (config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.num_attention_heads,
-           config.num_key_value_heads)
-    expected = (want.num_layers, want.hidden_size, want.ffn_size, want.num_heads, want.num_kv_heads)
+           config.num_key_value_heads, num_experts(config))
+    expected = (want.num_layers, want.hidden_size, want.ffn_size, want.num_heads, want.num_kv_heads, want.experts)
     if got != expected:
         def shape(s):
-            return f"{s[0]} layers, hidden {s[1]}, FFN {s[2]}, {s[3]}/{s[4]} heads"
+            return f"{s[0]} layers, hidden {s[1]}, FFN {s[2]}, {s[3]}/{s[4]} heads" + (f", {s[5]} experts" * bool(s[5]))
 
         raise ValueError(f"{path}/config.json: the start checkpoint has {shape(got)}, but model.shape {preset!r} "
                          f"has {shape(expected)}; point model.init at a {preset} checkpoint or correct model.shape")

@@ -24,6 +24,7 @@ from pipeline.data.masking import POLICIES, apply_mask_plan
 from pipeline.model.attention import attention_inputs
 from pipeline.model.flops import body_work, segment_lengths
 from pipeline.model.lm_head import ChunkedLMHead, cross_entropy
+from pipeline.model.moe import record, routing
 from pipeline.tokenizer import Tokenizer
 
 
@@ -328,7 +329,11 @@ class Objective(ABC):
         """The decoder body's last hidden states under this objective's attention mode (no LM head)."""
         attention = attention_inputs(self.attention_mode, doc_ids, span_ids, document_masking=self.document_masking,
                                      attn_implementation=model.config._attn_implementation, dtype=model.dtype)
-        return model.model(input_ids=input_ids, **attention).last_hidden_state
+        if not routing(model.config):
+            return model.model(input_ids=input_ids, **attention).last_hidden_state
+        out = model.model(input_ids=input_ids, **attention, output_router_logits=True)  # an MoE model in training
+        record(model.config, out.router_logits, doc_ids >= 0)
+        return out.last_hidden_state
 
 
 class MaskedObjective(Objective):

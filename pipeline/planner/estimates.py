@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from pipeline.model.flops import PEAK_TFLOPS, flops_per_token
+from pipeline.model.moe import num_experts
 from pipeline.model.presets import PRESETS, get_preset
 from pipeline.objectives import OBJECTIVES
 
@@ -92,10 +93,11 @@ class ModelStates:
 
 def largest_layer_params(config: PretrainedConfig) -> int:
     """The most parameters one module holds directly: the embedding or LM head (vocab x hidden), or the largest
-    projection; DeepSpeed's ``model_to_params`` measures the same on a built model."""
+    projection, or a Mixtral layer's experts (one module holds their gate, up and down: experts x 3 FFN x
+    hidden); DeepSpeed's ``model_to_params`` measures the same on a built model."""
     h, f = config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    return max(config.vocab_size * h, h * f, h * config.num_attention_heads * head_dim)
+    return max(config.vocab_size * h, h * f, h * config.num_attention_heads * head_dim, num_experts(config) * 3 * f * h)
 
 
 def model_states(params: int, largest_layer: int, zero: int, offload: bool, nodes: int,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import deepspeed
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ from pipeline.model.attention import FLEX, VARLEN, resolve_implementation
 from pipeline.model.build import build_model, compile_body
 from pipeline.model.lm_head import chunk_lm_head
 from pipeline.model.lora import add_lora
+from pipeline.model.moe import ROUTER_AUX, router_aux_coef, router_aux_scope
 from pipeline.model.weight_decay import param_groups
 from pipeline.train.distributed import arch_list_for_deepspeed
 from pipeline.train.gloo_gathers import wait_for_every_gather
@@ -25,19 +28,28 @@ class TrainModule(nn.Module):
     """Runs an objective inside the engine's forward, so ZeRO-3's hooks see one forward per objective even though
     objectives call the base model and the LM head separately (the head runs on target positions only)."""
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, router_aux_coef: float | None = None):
         super().__init__()
         self.lm = lm
+        # an MoE model's weight of its routers' loss (``pipeline.model.moe``); None: a dense model
+        self.router_aux_coef = router_aux_coef
 
     def forward(self, objective, batch):
-        out = objective(self.lm, batch)
+        routed = self.training and self.router_aux_coef is not None
+        with router_aux_scope() if routed else contextlib.nullcontext() as router_losses:
+            out = objective(self.lm, batch)
         if isinstance(out, torch.Tensor):  # an embedding pass (``grad_cache.EmbedPass``)
             return out
         # plain tuples in a dict: ZeRO-3's hooks only see through tuples, lists and dicts; each row's loss and
         # targets follow when the objective made them (a batch with source ids)
-        return {name: (o.loss_sum, o.num_targets, o.num_correct)
-                + ((o.row_loss, o.row_targets) if o.row_loss is not None else ())
-                for name, o in out.items()}
+        outputs = {name: (o.loss_sum, o.num_targets, o.num_correct)
+                   + ((o.row_loss, o.row_targets) if o.row_loss is not None else ())
+                   for name, o in out.items()}
+        if routed:  # the mean of the call's body forwards counts as one target (the step counts calls)
+            aux = torch.stack(router_losses).mean()
+            one = torch.ones((), dtype=torch.long, device=aux.device)
+            outputs[ROUTER_AUX] = (aux, one, torch.zeros_like(one))
+        return outputs
 
 
 def attn_implementation(config: ModelConfig, cuda: bool) -> str:
@@ -118,7 +130,13 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
             # compiled forward, instead of one hook per Linear inside it (a graph break at each)
             set_z3_leaf_modules(lm, list({type(layer) for layer in lm.model.layers}))
         compile_body(lm)
-    model = TrainModule(lm)
+    coef = router_aux_coef(lm.config, exp.model.router_aux_coef)
+    cached = [o.name for o in objectives if getattr(o, "grad_cache", False)]
+    if coef is not None and cached:
+        raise ConfigError(f"model.init {exp.model.init!r} is a mixture-of-experts model, whose router loss needs "
+                          f"each micro-batch's forward graph, which grad_cache (objective {cached[0]}) drops; set "
+                          "its grad_cache=false (and train.grad_accum=1)")
+    model = TrainModule(lm, coef)
     model._hf_ds_config = hf_ds
     groups = param_groups(model, exp.optim.weight_decay)
     optimizer = {"model_parameters": groups} if "optimizer" in ds else {

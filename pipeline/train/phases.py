@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pipeline.config import ConfigError
 from pipeline.experiment import ExperimentConfig, PhaseSpec
+from pipeline.model.moe import ROUTER_AUX
 from pipeline.objectives import OBJECTIVES, Objective, make_objective
 from pipeline.objectives.base import resolve_mask_id
 
@@ -20,8 +21,9 @@ class WeightedObjective:
 
     def loss_name(self, loss: str) -> str:
         """The phase's name of the objective's ``loss``: ``log_as`` for a one-loss objective, ``log_as/loss`` for
-        one with several (MAGNET's ``mntp`` and ``msg``)."""
-        if not self.log_as:
+        one with several (MAGNET's ``mntp`` and ``msg``). An MoE model's router loss is the model's, one for the
+        phase."""
+        if not self.log_as or loss == ROUTER_AUX:
             return loss
         return self.log_as if list(self.objective.loss_weights) == [self.objective.name] else f"{self.log_as}/{loss}"
 

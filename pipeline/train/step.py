@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.model.flops import Work
+from pipeline.model.moe import ROUTER_AUX
 from pipeline.train.grad_cache import EmbedPass, grad_cache
 from pipeline.train.phases import WeightedObjective
 
@@ -147,6 +148,7 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     weights: dict[str, float] = {}
     head_targets = torch.zeros((), dtype=torch.float64, device=device)
     body = torch.zeros(2, dtype=torch.float64, device=device)
+    router_aux_coef = getattr(engine.module, "router_aux_coef", None)  # an MoE model: one router loss per call
     for o in step_objs:
         for b in batches[o.objective.source]:
             body += o.objective.body_work(b)
@@ -155,6 +157,9 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
                 counts[name] = counts.get(name, 0.0) + n.double()
                 weights[name] = o.weight * o.objective.loss_weights[own]
                 head_targets += n if o.objective.predicts_tokens else 0.0
+            if router_aux_coef is not None:
+                counts[ROUTER_AUX] = counts.get(ROUTER_AUX, 0.0) + torch.ones((), dtype=torch.float64, device=device)
+                weights[ROUTER_AUX] = router_aux_coef
     names = list(counts)
     reduced = torch.cat([torch.stack([counts[n] for n in names]), head_targets[None], body])
     dist.all_reduce(reduced)
@@ -187,6 +192,6 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     sums_read, totals, (head_targets, tokens, pairs) = values[: 2 * k], values[2 * k : 3 * k], values[3 * k : 3 * k + 3]
     source_losses, source_tokens = by_source.read(values[3 * k + 3 :]) if by_source is not None else ({}, {})
     return StepResult({n: sums_read[2 * i] / totals[i] for i, n in enumerate(names)},
-                      {n: sums_read[2 * i + 1] / totals[i] for i, n in enumerate(names)}, lr,
+                      {n: sums_read[2 * i + 1] / totals[i] for i, n in enumerate(names) if n != ROUTER_AUX}, lr,
                       float(grad_norm if grad_norm is not None else 0.0),
                       Work(tokens=tokens, head_targets=head_targets, attended_pairs=pairs), source_losses, source_tokens)
