@@ -28,8 +28,8 @@ class TrainModule(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, objective, batch):
-        out = objective(self.lm, batch)
+    def forward(self, objective, batch, counts: dict[str, int] | None = None):
+        out = objective(self.lm, batch) if counts is None else objective(self.lm, batch, counts)
         if isinstance(out, torch.Tensor):  # an embedding pass (``grad_cache.EmbedPass``)
             return out
         # plain tuples in a dict: ZeRO-3's hooks only see through tuples, lists and dicts; each row's loss and

@@ -145,10 +145,13 @@ class StopRequest:
         self._stage = "training"
 
     def agreed(self, device) -> bool:
-        """All ranks must stop at the same step: a signal may reach them at different times."""
+        """All ranks must stop at the same step: a signal may reach them at different times. One rank agrees with
+        itself without a collective (whose read-back would wait for the device's queue at every step)."""
         import torch
         import torch.distributed as dist
 
+        if dist.get_world_size() == 1:
+            return self.requested
         flag = torch.tensor([float(self.requested)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
