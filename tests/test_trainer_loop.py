@@ -228,7 +228,7 @@ def test_losses_per_source_add_no_host_read_and_average_to_the_loss():
     """A batch of two sources: the step's losses are those of the same step without sources (bit for bit), each
     source's loss is its own targets' mean (so the target-weighted mean of the sources' losses is the loss), the
     tokens per source are counted, and no host read is added: the sums stay on the device to the step's one
-    read-back."""
+    copy back. The targets are counted on the host, as the trainer does (each row's loss from the static gather)."""
     tokenizer = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
     spec = {"objectives": [{"name": "clm"}, {"name": "mlm", "ratio": 0.4}, {"name": "magnet", "log_as": "magnet"}]}
     objectives = build_objectives(from_dict(PhaseSpec, spec), tokenizer)
@@ -240,9 +240,10 @@ def test_losses_per_source_add_no_host_read_and_average_to_the_loss():
         lm = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id,
                          bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
         batch.source_ids = torch.tensor([0, 1, 1, 0]) if sources else None
+        batches = {"packed": [batch, batch]}
+        counts = target_counts(objectives, batches)  # on the host copies, as the trainer does
         with HostReads() as counted:
-            results.append(train_step(FakeEngine(TrainModule(lm)), objectives, {"packed": [batch, batch]}, 1, 2,
-                                      sources))
+            results.append(train_step(FakeEngine(TrainModule(lm)), objectives, batches, 1, 2, sources, counts))
         reads.append(counted.files)
     plain, by_source = results
     assert by_source.losses == plain.losses and reads[1] == reads[0]
