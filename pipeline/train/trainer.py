@@ -185,7 +185,7 @@ class Trainer:
     def _stop_or_due(self) -> tuple[bool, bool, bool]:
         """(a stop signal on any rank, the run stops at this step (that or ``train.stop_at_step``), a checkpoint is
         due or the last step is done)."""
-        signalled = self.stop.agreed(self.device)
+        signalled = self.stop.agreed()
         stopping = signalled or self.step == self.exp.train.stop_at_step
         return signalled, stopping, self.step % self.exp.checkpoint.every == 0 or self.step == self.exp.train.steps
 
