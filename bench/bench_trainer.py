@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> None:
         scalars = {"loss/clm": losses["clm"], "optim/lr": result.lr, "optim/grad_norm": result.grad_norm,
                    "perf/tokens_per_s": float(tokens), "perf/data_wait": 0.0, "perf/mem_gib": 0.0}
         metrics.log(ours.global_steps, scalars, "clm")
-        stop.agreed(cpu)
+        stop.agreed()
         ours.times["loop bookkeeping"] += time.perf_counter() - start
         return {"loss": losses["clm"]}
 

@@ -108,3 +108,18 @@ def test_bad_heads():
     model.lm_head = nn.Linear(model.config.hidden_size, 64, bias=True)
     with pytest.raises(ValueError, match="bias-free nn.Linear.*model.lm_head_chunk: 0"):
         chunk_lm_head(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-output GEMMs (out_dtype) of the chunked head run "
+                                                          "on CUDA only; on CPU it casts bf16 products (tested above)")
+def test_cuda_fp32_output_gemms_agree_with_the_cast_products():
+    """On CUDA the bf16 chunked head's logits and weight-gradient sums come from fp32-output GEMMs: the loss, count
+    and gradients agree with the CPU path (bf16 products cast to fp32) within bf16 rounding."""
+    hidden, weight, labels = problem(torch.bfloat16)
+    results = {}
+    for device in ("cpu", "cuda"):
+        h, w = (t.detach().to(device).requires_grad_() for t in (hidden, weight))
+        loss, correct = linear_cross_entropy(h, w, labels.to(device), 16)
+        results[device] = (loss, correct, *torch.autograd.grad(loss, (h, w)))
+    for got, want in zip(results["cuda"], results["cpu"]):
+        torch.testing.assert_close(got.cpu().float(), want.float(), rtol=2e-2, atol=2e-2 * want.float().abs().max())

@@ -5,6 +5,7 @@ AdamW, real shards and the real checkpoint path) in a one-rank gloo group. The s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -31,7 +32,7 @@ from pipeline.train.metrics import MetricsLogger, Throughput
 from pipeline.train.module import TrainModule
 from pipeline.train.phases import WeightedObjective, build_objectives
 from pipeline.train.signals import STOP_SIGNALS, StopRequest
-from pipeline.train.step import train_step
+from pipeline.train.step import target_counts, train_step
 from pipeline.train.trainer import Trainer
 
 
@@ -64,8 +65,8 @@ class FakeEngine:
     def set_gradient_accumulation_boundary(self, boundary: bool):
         self.boundary = boundary  # the trainer marks the micro-step that ends the optimizer step
 
-    def __call__(self, objective, batch):
-        return self.module(objective, batch)
+    def __call__(self, objective, batch, *counts):
+        return self.module(objective, batch, *counts)
 
     def backward(self, loss):
         loss.backward()
@@ -131,6 +132,7 @@ def test_a_stop_signal_checkpoints_the_step_it_stops_at(tmp_path, stop, capsys):
     assert summary["steps"] == 3 and t.step == 3
     assert RunDir(t.exp.run_dir).complete_steps() == [2, 3]  # step 3 is off the every-2 grid: saved for the stop
     assert "stopped at step 3 (checkpointed) on SIGUSR1; start the same command again to resume" in capsys.readouterr().out
+    assert logged_steps(t.exp.run_dir) == [1, 2, 3]  # the stop step's record is written before it stops
     client = torch.load(os.path.join(RunDir(t.exp.run_dir).checkpoint(3), "state.pt"), weights_only=False)["client"]
     assert client["step"] == 3 and client["loaders"]["packed"]["samples_consumed"] == 3 * 2
 
@@ -143,10 +145,23 @@ def test_bad_steps_write_no_checkpoint_and_diverge_keeping_the_last_good_one(tmp
     assert RunDir(t.exp.run_dir).complete_steps() == [2]  # step 4 was due but bad
 
 
+def logged_steps(run_dir: str) -> list[int]:
+    if not os.path.exists(RunDir(run_dir).metrics):
+        return []
+    with open(RunDir(run_dir).metrics) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
 def test_one_bad_step_delays_the_checkpoint_and_the_run_goes_on(tmp_path, stop):
-    t = trainer(tmp_path, stop, skip={4})
+    """Also: a step's record is written while the next step runs, except at a checkpoint step (the guard's verdict
+    comes first); every step is logged once, in order."""
+    logged = {}
+    t = trainer(tmp_path, stop, skip={4}, on_step=lambda step: logged.update({step: logged_steps(t.exp.run_dir)}))
     assert t.fit()["steps"] == 8
     assert RunDir(t.exp.run_dir).complete_steps() == [2, 6, 8]
+    assert {n: steps[-1] if steps else 0 for n, steps in logged.items()} == \
+        {n: n - 2 if n % 2 == 0 else n - 1 for n in range(1, 9)}  # every=2: odd steps wait for the next one
+    assert logged_steps(t.exp.run_dir) == list(range(1, 9))
 
 
 def test_a_stop_on_a_bad_step_keeps_the_last_good_checkpoint(tmp_path, stop, capsys):
@@ -213,11 +228,12 @@ def test_two_objectives_of_one_loss_name_are_refused_or_kept_apart():
 
 class HostReads(TorchFunctionMode):
     """Records the project's own calls that read tensor values back to the host (``.item()``, ``.tolist()``,
-    ``bool()``/``int()``/``float()``, ``nonzero``, a boolean index), by the file calling them: on a GPU each waits
-    for everything queued on the device."""
+    ``bool()``/``int()``/``float()``, ``nonzero``, ``.cpu()``/``.numpy()``, a boolean index), by the file calling
+    them: on a GPU each waits for everything queued on the device. (``nonzero_static`` is not one.)"""
 
     READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
-             torch.Tensor.__float__, torch.Tensor.nonzero, torch.nonzero}
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.cpu,
+             torch.Tensor.numpy}
 
     def __init__(self):
         super().__init__()
@@ -232,27 +248,40 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_step_reads_back_only_the_target_gathers_the_mask_decision_and_its_results():
-    """A CLM + MAGNET step of 2 micro-batches: no read-back before the forward (the target counts are normalised on
-    the device), one per loss and micro-batch to gather the head's target rows, one a micro-batch for CLM's choice
-    of is_causal or a mask and two for MAGNET's span check, then one for the logged results and one for the grad
-    norm (measured by the trainer at stage 0, as here). Before: 36, with a read of every count and every result."""
+def test_a_step_reads_back_only_the_attention_mask_decision():
+    """A CLM + MNTP + MAGNET step of 2 micro-batches, its targets counted on the host copies as the trainer does
+    (``target_counts``): the step reads the device back only for the choice of a plain (is_causal) or a masked
+    attention (attention.py, once a micro-batch of CLM and of MNTP; MAGNET always has a mask): the attention path's
+    to remove, deciding on the host's documents. No read per loss for its
+    targets (``nonzero_static`` of the host's count), none for MAGNET's span check (made on the host copy), none
+    for the masking pool (copied to the device once), none for the results and the grad norm (one non-blocking
+    copy, read later from the host: ``StepResult``). Losses bit-identical to counting them in the step. Before:
+    14 reads for CLM + MAGNET alone (a nonzero per loss and micro-batch, the span check, results, grad norm); 36
+    before that."""
     tokenizer = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
-    objectives = build_objectives(from_dict(PhaseSpec, {"objectives": [{"name": "clm"}, {"name": "magnet"}]}),
-                                  tokenizer)
-    lm = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id,
-                     bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    spec = {"objectives": [{"name": "clm"}, {"name": "mntp"}, {"name": "magnet", "log_as": "magnet"}]}
+    objectives = build_objectives(from_dict(PhaseSpec, spec), tokenizer)
     batch = packed_text_batch(tokenizer, ["The river rises in the hills and flows south to the sea."] * 8)
-    with HostReads() as reads:
-        train_step(FakeEngine(TrainModule(lm)), objectives, {"packed": [batch, batch]}, 1, 2)
-    assert reads.files == {"base.py": 2 * 3, "attention.py": 2, "magnet.py": 2 * 2, "step.py": 2}
+    batches = {"packed": [batch, batch]}
+    results = []
+    for host_counts in (False, True):
+        torch.manual_seed(0)
+        lm = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id,
+                         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+        counts = target_counts(objectives, batches) if host_counts else None
+        with HostReads() as reads:
+            results.append(train_step(FakeEngine(TrainModule(lm)), objectives, batches, 1, 2, counts=counts))
+    assert reads.files == {"attention.py": 2 * 2}
+    assert results[1].losses == results[0].losses and set(results[1].losses) == {"clm", "mntp", "magnet/mntp",
+                                                                               "magnet/msg"}
+    assert results[1].grad_norm == results[0].grad_norm > 0
 
 
 def test_losses_per_source_add_no_host_read_and_average_to_the_loss():
     """A batch of two sources: the step's losses are those of the same step without sources (bit for bit), each
     source's loss is its own targets' mean (so the target-weighted mean of the sources' losses is the loss), the
     tokens per source are counted, and no host read is added: the sums stay on the device to the step's one
-    read-back."""
+    copy back. The targets are counted on the host, as the trainer does (each row's loss from the static gather)."""
     tokenizer = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
     spec = {"objectives": [{"name": "clm"}, {"name": "mlm", "ratio": 0.4}, {"name": "magnet", "log_as": "magnet"}]}
     objectives = build_objectives(from_dict(PhaseSpec, spec), tokenizer)
@@ -264,9 +293,10 @@ def test_losses_per_source_add_no_host_read_and_average_to_the_loss():
         lm = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id,
                          bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
         batch.source_ids = torch.tensor([0, 1, 1, 0]) if sources else None
+        batches = {"packed": [batch, batch]}
+        counts = target_counts(objectives, batches)  # on the host copies, as the trainer does
         with HostReads() as counted:
-            results.append(train_step(FakeEngine(TrainModule(lm)), objectives, {"packed": [batch, batch]}, 1, 2,
-                                      sources))
+            results.append(train_step(FakeEngine(TrainModule(lm)), objectives, batches, 1, 2, sources, counts))
         reads.append(counted.files)
     plain, by_source = results
     assert by_source.losses == plain.losses and reads[1] == reads[0]

@@ -28,10 +28,33 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (hidden @ weight.T).float()
 
 
+def _fp32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` in fp32: on CUDA the GEMM writes its fp32 accumulator directly (``out_dtype``), with no
+    bf16 product to round and cast in a second pass; elsewhere the product cast, as ``_chunk_logits``."""
+    if hidden.is_cuda and hidden.dtype != torch.float32:
+        return torch.mm(hidden, weight.T, out_dtype=torch.float32)
+    return _chunk_logits(hidden, weight)
+
+
+def _accumulate(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``into += a @ b`` for an fp32 accumulator: bf16 inputs go into it through the GEMM's epilogue on CUDA (one
+    read and write of ``into``), elsewhere through a product in ``a``'s dtype and a cast."""
+    if a.dtype == into.dtype:
+        into.addmm_(a, b)
+    elif into.is_cuda:
+        torch.addmm(into, a, b, out_dtype=into.dtype, out=into)
+    else:
+        into += (a @ b).float()
+
+
 def _chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, grads: bool,
              per_target: bool = False):
     """(loss sum, correct count, d loss / d hidden, d loss / d weight, each row's loss), the gradients None unless
-    ``grads``, the rows' losses (detached) None unless ``per_target``."""
+    ``grads``, the rows' losses (detached) None unless ``per_target``.
+
+    Each chunk's fp32 logits are read and written as few times as the math allows: the row max (for the correct
+    count and as the softmax's shift), the shifted exponent in place, its row sums (the log-sum-exp), and the
+    softmax divided straight into the matmul dtype's gradient buffer."""
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     rows_loss = torch.empty(len(labels), dtype=torch.float32, device=hidden.device) if per_target else None
     correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
@@ -39,23 +62,22 @@ def _chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, c
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if grads else None
     for start in range(0, len(labels), chunk_size):
         rows = slice(start, start + chunk_size)
-        logits = _chunk_logits(hidden[rows], weight)
-        lse = logits.logsumexp(-1)
+        logits = _fp32_logits(hidden[rows], weight)
         label_logit = logits.gather(-1, labels[rows, None]).squeeze(-1)
-        loss += (lse - label_logit).sum()
+        top = logits.amax(-1)
+        correct += (label_logit >= top).sum()  # the label's logit is the largest (amax: CPU argmax costs ~30x more)
+        exp = logits.sub_(top[:, None]).exp_()
+        total = exp.sum(-1)
+        row_loss = total.log() + top - label_logit
+        loss += row_loss.sum()
         if per_target:
-            rows_loss[rows] = (lse - label_logit).detach()
-        # a label is right when its logit is the largest (amax: CPU argmax costs ~30x more)
-        correct += (label_logit >= logits.amax(-1)).sum()
-        if grads:  # d loss / d logits = softmax - onehot(label), in the logits' buffer
-            grad_logits = logits.sub_(lse[:, None]).exp_()
+            rows_loss[rows] = row_loss
+        if grads:  # d loss / d logits = softmax - onehot(label)
+            grad_logits = exp.div_(total[:, None]) if weight.dtype == exp.dtype else \
+                torch.div(exp, total[:, None], out=torch.empty_like(exp, dtype=weight.dtype))
             grad_logits[torch.arange(len(grad_logits), device=labels.device), labels[rows]] -= 1.0
-            grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[rows] = grad_logits @ weight
-            if grad_weight.dtype == weight.dtype:
-                grad_weight.addmm_(grad_logits.T, hidden[rows])
-            else:
-                grad_weight += (grad_logits.T @ hidden[rows]).float()
+            _accumulate(grad_weight, grad_logits.T, hidden[rows])
     return loss, correct, grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), rows_loss
 
 

@@ -194,12 +194,14 @@ def resolve_mask_id(tokenizer: Tokenizer, mask_token: str | None) -> int:
 
 @dataclass(frozen=True)
 class Masking:
-    """``MaskingConfig`` resolved once against the tokenizer."""
+    """``MaskingConfig`` resolved once against the tokenizer. The random-replacement pool is copied to each device
+    once (``_pools``), not from the host at every micro-step: a blocking host-to-device copy waits for the device."""
 
     ratio: float
     policy: str
     mask_id: int
     random_pool: torch.Tensor
+    _pools: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def resolve(cls, config: MaskingConfig, tokenizer: Tokenizer) -> Masking:
@@ -209,8 +211,11 @@ class Masking:
 
     def apply(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(masked input ids, bool targets) from the batch's precomputed plan."""
+        device = batch.input_ids.device
+        if device not in self._pools:
+            self._pools[device] = self.random_pool.to(device)
         return apply_mask_plan(batch.input_ids, batch.mask_rank, batch.mask_draw, self.ratio, self.policy,
-                               self.mask_id, self.random_pool)
+                               self.mask_id, self._pools[device])
 
 
 def next_token_targets(input_ids: torch.Tensor, labels_from: torch.Tensor, doc_ids: torch.Tensor,
@@ -227,11 +232,18 @@ def next_token_targets(input_ids: torch.Tensor, labels_from: torch.Tensor, doc_i
     return Targets(input_ids=input_ids, source=source, labels=labels)
 
 
-def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets, rows: bool = False) -> ObjectiveOutput:
+def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets, rows: bool = False,
+                count: int | None = None) -> ObjectiveOutput:
     """LM head and cross-entropy on the source positions only (fp32 logits); a ``ChunkedLMHead`` (the trainer's,
     ``model.lm_head_chunk``) computes them a chunk of targets at a time. ``rows``: also each batch row's loss sum
-    and target count (on the device: no host sync)."""
-    where = targets.source.nonzero(as_tuple=True)  # the one host sync of a loss: the head's row count
+    and target count (on the device: no host sync). ``count``: the number of targets when the host knows it (the
+    trainer counts them on the host copy of the batch), so gathering them does not wait for the device; without
+    it ``nonzero`` reads the count back (a host sync)."""
+    if count is None:
+        where = targets.source.nonzero(as_tuple=True)
+    else:  # a wrong count would silently drop or repeat targets: checked on the device, without waiting for it
+        torch._assert_async(targets.source.sum() == count, "the host's target count differs from the device's")
+        where = targets.source.nonzero_static(size=count).unbind(1)
     labels = targets.labels[where]
     if isinstance(lm_head, ChunkedLMHead):
         loss_sum, correct, *per_target = lm_head(hidden[where], labels, per_target=rows)
@@ -310,8 +322,9 @@ class Objective(ABC):
         raise NotImplementedError(f"objective {self.name!r} has no single token-target set")
 
     def num_targets(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Targets of each loss in ``batch`` (int64 scalars on its device, not read back: no host sync) without
-        running the model, so the trainer can normalise a step before backward."""
+        """Targets of each loss in ``batch`` (int64 scalars on its device) without running the model, so the
+        trainer can normalise a step before backward; it counts them on the batch's host copy, where reading them
+        waits for no device."""
         return {self.name: self.targets(batch).source.sum()}
 
     def body_work(self, batch: Batch) -> torch.Tensor:
@@ -319,10 +332,14 @@ class Objective(ABC):
         batch's device, for the step's model FLOPs: one pass, each document its own attention segment."""
         return body_work(segment_lengths(batch.doc_ids, self.document_masking))
 
-    def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
+    def __call__(self, model: PreTrainedModel, batch: Batch,
+                 counts: dict[str, int] | None = None) -> dict[str, ObjectiveOutput]:
+        """``counts``: each loss's targets in ``batch`` as the host counted them (``num_targets`` of its host copy),
+        so the step waits for the device nowhere (token objectives only)."""
         targets = self.targets(batch)
         hidden = self.hidden_states(model, targets.input_ids, batch.doc_ids, batch.span_ids)
-        return {self.name: target_loss(model.lm_head, hidden, targets, rows=batch.source_ids is not None)}
+        return {self.name: target_loss(model.lm_head, hidden, targets, rows=batch.source_ids is not None,
+                                       count=None if counts is None else counts[self.name])}
 
     def hidden_states(self, model: PreTrainedModel, input_ids: torch.Tensor, doc_ids: torch.Tensor,
                       span_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -91,10 +91,12 @@ class Magnet(MaskedObjective):
             return "bidirectional"
         return "magnet_own_span" if self.config.own_span_only else "magnet"
 
-    def view(self, batch: Batch) -> MagnetView:
-        """x^m, the span ids the mask reads, and the targets of each active loss; checks the batch's spans."""
+    def view(self, batch: Batch, check: bool = True) -> MagnetView:
+        """x^m, the span ids the mask reads, and the targets of each active loss; checks the batch's spans unless
+        ``check`` is off (they were checked on the batch's host copy: the check reads values back)."""
         if "msg" in self.loss_weights:
-            check_spans(batch)
+            if check:
+                check_spans(batch)
             span_ids = batch.span_ids
         else:
             span_ids = torch.full_like(batch.span_ids, -1)
@@ -114,10 +116,14 @@ class Magnet(MaskedObjective):
     def num_targets(self, batch: Batch) -> dict[str, torch.Tensor]:
         return {name: t.source.sum() for name, t in self.view(batch).targets.items()}
 
-    def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
-        view = self.view(batch)
+    def __call__(self, model: PreTrainedModel, batch: Batch,
+                 counts: dict[str, int] | None = None) -> dict[str, ObjectiveOutput]:
+        """``counts`` as the base class's; given, they came from ``num_targets`` of the host copy, which checked
+        the spans."""
+        view = self.view(batch, check=counts is None)
         hidden = self.hidden_states(model, view.input_ids, batch.doc_ids, view.span_ids)
-        return {name: target_loss(model.lm_head, hidden, t, rows=batch.source_ids is not None)
+        return {name: target_loss(model.lm_head, hidden, t, rows=batch.source_ids is not None,
+                                  count=None if counts is None else counts[name])
                 for name, t in view.targets.items()}
 
 

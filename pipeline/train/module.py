@@ -34,10 +34,10 @@ class TrainModule(nn.Module):
         # an MoE model's weight of its routers' loss (``pipeline.model.moe``); None: a dense model
         self.router_aux_coef = router_aux_coef
 
-    def forward(self, objective, batch):
+    def forward(self, objective, batch, counts: dict[str, int] | None = None):
         routed = self.training and self.router_aux_coef is not None
         with router_aux_scope() if routed else contextlib.nullcontext() as router_losses:
-            out = objective(self.lm, batch)
+            out = objective(self.lm, batch) if counts is None else objective(self.lm, batch, counts)
         if isinstance(out, torch.Tensor):  # an embedding pass (``grad_cache.EmbedPass``)
             return out
         # plain tuples in a dict: ZeRO-3's hooks only see through tuples, lists and dicts; each row's loss and

@@ -64,6 +64,7 @@ class StopRequest:
         self._stage = "config"  # config -> start-up -> training; or failing
         self._run_dir: str | None = None
         self._started = time.time()
+        self._group = None  # the process group the ranks agree over (:meth:`agreed`)
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         self._see_signals_in_c_calls()
@@ -144,11 +145,17 @@ class StopRequest:
     def training_started(self) -> None:
         self._stage = "training"
 
-    def agreed(self, device) -> bool:
-        """All ranks must stop at the same step: a signal may reach them at different times."""
+    def agreed(self) -> bool:
+        """All ranks must stop at the same step: a signal may reach them at different times. The ranks agree over a
+        CPU (gloo) group, so agreeing waits for no device's queue (an NCCL all-reduce and its read-back would, at
+        every step); one rank agrees with itself."""
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if dist.get_world_size() == 1:
+            return self.requested
+        if self._group is None:  # every rank calls this at the same steps, so every rank creates the group here
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        flag = torch.tensor([float(self.requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())

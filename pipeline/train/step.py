@@ -5,6 +5,7 @@ The loop around it (data, checkpoints, metrics, stop signals) is :class:`pipelin
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -17,16 +18,67 @@ from pipeline.train.phases import WeightedObjective
 
 
 @dataclass(frozen=True)
-class StepResult:
+class StepNumbers:
     losses: dict[str, float]  # per output, over the global batch
     accuracy: dict[str, float]  # per output
-    lr: float  # the rate this step used
     grad_norm: float  # the gradients' 2-norm before clipping
     work: Work  # what the forward passes of all ranks ran, for the MFU
     # with sources: per output, each source's loss over the global batch (sources without targets this step left
     # out), and each source's non-padding tokens in the step's packed micro-batches
     source_losses: dict[str, dict[str, float]] = field(default_factory=dict)
     source_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class StepResult:
+    """A step's logged numbers (``StepNumbers``' fields, and ``lr``, the rate it used). They leave the device in one
+    copy queued at the step's end (non-blocking, into pinned memory, on CUDA); the first field read waits for that
+    copy alone, not for the work queued after it, so the trainer can read step n while step n + 1 runs."""
+
+    def __init__(self, values: torch.Tensor, names: list[str], lr: float, grad_norm: float | None,
+                 by_source: _SourceSums | None):
+        self.lr = lr
+        self._names, self._grad_norm, self._by_source = names, grad_norm, by_source
+        self._ready = None
+        if values.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            values, self._ready = host.copy_(values, non_blocking=True), torch.cuda.Event()
+            self._ready.record()
+        self._values = values
+
+    @functools.cached_property
+    def numbers(self) -> StepNumbers:
+        if self._ready is not None:
+            self._ready.synchronize()
+        values, k = self._values.tolist(), len(self._names)
+        sums, totals, (head_targets, tokens, pairs) = values[: 2 * k], values[2 * k : 3 * k], values[3 * k : 3 * k + 3]
+        grad_norm = values[3 * k + 3] if self._grad_norm is None else self._grad_norm
+        by_source = self._by_source.read(values[3 * k + 4 :]) if self._by_source is not None else ({}, {})
+        return StepNumbers({n: sums[2 * i] / totals[i] for i, n in enumerate(self._names)},
+                           {n: sums[2 * i + 1] / totals[i] for i, n in enumerate(self._names) if n != ROUTER_AUX},
+                           grad_norm,
+                           Work(tokens=tokens, head_targets=head_targets, attended_pairs=pairs), *by_source)
+
+    losses = property(lambda self: self.numbers.losses)
+    accuracy = property(lambda self: self.numbers.accuracy)
+    grad_norm = property(lambda self: self.numbers.grad_norm)
+    work = property(lambda self: self.numbers.work)
+    source_losses = property(lambda self: self.numbers.source_losses)
+    source_tokens = property(lambda self: self.numbers.source_tokens)
+
+
+def target_counts(step_objs: list[WeightedObjective], batches: dict[str, list]) -> list[list[dict[str, int]]]:
+    """Each objective's targets of each loss in each of its micro-batches (``num_targets``), as host ints. The
+    trainer counts them on the batches' host copies, where this waits for no device; on device batches it reads
+    each count back."""
+    return [[{own: int(n) for own, n in o.objective.num_targets(b).items()} for b in batches[o.objective.source]]
+            for o in step_objs]
+
+
+def _on_device(values: list[float], device: torch.device) -> torch.Tensor:
+    """float64 ``values`` on ``device`` without waiting for it: a blocking copy to CUDA would wait for its queue,
+    so the copy goes non-blocking from pinned memory."""
+    host = torch.tensor(values, dtype=torch.float64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 class _SourceSums:
@@ -77,19 +129,20 @@ def _mark_boundary(engine, micro: int, micro_steps: int) -> None:
     engine.set_gradient_accumulation_boundary(micro == micro_steps - 1)
 
 
-def _micro_steps(engine, step_objs: list[WeightedObjective], batches: dict[str, list], names: list[str],
-                 weights: dict[str, float], scale: torch.Tensor, sums: torch.Tensor, by_source: _SourceSums | None,
-                 micro_steps: int):
+def _micro_steps(engine, step_objs: list[WeightedObjective], batches: dict[str, list], counts: list[list[dict]],
+                 names: list[str], weights: dict[str, float], scale: torch.Tensor, sums: torch.Tensor,
+                 by_source: _SourceSums | None, micro_steps: int):
     """Forward, backward and (at the boundary, inside DeepSpeed) the update of each micro-batch; the gradients'
-    norm where DeepSpeed measures none. With ``by_source``, each packed output's row losses are summed per
-    source too."""
+    norm where DeepSpeed measures none. Token objectives get their host-counted targets (``counts``, as
+    :func:`target_counts`). With ``by_source``, each packed output's row losses are summed per source too."""
     grad_norm = None
     for micro in range(micro_steps):
         _mark_boundary(engine, micro, micro_steps)
         loss = 0.0
-        for o in step_objs:
+        for o, per_micro in zip(step_objs, counts):
             batch = batches[o.objective.source][micro]
-            for own, out in engine(o.objective, batch).items():
+            known = (per_micro[micro],) if o.objective.predicts_tokens else ()
+            for own, out in engine(o.objective, batch, *known).items():
                 loss_sum, correct = out[0], out[2]
                 name = o.loss_name(own)
                 i = names.index(name)
@@ -129,7 +182,7 @@ def _cached_micro_steps(engine, o: WeightedObjective, micro: list, factor: torch
 
 
 def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, list], world: int,
-               grad_accum: int, sources: tuple[str, ...] = ()) -> StepResult:
+               grad_accum: int, sources: tuple[str, ...] = (), counts: list[list[dict]] | None = None) -> StepResult:
     """One optimizer step over the micro-batches in ``batches`` (``grad_accum`` of each source, or fewer while a
     batch warmup grows the global batch).
 
@@ -140,28 +193,32 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     objective with ``grad_cache`` (alone in its phase) takes its micro-batches as one contrastive batch.
     ``sources``: the names of the packed shards' sources when their batches carry source ids; each output of a
     packed objective is then also summed per source (its loss over that source's targets in the global batch).
+    ``counts``: :func:`target_counts` of the batches' host copies (the trainer's; default: counted here).
     """
-    # Everything counted and summed stays on the device until the one read-back at the end: a host sync drains
-    # the device's queue, so one before (or inside) the forward would leave it idle while the host launches.
+    # Nothing here reads the device back (tests/test_trainer_loop.py counts the reads): a host sync drains the
+    # device's queue, so one before (or inside) the forward would leave it idle while the host launches. The target
+    # counts come from the host; the logged numbers leave the device in one non-blocking copy (``StepResult``).
     device = next(engine.module.parameters()).device
-    counts: dict[str, torch.Tensor] = {}
+    counts = target_counts(step_objs, batches) if counts is None else counts
+    totals: dict[str, int] = {}
     weights: dict[str, float] = {}
-    head_targets = torch.zeros((), dtype=torch.float64, device=device)
+    head_targets = 0
     body = torch.zeros(2, dtype=torch.float64, device=device)
     router_aux_coef = getattr(engine.module, "router_aux_coef", None)  # an MoE model: one router loss per call
-    for o in step_objs:
+    for o, per_micro in zip(step_objs, counts):
         for b in batches[o.objective.source]:
             body += o.objective.body_work(b)
-            for own, n in o.objective.num_targets(b).items():
+        for micro in per_micro:
+            for own, n in micro.items():
                 name = o.loss_name(own)
-                counts[name] = counts.get(name, 0.0) + n.double()
+                totals[name] = totals.get(name, 0) + n
                 weights[name] = o.weight * o.objective.loss_weights[own]
-                head_targets += n if o.objective.predicts_tokens else 0.0
-            if router_aux_coef is not None:
-                counts[ROUTER_AUX] = counts.get(ROUTER_AUX, 0.0) + torch.ones((), dtype=torch.float64, device=device)
-                weights[ROUTER_AUX] = router_aux_coef
-    names = list(counts)
-    reduced = torch.cat([torch.stack([counts[n] for n in names]), head_targets[None], body])
+                head_targets += n if o.objective.predicts_tokens else 0
+        if router_aux_coef is not None:
+            totals[ROUTER_AUX] = totals.get(ROUTER_AUX, 0) + len(per_micro)
+            weights[ROUTER_AUX] = router_aux_coef
+    names = list(totals)
+    reduced = torch.cat([_on_device([*(totals[n] for n in names), head_targets], device), body])
     dist.all_reduce(reduced)
     total = reduced[: len(names)].clamp(min=1.0)
     # fp32 like the Python float it replaces, which multiplied an fp32 loss as fp32: the losses stay bit-identical
@@ -180,18 +237,18 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
                                         sums[names.index(name)])
     else:
         micro_steps = len(batches[step_objs[0].objective.source])
-        grad_norm = _micro_steps(engine, step_objs, batches, names, weights, scale, sums, by_source, micro_steps)
+        grad_norm = _micro_steps(engine, step_objs, batches, counts, names, weights, scale, sums, by_source, micro_steps)
     if grad_norm is None:  # None only where the DeepSpeed config turns it off (zero_optimization.compute_grad_norm)
         grad_norm = engine.get_global_grad_norm()
     dist.all_reduce(sums)
     per_source = by_source.flat() if by_source is not None else torch.zeros(0, dtype=torch.float64, device=device)
     if by_source is not None:
         dist.all_reduce(per_source)
-    k = len(names)  # the step's one read-back: the logged losses and accuracies, their target counts, the work
-    values = torch.cat([sums.double().flatten(), total, reduced[k:], per_source]).tolist()
-    sums_read, totals, (head_targets, tokens, pairs) = values[: 2 * k], values[2 * k : 3 * k], values[3 * k : 3 * k + 3]
-    source_losses, source_tokens = by_source.read(values[3 * k + 3 :]) if by_source is not None else ({}, {})
-    return StepResult({n: sums_read[2 * i] / totals[i] for i, n in enumerate(names)},
-                      {n: sums_read[2 * i + 1] / totals[i] for i, n in enumerate(names) if n != ROUTER_AUX}, lr,
-                      float(grad_norm if grad_norm is not None else 0.0),
-                      Work(tokens=tokens, head_targets=head_targets, attended_pairs=pairs), source_losses, source_tokens)
+    # the step's one copy to the host: the logged losses and accuracies, their target counts, the work, the grad
+    # norm where it is still on the device
+    on_device = isinstance(grad_norm, torch.Tensor)
+    norm = grad_norm.detach().double().reshape(1).to(device) if on_device else torch.zeros(1, dtype=torch.float64,
+                                                                                            device=device)
+    values = torch.cat([sums.double().flatten(), total, reduced[len(names):], norm, per_source])
+    return StepResult(values, names, lr, None if on_device else float(grad_norm if grad_norm is not None else 0.0),
+                      by_source)

@@ -33,8 +33,24 @@ from pipeline.train.module import build_engine, parameter_line
 from pipeline.train.phases import WeightedObjective, at_step
 from pipeline.train.preflight import Prepared
 from pipeline.train.signals import StopRequest
-from pipeline.train.step import train_step
+from pipeline.train.step import StepResult, target_counts, train_step
 from pipeline.train.validation import Validator, probes
+
+
+@dataclass(frozen=True)
+class _Unread:
+    """A trained step whose numbers the host has not read yet, and what its metrics record needs besides them."""
+
+    step: int
+    phase_idx: int
+    phase: str
+    result: StepResult
+    tokens: int
+    started: float  # time.time() at the step's start
+    data_seconds: float
+    skipped_steps: int  # DeepSpeed's count after the step
+    tokens_seen: int
+    host: dict[str, float]  # its scalars known on the host (batch sizes, sequence length, masking ratios)
 
 
 @dataclass
@@ -105,41 +121,57 @@ class Trainer:
         """Train to ``train.steps``, or until a stop; returns the summary."""
         self.stop.training_started()
         started = time.time()
+        unread: _Unread | None = None  # the newest step whose numbers are still on their way from the device
         while self.step < self.exp.train.steps:
             t0 = time.time()
             phase_idx, phase = self.exp.phase_at(self.step)
             self._enter_phase(phase_idx)
             data = self.phase_data[phase_idx]
             mask_ratios = at_step(self.objectives[phase_idx], self.exp, self.step)
-            batches, local_tokens = self._next_batches(self.objectives[phase_idx], data.loader)
+            batches, local_tokens, counts = self._next_batches(self.objectives[phase_idx], data.loader)
             world = dist.get_world_size()
-            samples = {f"batch/samples/{src}": world * sum(len(b.keys) for b in bs) for src, bs in batches.items()}
             t_data = time.time() - t0
-            result = train_step(self.engine, self.objectives[phase_idx], batches, world,
-                                self.exp.train.grad_accum, self.sources if data.loader == "packed" else ())
-            losses = result.losses
+            result = train_step(self.engine, self.objectives[phase_idx], batches, world, self.exp.train.grad_accum,
+                                self.sources if data.loader == "packed" else (), counts)
             self.step += 1
             tokens = world * local_tokens
             self.tokens_seen += tokens
-            seconds = time.time() - t0
-            grad_norm = result.grad_norm
-            self.guard.count(losses, grad_norm, self.engine.skipped_steps)
-            scalars = ({f"loss/{n}": v for n, v in losses.items()}
-                       | {f"acc/{n}": v for n, v in result.accuracy.items()}
-                       | {"optim/lr": result.lr, "optim/grad_norm": grad_norm,
-                          "optim/skipped_steps": self.engine.skipped_steps}
-                       | self.throughput.scalars(tokens, seconds, t_data, work_flops(self.lm.config, result.work))
-                       | {"progress/tokens_seen": self.tokens_seen, "progress/phase": phase_idx, "batch/tokens": tokens}
-                       | ({"progress/seq_len": batches["packed"][0].input_ids.shape[1]} if "packed" in batches else {})
-                       | samples | mask_ratios
-                       | self._source_scalars(result))
-            if self.validator is not None and self.validator.due(self.step, self.exp.train.steps):
-                scalars |= self.validator.run(self.engine, self.objectives[phase_idx], self.device)
-            self.metrics.log(self.step, scalars, phase.name)
-            self.guard.check(self.step, losses, grad_norm, self.checkpoints.last_good)
-            if self._checkpoint_or_stop():
+            host = (mask_ratios | {"batch/tokens": tokens}  # the step's numbers the host already has
+                    | {f"batch/samples/{src}": world * sum(len(b.keys) for b in bs) for src, bs in batches.items()}
+                    | ({"progress/seq_len": batches["packed"][0].input_ids.shape[1]} if "packed" in batches else {}))
+            if unread is not None:  # the previous step, read while this one runs; its time: from start to start
+                self._log(unread, self._scalars(unread, t0 - unread.started))
+            unread = _Unread(self.step, phase_idx, phase.name, result, tokens, t0, t_data, self.engine.skipped_steps,
+                             self.tokens_seen, host)
+            signalled, stopping, due = self._stop_or_due()
+            validating = self.validator is not None and self.validator.due(self.step, self.exp.train.steps)
+            if stopping or due or validating:  # read now: a checkpoint needs the guard's verdict on this step,
+                scalars = self._scalars(unread)  # and a validation's numbers join its record
+                if validating:
+                    scalars |= self.validator.run(self.engine, self.objectives[phase_idx], self.device)
+                self._log(unread, scalars)
+                unread = None
+            if self._checkpoint_or_stop(signalled, stopping, due):
                 break
         return self._finish(started)
+
+    def _scalars(self, s: _Unread, seconds: float | None = None) -> dict[str, float]:
+        """Step ``s``'s metrics, its numbers read back (waiting for their copy from the device, not for later
+        work), counted by the divergence guard. ``seconds``: the step's time, measured after the read-back when
+        not given."""
+        losses, grad_norm = s.result.losses, s.result.grad_norm
+        seconds = time.time() - s.started if seconds is None else seconds
+        self.guard.count(losses, grad_norm, s.skipped_steps)
+        return ({f"loss/{n}": v for n, v in losses.items()}
+                | {f"acc/{n}": v for n, v in s.result.accuracy.items()}
+                | {"optim/lr": s.result.lr, "optim/grad_norm": grad_norm, "optim/skipped_steps": s.skipped_steps}
+                | self.throughput.scalars(s.tokens, seconds, s.data_seconds, work_flops(self.lm.config, s.result.work))
+                | {"progress/tokens_seen": s.tokens_seen, "progress/phase": s.phase_idx} | s.host
+                | self._source_scalars(s.result))
+
+    def _log(self, s: _Unread, scalars: dict[str, float]) -> None:
+        self.metrics.log(s.step, scalars, s.phase)
+        self.guard.check(s.step, s.result.losses, s.result.grad_norm, self.checkpoints.last_good)
 
     def _source_scalars(self, result) -> dict[str, float]:
         """``source_loss/<output>/<source>`` of the step, ``progress/source_tokens/<source>`` so far."""
@@ -159,14 +191,16 @@ class Trainer:
                   f"{self.lm.config.rope_parameters}, max_position_embeddings "
                   f"{self.lm.config.max_position_embeddings}", flush=True)
 
-    def _next_batches(self, step_objs: list[WeightedObjective], packed: str) -> tuple[dict[str, list], int]:
-        """The step's micro-batches of each source on the device (the packed ones from the loader ``packed``,
-        the phase's), and this rank's non-padding tokens in them, counted on the host copies (counting on the
-        device would wait for it). The copies are asynchronous: the loaders pin the host memory on CUDA."""
+    def _next_batches(self, step_objs: list[WeightedObjective], packed: str) -> tuple[dict[str, list], int, list]:
+        """The step's micro-batches of each source on the device (the packed ones from the loader ``packed``, the
+        phase's), this rank's non-padding tokens in them and the objectives' targets (``target_counts``), counted
+        on the host copies (counting on the device would wait for it). The copies are asynchronous: the loaders pin
+        the host memory on CUDA."""
         host = {src: self.loaders[packed if src == "packed" else src].next_global_step()
                 for src in sorted({o.objective.source for o in step_objs})}
         tokens = sum(int((b.doc_ids >= 0).sum()) for bs in host.values() for b in bs)
-        return {src: [b.to(self.device, non_blocking=True) for b in bs] for src, bs in host.items()}, tokens
+        return ({src: [b.to(self.device, non_blocking=True) for b in bs] for src, bs in host.items()}, tokens,
+                target_counts(step_objs, host))
 
     def _save(self) -> None:
         self.checkpoints.save(self.step, {
@@ -175,12 +209,15 @@ class Trainer:
             **({"source_tokens": dict(self.source_tokens)} if self.sources else {}),
             "phase": self.exp.phase_at(max(self.step - 1, 0))[1].name})
 
-    def _checkpoint_or_stop(self) -> bool:
-        """Checkpoint when one is due and the newest step is good; True when the run stops at this step (a stop
-        signal on any rank, or ``train.stop_at_step``)."""
-        signalled = self.stop.agreed(self.device)
+    def _stop_or_due(self) -> tuple[bool, bool, bool]:
+        """(a stop signal on any rank, the run stops at this step (that or ``train.stop_at_step``), a checkpoint is
+        due or the last step is done)."""
+        signalled = self.stop.agreed()
         stopping = signalled or self.step == self.exp.train.stop_at_step
-        due = self.step % self.exp.checkpoint.every == 0 or self.step == self.exp.train.steps
+        return signalled, stopping, self.step % self.exp.checkpoint.every == 0 or self.step == self.exp.train.steps
+
+    def _checkpoint_or_stop(self, signalled: bool, stopping: bool, due: bool) -> bool:
+        """Checkpoint when one is due and the newest step is good; True when the run stops at this step."""
         if self.guard.healthy and (due or stopping):
             self._save()
         if stopping:
