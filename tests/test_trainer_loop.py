@@ -132,7 +132,7 @@ def test_a_stop_signal_checkpoints_the_step_it_stops_at(tmp_path, stop, capsys):
     assert summary["steps"] == 3 and t.step == 3
     assert RunDir(t.exp.run_dir).complete_steps() == [2, 3]  # step 3 is off the every-2 grid: saved for the stop
     assert "stopped at step 3 (checkpointed) on SIGUSR1; start the same command again to resume" in capsys.readouterr().out
-    assert logged_steps(t.exp.run_dir) == [1, 2, 3]  # the stop step's record is written before it stops
+    assert logged_step_numbers(t.exp.run_dir) == [1, 2, 3]  # the stop step's record is written before it stops
     client = torch.load(os.path.join(RunDir(t.exp.run_dir).checkpoint(3), "state.pt"), weights_only=False)["client"]
     assert client["step"] == 3 and client["loaders"]["packed"]["samples_consumed"] == 3 * 2
 
@@ -145,7 +145,8 @@ def test_bad_steps_write_no_checkpoint_and_diverge_keeping_the_last_good_one(tmp
     assert RunDir(t.exp.run_dir).complete_steps() == [2]  # step 4 was due but bad
 
 
-def logged_steps(run_dir: str) -> list[int]:
+def logged_step_numbers(run_dir: str) -> list[int]:
+    """The steps in ``metrics.jsonl`` so far, in the order written."""
     if not os.path.exists(RunDir(run_dir).metrics):
         return []
     with open(RunDir(run_dir).metrics) as f:
@@ -156,12 +157,12 @@ def test_one_bad_step_delays_the_checkpoint_and_the_run_goes_on(tmp_path, stop):
     """Also: a step's record is written while the next step runs, except at a checkpoint step (the guard's verdict
     comes first); every step is logged once, in order."""
     logged = {}
-    t = trainer(tmp_path, stop, skip={4}, on_step=lambda step: logged.update({step: logged_steps(t.exp.run_dir)}))
+    t = trainer(tmp_path, stop, skip={4}, on_step=lambda step: logged.update({step: logged_step_numbers(t.exp.run_dir)}))
     assert t.fit()["steps"] == 8
     assert RunDir(t.exp.run_dir).complete_steps() == [2, 6, 8]
     assert {n: steps[-1] if steps else 0 for n, steps in logged.items()} == \
         {n: n - 2 if n % 2 == 0 else n - 1 for n in range(1, 9)}  # every=2: odd steps wait for the next one
-    assert logged_steps(t.exp.run_dir) == list(range(1, 9))
+    assert logged_step_numbers(t.exp.run_dir) == list(range(1, 9))
 
 
 def test_a_stop_on_a_bad_step_keeps_the_last_good_checkpoint(tmp_path, stop, capsys):
