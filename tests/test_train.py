@@ -253,11 +253,14 @@ def test_ds_config_auto_fields_and_conflicts():
 
 
 def test_ds_config_reduces_and_accumulates_bf16_gradients_in_fp32():
-    """bf16 weights get fp32 gradient reduction and (with ZeRO) fp32 accumulation unless the JSON chooses; fp32
-    training and stage 0 (where DeepSpeed cannot accumulate bf16 gradients in fp32) are left alone."""
+    """bf16 weights get fp32 gradient reduction (on more than one rank: one has nothing to reduce) and (with ZeRO)
+    fp32 accumulation unless the JSON chooses; fp32 training and stage 0 (where DeepSpeed cannot accumulate bf16
+    gradients in fp32) are left alone."""
     exp = load_experiment(None)
     zero3 = resolve_ds_config({"zero_optimization": {"stage": 3}}, exp, world_size=2, bf16=True)
     assert zero3["communication_data_type"] == "fp32" and zero3["data_types"] == {"grad_accum_dtype": "fp32"}
+    one_rank = resolve_ds_config({"zero_optimization": {"stage": 1}}, exp, world_size=1, bf16=True)
+    assert "communication_data_type" not in one_rank and one_rank["data_types"] == {"grad_accum_dtype": "fp32"}
     stage0 = resolve_ds_config({}, exp, world_size=2, bf16=True)
     assert stage0["communication_data_type"] == "fp32" and "data_types" not in stage0
     assert not {"communication_data_type", "data_types"} & set(resolve_ds_config({}, exp, world_size=2, bf16=False))
