@@ -69,4 +69,3 @@ def selective_layer_bytes(config: PretrainedConfig) -> int:
     h, heads = config.hidden_size, config.num_attention_heads
     kv = config.num_key_value_heads * (getattr(config, "head_dim", None) or h // heads)
     return 2 * h + 2 * (2 * h + kv + config.intermediate_size) + 2 * h + 4 * heads
-

@@ -122,8 +122,7 @@ def model_states(params: int, largest_layer: int, zero: int, offload: bool, node
         return ModelStates(2 * params, 2 * t if zero == 1 else 0, 0, 0, 0, 0, t * max(4 * n, 16) * buffer_factor)
     if zero == 1:
         return ModelStates(2 * params, 0, 4 * t, 4 * t / n, 8 * t / n, 0, params * 4 * gpus_per_node * buffer_factor)
-    return ModelStates(2 * params, 2 * t / (n if zero == 2 else 1), 4 * t / n, 4 * t / n, 8 * t / n, 0,
-                       params * 4 * gpus_per_node * buffer_factor)
+    return ModelStates(2 * params, 2 * t / n, 4 * t / n, 4 * t / n, 8 * t / n, 0, params * 4 * gpus_per_node * buffer_factor)
 
 
 def layer_activation_bytes(config: PretrainedConfig) -> int:
