@@ -134,9 +134,12 @@ class ModelConfig:
     # auto: on CUDA flash varlen for packed causal/bidirectional batches, FlexAttention block masks for MAGNET;
     # SDPA on CPU (no varlen kernel, no flex backward there)
     attn_implementation: Literal["auto", "sdpa", "eager", "flex", "varlen"] = "auto"
-    compile: bool = False  # torch.compile each decoder layer's forward
+    # torch.compile each decoder layer's forward; auto: on CUDA, off on CPU (pipeline.model.build.compiles)
+    compile: bool | Literal["auto"] = "auto"
     lm_head_chunk: int = 1024  # target rows per chunk of the LM head loss (0: unchunked fp32 logits of all targets)
-    activation_checkpointing: bool = False
+    # recompute activations in the backward: true every layer, k (an integer >= 1) every k-th layer, selective the
+    # cheap ops of every layer (pipeline.model.checkpointing)
+    activation_checkpointing: bool | Literal["selective"] | int = False
     attention_dropout: float = 0.0  # dropout on attention probabilities (SimCSE's positives need > 0, e.g. 0.3)
     shape: str = ""  # a preset whose shape the checkpoint in `init` must have (continued pretraining); "": unchecked
     lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters only (lora.r > 0)
@@ -146,6 +149,10 @@ class ModelConfig:
                                         "router_aux_coef": ">= 0"}
 
     def validate(self) -> None:
+        ac = self.activation_checkpointing
+        if not isinstance(ac, (bool, str)) and ac < 1:
+            raise ConfigError(f"model.activation_checkpointing: {ac} layers; use false, true, selective or k >= 1 "
+                              f"(every k-th layer)")
         if self.shape and self.shape not in PRESETS:
             raise ConfigError(f"model.shape: {self.shape!r} is not a preset; choose one of {list(PRESETS)} (or \"\")")
 

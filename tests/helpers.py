@@ -170,6 +170,7 @@ def tiny_llama(tokenizer, attention_dropout: float = 0.0, seed: int = 0):
 
 ZERO3 = os.path.join(REPO, "ds_configs", "zero3.json")
 ZERO0 = os.path.join(REPO, "ds_configs", "zero0.json")
+ZERO1 = os.path.join(REPO, "ds_configs", "zero1.json")
 # The fastest CPU layout (BENCHMARKS.md, "CPU layouts"): one rank with both cores' threads and no ZeRO. The real-model
 # runs of the slow suite use it (doubling grad_accum keeps the 2-rank global batch); the 2-rank ZeRO-3 path stays
 # tested everywhere else.

@@ -161,9 +161,11 @@ def test_resume_is_bit_identical_and_survives_kill_during_an_async_checkpoint(ba
 @pytest.mark.slow  # compiling in both ranks adds ~2.5 min on 2 cores; tests/test_compile.py is the fast check
 @pytest.mark.extended  # and test_zero3_engine.py compiles the layers under ZeRO-3
 def test_compiled_body_under_zero3_gives_the_eager_losses(baseline, shards, init_dir, tmp_path):
-    """model.compile with ZeRO-3's gather hooks around the compiled layers: the first steps equal the baseline's."""
+    """model.compile with selective activation checkpointing and ZeRO-3's gather hooks around the compiled layers,
+    on 2 ranks: the first steps equal the (eager, unchecked) baseline's."""
     run_dir = str(tmp_path / "compiled")
-    launch(run_dir, shards, init_dir, "model.compile=true", "train.stop_at_step=3")
+    launch(run_dir, shards, init_dir, "model.compile=true", "model.activation_checkpointing=selective",
+           "train.stop_at_step=3")
     ours, base = losses(run_dir), losses(baseline)
     for step in (1, 2, 3):
         assert abs(ours[step] - base[step]) <= 1e-4 * abs(base[step]), (step, ours[step], base[step])
@@ -262,11 +264,14 @@ def test_ds_config_auto_fields_and_conflicts():
 
 
 def test_ds_config_reduces_and_accumulates_bf16_gradients_in_fp32():
-    """bf16 weights get fp32 gradient reduction and (with ZeRO) fp32 accumulation unless the JSON chooses; fp32
-    training and stage 0 (where DeepSpeed cannot accumulate bf16 gradients in fp32) are left alone."""
+    """bf16 weights get fp32 gradient reduction (on more than one rank: one has nothing to reduce) and (with ZeRO)
+    fp32 accumulation unless the JSON chooses; fp32 training and stage 0 (where DeepSpeed cannot accumulate bf16
+    gradients in fp32) are left alone."""
     exp = load_experiment(None)
     zero3 = resolve_ds_config({"zero_optimization": {"stage": 3}}, exp, world_size=2, bf16=True)
     assert zero3["communication_data_type"] == "fp32" and zero3["data_types"] == {"grad_accum_dtype": "fp32"}
+    one_rank = resolve_ds_config({"zero_optimization": {"stage": 1}}, exp, world_size=1, bf16=True)
+    assert "communication_data_type" not in one_rank and one_rank["data_types"] == {"grad_accum_dtype": "fp32"}
     stage0 = resolve_ds_config({}, exp, world_size=2, bf16=True)
     assert stage0["communication_data_type"] == "fp32" and "data_types" not in stage0
     assert not {"communication_data_type", "data_types"} & set(resolve_ds_config({}, exp, world_size=2, bf16=False))

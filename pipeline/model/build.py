@@ -70,10 +70,20 @@ def project_masks(config: PretrainedConfig) -> PretrainedConfig:
     return config
 
 
+def compiles(setting: bool | str, cuda: bool) -> bool:
+    """``model.compile``: ``auto`` compiles on CUDA (per-layer compile is torchtitan's and OLMo-core's default
+    there) and not on CPU, where it costs minutes of compile on few cores for little gain."""
+    return cuda if setting == "auto" else setting
+
+
 def compile_body(model: PreTrainedModel) -> None:
     """``torch.compile`` each decoder layer's forward in place (regional compilation: the layers share one compiled
     graph, so compile time does not grow with depth). The layers' own hooks (ZeRO-3's gathers) stay outside the
-    compiled code; the embedding, final norm and LM head stay eager."""
+    compiled code; the embedding, final norm and LM head stay eager. A checkpointed layer (HF checkpoints inside
+    ``forward``) compiles with its checkpoint, and its recompute replays no Python side effect: the one dynamo
+    finds there is transformers' output-capturing context variable, which a recompute must not replay anyway
+    (without the flag the whole layer falls back to eager at that graph break)."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward)
 

@@ -5,13 +5,17 @@ Model states (weights, gradients, optimizer) follow DeepSpeed's own estimators b
 (``estimate_zero3_model_states_mem_needs`` and ``estimate_zero2_model_states_mem_needs``; tests compare them),
 split as DeepSpeed's own comment splits its 18 bytes/param: 2 B 16-bit weights, 2 B 16-bit gradients (ZeRO-2), 4 B
 fp32 gradients, 4 B fp32 master weights, 8 B Adam moments; ZeRO-3 partitions the weights and counts 18 B/param in
-all plus the largest layer gathered whole (4 B/param). ZeRO-1 has no DeepSpeed estimator: it is ZeRO-2 with
-unpartitioned 16-bit gradients.
+all plus the largest layer gathered whole (4 B/param). ZeRO-1 has no DeepSpeed estimator; the trainer's bf16 ZeRO-1
+is DeepSpeed's BF16 optimizer (fp32 gradient accumulation, ``pipeline/train/ds_config.py``), which keeps an fp32
+gradient buffer of the whole model beside the bf16 weights and partitions the master weights and moments:
+2 + 4 + 12 / N B/param (``BF16_Optimizer.__init__``). With offload it is ZeRO-2 with unpartitioned 16-bit gradients.
 
 Activations are what autograd keeps for the backward pass of one micro-batch of an HF Llama in bf16 with SDPA
 (flash / memory-efficient kernels keep no L x L matrix), per token and layer: 20 h + 4 kv + 8 f + 4 heads + 8
 bytes (h hidden, kv = KV heads x head dim, f FFN), plus 6 h for the final norm; measured with saved-tensor hooks in
-tests. With activation checkpointing a layer keeps only its input (2 h) and one layer is recomputed at a time. The
+tests. With activation checkpointing a layer keeps only its input (2 h) and one layer is recomputed at a time;
+selective checkpointing keeps its input and the kept ops' outputs (``pipeline.model.checkpointing``: 8 h + 2 kv + 2 f
++ 4 heads, measured on its policy in tests) and also recomputes one layer at a time. The
 LM head runs on target tokens only: 10 B per target and vocabulary entry at its peak (bf16 logits, their fp32
 copy and the fp32 log-softmax kept for the backward). The trainer's chunked head (``model.lm_head_chunk``,
 ``pipeline/model/lm_head.py``) holds that for one chunk of targets at a time, plus the weight gradient it makes in
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from pipeline.model.checkpointing import SELECTIVE, selective_layer_bytes
 from pipeline.model.flops import PEAK_TFLOPS, flops_per_token
 from pipeline.model.moe import num_experts
 from pipeline.model.presets import PRESETS, get_preset
@@ -117,8 +122,9 @@ def model_states(params: int, largest_layer: int, zero: int, offload: bool, node
         return ModelStates(2 * params / n, 0, 4 * t / n, 4 * t / n, 8 * t / n, gathered, cpu)
     if offload:  # the optimizer (fp32 gradients, master weights, moments) in CPU memory
         return ModelStates(2 * params, 2 * t if zero == 1 else 0, 0, 0, 0, 0, t * max(4 * n, 16) * buffer_factor)
-    return ModelStates(2 * params, 2 * t / (n if zero == 2 else 1), 4 * t / n, 4 * t / n, 8 * t / n, 0,
-                       params * 4 * gpus_per_node * buffer_factor)
+    if zero == 1:
+        return ModelStates(2 * params, 0, 4 * t, 4 * t / n, 8 * t / n, 0, params * 4 * gpus_per_node * buffer_factor)
+    return ModelStates(2 * params, 2 * t / n, 4 * t / n, 4 * t / n, 8 * t / n, 0, params * 4 * gpus_per_node * buffer_factor)
 
 
 def layer_activation_bytes(config: PretrainedConfig) -> int:
@@ -137,12 +143,17 @@ def lm_head_bytes(config: PretrainedConfig, targets: float, chunk: int) -> float
     return chunk * v * 10 + 6 * v * h + 2 * targets * h
 
 
-def activation_bytes(config: PretrainedConfig, tokens: int, head_fraction: float, checkpointing: bool,
+CHECKPOINTING = ("none", "full", SELECTIVE)  # the planner's names of model.activation_checkpointing false/true/selective
+
+
+def activation_bytes(config: PretrainedConfig, tokens: int, head_fraction: float, checkpointing: str,
                      head_chunk: int = 0) -> dict:
-    """Activation memory of one micro-batch of ``tokens`` tokens, by part."""
+    """Activation memory of one micro-batch of ``tokens`` tokens, by part; ``checkpointing`` one of
+    :data:`CHECKPOINTING`."""
     layer = layer_activation_bytes(config)
     h, layers = config.hidden_size, config.num_hidden_layers
-    body = tokens * (layers * 2 * h + layer) if checkpointing else tokens * layers * layer
+    kept = {"none": layer, "full": 2 * h, SELECTIVE: selective_layer_bytes(config)}[checkpointing]
+    body = tokens * (layers * kept + (0 if checkpointing == "none" else layer))
     return {"layers": body + tokens * 6 * h, "lm_head": lm_head_bytes(config, head_fraction * tokens, head_chunk)}
 
 

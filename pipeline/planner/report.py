@@ -1,10 +1,12 @@
 """The cluster planner's report and command line:
-``python launch/plan.py --model 7b --nodes 4 --gpus-per-node 8 --gpu h100 [--zero 3] [--offload] [--seq-len N]
-[--micro-batch N] [--lm-head-chunk N] [--tokens-per-step N] [--steps N] [--corpus-tokens N] [--grid GRID]
+``python launch/plan.py --model 7b --nodes 4 --gpus-per-node 8 --gpu h100 [--zero 1|2|3] [--offload] [--seq-len N]
+[--micro-batch N] [--lm-head-chunk N] [--checkpointing [full|selective]] [--tokens-per-step N] [--steps N]
+[--corpus-tokens N] [--grid GRID]
 [--mixture SOURCE=RATIO,... [--shards DIR] [--max-repetition R]]`` (or ``pipeline-plan ...``).
 
-Prints the memory per GPU (model states as DeepSpeed's estimators count them, activations, a runtime reserve) with
-the verdict whether it fits, the step time and tokens per day at a stated MFU, the days for the whole run or a grid
+Prints the ZeRO stage and shipped DeepSpeed JSON to train with (the least sharding that fits, unless --zero says),
+the memory per GPU (model states as DeepSpeed's estimators count them, activations, a runtime reserve) with the
+verdict whether it fits, the step time and tokens per day at a stated MFU, the days for the whole run or a grid
 of runs, the tokens of each source of a mixture (against a shard directory's), and the data prep's core-hours,
 shard count and disk for a corpus. How each number is made:
 pipeline/planner/estimates.py and docs/planning.md.
@@ -25,10 +27,12 @@ from pipeline.model.flops import param_counts
 from pipeline.model.lora import LLM2VEC_TARGETS, lora_params
 from pipeline.model.presets import get_preset
 from pipeline.planner.estimates import (
+    CHECKPOINTING,
     GIB,
     GPUS,
     PREP_TOKENS_PER_CORE_S,
     Cluster,
+    ModelStates,
     activation_bytes,
     data_prep,
     gpu_hours,
@@ -49,7 +53,7 @@ class PlannerInput:
     nodes: int
     gpus_per_node: int
     gpu: str  # a key of GPUS
-    zero: int = 3
+    zero: int | None = None  # None: the least sharding that fits (least_sharding)
     offload: bool = False
     seq_len: int = 2048
     micro_batch: int = 12
@@ -57,7 +61,7 @@ class PlannerInput:
     steps: int = 42000
     targets: float = 1.0  # share of tokens through the LM head: 1 for CLM, the masking ratio for MLM
     lm_head_chunk: int = ModelConfig.lm_head_chunk
-    checkpointing: bool = False
+    checkpointing: str = "none"  # CHECKPOINTING: none, full (model.activation_checkpointing true) or selective
     lora_r: int = 0  # LoRA adapters of this rank on every projection (model.lora); 0: full-parameter training
     vocab: int = 128256  # Llama-3's
     mfu: float = 0.4
@@ -87,21 +91,42 @@ class PlannerInput:
             raise ValueError("--shards: the planner reads a shard directory to check a --mixture against it")
 
 
+# The shipped DeepSpeed JSON of each (ZeRO stage, offload)
+DS_CONFIGS = {(1, False): "ds_configs/zero1.json", (2, False): "ds_configs/zero2.json",
+              (3, False): "ds_configs/zero3.json", (3, True): "ds_configs/zero3_offload.json"}
+
+
+def least_sharding(fits, offload: bool) -> int:
+    """The ZeRO stage to train with when none is asked: the lowest whose memory ``fits(stage)``, else 3 (also with
+    offload, whose shipped JSON is ZeRO-3's). Below ZeRO-3 a step gathers no weights (no per-module hooks, no
+    all-gather in the forward and backward), and one GPU has nothing to shard: ZeRO-1 (DeepSpeed's BF16 optimizer)
+    keeps the whole fp32 gradient, ZeRO-2 a 1/N partition of it."""
+    return next((zero for zero in (1, 2) if not offload and fits(zero)), 3)
+
+
 def report(plan: PlannerInput) -> str:
     """The planner's report: memory per GPU with its verdict, throughput, and the grid and data prep when asked."""
     config = get_preset(plan.model).to_config(plan.vocab)
     cluster = Cluster(plan.nodes, plan.gpus_per_node, GPUS[plan.gpu])
     n, params, largest = cluster.gpus, param_counts(config).total, largest_layer_params(config)
     trainable = lora_params(config, plan.lora_r, LLM2VEC_TARGETS) if plan.lora_r else params
-    states = model_states(params, largest, plan.zero, plan.offload, plan.nodes, plan.gpus_per_node,
-                          trainable=trainable)
     tokens = plan.micro_batch * plan.seq_len
     acts = activation_bytes(config, tokens, plan.targets, plan.checkpointing, plan.lm_head_chunk)
+
+    def states_of(zero: int) -> ModelStates:
+        return model_states(params, largest, zero, plan.offload, plan.nodes, plan.gpus_per_node, trainable=trainable)
+
+    def total_of(zero: int) -> float:
+        return states_of(zero).gpu + sum(acts.values()) + plan.reserve_gib * GIB
+
+    zero = plan.zero or least_sharding(lambda z: total_of(z) <= cluster.gpu.memory_gib * GIB, plan.offload)
+    states, total = states_of(zero), total_of(zero)
     accum = math.ceil(plan.tokens_per_step / (tokens * n))
     step_tokens = accum * tokens * n
-    total = states.gpu + sum(acts.values()) + plan.reserve_gib * GIB
+    ds_config = DS_CONFIGS.get((zero, plan.offload))
+    chosen = "" if plan.zero else " (the least sharding that fits; --zero to choose)"
     gib = cluster.gpu.memory_gib
-    shard = f"a 1/{n} shard" if plan.zero == 3 else "all"
+    shard = f"a 1/{n} shard" if zero == 3 else "all"
     head = "all tokens" if plan.targets == 1 else f"{plan.targets:g} of the tokens"
     lines = [
         f"model {plan.model}: {config.num_hidden_layers} layers, hidden {config.hidden_size}, FFN "
@@ -109,14 +134,15 @@ def report(plan: PlannerInput) -> str:
         f"{config.vocab_size}: {params / 1e9:.2f} B parameters (largest layer {largest / 1e6:.1f} M)"
         + (f"; LoRA r {plan.lora_r} on every projection: {trainable / 1e6:.1f} M trainable" if plan.lora_r else ""),
         f"cluster: {plan.nodes} nodes x {plan.gpus_per_node} {plan.gpu} ({gib:g} GiB, {cluster.gpu.peak_tflops:g} "
-        f"TFLOP/s bf16 dense) = {n} GPUs; ZeRO-{plan.zero}" + (", offload" if plan.offload else ""),
+        f"TFLOP/s bf16 dense) = {n} GPUs; ZeRO-{zero}" + (", offload" if plan.offload else "")
+        + (f" ({ds_config})" if ds_config else "") + chosen,
         "",
         f"memory per GPU, micro-batch {plan.micro_batch} x {plan.seq_len} tokens" +
-        (", activation checkpointing" if plan.checkpointing else "") + ":",
+        ("" if plan.checkpointing == "none" else f", {plan.checkpointing} activation checkpointing") + ":",
         *(f"  {label:<58}{value / GIB:9.2f} GiB" for label, value in (
             (f"16-bit weights ({shard})", states.params16),
-            (f"16-bit gradients ({'all' if plan.zero == 1 else f'a 1/{n} partition'})", states.grads16),
-            (f"fp32 gradients (a 1/{n} partition)", states.grads32),
+            (f"16-bit gradients ({'all' if zero == 1 else f'a 1/{n} partition'})", states.grads16),
+            (f"fp32 gradients ({'all' if zero == 1 else f'a 1/{n} partition'})", states.grads32),
             (f"fp32 master weights (a 1/{n} partition)", states.master32),
             (f"Adam moments (a 1/{n} partition)", states.adam),
             ("largest layer gathered (ZeRO-3, 4 B/param)", states.gathered)) if value),
@@ -126,7 +152,7 @@ def report(plan: PlannerInput) -> str:
         f"  {'runtime reserve (CUDA context, NCCL, DeepSpeed buckets)':<58}{plan.reserve_gib:9.2f} GiB",
         f"  {'= total':<58}{total / GIB:9.2f} GiB of {gib:g}: " + (
             "fits" if total <= gib * GIB else
-            "DOES NOT FIT: try --checkpointing, a smaller --micro-batch, more GPUs or --offload"),
+            "DOES NOT FIT: try --checkpointing [selective], a smaller --micro-batch, more GPUs or --offload"),
         f"  CPU memory per node (DeepSpeed estimator): {states.cpu_per_node / GIB:.1f} GiB",
         "",
     ]
@@ -244,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--gpu", choices=sorted(GPUS), help="the cluster's GPU (default: the GPU visible here)")
-    p.add_argument("--zero", type=int, default=d.zero, choices=[1, 2, 3], help="ZeRO stage (default 3)")
+    p.add_argument("--zero", type=int, default=d.zero, choices=[1, 2, 3],
+                   help="ZeRO stage (default: the least sharding that fits, ZeRO-1 before 2 before 3)")
     p.add_argument("--offload", action="store_true", help="ZeRO-3: parameters and optimizer in CPU memory "
                    "(ds_configs/zero3_offload.json); ZeRO-1/2: the optimizer")
     p.add_argument("--seq-len", type=int, default=d.seq_len)
@@ -258,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lm-head-chunk", type=int, default=d.lm_head_chunk,
                    help=f"target rows per chunk of the LM head loss (model.lm_head_chunk, default "
                         f"{d.lm_head_chunk}); 0: the unchunked head")
-    p.add_argument("--checkpointing", action="store_true", help="activation checkpointing (model.activation_checkpointing)")
+    p.add_argument("--checkpointing", nargs="?", const="full", default=d.checkpointing, choices=CHECKPOINTING,
+                   help="activation checkpointing (model.activation_checkpointing): full (the default of the bare "
+                        "flag: true) or selective")
     p.add_argument("--lora-r", type=int, default=d.lora_r,
                    help="LoRA rank on every projection (model.lora.r): gradients and optimizer states of the adapter "
                         "only (default 0: full-parameter training)")

@@ -28,12 +28,16 @@ def _fill(cfg: dict, path: str, value, source: str, where: str) -> None:
                           f"set it to \"auto\" (or remove it) so the experiment decides, or change {source}")
 
 
-def _fp32_gradients(cfg: dict, stage: int) -> None:
-    """With bf16 weights, reduce gradients in fp32 and (ZeRO 1-3) accumulate them in fp32, as torchtitan does,
-    unless the JSON says otherwise: DeepSpeed's default for both is the model's bf16, whose 8-bit mantissa loses
-    the small terms of a sum over ranks and micro-steps. DeepSpeed has no fp32 accumulation for bf16 without ZeRO
-    (stage 0 raises "unsupported mix"), so there the gradients stay bf16 and only their all-reduce is fp32."""
-    cfg.setdefault("communication_data_type", "fp32")
+def _fp32_gradients(cfg: dict, stage: int, world_size: int) -> None:
+    """With bf16 weights, reduce gradients in fp32 (where there is a reduction: more than one rank) and (ZeRO 1-3)
+    accumulate them in fp32, as torchtitan does, unless the JSON says otherwise: DeepSpeed's default for both is
+    the model's bf16, whose 8-bit mantissa loses the small terms of a sum over ranks and micro-steps. One rank has
+    nothing to reduce, and an fp32 communication type would only add a bf16 -> fp32 copy of every gradient. With
+    ZeRO-1 the fp32 accumulation makes DeepSpeed pick its BF16 optimizer (fp32 master weights and gradients).
+    DeepSpeed has no fp32 accumulation for bf16 without ZeRO (stage 0 raises "unsupported mix"), so there the
+    gradients stay bf16 and only their all-reduce is fp32."""
+    if world_size > 1:
+        cfg.setdefault("communication_data_type", "fp32")
     if stage >= 1:
         cfg.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
 
@@ -60,7 +64,7 @@ def resolve_ds_config(ds: dict, exp: ExperimentConfig, world_size: int, bf16: bo
         _fill(cfg, "optimizer.params.weight_decay", o.weight_decay, "optim.weight_decay", params)
     zero = cfg.get("zero_optimization", {})
     if bf16:
-        _fp32_gradients(cfg, zero.get("stage", 0))
+        _fp32_gradients(cfg, zero.get("stage", 0), world_size)
     if zero.get("stage") == 3:
         zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
     return cfg

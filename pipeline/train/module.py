@@ -7,6 +7,8 @@ import contextlib
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.compile.util import is_deepcompile_supported
 from deepspeed.utils import set_z3_leaf_modules
 from torch import nn
 from transformers.integrations import HfDeepSpeedConfig
@@ -14,7 +16,8 @@ from transformers.integrations import HfDeepSpeedConfig
 from pipeline.config import ConfigError
 from pipeline.experiment import ExperimentConfig, ModelConfig, OptimConfig
 from pipeline.model.attention import FLEX, VARLEN, resolve_implementation
-from pipeline.model.build import build_model, compile_body
+from pipeline.model.build import build_model, compile_body, compiles
+from pipeline.model.checkpointing import enable_checkpointing
 from pipeline.model.lm_head import chunk_lm_head
 from pipeline.model.lora import add_lora
 from pipeline.model.moe import ROUTER_AUX, router_aux_coef, router_aux_scope
@@ -93,6 +96,34 @@ def build_optimizer(groups: list[dict], o: OptimConfig, kind: str) -> torch.opti
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True if kind == "torch" else None)
 
 
+def deepcompile(ds: dict) -> bool:
+    """Whether the DeepSpeed config asks for DeepCompile (``"compile": {"deepcompile": true}``), DeepSpeed's
+    compiler path: its own graph passes schedule ZeRO's gathers and reductions, and the engine compiles the
+    whole module (:func:`build_engine`), so the per-layer ``model.compile`` stays off."""
+    return bool(ds.get("compile", {}).get("deepcompile"))
+
+
+def check_compile(exp: ExperimentConfig, ds: dict) -> None:
+    """DeepCompile needs CUDA (DeepSpeed 0.19.7's ``is_deepcompile_supported``: its passes and native ops are
+    CUDA-only) and compiles the whole module itself, so an explicit ``model.compile: true`` contradicts it."""
+    if not deepcompile(ds):
+        return
+    if not is_deepcompile_supported():
+        raise ConfigError("DeepSpeed config: compile.deepcompile needs CUDA (DeepSpeed's DeepCompile has no CPU "
+                          "path); remove the \"compile\" section or use ds_configs/zero1.json here")
+    if exp.model.compile is True:
+        raise ConfigError("model.compile: true compiles each decoder layer, but the DeepSpeed config's "
+                          "compile.deepcompile compiles the whole module; set model.compile=auto (or false)")
+
+
+def build_device(ds: dict) -> torch.device | None:
+    """Where the model is built: on the engine's device below ZeRO-3 (a 1b model built on the CPU and moved took
+    51 s on an H200, its weight init running on the host), None under ZeRO-3, whose ``zero.Init`` places each
+    rank's partition itself."""
+    stage3 = ds.get("zero_optimization", {}).get("stage") == 3
+    return None if stage3 else torch.device(get_accelerator().current_device_name())
+
+
 def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=(), *,
                       attn_implementation: str, fused: str):
     """(HF model, engine module, the optimizer arguments of ``deepspeed.initialize``), with the implementation and
@@ -107,9 +138,10 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     # under zero.Init while keeping HF's weight init; kept on the module so the weak reference stays valid.
     hf_ds = HfDeepSpeedConfig(ds) if stage3 else None
     info = tokenizer.info
-    lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
-                     attn_implementation=attn_implementation, pad_token_id=info.pad_id,
-                     bos_token_id=info.bos_id, eos_token_id=info.eos_id)
+    with build_device(ds) or contextlib.nullcontext():
+        lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
+                         attn_implementation=attn_implementation, pad_token_id=info.pad_id,
+                         bos_token_id=info.bos_id, eos_token_id=info.eos_id)
     lora = exp.model.lora
     if lora.r:
         add_lora(lm, lora.r, lora.alpha, lora.dropout, tuple(lora.targets))
@@ -123,12 +155,12 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
         objective.attach(lm)
     if exp.model.lm_head_chunk:
         chunk_lm_head(lm, exp.model.lm_head_chunk)
-    if exp.model.activation_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if exp.model.compile:
-        if stage3:  # ZeRO-3's hooks are compiler-disabled: gather each layer whole in its own hook, outside the
-            # compiled forward, instead of one hook per Linear inside it (a graph break at each)
-            set_z3_leaf_modules(lm, list({type(layer) for layer in lm.model.layers}))
+    enable_checkpointing(lm, exp.model.activation_checkpointing)
+    if stage3:  # gather each layer whole in its own hook: one hook per layer instead of one per Linear, norm and
+        # rotary module inside it, and, ZeRO-3's hooks being compiler-disabled, no graph break in a compiled layer
+        set_z3_leaf_modules(lm, list({type(layer) for layer in lm.model.layers}))
+    cuda = get_accelerator().device_name() == "cuda"
+    if compiles(exp.model.compile, cuda) and not deepcompile(ds):
         compile_body(lm)
     coef = router_aux_coef(lm.config, exp.model.router_aux_coef)
     cached = [o.name for o in objectives if getattr(o, "grad_cache", False)]
@@ -157,9 +189,13 @@ def parameter_line(model: nn.Module) -> str:
 
 def build_engine(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=(), *, attn_implementation: str,
                  fused: str) -> tuple[nn.Module, deepspeed.DeepSpeedEngine]:
-    """(HF model, the DeepSpeed engine that trains it with the experiment's LR schedule)."""
+    """(HF model, the DeepSpeed engine that trains it with the experiment's LR schedule), compiled by DeepCompile
+    when the DeepSpeed config asks for it (:func:`deepcompile`)."""
+    check_compile(exp, ds)
     lm, model, optimizer = build_train_model(exp, ds, tokenizer, bf16, objectives,
                                              attn_implementation=attn_implementation, fused=fused)
     engine, *_ = deepspeed.initialize(model=model, **optimizer, lr_scheduler=lr_scheduler(exp.train.steps, exp.optim),
                                       config=ds)
+    if deepcompile(ds):
+        engine.compile()
     return lm, engine
