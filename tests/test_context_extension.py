@@ -131,7 +131,6 @@ def test_the_planners_grid_report_lists_each_phases_tokens(tmp_path, capsys):
     assert "    pre 0.10B at seq_len 1024, ext 0.03B at seq_len 8192" in capsys.readouterr().out
 
 
-@pytest.mark.e2e
 def test_the_ettin_recipe_and_its_smoke_twin_have_the_same_three_phases():
     """experiments/ettin: pretraining, context extension (own shards, longer rows, a larger theta, the tokens per
     step kept), decay on the extension's shards with the masking ratio falling to 0.15 while WSD decays the lr."""
@@ -148,6 +147,7 @@ def test_the_ettin_recipe_and_its_smoke_twin_have_the_same_three_phases():
         assert (exp.phases[2].objectives[0].ratio, schedule.shape, schedule.final) == (0.3, "linear", 0.15), name
 
 
+@pytest.mark.e2e
 def test_the_ettin_smoke_twin_switches_context_exports_the_theta_and_resumes_exactly(shards, tmp_path):
     """experiments/ettin/ettin-210m-smoke.yaml on 2 ZeRO-3 ranks, 8 steps: 4 at seq_len 64 on ``shards`` (the batch
     warming up over the first 2), 2 of context extension at 128 with RoPE theta 40 000 on shards rank 0 builds at
