@@ -29,7 +29,7 @@ from pipeline.model.weight_decay import param_groups
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.batch_warmup import batch_warmup
-from pipeline.train.ds_config import resolve_ds_config
+from pipeline.train.ds_config import resolve_ds_config, sharding_note
 from pipeline.train.module import TrainModule
 from pipeline.train.phases import build_objectives
 from pipeline.train.schedule import lr_multiplier
@@ -278,6 +278,17 @@ def test_ds_config_reduces_and_accumulates_bf16_gradients_in_fp32():
     theirs = resolve_ds_config({"zero_optimization": {"stage": 2}, "communication_data_type": "bf16",
                                 "data_types": {"grad_accum_dtype": "bf16"}}, exp, world_size=2, bf16=True)
     assert theirs["communication_data_type"] == "bf16" and theirs["data_types"] == {"grad_accum_dtype": "bf16"}
+
+
+def test_zero3_on_one_gpu_is_told_of_zero1():
+    """The user's command names zero3.json; on one GPU, where it shards nothing, rank 0 says what is faster."""
+    zero3 = {"zero_optimization": {"stage": 3}}
+    assert "--config ds_configs/zero1.json trains faster" in sharding_note(zero3, world=1, cuda=True)
+    assert sharding_note(zero3, world=2, cuda=True) is None  # a second rank: ZeRO-3 shards
+    assert sharding_note(zero3, world=1, cuda=False) is None  # CPU ranks: the measured layouts differ (BENCHMARKS)
+    assert sharding_note({"zero_optimization": {"stage": 1}}, world=1, cuda=True) is None
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    assert sharding_note(offload, world=1, cuda=True) is None  # offload needs ZeRO-3
 
 
 def test_batch_warmup_config_errors_name_the_field():

@@ -25,7 +25,7 @@ from pipeline.model.flops import device_peak_tflops, work_flops
 from pipeline.model.rope import set_rope
 from pipeline.run_dir import DataRecord, RunDir, tag
 from pipeline.train.checkpoint import Checkpointer
-from pipeline.train.ds_config import resolve_ds_config
+from pipeline.train.ds_config import resolve_ds_config, sharding_note
 from pipeline.train.export import export_engine
 from pipeline.train.guard import DivergenceGuard
 from pipeline.train.metrics import MetricsLogger, Throughput
@@ -92,6 +92,9 @@ class Trainer:
                                   attn_implementation=prepared.attn_implementation, fused=prepared.fused)
         if rank == 0:
             print(f"model {exp.model.init}: {parameter_line(engine.module)}", flush=True)
+            note = sharding_note(ds, world, device.type == "cuda")
+            if note:
+                print(note, flush=True)
         run = RunDir(exp.run_dir)
         files = run.run_files(exp, ds, lm.config.to_dict(), DataRecord(index.directory, index.fingerprint,
                                                                        index.num_samples, index.num_tokens))
