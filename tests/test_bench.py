@@ -18,6 +18,8 @@ import time
 import pytest
 from helpers import ONE_RANK, launch_training, logged_steps
 
+from pipeline.planner import report as plan_cli
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_GPU = os.path.join(REPO, "bench", "gpu", "bench_gpu.py")
 spec = importlib.util.spec_from_file_location("bench_gpu", BENCH_GPU)
@@ -168,7 +170,7 @@ def test_gpu_ablation_dry_run_and_the_training_log_agree_on_flops(tmp_path):
     assert steps[1]["perf/flops_per_token"] != steps[2]["perf/flops_per_token"]  # else any step would match
 
 
-def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path):
+def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path, capsys):
     """Levers come from other branches: an unknown override or DeepSpeed JSON is that row's config error, found
     before a process starts; the best row combines the fastest measured settings; the planner's 7b row on an
     H200 is ZeRO-3 with activation checkpointing, its estimate beside it."""
@@ -193,10 +195,12 @@ def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path):
     assert best.config.overrides == ("model.attn_implementation=varlen",)  # compile lost to the baseline
     assert best.config.grad_accum == batch[0].grad_accum
 
-    planner = ablate.planner_row(ablate.FULL)
-    assert planner.config.preset == "7b" and planner.config.ds_config == "ds_configs/zero3.json"
-    assert planner.config.overrides == ("model.activation_checkpointing=true",)
+    planner = ablate.planner_row(ablate.FULL)  # what launch/plan.py says for the same GPU, model and batch
+    assert planner.config.preset == "7b" and planner.config.overrides == ("model.activation_checkpointing=true",)
     assert 0 < planner.estimate_gib <= 141
+    assert plan_cli.main(["--model", "7b", "--nodes", "1", "--gpus-per-node", "1", "--gpu", "h200", "--micro-batch",
+                          "1", "--seq-len", str(ablate.FULL.base.seq_len), "--checkpointing", "full"]) == 0
+    assert f"({planner.config.ds_config})" in capsys.readouterr().out
 
 
 def test_attribution_of_a_cuda_trace():

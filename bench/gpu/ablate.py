@@ -127,31 +127,33 @@ def best_row(rows: list[Row], base: RunConfig) -> Row:
 
 
 def planner_row(s: Settings) -> Row:
-    """The planner's choice for ``s.big_preset`` on one ``s.gpu`` at micro 1: the first of ZeRO-2, ZeRO-3, ZeRO-3
-    with activation checkpointing, ZeRO-3 offload with it, whose estimate (model states by DeepSpeed's estimators,
-    activations, the runtime reserve) fits; the last when none does."""
+    """The planner's choice for ``s.big_preset`` on one ``s.gpu`` at micro 1: ``launch/plan.py``'s least sharding
+    that fits (``least_sharding``), without activation checkpointing, else with it, else ZeRO-3 offload with it;
+    its memory estimate (model states by DeepSpeed's estimators, activations, the runtime reserve) goes beside the
+    measured peak."""
     from pipeline.model.flops import param_counts
     from pipeline.model.presets import get_preset
     from pipeline.planner.estimates import GIB, GPUS, activation_bytes, largest_layer_params, model_states
-    from pipeline.planner.report import PlannerInput
+    from pipeline.planner.report import DS_CONFIGS, PlannerInput, least_sharding
 
     config = get_preset(s.big_preset).to_config(s.base.vocab)
     plan = PlannerInput(model=s.big_preset, nodes=1, gpus_per_node=1, gpu=s.gpu, micro_batch=1, seq_len=s.base.seq_len)
-    candidates = (("ds_configs/zero2.json", 2, False, False), ("ds_configs/zero3.json", 3, False, False),
-                  ("ds_configs/zero3.json", 3, False, True), ("ds_configs/zero3_offload.json", 3, True, True))
+    params, largest, memory = param_counts(config).total, largest_layer_params(config), GPUS[s.gpu].memory_gib
 
-    def estimate_gib(zero: int, offload: bool, checkpointing: bool) -> float:
-        states = model_states(param_counts(config).total, largest_layer_params(config), zero, offload, 1, 1)
+    def estimate_gib(zero: int, offload: bool, checkpointing: str) -> float:
+        states = model_states(params, largest, zero, offload, 1, 1)
         acts = activation_bytes(config, plan.seq_len, plan.targets, checkpointing, plan.lm_head_chunk)
         return (states.gpu + sum(acts.values())) / GIB + plan.reserve_gib
 
-    ds_config, *choice = next((c for c in candidates if estimate_gib(*c[1:]) <= GPUS[s.gpu].memory_gib),
-                              candidates[-1])
-    estimate, checkpointing = estimate_gib(*choice), choice[-1]
-    overrides = ("model.activation_checkpointing=true",) if checkpointing else ()
-    return Row(s.big_preset, f"planner: {ds_config}" + (", activation checkpointing" if checkpointing else ""),
+    for checkpointing, offload in (("none", False), ("full", False), ("full", True)):
+        zero = least_sharding(lambda z, o=offload, c=checkpointing: estimate_gib(z, o, c) <= memory, offload)
+        if estimate_gib(zero, offload, checkpointing) <= memory:
+            break
+    ds_config = DS_CONFIGS[(zero, offload)]
+    overrides = ("model.activation_checkpointing=true",) if checkpointing == "full" else ()
+    return Row(s.big_preset, f"planner: {ds_config}" + (", activation checkpointing" if overrides else ""),
                replace(s.base, preset=s.big_preset, ds_config=ds_config, micro_batch=1, grad_accum=1,
-                       overrides=overrides), estimate_gib=round(estimate, 1))
+                       overrides=overrides), estimate_gib=round(estimate_gib(zero, offload, checkpointing), 1))
 
 
 def config_error(cfg: RunConfig, data: Data) -> str:
