@@ -173,7 +173,7 @@ def test_gpu_ablation_dry_run_and_the_training_log_agree_on_flops(tmp_path):
 def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path, capsys):
     """Levers come from other branches: an unknown override or DeepSpeed JSON is that row's config error, found
     before a process starts; the best row combines the fastest measured settings; the planner's 7b row on an
-    H200 is ZeRO-3 with activation checkpointing, its estimate beside it."""
+    H200 is launch/plan.py's, its estimate beside it."""
     data = attribute.Data(str(tmp_path / "shards"), str(tmp_path / "tokenizer"))
     base = ablate.DRY.base
     assert ablate.config_error(base, data) == ""
@@ -183,10 +183,12 @@ def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path, 
         dataclasses.replace(base, ds_config="ds_configs/zero9.json"), data)
 
     rows = ablate.lever_rows(ablate.FULL)
-    assert {r.group for r in rows} == {"baseline", "engine", "attention", "compile", "checkpointing", "batch"}
+    assert {r.group for r in rows} == {"baseline", "engine", "attention", "compile", "checkpointing", "batch",
+                                       "deepcompile"}
     batch = [r.config for r in rows if r.group == "batch"]
     assert all(c.micro_batch * c.grad_accum * c.seq_len >= 65536 for c in batch)
     speed = {"baseline": 1.0, "ds_configs/zero3.json": 0.8, "ds_configs/zero1.json": 1.3, "varlen": 1.5,
+             "ds_configs/zero1_deepcompile.json": 1.4,  # faster, but the best row never takes it
              "flex": 1.2, "true": 0.9, f"micro 4 x accumulation {batch[0].grad_accum}": 2.0}
     for r in rows:
         r.tokens_per_s = speed.get(r.group if r.group == "baseline" else r.setting, 0.0)

@@ -10,11 +10,12 @@ the dense document mask, eager), and each row changes one thing:
     engine          ds_configs/zero1.json, ds_configs/zero3.json
     attention       model.attn_implementation = varlen, flex, auto
     compile         model.compile = true, auto
-    checkpointing   micro 8 without and with model.activation_checkpointing
+    checkpointing   micro 8 without and with model.activation_checkpointing (true, selective)
     batch           micro 4 x accumulation 8, micro 8 x accumulation 4 (>= 64k tokens a GPU step)
+    deepcompile     ds_configs/zero1_deepcompile.json (DeepSpeed's compiler path), to read against zero1.json
     best            the fastest engine, attention and compile rows at the fastest >= 64k-token batch, attributed
-    7b              the planner's choice (pipeline/planner: the first of ZeRO-2, ZeRO-3, + activation
-                    checkpointing, + offload whose estimate fits the GPU) with its memory estimate beside the peak
+    7b              the planner's choice (launch/plan.py's least sharding that fits, without activation
+                    checkpointing, else with it, else offload) with its memory estimate beside the peak
 
 A switch the checkout does not know (a lever another branch adds) or a missing JSON fails that row, before any
 process starts, with the config error; the run goes on. Rows run in this order and each is skipped once the
@@ -104,6 +105,10 @@ def lever_rows(s: Settings) -> list[Row]:
         row("checkpointing", f"micro {2 * b.micro_batch}, off", micro_batch=2 * b.micro_batch),
         row("checkpointing", f"micro {2 * b.micro_batch}, on", "model.activation_checkpointing=true",
             micro_batch=2 * b.micro_batch),
+        row("checkpointing", f"micro {2 * b.micro_batch}, selective", "model.activation_checkpointing=selective",
+            micro_batch=2 * b.micro_batch),
+        # DeepSpeed's own compiler against zero1.json; not a lever the best row combines (it excludes model.compile)
+        row("deepcompile", "ds_configs/zero1_deepcompile.json", ds_config="ds_configs/zero1_deepcompile.json"),
     ]
 
 
