@@ -9,7 +9,7 @@ from pipeline.config import ConfigError
 from pipeline.experiment import ModelConfig, OptimConfig, load_experiment
 from pipeline.model import varlen
 from pipeline.model.attention import FLEX, VARLEN
-from pipeline.train.module import attn_implementation, build_optimizer, fused_kind
+from pipeline.train.module import attn_implementation, build_optimizer, fused_kind, leaf_layers
 
 
 def test_attention_implementation_per_device_and_dropout():
@@ -59,3 +59,14 @@ def test_speed_fields_are_validated():
         load_experiment(None, ["model.lm_head_chunk=-1"])
     with pytest.raises(ConfigError, match="model.attn_implementation"):
         load_experiment(None, ["model.attn_implementation=flash"])
+
+
+def test_layers_are_zero3_leaf_modules_only_where_a_micro_step_runs_each_once():
+    """A phase of several objectives runs each layer once per objective before one backward; DeepSpeed reduces a
+    leaf module's gradients once per call, so such a run keeps per-module hooks (tests/test_magnet_train.py's
+    two-stage MAGNET + SSCL run trains under ZeRO-3 with them)."""
+    assert leaf_layers(load_experiment(None))  # one CLM phase
+    two_phases = "phases=[{share: 0.5, objectives: [{name: clm}]}, {share: 0.5, objectives: [{name: mlm}]}]"
+    assert leaf_layers(load_experiment(None, [two_phases]))
+    mixed = "phases=[{objectives: [{name: clm}, {name: mlm}]}]"
+    assert not leaf_layers(load_experiment(None, [mixed]))

@@ -88,10 +88,10 @@ def engine_steps(overrides: list[str], dtype: str = "fp32", ds_config: str = ZER
 
 @pytest.mark.e2e
 def test_compiled_checkpointed_layers_under_zero3_have_no_graph_breaks_and_train_like_eager():
-    """Every ZeRO-3 engine makes the decoder layer a leaf module, so its hooks gather the whole layer outside the
-    compiled forward: dynamo compiles each layer, selective activation checkpointing included, without a break
-    (one per Linear otherwise), and the losses equal eager ones (observed within 1e-7 relative; inductor reorders
-    fp32 sums)."""
+    """A ZeRO-3 engine of one objective a phase makes the decoder layer a leaf module, so its hooks gather the
+    whole layer outside the compiled forward: dynamo compiles each layer, selective activation checkpointing
+    included, without a break (one per Linear otherwise), and the losses equal eager ones (observed within 1e-7
+    relative; inductor reorders fp32 sums)."""
     eager = engine_steps(["model.compile=false"])
     assert eager["leaf_layers"] == [True, True] and eager["compiled_graphs"] == 0
     compiled = engine_steps(["model.compile=true", "model.activation_checkpointing=selective"])

@@ -124,6 +124,15 @@ def build_device(ds: dict) -> torch.device | None:
     return None if stage3 else torch.device(get_accelerator().current_device_name())
 
 
+def leaf_layers(exp: ExperimentConfig) -> bool:
+    """Whether the decoder layers may be ZeRO-3 leaf modules: DeepSpeed reduces a leaf module's gradients in its
+    backward hook, which runs once per forward call, so each micro-step must run a layer once before its backward.
+    A phase of several objectives sums their losses into one backward after one body forward each (DeepSpeed 0.19
+    then asserts on a parameter reduced twice: MAGNET + SSCL, tests/test_magnet_train.py); those runs keep the
+    per-module hooks. Every objective runs the body once a call (SimCSE its two views in one batch)."""
+    return all(len(phase.objectives) == 1 for phase in exp.phases)
+
+
 def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=(), *,
                       attn_implementation: str, fused: str):
     """(HF model, engine module, the optimizer arguments of ``deepspeed.initialize``), with the implementation and
@@ -156,8 +165,9 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     if exp.model.lm_head_chunk:
         chunk_lm_head(lm, exp.model.lm_head_chunk)
     enable_checkpointing(lm, exp.model.activation_checkpointing)
-    if stage3:  # gather each layer whole in its own hook: one hook per layer instead of one per Linear, norm and
-        # rotary module inside it, and, ZeRO-3's hooks being compiler-disabled, no graph break in a compiled layer
+    if stage3 and leaf_layers(exp):  # gather each layer whole in its own hook: one hook per layer instead of one per
+        # Linear, norm and rotary module inside it, and, ZeRO-3's hooks being compiler-disabled, no graph break in a
+        # compiled layer
         set_z3_leaf_modules(lm, list({type(layer) for layer in lm.model.layers}))
     cuda = get_accelerator().device_name() == "cuda"
     if compiles(exp.model.compile, cuda) and not deepcompile(ds):
