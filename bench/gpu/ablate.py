@@ -196,7 +196,7 @@ def run_row(row: Row, s: Settings, data: Data, out: str, deadline: float, attrib
 def child(args: argparse.Namespace) -> None:
     """One row (``--row``): time it, and with ``--attribute`` profile one step into OUT/attribution.*; prints its
     :data:`ROW_LINE`."""
-    from attribute import build_engine, profile_step, single_process, timed, write_attribution
+    from attribute import opened_engine, profile_step, single_process, timed, write_attribution
     from bench_gpu import _failure
 
     from pipeline.model.flops import device_peak_tflops
@@ -207,7 +207,7 @@ def child(args: argparse.Namespace) -> None:
     cuda = device.type == "cuda"
     result: dict = {}
     try:
-        with tempfile.TemporaryDirectory(prefix="ablate_") as work, build_engine(cfg, data, work, device) as e:
+        with tempfile.TemporaryDirectory(prefix="ablate_") as work, opened_engine(cfg, data, work, device) as e:
             perf = timed(e, args.warmup, args.steps, device_peak_tflops(0.0) if cuda else 0.0)
             result = {k: perf[k] for k in ("step_s", "tokens_per_step", "tokens_per_s", "flops_per_token", "mfu",
                                            "peak_mem_gib")}

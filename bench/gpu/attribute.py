@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -154,16 +154,14 @@ def single_process() -> object:
 
 
 @contextmanager
-def build_engine(cfg: RunConfig, data: Data, work: str, device):
+def opened_engine(cfg: RunConfig, data: Data, work: str, device):
     """:class:`Engine` of ``cfg``, destroyed afterwards. A config the experiment refuses raises ConfigError here."""
-    import deepspeed
-
     from pipeline.data.loader import ShardLoader
     from pipeline.data.manifest import load_index
     from pipeline.experiment import load_experiment
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
-    from pipeline.train.module import attn_implementation, build_train_model, fused_kind
+    from pipeline.train.module import attn_implementation, build_engine, fused_kind
     from pipeline.train.phases import build_objectives
 
     cuda = device.type == "cuda"
@@ -171,14 +169,9 @@ def build_engine(cfg: RunConfig, data: Data, work: str, device):
     tokenizer = load_tokenizer(data.tokenizer)
     objectives = build_objectives(exp.phases[0], tokenizer)
     ds = resolve_ds_config(load_ds_config(os.path.join(REPO, cfg.ds_config)), exp, 1, cfg.bf16)
-    # below ZeRO-3 (no zero.Init) the model is built where torch's default device says: on the GPU, not in the
-    # CPU's 51 s of issue 32, which would spend the ablation's budget on builds (the step is the same)
-    where = device if cuda and ds.get("zero_optimization", {}).get("stage", 0) < 3 else nullcontext()
-    with where:
-        lm, module, optimizer = build_train_model(exp, ds, tokenizer, cfg.bf16, [o.objective for o in objectives],
-                                                  attn_implementation=attn_implementation(exp.model, cuda),
-                                                  fused=fused_kind(exp.optim, cuda))
-    engine, *_ = deepspeed.initialize(model=module, **optimizer, config=ds)
+    # the trainer's own engine: built on the GPU below ZeRO-3, DeepCompile'd where the JSON asks for it
+    lm, engine = build_engine(exp, ds, tokenizer, cfg.bf16, [o.objective for o in objectives],
+                              attn_implementation=attn_implementation(exp.model, cuda), fused=fused_kind(exp.optim, cuda))
     loader = ShardLoader(load_index(data.shards), cfg.micro_batch, cfg.grad_accum, 0, 1, exp.train.seed, cfg.workers,
                          pin_memory=cuda)
     try:
@@ -397,7 +390,7 @@ def attribute(cfg: RunConfig, data: Data, out: str, warmup: int, steps: int, pea
 
     device = single_process()
     os.makedirs(out, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="attribute_") as work, build_engine(cfg, data, work, device) as e:
+    with tempfile.TemporaryDirectory(prefix="attribute_") as work, opened_engine(cfg, data, work, device) as e:
         perf = timed(e, warmup, steps, device_peak_tflops(peak_tflops) if device.type == "cuda" else peak_tflops)
         report = profile_step(e, out)
     print(write_attribution(out, cfg, perf, report), flush=True)

@@ -78,10 +78,10 @@ def at_step(objectives: list[WeightedObjective], exp: ExperimentConfig, step: in
     """Give the phase's objectives the settings of the global ``step`` (from 0) by its place in its phase (the
     masking-ratio schedules); the ``mask_ratio/<loss>`` scalars of the step's masked losses."""
     idx, _ = exp.phase_at(step)
-    bounds = [*exp.phase_starts(), exp.train.steps]
+    start, steps = exp.phase_starts()[idx], exp.phase_lengths()[idx]
     ratios = {}
     for o in objectives:
-        o.objective.at_phase_step(step - bounds[idx], bounds[idx + 1] - bounds[idx])
+        o.objective.at_phase_step(step - start, steps)
         ratios |= {f"mask_ratio/{o.loss_name(loss)}": o.objective.masking.ratio
                    for loss in (o.objective.masked_losses if o.objective.masks else ())}
     return ratios

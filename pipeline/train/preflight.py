@@ -231,12 +231,12 @@ def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
     """Rank 0's job: the packed shards from ``data.build_inputs`` when ``data.shards`` has none, and each phase's
     own shards (at its sequence length) when they are missing."""
     d = exp.data
+    sources = f", sources from {d.build_source_field or d.build_source_default!r}" if d.build_source_field or \
+        d.build_source_default else ""
     for directory, seq_len, inputs in [(d.shards, d.seq_len, tuple(d.build_inputs)),
                                        *((pd.shards, pd.seq_len, pd.build_inputs) for _, pd in _own_phase_data(exp))]:
         if _has_shards(directory, d):
             continue
-        sources = f", sources from {d.build_source_field or d.build_source_default!r}" if d.build_source_field or \
-            d.build_source_default else ""
         print(f"building shards of {list(inputs)} into {directory} (seq_len {seq_len}{sources})", flush=True)
         run_job(BuildConfig(inputs=inputs, tokenizer=tokenizer.path, output=directory, seq_len=seq_len,
                             workers=1, progress=False, source_field=d.build_source_field,
