@@ -14,6 +14,7 @@ which needs the aio op built and is not available on CPU ranks; this one is plai
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import queue
 import signal
@@ -69,8 +70,7 @@ class HostCopy:
         self._pinned: dict[tuple[str, int], torch.Tensor] = {}
 
     def __call__(self, obj, key: str) -> tuple[object, Callable[[], None]]:
-        counter = iter(range(1 << 62))
-        copied = self._copy(obj, key, counter)
+        copied = self._copy(obj, key, itertools.count())
         if not torch.cuda.is_available():
             return copied, lambda: None
         event = torch.cuda.Event()
