@@ -44,7 +44,8 @@ from pipeline.data.build_config import BuildConfig
 from pipeline.data.manifest import MANIFEST
 from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.report.write import write_report
-from pipeline.eval.runner import EvalConfig, evaluate, failure_lines, write_results
+from pipeline.eval.results import EvalResults
+from pipeline.eval.runner import EvalConfig, evaluate
 from pipeline.experiment import REPO
 from pipeline.grid import SMOKE_SUFFIX, Variant, load_grid
 from pipeline.io import read_json, write_json_atomic
@@ -293,9 +294,9 @@ class Driver:
         study's results file of the same model (``siblings``, beside ``out``) holds with the same options is copied
         from it, not run again: studies 1 and 3 both read STS. ``tasks`` (default: the study's) and ``step`` (a kept
         checkpoint of the run ``model``) evaluate a point of the study's curves."""
-        before = read_json(out) if os.path.isfile(out) else None
+        before = EvalResults.read(out) if os.path.isfile(out) else EvalResults({}, {}, {})
         wanted = (tasks or study.tasks).split(",")
-        tasks = [t for t in wanted if before is None or t not in before["results"]]
+        tasks = [t for t in wanted if t not in before.results]
         if not tasks:
             return
         config = EvalConfig(model=model, tasks=tasks, data_dir=REAL,
@@ -311,23 +312,15 @@ class Driver:
                 results = evaluate(config)
             else:  # every task is another study's
                 other = next(iter(reused.values()))[1]
-                results = {"config": asdict(config), "model": other["model"], "environment": other["environment"],
-                           **{key: {} for key in ("options", "results", "headline", "failed", "seconds")}}
+                results = EvalResults(asdict(config), other.model, other.environment)
             for task, (path, other) in reused.items():
                 print(f"{task}: the results of {path} (the same model and options)")
-                for key in ("options", "results", "seconds"):
-                    results[key][task] = other[key][task]
-                results["headline"].update(TASKS[task].headline(other["results"][task]))
-                results.setdefault("reused", {})[task] = os.path.basename(path)
-            if before is not None:
-                for key in ("options", "results", "headline", "seconds", "reused"):
-                    if key in before or key in results:
-                        results[key] = {**before.get(key, {}), **results.get(key, {})}
-            results["config"]["tasks"] = [t for t in wanted if t in results["results"]]
-            if write_results(results, out):
-                print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in results["headline"].items()))
-            if results["failed"] or not results["results"]:
-                raise RuntimeError("; ".join(failure_lines(results)) or "no task finished")
+                results.with_task_of(other, task, os.path.basename(path), TASKS[task].headline(other.results[task]))
+            results = results.merge(before, wanted)
+            if results.write(out):
+                print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in results.headline.items()))
+            if results.failed or not results.results:
+                raise RuntimeError("; ".join(results.failure_lines()) or "no task finished")
 
         at = "" if step is None else f" (step {step})"
         self._run(f"eval_{study.name}", f"{','.join(tasks)} on {model}{at} into {out}", evaluate_here)
@@ -337,15 +330,13 @@ class Driver:
         for b in study.baselines:
             path = os.path.join(self.out, "baselines", f"{b.name}-{study.name}.json")
             if os.path.isfile(path):
-                with open(path) as f:
-                    found[b.name] = [json.load(f)["headline"]]
+                found[b.name] = [EvalResults.read(path).headline]
         runs = {name.removesuffix(SMOKE_SUFFIX): name for name in self.run_names(study)}
         for _, row in study.rows:
             for name in sorted(n for n in runs if n == row or n.startswith(row + "-s")):
                 path = RunDir(os.path.join(self.out, runs[name])).eval_results(study.name)
                 if os.path.isfile(path):
-                    with open(path) as f:
-                        found.setdefault(row, []).append(json.load(f)["headline"])
+                    found.setdefault(row, []).append(EvalResults.read(path).headline)
         return found
 
     def curves(self, study: Study) -> dict[str, Curve]:
@@ -423,18 +414,18 @@ class Driver:
               "over all invocations)")
 
 
-def _evaluated_elsewhere(config: EvalConfig, paths: list[str], out: str) -> dict[str, tuple[str, dict]]:
+def _evaluated_elsewhere(config: EvalConfig, paths: list[str], out: str) -> dict[str, tuple[str, EvalResults]]:
     """Task -> (results file, its contents) for each of ``config``'s tasks that a results file in ``paths`` (not
     ``out``) has for the same model, attention, data and batch size with the options ``config`` would run."""
     wanted = {t: asdict(o) for t, o in task_options(config.tasks, config.overrides).items()}
     same = {k: v for k, v in asdict(config).items() if k not in ("tasks", "overrides", "progress")}
-    found: dict[str, tuple[str, dict]] = {}
+    found: dict[str, tuple[str, EvalResults]] = {}
     for path in sorted(p for p in paths if os.path.abspath(p) != os.path.abspath(out)):
-        other = read_json(path)
-        if {k: other["config"].get(k) for k in same} != same:
+        other = EvalResults.read(path)
+        if {k: other.config.get(k) for k in same} != same:
             continue
         for task, options in wanted.items():
-            if task not in found and task in other["results"] and other["options"].get(task) == options:
+            if task not in found and task in other.results and other.options.get(task) == options:
                 found[task] = (path, other)
     return found
 
