@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 
+from pipeline.experiment import REPO
 from pipeline.grid import load_grid
 from pipeline.reproduce.data import STSB_WHEEL, VERSION, RealDataError, extract, is_extracted
 from pipeline.reproduce.driver import Driver, resolve_device, set_rank_defaults, size_mb
 from pipeline.reproduce.results import Measured, compare, replace_block, study_markdown
 from pipeline.reproduce.studies import STUDIES
-from pipeline.sweep import REPO
 
 SDIST_DIR = os.path.join(REPO, "runs", "downloads")
 needs_sdist = pytest.mark.skipif(

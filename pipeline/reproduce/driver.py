@@ -55,7 +55,7 @@ from pipeline.reproduce.data import RealDataError, extract, is_extracted
 from pipeline.reproduce.results import replace_block, study_markdown
 from pipeline.reproduce.studies import SMOLLM2, STUDIES, Study
 from pipeline.run_dir import RunDir
-from pipeline.sweep import SweepRequest, act, prepare
+from pipeline.sweep.plan import SweepRequest, act, prepare
 
 REAL = "runs/real"
 DOWNLOADS = "runs/downloads"
