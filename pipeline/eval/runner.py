@@ -23,6 +23,7 @@ from pipeline.eval.ranks import init_from_env, world
 from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.results import EvalResults
 from pipeline.eval.task import EvalContext
+from pipeline.experiment import repo_relative
 from pipeline.model.build import DTYPES
 from pipeline.run_dir import RunDir
 
@@ -103,7 +104,8 @@ def _evaluate(config: EvalConfig, options: dict) -> EvalResults:
                        options={name: asdict(opts) for name, opts in options.items()},
                        results=results, headline=headline, failed=failed, seconds=seconds,
                        environment={"python": platform.python_version(), "torch": torch.__version__,
-                                    "transformers": transformers.__version__, "cpu": cpu(), "argv": sys.argv})
+                                    "transformers": transformers.__version__, "cpu": cpu(),
+                                    "argv": [repo_relative(a) if os.path.isabs(a) else a for a in sys.argv]})
 
 
 def cpu() -> str:
