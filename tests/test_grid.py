@@ -12,11 +12,11 @@ import tempfile
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, load_yaml
+from pipeline.config import ConfigError, load_yaml, to_dict
 from pipeline.experiment import REPO, load_experiment
 from pipeline.grid import Resources, load_grid
 from pipeline.sweep.local import local_env
-from pipeline.sweep.plan import SweepRequest, check_inputs, in_order, prepare, select, write_run
+from pipeline.sweep.plan import SweepRequest, check_inputs, in_order, prepare, recorded, select, write_run
 from pipeline.sweep.slurm import job_script
 from pipeline.sweep.status import RunState, run_states, table
 
@@ -148,7 +148,8 @@ def test_run_directory_holds_the_experiment_and_a_job_file_from_train_sbatch(tmp
     v = grid.variants(out=str(tmp_path / "runs"), resources=Resources(nodes=2, gpus_per_node=4, time="4:00:00"))[0]
     write_run(grid, v, RunState("new"))
     exp = load_experiment(os.path.join(v.experiment.run_dir, "experiment.yaml"))
-    assert exp == v.experiment
+    assert to_dict(exp) == recorded(to_dict(v.experiment))  # the sample corpus's default: inside the repository
+    assert exp.data.build_inputs == [os.path.join("data", "sample", "train", "**", "*.jsonl.zst")]
     job = open(os.path.join(v.experiment.run_dir, "job.sbatch")).read()
     # 8 cores a GPU rank by default: the node's one task serves its 4 ranks
     for line in (f"#SBATCH --job-name={v.name}", "#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4",

@@ -42,6 +42,17 @@ def _flat(obj, prefix: str = "") -> dict:
     return {prefix.rstrip("."): obj}
 
 
+def recorded(obj):
+    """An experiment (as a mapping) as its run directory records it: every path inside the repository relative to
+    it (the jobs run from its root; defaults such as the sample corpus's are absolute), so that committed records
+    read the same in every clone."""
+    if isinstance(obj, dict):
+        return {k: recorded(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [recorded(v) for v in obj]
+    return repo_relative(obj) if isinstance(obj, str) and obj.startswith(REPO + os.sep) else obj
+
+
 def _same(old, new) -> bool:
     """Equal, or one path written absolute and relative to the repository (a run started before the sweep wrote
     repository-relative run directories)."""
@@ -55,7 +66,7 @@ def write_run(grid: Grid, variant: Variant, state: RunState) -> None:
     exp, run = variant.experiment, run_dir(variant)
     os.makedirs(run.path, exist_ok=True)
     path = run.experiment_yaml
-    new = to_dict(exp)
+    new = recorded(to_dict(exp))
     if state.kind != "new" and os.path.exists(path):
         old, cur = _flat(load_yaml(path)), _flat(new)
         changed = sorted(k for k in old.keys() | cur.keys() if not _same(old.get(k), cur.get(k)) and k not in RESIZABLE)
