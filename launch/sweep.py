@@ -2,7 +2,7 @@
 
     python launch/sweep.py GRID [--smoke] [--only PATTERN] [--out runs] [--set KEY=VALUE] [--write | --submit | --local]
 
-Also installed as ``pipeline-sweep``; options: ``--help``. The sweep is pipeline/sweep.py (docs/experiments.md).
+Also installed as ``pipeline-sweep``; options: ``--help``. The sweep is pipeline/sweep/ (docs/experiments.md).
 """
 
 import sys

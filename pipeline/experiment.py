@@ -17,6 +17,13 @@ SAMPLE_DIR = os.path.join(REPO, "data", "sample")
 SAMPLE_INPUTS = (os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),)
 
 
+def repo_relative(path: str) -> str:
+    """``path`` as records hold it: relative to the repository root when inside the repository (the commands run
+    from there), so committed records read the same in every clone; absolute when outside it."""
+    full = os.path.abspath(path)
+    return os.path.relpath(full, REPO) if full.startswith(REPO + os.sep) else full
+
+
 def sample_shards(seq_len: int) -> str:
     """The shard directory of the embedded sample corpus at ``seq_len``, the only one built from it unasked."""
     return os.path.join("runs", "shards", f"sample-{seq_len}")

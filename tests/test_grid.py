@@ -1,30 +1,24 @@
-"""Grid expansion (pipeline/grid.py) and the sweep's run directories and job files (pipeline/sweep.py,
+"""Grid expansion (pipeline/grid.py) and the sweep's run directories and job files (pipeline/sweep/,
 launch/sweep.py) on small grid files; bad grids name the file, the key and what exists."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, load_yaml
-from pipeline.experiment import load_experiment
+from pipeline.config import ConfigError, load_yaml, to_dict
+from pipeline.experiment import REPO, load_experiment
 from pipeline.grid import Resources, load_grid
-from pipeline.sweep import (
-    REPO,
-    RunState,
-    check_inputs,
-    in_order,
-    job_script,
-    local_env,
-    run_states,
-    select,
-    table,
-    write_run,
-)
+from pipeline.sweep.local import local_env
+from pipeline.sweep.plan import SweepRequest, check_inputs, in_order, prepare, recorded, select, write_run
+from pipeline.sweep.slurm import job_script
+from pipeline.sweep.status import RunState, run_states, table
 
 BASE = {"name": "base", "model": {"init": "610m"}, "optim": {"warmup_steps": 200, "decay_steps": 200},
         "train": {"steps": 1000, "micro_batch": 4}, "phases": [{"objectives": [{"name": "clm"}]}]}
@@ -154,7 +148,8 @@ def test_run_directory_holds_the_experiment_and_a_job_file_from_train_sbatch(tmp
     v = grid.variants(out=str(tmp_path / "runs"), resources=Resources(nodes=2, gpus_per_node=4, time="4:00:00"))[0]
     write_run(grid, v, RunState("new"))
     exp = load_experiment(os.path.join(v.experiment.run_dir, "experiment.yaml"))
-    assert exp == v.experiment
+    assert to_dict(exp) == recorded(to_dict(v.experiment))  # the sample corpus's default: inside the repository
+    assert exp.data.build_inputs == [os.path.join("data", "sample", "train", "**", "*.jsonl.zst")]
     job = open(os.path.join(v.experiment.run_dir, "job.sbatch")).read()
     # 8 cores a GPU rank by default: the node's one task serves its 4 ranks
     for line in (f"#SBATCH --job-name={v.name}", "#SBATCH --nodes=2", "#SBATCH --gpus-per-node=4",
@@ -186,6 +181,30 @@ def test_a_started_run_keeps_its_experiment(tmp_path):
     with pytest.raises(ConfigError, match=r"has started \(step 100\) with other settings: optim.lr 0.001 -> 0.01; "
                                           r"undo the change, or delete"):
         write_run(edited, edited.variants(out=out)[0], started)
+
+
+def test_runs_under_the_repository_are_recorded_relative_to_it_and_jobs_get_absolute_paths(tmp_path):
+    """The records a run writes (experiment.yaml, then experiment.json) name its directory and its start run
+    relative to the repository, so committed records read the same in every clone; its job file names them
+    absolute; a run started when the sweep wrote absolute paths keeps its experiment."""
+    os.makedirs(os.path.join(REPO, "runs"), exist_ok=True)
+    out = tempfile.mkdtemp(prefix="test-sweep-", dir=os.path.join(REPO, "runs"))
+    rel = os.path.relpath(out, REPO)
+    try:
+        sweep = prepare(SweepRequest(write_grid(tmp_path), out=out, only=["pre-610m-*", "cont-from610m"],
+                                     action="write"))
+        cont = next(v for v in sweep.todo if v.name == "cont-from610m")
+        written = load_yaml(os.path.join(out, "cont-from610m", "experiment.yaml"))
+        assert written["run_dir"] == f"{rel}/cont-from610m" and written["model"]["init"] == f"{rel}/pre-610m-clm50/hf"
+        assert f"--experiment {out}/cont-from610m/experiment.yaml" in job_script(sweep.grid, cont)
+        old = {**written, "run_dir": os.path.join(out, "cont-from610m"),
+               "model": {**written["model"], "init": os.path.join(out, "pre-610m-clm50", "hf")}}
+        with open(os.path.join(out, "cont-from610m", "experiment.yaml"), "w") as f:
+            yaml.safe_dump(old, f)
+        write_run(sweep.grid, cont, RunState("started", 10))
+        assert load_yaml(os.path.join(out, "cont-from610m", "experiment.yaml"))["run_dir"] == f"{rel}/cont-from610m"
+    finally:
+        shutil.rmtree(out)
 
 
 @pytest.mark.e2e

@@ -14,10 +14,10 @@ import pytest
 
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
-from pipeline.experiment import SAMPLE_DIR
+from pipeline.experiment import REPO, SAMPLE_DIR
 from pipeline.grid import load_grid
 from pipeline.run_dir import RunDir
-from pipeline.sweep import REPO, is_finished
+from pipeline.sweep.status import is_finished
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.phases import build_objectives
 

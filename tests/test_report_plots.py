@@ -10,8 +10,8 @@ import shutil
 
 from pipeline.eval.report.plots import log_scale, mean_line, series
 from pipeline.eval.report.runs import Recipe, RunSummary, recipe_of
+from pipeline.experiment import REPO
 from pipeline.run_dir import RunDir
-from pipeline.sweep import REPO
 
 
 def run(name: str, objectives: set[str], clm_share: float, mask_ratio: float | None, scale: str = "210m"

@@ -16,12 +16,27 @@ import time
 import pytest
 import torch
 
+from pipeline.experiment import REPO, repo_relative
 from pipeline.grid import load_grid
 from pipeline.reproduce.data import STSB_WHEEL, VERSION, RealDataError, extract, is_extracted
-from pipeline.reproduce.driver import Driver, resolve_device, set_rank_defaults, size_mb
+from pipeline.reproduce.driver import (
+    Reproduction,
+    Stages,
+    evaluate_model,
+    inputs,
+    plan,
+    prepare_inputs,
+    reads_smollm2,
+    reproduction,
+    resolve_device,
+    rows,
+    set_rank_defaults,
+    shard_builds,
+    size_mb,
+    variants,
+)
 from pipeline.reproduce.results import Measured, compare, replace_block, study_markdown
 from pipeline.reproduce.studies import STUDIES
-from pipeline.sweep import REPO
 
 SDIST_DIR = os.path.join(REPO, "runs", "downloads")
 needs_sdist = pytest.mark.skipif(
@@ -175,9 +190,9 @@ def test_a_dry_run_stops_at_a_paper_grid_that_does_not_validate(tmp_path, monkey
                     .replace("ds_config: ../../../", f"ds_config: {REPO}/")
                     .replace("data.unit_micro_batch: 128", "data.unit_micro_batch: -1"))
     monkeypatch.setattr(driver_module, "STUDIES", (dataclasses.replace(magnet, paper_grid=str(grid)),))
-    driver = Driver("paper", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"), ["magnet"])
+    driver = reproduction("paper", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"), ["magnet"])
     with pytest.raises(ConfigError, match=r"paper.yaml.*unit_micro_batch"):
-        driver.plan()
+        plan(driver)
     assert sorted(os.listdir(tmp_path)) == ["paper.yaml"]
 
 
@@ -227,18 +242,18 @@ def test_gpu_short_trains_clm_mlm_and_the_switch_at_210m_on_one_gpu_within_its_b
         runs[v.name] = (t.steps, t.micro_batch * t.grad_accum, e.data.seq_len, e.phase_starts())
     assert runs == {"scratch-clm-s0": (64, 32, 512, [0]), "scratch-mlm40-s0": (64, 32, 512, [0]),
                     "scratch-clm50-s0": (64, 32, 512, [0, 32])}
-    driver = Driver("gpu-short", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"),
+    driver = reproduction("gpu-short", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"),
                     ["mlm_vs_clm"])
-    assert [row for _, row in driver.rows(study)] == ["scratch-clm", "scratch-mlm40", "scratch-clm50"]
-    block = study_markdown(dataclasses.replace(study, rows=driver.rows(study)), {}, [], "gpu-short")
+    assert [row for _, row in rows(driver, study)] == ["scratch-clm", "scratch-mlm40", "scratch-clm50"]
+    block = study_markdown(dataclasses.replace(study, rows=rows(driver, study)), {}, [], "gpu-short")
     assert "continued" not in block and "half budget" not in block
     assert block.count("| **inconclusive** | not measured |") == 4  # the switch vs MLM and CLM vs MLM, SC and TC
     for scale in ("full", "quick", "paper"):
-        other = Driver(scale, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"), [])
-        assert all(other.rows(s) == s.rows for s in STUDIES)
+        other = reproduction(scale, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"), [])
+        assert all(rows(other, s) == s.rows for s in STUDIES)
     with pytest.raises(ValueError, match="--study llm2vec, magnet: no gpu-short grid; at --scale gpu-short pass "
                                          r"--study mlm_vs_clm \(or no --study\)"):
-        Driver("gpu-short", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"),
+        reproduction("gpu-short", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"),
                ["llm2vec", "magnet"])
     assert os.listdir(tmp_path) == []
 
@@ -255,14 +270,14 @@ def test_gpu_short_reads_no_smollm2_and_at_most_40_mb_that_a_bare_gpu_lacks(tmp_
     extract(SDIST_DIR, real)
     monkeypatch.setattr(driver_module, "REAL", real)
     monkeypatch.setattr(driver_module, "packaged_gguf", lambda: pytest.fail("gpu-short imported SmolLM2"))
-    driver = Driver("gpu-short", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"),
+    driver = reproduction("gpu-short", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"),
                     ["mlm_vs_clm"])
     sample = os.path.join(REPO, "data", "sample")
-    assert driver.inputs() == sorted([real, os.path.join(sample, "tokenizer"), os.path.join(sample, "train")])
-    sizes = {os.path.basename(p): size_mb(p) for p in driver.inputs()}
+    assert inputs(driver) == sorted([real, os.path.join(sample, "tokenizer"), os.path.join(sample, "train")])
+    sizes = {os.path.basename(p): size_mb(p) for p in inputs(driver)}
     assert sum(sizes.values()) <= 40, sizes
-    assert not driver.reads_smollm2() and driver.shard_builds() == []
-    driver.prepare()
+    assert not reads_smollm2(driver) and shard_builds(driver) == []
+    prepare_inputs(driver, Stages(driver))
     assert sorted(os.listdir(tmp_path)) == ["real"]
 
 
@@ -330,7 +345,8 @@ def test_replace_block_needs_its_markers():
 
 @pytest.mark.e2e
 def test_a_step_runs_in_the_repository_with_its_and_its_childrens_output_in_its_log(tmp_path):
-    driver = Driver("quick", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
+    stages = Stages(reproduction("quick", str(tmp_path / "runs"), str(tmp_path / "results"),
+                                 str(tmp_path / "results.md"), []))
     log = tmp_path / "results" / "quick" / "logs" / "demo.log"
     cwd = os.getcwd()
 
@@ -340,18 +356,30 @@ def test_a_step_runs_in_the_repository_with_its_and_its_childrens_output_in_its_
         subprocess.run([sys.executable, "-c", "import sys; print('child out'); print('child err', file=sys.stderr)"],
                        check=True)
 
-    driver._run("demo", "a step", step)
+    stages.run("demo", "a step", step)
     assert ["from the step", "child out", "child err"] == log.read_text().splitlines()
 
     def broken() -> None:
         raise ValueError("broken input")
 
     with pytest.raises(RuntimeError, match=r"demo failed \(ValueError: broken input\); see .*demo.log, fix it"):
-        driver._run("demo", "a broken step", broken)
+        stages.run("demo", "a broken step", broken)
     assert "Traceback" in log.read_text() and "ValueError: broken input" in log.read_text()
-    assert os.getcwd() == cwd and set(driver.timings) == {"demo", "total"}
+    assert os.getcwd() == cwd and set(stages.timings) == {"demo", "total"}
     print("back on the console")
     assert "back on the console" not in log.read_text()
+
+
+def test_run_directories_under_the_repository_are_recorded_relative_to_it(tmp_path):
+    """The runs' experiments, results and reports name a run directory inside the repository relative to it (the
+    stages run from its root), so committed records read the same in every clone; one outside it stays absolute."""
+    inside = reproduction("quick", os.path.join(REPO, "runs", "reproduce-quick"), str(tmp_path / "results"),
+                          str(tmp_path / "results.md"), ["llm2vec"])
+    assert inside.out == os.path.join("runs", "reproduce-quick")
+    assert {v.experiment.run_dir for v in variants(inside, STUDIES[0])} >= {"runs/reproduce-quick/llm2vec-mntp-smoke"}
+    assert repo_relative(os.path.join(REPO, "launch", "reproduce.py")) == os.path.join("launch", "reproduce.py")
+    outside = reproduction("quick", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "r.md"), [])
+    assert outside.out == str(tmp_path / "runs") and repo_relative("/elsewhere/runs") == "/elsewhere/runs"
 
 
 def test_time_spent_is_kept_in_the_run_directory_after_every_step(tmp_path):
@@ -361,15 +389,15 @@ def test_time_spent_is_kept_in_the_run_directory_after_every_step(tmp_path):
     results = tmp_path / "results"
     (results / "quick").mkdir(parents=True)
     (results / "quick" / "timings.json").write_text(json.dumps({"stages_s": {"train_a": 5000.0, "total": 9000.0}}))
-    first = Driver("quick", str(tmp_path / "runs"), str(results), str(tmp_path / "results.md"), [])
+    first = Stages(reproduction("quick", str(tmp_path / "runs"), str(results), str(tmp_path / "results.md"), []))
     time.sleep(0.3)  # time between steps (the driver's own work) counts in "total", not in a stage
-    first._run("train_a", "a step", lambda: time.sleep(0.2))
+    first.run("train_a", "a step", lambda: time.sleep(0.2))
     ledger = json.load(open(tmp_path / "runs" / "timings.json"))["stages_s"]  # written before the invocation ends
     assert set(ledger) == {"train_a", "total"} and 0.2 <= ledger["train_a"] < 100
     assert ledger["total"] >= ledger["train_a"] + 0.25
-    again = Driver("quick", str(tmp_path / "runs"), str(results), str(tmp_path / "results.md"), [])
-    again._run("train_a", "the step resumed", lambda: time.sleep(0.1))
-    again._run("eval_a", "another step", lambda: None)
+    again = Stages(reproduction("quick", str(tmp_path / "runs"), str(results), str(tmp_path / "results.md"), []))
+    again.run("train_a", "the step resumed", lambda: time.sleep(0.1))
+    again.run("eval_a", "another step", lambda: None)
     assert set(again.timings) == {"train_a", "eval_a", "total"} and again.timings["train_a"] < ledger["train_a"] + 0.1
     for stage in ("train_a", "total"):
         assert again.spent()[stage] == pytest.approx(ledger[stage] + again.timings[stage], abs=0.11)
@@ -415,8 +443,9 @@ def test_reproduce_quick_end_to_end(tmp_path):
 
 
 @pytest.fixture
-def tiny_model_and_driver(tmp_path, monkeypatch) -> tuple[str, Driver]:
-    """A tiny HF model directory and a quick-mode driver that evaluates on the test fixtures' data."""
+def tiny_model_and_driver(tmp_path, monkeypatch) -> tuple[str, Reproduction, Stages]:
+    """A tiny HF model directory and a quick-mode reproduction (and its stage runner) that evaluates on the test
+    fixtures' data."""
     from helpers import tiny_llama
 
     from pipeline.reproduce import driver as driver_module
@@ -427,7 +456,8 @@ def tiny_model_and_driver(tmp_path, monkeypatch) -> tuple[str, Driver]:
     tiny_llama(tok).save_pretrained(model)
     tok.save(model)
     monkeypatch.setattr(driver_module, "REAL", os.path.join(os.path.dirname(__file__), "fixtures", "eval"))
-    return model, Driver("quick", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
+    r = reproduction("quick", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
+    return model, r, Stages(r)
 
 
 def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, tiny_model_and_driver):
@@ -435,20 +465,20 @@ def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, tiny_model_and_d
     file has the others, keeps their results as they were, and then has nothing left to do."""
     from pipeline.reproduce.studies import Study
 
-    model, driver = tiny_model_and_driver
+    model, driver, stages = tiny_model_and_driver
     out = str(tmp_path / "model-study.json")
     options = {"quick": ["sts.max_length=32", "clustering.max_length=32"]}
-    driver._evaluate(Study("s", "", "", "sts", options), model, out)
+    evaluate_model(driver, stages, Study("s", "", "", "sts", options), model, out)
     first = json.load(open(out))
     assert set(first["results"]) == {"sts"} and first["options"]["sts"]["max_length"] == 32
-    driver._evaluate(Study("s", "", "", "sts,clustering", options), model, out)
+    evaluate_model(driver, stages, Study("s", "", "", "sts,clustering", options), model, out)
     both = json.load(open(out))
     assert set(both["results"]) == {"sts", "clustering"} and both["config"]["tasks"] == ["sts", "clustering"]
     assert both["results"]["sts"] == first["results"]["sts"] and both["seconds"]["sts"] == first["seconds"]["sts"]
     assert set(both["headline"]) >= set(first["headline"]) | {"clustering_avg"}
     before = os.stat(out).st_mtime_ns
-    driver._evaluate(Study("s", "", "", "sts,clustering", options), model, out)
-    assert os.stat(out).st_mtime_ns == before and set(driver.timings) == {"eval_s", "total"}
+    evaluate_model(driver, stages, Study("s", "", "", "sts,clustering", options), model, out)
+    assert os.stat(out).st_mtime_ns == before and set(stages.timings) == {"eval_s", "total"}
 
 
 def test_a_task_another_study_ran_with_the_same_options_is_copied_not_run(tmp_path, tiny_model_and_driver):
@@ -456,22 +486,25 @@ def test_a_task_another_study_ran_with_the_same_options_is_copied_not_run(tmp_pa
     model, attention and options are the same, and runs it when an option differs."""
     from pipeline.reproduce.studies import Study
 
-    model, driver = tiny_model_and_driver
+    model, driver, stages = tiny_model_and_driver
     evals = tmp_path / "eval"
-    driver._evaluate(Study("a", "", "", "sts,clustering", {"quick": ["sts.max_length=32", "clustering.max_length=32"]}),
-                     model, str(evals / "a.json"))
+    evaluate_model(driver, stages, Study("a", "", "", "sts,clustering",
+                                         {"quick": ["sts.max_length=32", "clustering.max_length=32"]}),
+                   model, str(evals / "a.json"))
     first = json.load(open(evals / "a.json"))
-    driver._evaluate(Study("b", "", "", "sts", {"quick": ["sts.max_length=32"]}), model, str(evals / "b.json"))
+    evaluate_model(driver, stages, Study("b", "", "", "sts", {"quick": ["sts.max_length=32"]}), model,
+                   str(evals / "b.json"))
     copied = json.load(open(evals / "b.json"))
     assert copied["reused"] == {"sts": "a.json"} and copied["config"]["tasks"] == ["sts"]
     assert copied["results"] == {"sts": first["results"]["sts"]} and copied["options"]["sts"] == first["options"]["sts"]
     assert set(copied["headline"]) == {k for k in first["headline"] if k.startswith("sts")}
     assert "sts: the results of" in open(tmp_path / "results" / "quick" / "logs" / "eval_b.log").read()
-    driver._evaluate(Study("c", "", "", "sts", {"quick": ["sts.max_length=16"]}), model, str(evals / "c.json"))
+    evaluate_model(driver, stages, Study("c", "", "", "sts", {"quick": ["sts.max_length=16"]}), model,
+                   str(evals / "c.json"))
     run = json.load(open(evals / "c.json"))
     assert "reused" not in run and run["options"]["sts"]["max_length"] == 16
-    driver._evaluate(Study("b", "", "", "sts", {"quick": ["sts.max_length=32"]}), model, str(evals / "b-bidi.json"),
-                     attention="bidirectional")  # another reading of the model: run
+    evaluate_model(driver, stages, Study("b", "", "", "sts", {"quick": ["sts.max_length=32"]}), model,
+                   str(evals / "b-bidi.json"), attention="bidirectional")  # another reading of the model: run
     assert "reused" not in json.load(open(evals / "b-bidi.json"))
 
 
@@ -482,12 +515,12 @@ def test_the_studys_fine_tuning_evaluates_without_datasets_as_on_the_lent_gpu(tm
     from pipeline.reproduce.studies import Study
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
-    model, driver = tiny_model_and_driver
+    model, driver, stages = tiny_model_and_driver
     options = [f"{task}.{k}={v}" for task in ("classification", "token_classification")
                for k, v in (("lrs", "[1.0e-3]"), ("seeds", "[0]"), ("max_steps", 2), ("batch_size", 4))]
     out = tmp_path / "eval" / "study.json"
-    driver._evaluate(Study("s", "", "", "classification,token_classification",
-                           {"quick": [*options, "classification.datasets=[sst2]"]}), model, str(out))
+    evaluate_model(driver, stages, Study("s", "", "", "classification,token_classification",
+                                         {"quick": [*options, "classification.datasets=[sst2]"]}), model, str(out))
     results = json.load(open(out))
     assert results["failed"] == {} and set(results["headline"]) == {"sc_acc", "tc_f1"}
     assert results["config"]["device"] == driver.device == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -7,11 +7,11 @@ import json
 import os
 import shutil
 
+from pipeline.experiment import REPO
 from pipeline.reproduce.curves import kept_steps, over_steps, plot_curves, run_curve
 from pipeline.reproduce.results import study_markdown
 from pipeline.reproduce.studies import STUDIES
 from pipeline.run_dir import MARKER, RunDir
-from pipeline.sweep import REPO
 
 RECORDS = os.path.join(REPO, "docs", "results", "full", "runs")  # the full reproduction's real experiments
 

@@ -1,5 +1,5 @@
-"""Run a list of tasks on one model and collect the results with the configuration that produced them; write them
-(:func:`write_results`, for ``launch/evaluate.py`` and ``make reproduce`` alike)."""
+"""Run a list of tasks on one model and collect the results with the configuration that produced them
+(:class:`pipeline.eval.results.EvalResults`, for ``launch/evaluate.py`` and ``make reproduce`` alike)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from pipeline.eval.encode import MAX_TOKENS
 from pipeline.eval.load import ModelError, load_model
 from pipeline.eval.ranks import init_from_env, world
 from pipeline.eval.registry import TASKS, task_options
+from pipeline.eval.results import EvalResults
 from pipeline.eval.task import EvalContext
-from pipeline.io import write_json_atomic
+from pipeline.experiment import repo_relative
 from pipeline.model.build import DTYPES
 from pipeline.run_dir import RunDir
 
@@ -74,15 +75,15 @@ def no_library_bars():
             datasets.enable_progress_bars()
 
 
-def evaluate(config: EvalConfig) -> dict:
-    """``{"config", "model", "options", "results", "headline", "failed", "environment"}``. Bad options or model
-    stop the run before any task; a task that fails is recorded in ``failed`` (``failure``) and the others run."""
+def evaluate(config: EvalConfig) -> EvalResults:
+    """Bad options or model stop the run before any task; a task that fails is recorded in ``failed``
+    (``failure``) and the others run."""
     options = task_options(config.tasks, config.overrides)  # before loading the model: bad options fail fast
     with nullcontext() if config.progress else no_library_bars():  # progress False: no bar at all
         return _evaluate(config, options)
 
 
-def _evaluate(config: EvalConfig, options: dict) -> dict:
+def _evaluate(config: EvalConfig, options: dict) -> EvalResults:
     model = load_model(config.model, attention=config.attention, tokenizer=config.tokenizer, device=config.device,
                        dtype=config.dtype, step=config.step)
     ctx = EvalContext(model, config.data_dir, config.batch_size, config.progress, config.seed, config.max_tokens)
@@ -99,11 +100,12 @@ def _evaluate(config: EvalConfig, options: dict) -> dict:
             results.pop(name, None)
             failed[name] = failure(e)
         seconds[name] = round(time.time() - start, 2)
-    return {"config": asdict(config), "model": model.describe(),
-            "options": {name: asdict(opts) for name, opts in options.items()},
-            "results": results, "headline": headline, "failed": failed, "seconds": seconds,
-            "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                            "transformers": transformers.__version__, "cpu": cpu(), "argv": sys.argv}}
+    return EvalResults(config=asdict(config), model=model.describe(),
+                       options={name: asdict(opts) for name, opts in options.items()},
+                       results=results, headline=headline, failed=failed, seconds=seconds,
+                       environment={"python": platform.python_version(), "torch": torch.__version__,
+                                    "transformers": transformers.__version__, "cpu": cpu(),
+                                    "argv": [repo_relative(a) if os.path.isabs(a) else a for a in sys.argv]})
 
 
 def cpu() -> str:
@@ -114,21 +116,6 @@ def cpu() -> str:
         with open("/proc/cpuinfo") as f:
             name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     return f"{name or 'unknown'} ({torch.backends.cpu.get_cpu_capability()})"
-
-
-def failure_lines(results: dict) -> list[str]:
-    """One line per failed task of :func:`evaluate`'s ``results``."""
-    return [f"task {name} failed: {why['error']} (raised at {why['where']})" for name, why in results["failed"].items()]
-
-
-def write_results(results: dict, out: str) -> bool:
-    """Write ``results`` to ``out`` when a task finished (atomically: a killed evaluation leaves no half file that a
-    re-run would take as finished); returns whether it wrote."""
-    if not results["results"]:
-        return False
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    write_json_atomic(out, results)
-    return True
 
 
 USAGE = """Evaluate a run or an HF model on any of the evaluation tasks and write the results as JSON:
@@ -194,15 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, ModelError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for line in failure_lines(results):
+    for line in results.failure_lines():
         print(f"error: {line}", file=sys.stderr)
     if world()[0] != 0:  # rank 0 writes and reports; the others computed the same results
-        return 1 if results["failed"] else 0 if results["results"] else 2
-    if not write_results(results, out):
+        return 1 if results.failed else 0 if results.results else 2
+    if not results.write(out):
         print(f"error: no task finished; {out} was not written", file=sys.stderr)
         return 2
-    for key, value in results["headline"].items():
+    for key, value in results.headline.items():
         print(f"{key:32} {value:.4g}")
-    finished = ", ".join(results["results"])
-    print(f"wrote {out} ({finished}" + (f"; failed: {', '.join(results['failed'])})" if results["failed"] else ")"))
-    return 1 if results["failed"] else 0
+    finished = ", ".join(results.results)
+    print(f"wrote {out} ({finished}" + (f"; failed: {', '.join(results.failed)})" if results.failed else ")"))
+    return 1 if results.failed else 0

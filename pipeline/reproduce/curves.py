@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from pipeline.eval.report.runs import continued_from  # noqa: E402
-from pipeline.io import read_json  # noqa: E402
+from pipeline.eval.results import EvalResults  # noqa: E402
 from pipeline.run_dir import RunDir  # noqa: E402
 
 Curve = dict[int, dict[str, float]]  # steps of the chain -> headline numbers there
@@ -38,12 +38,12 @@ def run_curve(run: RunDir, study: str) -> Curve:
     continued run starts at its start's end (the export it trained from)."""
     offset, curve, start = chain_offset(run), {}, continued_from(run.experiment())
     if start is not None and os.path.isfile(start.eval_results(study)):
-        curve[offset] = read_json(start.eval_results(study), "results of launch/evaluate.py")["headline"]
+        curve[offset] = EvalResults.read(start.eval_results(study)).headline
     last = run.experiment().train.steps
     for step in [*kept_steps(run), None]:
         path = run.eval_results(study, step)
         if os.path.isfile(path):
-            curve[offset + (last if step is None else step)] = read_json(path, "results of launch/evaluate.py")["headline"]
+            curve[offset + (last if step is None else step)] = EvalResults.read(path).headline
     return curve
 
 

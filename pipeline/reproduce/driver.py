@@ -4,7 +4,10 @@
 evaluated (``pipeline.eval.runner``), the kept checkpoints too on the study's curve tasks (``pipeline.reproduce.curves``),
 then the report (``pipeline.eval.report.write``), the curves' plot and the results page. Each
 step runs in this process from the repository root, its output (and its child processes', e.g. the training ranks)
-appended to a log file; every step is skipped when its output exists, so the same command resumes.
+appended to a log file; every step is skipped when its output exists, so the same command resumes. The stages are
+functions of the invocation (:class:`Reproduction`) and its step runner (:class:`Stages`): ``prepare_inputs``, then
+per study ``train_study`` -> its runs, ``evaluate_study`` -> its numbers, ``report_study``; then ``write_timings``
+(:func:`reproduce` runs them in order, ``plan`` is ``--dry-run``).
 
 The command line: ``python launch/reproduce.py [--scale full|quick|paper|gpu-short] [--dry-run] [--device
 auto|cuda|cpu] [--study NAME]... [--out DIR] [--results DIR] [--page FILE]`` (or ``pipeline-reproduce ...``;
@@ -35,7 +38,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -44,8 +47,9 @@ from pipeline.data.build_config import BuildConfig
 from pipeline.data.manifest import MANIFEST
 from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.report.write import write_report
-from pipeline.eval.runner import EvalConfig, evaluate, failure_lines, write_results
-from pipeline.experiment import REPO
+from pipeline.eval.results import EvalResults
+from pipeline.eval.runner import EvalConfig, evaluate
+from pipeline.experiment import REPO, repo_relative
 from pipeline.grid import SMOKE_SUFFIX, Variant, load_grid
 from pipeline.io import read_json, write_json_atomic
 from pipeline.model.gguf_import import import_gguf, packaged_gguf
@@ -54,7 +58,7 @@ from pipeline.reproduce.data import RealDataError, extract, is_extracted
 from pipeline.reproduce.results import replace_block, study_markdown
 from pipeline.reproduce.studies import SMOLLM2, STUDIES, Study
 from pipeline.run_dir import RunDir
-from pipeline.sweep import SweepRequest, act, prepare
+from pipeline.sweep.plan import SweepRequest, act, prepare
 
 REAL = "runs/real"
 DOWNLOADS = "runs/downloads"
@@ -118,27 +122,58 @@ def size_mb(path: str) -> float:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files) / 1e6
 
 
-class Driver:
-    def __init__(self, scale: str, out: str, results: str, page: str, studies: list[str], device: str = "auto"):
-        if scale not in SCALES:
-            raise ValueError(f"scale {scale!r}: expected one of {', '.join(SCALES)}")
-        self.quick, self.mode = scale == "quick", scale
-        self.out, self.results = out, os.path.abspath(os.path.join(results, self.mode))
-        self.page = os.path.abspath(page)
-        self.device = resolve_device(device)
-        self.studies = [s for s in STUDIES if s.name in studies]
-        if without := [s.name for s in self.studies if not s.grid_for(scale)]:
-            have = [s.name for s in STUDIES if s.grid_for(scale)]
-            raise ValueError(f"--study {', '.join(without)}: no {scale} grid; at --scale {scale} pass "
-                             + " or ".join(f"--study {n}" for n in have) + " (or no --study)")
-        self.logs = os.path.join(self.results, "logs")
+@dataclass(frozen=True)
+class Reproduction:
+    """What one invocation reproduces, and where: the scale, its studies, the device, the run directories (OUT),
+    the records (RESULTS/SCALE) and the page."""
+
+    mode: str  # the scale
+    out: str  # run directories: relative to the repository when inside it, as the records name them
+    results: str  # RESULTS/SCALE
+    page: str
+    device: str  # resolved: cuda or cpu
+    studies: tuple[Study, ...]
+
+    @property
+    def quick(self) -> bool:
+        return self.mode == "quick"
+
+    @property
+    def logs(self) -> str:
+        return os.path.join(self.results, "logs")
+
+    @property
+    def ledger(self) -> str:
+        """Every invocation's seconds per stage into OUT, summed."""
+        return os.path.join(self.out, "timings.json")
+
+
+def reproduction(scale: str, out: str, results: str, page: str, studies: list[str],
+                 device: str = "auto") -> Reproduction:
+    """The invocation checked: a known scale, studies that have a grid at it, a device torch can use."""
+    if scale not in SCALES:
+        raise ValueError(f"scale {scale!r}: expected one of {', '.join(SCALES)}")
+    chosen = tuple(s for s in STUDIES if s.name in studies)
+    if without := [s.name for s in chosen if not s.grid_for(scale)]:
+        have = [s.name for s in STUDIES if s.grid_for(scale)]
+        raise ValueError(f"--study {', '.join(without)}: no {scale} grid; at --scale {scale} pass "
+                         + " or ".join(f"--study {n}" for n in have) + " (or no --study)")
+    return Reproduction(scale, repo_relative(out), os.path.abspath(os.path.join(results, scale)),
+                        os.path.abspath(page), resolve_device(device), chosen)
+
+
+class Stages:
+    """Runs each step from the repository root, its output appended to logs/STAGE.log, and counts its seconds: this
+    invocation's per stage (``timings``) and, at once, every invocation's in OUT's ledger (a run killed later keeps
+    both)."""
+
+    def __init__(self, r: Reproduction):
+        self.logs, self.out, self.ledger = r.logs, r.out, r.ledger
         self.timings: dict[str, float] = {}  # this invocation's seconds per stage
-        self.ledger = os.path.join(out, "timings.json")  # every invocation's into OUT, summed
         self.mark = time.time()  # the time "total" has been counted up to
 
-    def _run(self, stage: str, what: str, step: Callable[[], None]) -> None:
-        """Run a step from the repository root, its output appended to logs/STAGE.log; a failure stops with the log
-        named (relative paths of the steps are the repository's)."""
+    def run(self, stage: str, what: str, step: Callable[[], None]) -> None:
+        """Run a step; a failure stops with the log named (relative paths of the steps are the repository's)."""
         log = os.path.join(self.logs, f"{stage}.log")
         os.makedirs(self.logs, exist_ok=True)
         print(f"== {stage}: {what} (log: {log})", flush=True)
@@ -154,7 +189,7 @@ class Driver:
 
     def spend(self, seconds: dict[str, float]) -> dict[str, float]:
         """Add ``seconds`` per stage, and the time since the last call as "total", to this invocation's timings and
-        to OUT's ledger at once (a run killed later keeps both); returns the ledger."""
+        to OUT's ledger; returns the ledger."""
         now, spent = time.time(), self.spent()
         for stage, s in {**seconds, "total": now - self.mark}.items():
             self.timings[stage] = round(self.timings.get(stage, 0.0) + s, 1)
@@ -170,271 +205,305 @@ class Driver:
             return {}
         return read_json(self.ledger, "remove it to count from zero", what="timings ledger")["stages_s"]
 
-    def prepare(self) -> None:
-        if not is_extracted(os.path.join(REPO, REAL)):
-            extract(os.path.join(REPO, DOWNLOADS), os.path.join(REPO, REAL))
-        if self.reads_smollm2() and not os.path.isfile(os.path.join(REPO, SMOLLM2, "config.json")):
-            self._run("import_smollm2", f"import the packaged GGUF into {SMOLLM2}",
-                      lambda: print(f"wrote {import_gguf(packaged_gguf(), SMOLLM2)}"))
-        for stage, what, config in self.shard_builds():
-            if not os.path.isfile(os.path.join(REPO, config.output, MANIFEST)):
-                self._run(stage, what, lambda config=config: run_job(config))
 
-    def variants(self, study: Study) -> list[Variant]:
-        """The runs of the study's grid at this scale (the -smoke twins in quick mode), resolved and validated."""
-        return load_grid(os.path.join(REPO, study.grid_for(self.mode))).variants(smoke=self.quick, out=self.out)
+# What the scale reads and builds, from its studies' grids.
 
-    def reads_smollm2(self) -> bool:
-        """Whether a selected study reads SmolLM2: a baseline, or a run that starts from it or uses its tokenizer
-        (every SmolLM2 study does; the from-scratch study reads only the sample corpus and its tokenizer)."""
-        model = os.path.join(REPO, SMOLLM2)
-        return any(study.baselines or any(model in (os.path.join(REPO, v.experiment.model.init),
-                                                    os.path.join(REPO, v.experiment.data.tokenizer))
-                                          for v in self.variants(study)) for study in self.studies)
-
-    def shard_builds(self) -> list[tuple[str, str, BuildConfig]]:
-        """(stage, what, build) of the shards the selected studies' runs read that the trainer does not build."""
-        reviews = (f"{REAL}/text/reviews.jsonl",)
-        pairs = tuple(sorted(glob.glob(os.path.join(REPO, REAL, "pairs", "*.jsonl"))))
-        builds = []
-        if unit_len := UNIT_SEQ_LEN.get(self.mode):  # the SmolLM2 scales
-            units = UNIT_SHARDS.format(seq_len=unit_len)
-            builds.append(("unit_shards", f"sentence units of {reviews[0]} ({unit_len} tokens) into {units}",
-                           BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=units, seq_len=unit_len,
-                                       units="sentence", progress=False)))
-        if span_len := SPAN_SEQ_LEN.get(self.mode):
-            spans = SPAN_SHARDS.format(seq_len=span_len)
-            builds.append(("span_shards", f"{reviews[0]} packed into {span_len} tokens with spans into {spans}",
-                           BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=spans, seq_len=span_len,
-                                       span_fraction=0.15, progress=False)))
-        builds.append(("pair_shards", f"{REAL}/pairs (64 tokens a text) into {PAIR_SHARDS}",
-                       BuildConfig(inputs=pairs, tokenizer=SMOLLM2, output=PAIR_SHARDS, seq_len=64, pairs=True,
-                                   instructions=f"{REAL}/pairs/instructions.json", progress=False)))
-        read = {os.path.join(REPO, path) for study in self.studies for v in self.variants(study)
-                for path in (v.experiment.data.shards, v.experiment.data.unit_shards, v.experiment.data.pair_shards)
-                if path}
-        return [b for b in builds if os.path.join(REPO, b[2].output) in read]
-
-    def inputs(self) -> list[str]:
-        """What the scale reads that nothing here makes from something else (absolute paths): the extracted data
-        (``make real-data``), SmolLM2 where a study reads it, each run's tokenizer and the files its trainer builds
-        shards from (a pattern's directory). Their size is what a machine with nothing under runs/ must be given
-        (gpu-short: <= 40 MB)."""
-        paths = {os.path.join(REPO, REAL)} | ({os.path.join(REPO, SMOLLM2)} if self.reads_smollm2() else set())
-        for study in self.studies:
-            for v in self.variants(study):
-                paths.add(os.path.join(REPO, v.experiment.data.tokenizer))
-                paths.update(os.path.join(REPO, pattern.split("*")[0].rstrip(os.sep))
-                             for pattern in v.experiment.data.build_inputs)
-        return sorted(p for p in paths if not any(p.startswith(other + os.sep) for other in paths))
-
-    def gpu_grids(self) -> list[str]:
-        """The selected studies' grids at this scale whose runs declare GPU ranks (the paper and gpu-short
-        scales)."""
-        return [s.grid_for(self.mode) for s in self.studies if any(v.resources.gpu for v in self.variants(s))]
-
-    def rows(self, study: Study) -> tuple[tuple[str, str], ...]:
-        """The study's table rows this scale has: its baselines and the runs of the scale's grids (MAGNET's table
-        shows the LLM2Vec study's; gpu-short leaves the CPT chain out)."""
-        names = {v.name.removesuffix(SMOKE_SUFFIX) for s in STUDIES if s.grid_for(self.mode)
-                 for v in self.variants(s)} | {b.name for b in study.baselines}
-        return tuple((label, row) for label, row in study.rows
-                     if row in names or any(n.startswith(row + "-s") for n in names))
-
-    def plan(self) -> None:
-        """--dry-run: every run of the scale resolved and validated (the sweep's table: model, steps, tokens,
-        phases, start run, state), each study's evaluation options, the shards to build; nothing written."""
-        with contextlib.chdir(REPO):
-            for _, what, config in self.shard_builds():
-                print(f"shards: {what}: " + ("built" if os.path.isfile(os.path.join(config.output, MANIFEST))
-                                             else "to build"))
-            inputs = {os.path.relpath(p, REPO): size_mb(p) if os.path.exists(p) else None for p in self.inputs()}
-            print(f"device: {self.device}; inputs: " + ", ".join(
-                f"{p} {mb:.1f} MB" if mb is not None else f"{p} not here" for p, mb in inputs.items())
-                  + f"; {sum(mb or 0 for mb in inputs.values()):.1f} MB here in all")
-            for study in self.studies:
-                print(f"\n== {study.name} ({self.mode} scale): {study.grid_for(self.mode)}"
-                      + (" (twins)" if self.quick else ""))
-                prepare(SweepRequest(study.grid_for(self.mode), smoke=self.quick, out=self.out))
-                for task, options in task_options(study.tasks.split(","), study.options[self.mode]).items():
-                    print(f"eval {task}: {asdict(options)}")
-
-    def train(self, study: Study) -> None:
-        request = SweepRequest(study.grid_for(self.mode), smoke=self.quick, out=self.out, action="local")
-        self._run(f"train_{study.name}", f"the runs of {study.grid_for(self.mode)}" + (" (twins)" if self.quick else "")
-                  + f" trained here into {self.out}", lambda: act(prepare(request)))
-
-    def run_names(self, study: Study) -> list[str]:
-        """The study's run directories (names with -smoke in quick mode) that have an HF export."""
-        suffix = SMOKE_SUFFIX if self.quick else ""
-        names = []
-        for _, row in study.rows:
-            names += sorted(os.path.basename(d) for d in glob.glob(os.path.join(self.out, row + "*"))
-                            if os.path.isdir(RunDir(d).hf) and os.path.basename(d).endswith(suffix)
-                            and (os.path.basename(d).removesuffix(suffix) == row
-                                 or os.path.basename(d).removesuffix(suffix).startswith(row + "-s")))
-        return names
-
-    def evaluate(self, study: Study) -> None:
-        for b in study.baselines:
-            self._evaluate(study, SMOLLM2, os.path.join(self.out, "baselines", f"{b.name}-{study.name}.json"),
-                           b.attention, siblings=f"{b.name}-*.json")
-        for name in self.run_names(study):
-            run = RunDir(os.path.join(self.out, name))
-            self._evaluate(study, run.path, run.eval_results(study.name))
-            for step in kept_steps(run) if study.curve_tasks else ():
-                self._evaluate(study, run.path, run.eval_results(study.name, step), tasks=study.curve_tasks, step=step)
-
-    def _evaluate(self, study: Study, model: str, out: str, attention: str = "auto", siblings: str = "*.json",
-                  tasks: str = "", step: int | None = None) -> None:
-        """The study's tasks that ``out`` has no results of (all of them without ``out``; none: nothing to do) on
-        ``model``, merged into ``out``: written when a task finished, a failed task is an error (the finished ones
-        are kept, so a re-run evaluates only what is missing, e.g. a task a study gained). A task that another
-        study's results file of the same model (``siblings``, beside ``out``) holds with the same options is copied
-        from it, not run again: studies 1 and 3 both read STS. ``tasks`` (default: the study's) and ``step`` (a kept
-        checkpoint of the run ``model``) evaluate a point of the study's curves."""
-        before = read_json(out) if os.path.isfile(out) else None
-        wanted = (tasks or study.tasks).split(",")
-        tasks = [t for t in wanted if before is None or t not in before["results"]]
-        if not tasks:
-            return
-        config = EvalConfig(model=model, tasks=tasks, data_dir=REAL,
-                            overrides=[o for o in study.options[self.mode] if o.split(".", 1)[0] in tasks],
-                            attention=attention, device=self.device, batch_size=8,
-                            progress=False, step=step)
-        reused = _evaluated_elsewhere(config, glob.glob(os.path.join(os.path.dirname(out), siblings)), out)
-        config.tasks = [t for t in tasks if t not in reused]
-        config.overrides = [o for o in config.overrides if o.split(".", 1)[0] in config.tasks]
-
-        def evaluate_here() -> None:
-            if config.tasks:
-                results = evaluate(config)
-            else:  # every task is another study's
-                other = next(iter(reused.values()))[1]
-                results = {"config": asdict(config), "model": other["model"], "environment": other["environment"],
-                           **{key: {} for key in ("options", "results", "headline", "failed", "seconds")}}
-            for task, (path, other) in reused.items():
-                print(f"{task}: the results of {path} (the same model and options)")
-                for key in ("options", "results", "seconds"):
-                    results[key][task] = other[key][task]
-                results["headline"].update(TASKS[task].headline(other["results"][task]))
-                results.setdefault("reused", {})[task] = os.path.basename(path)
-            if before is not None:
-                for key in ("options", "results", "headline", "seconds", "reused"):
-                    if key in before or key in results:
-                        results[key] = {**before.get(key, {}), **results.get(key, {})}
-            results["config"]["tasks"] = [t for t in wanted if t in results["results"]]
-            if write_results(results, out):
-                print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in results["headline"].items()))
-            if results["failed"] or not results["results"]:
-                raise RuntimeError("; ".join(failure_lines(results)) or "no task finished")
-
-        at = "" if step is None else f" (step {step})"
-        self._run(f"eval_{study.name}", f"{','.join(tasks)} on {model}{at} into {out}", evaluate_here)
-
-    def headlines(self, study: Study) -> dict[str, list[dict]]:
-        found: dict[str, list[dict]] = {}
-        for b in study.baselines:
-            path = os.path.join(self.out, "baselines", f"{b.name}-{study.name}.json")
-            if os.path.isfile(path):
-                with open(path) as f:
-                    found[b.name] = [json.load(f)["headline"]]
-        runs = {name.removesuffix(SMOKE_SUFFIX): name for name in self.run_names(study)}
-        for _, row in study.rows:
-            for name in sorted(n for n in runs if n == row or n.startswith(row + "-s")):
-                path = RunDir(os.path.join(self.out, runs[name])).eval_results(study.name)
-                if os.path.isfile(path):
-                    with open(path) as f:
-                        found.setdefault(row, []).append(json.load(f)["headline"])
-        return found
-
-    def curves(self, study: Study) -> dict[str, Curve]:
-        """Row run name -> its numbers over the chain's steps (the first seed's, for rows with seeds)."""
-        found = {}
-        runs = {name.removesuffix(SMOKE_SUFFIX): name for name in self.run_names(study)}
-        for _, row in study.rows:
-            names = sorted(n for n in runs if n == row or n.startswith(row + "-s"))
-            if names and (curve := run_curve(RunDir(os.path.join(self.out, runs[names[0]])), study.name)):
-                found[row] = curve
-        return found
-
-    def report(self, study: Study) -> None:
-        target = os.path.join(self.results, study.name)
-        runs = [os.path.join(self.out, n) for n in self.run_names(study)]
-        curves = self.curves(study) if study.curves else {}
-        labels = {run: label for label, run in study.rows}
-
-        def report_here() -> None:
-            print(write_report(runs, target))
-            if curves:
-                path = plot_curves({labels[r]: c for r, c in curves.items()},
-                                   {labels[b.name]: h[0] for b in study.baselines
-                                    if b.name in labels and (h := self.headlines(study).get(b.name))},
-                                   list(study.curves), os.path.join(target, "curves.png"),
-                                   f"{study.name}: evaluated over training steps ({self.mode} run)")
-                print(path or "curves: no run has two evaluated steps")
-
-        self._run(f"report_{study.name}", f"the report of {len(runs)} runs into {target}", report_here)
-        for path in runs:
-            run, keep = RunDir(path), os.path.join(self.results, "runs", os.path.basename(path))
-            for rel in (os.path.relpath(p, path) for p in (run.experiment_json, run.metrics, *run.all_eval_results(),
-                                                           *run.step_eval_results())):
-                if os.path.isfile(os.path.join(path, rel)):
-                    os.makedirs(os.path.dirname(os.path.join(keep, rel)), exist_ok=True)
-                    shutil.copyfile(os.path.join(path, rel), os.path.join(keep, rel))
-        for path in glob.glob(os.path.join(self.out, "baselines", f"*-{study.name}.json")):
-            os.makedirs(os.path.join(self.results, "baselines"), exist_ok=True)
-            shutil.copyfile(path, os.path.join(self.results, "baselines", os.path.basename(path)))
-        page_dir = os.path.dirname(os.path.abspath(self.page))
-        plots = [os.path.relpath(os.path.join(target, f"{name}.png"), page_dir) for name in study.plots
-                 if os.path.isfile(os.path.join(target, f"{name}.png"))]
-        with open(self.page) as f:
-            text = f.read()
-        shown = replace(study, rows=self.rows(study))
-        text = replace_block(text, self.mode, study.name, study_markdown(shown, self.headlines(study), plots,
-                                                                         self.mode, curves), self.page)
-        with open(self.page, "w") as f:
-            f.write(text)
-
-    def step_seconds(self) -> dict[str, float]:
-        """Median seconds per training step of every run, from its metrics.jsonl (the step's tokens over its
-        tokens/s): the measurement behind the budget in docs/results.md."""
-        out = {}
-        for path in sorted(RunDir(d).metrics for d in glob.glob(os.path.join(self.out, "*"))
-                           if os.path.isfile(RunDir(d).metrics)):
-            with open(path) as f:
-                records = [r for r in map(json.loads, f) if r.get("perf/tokens_per_s")]
-            seen = [0] + [r["progress/tokens_seen"] for r in records]
-            times = sorted((b - a) / r["perf/tokens_per_s"] for a, b, r in zip(seen, seen[1:], records) if b > a)
-            if times:
-                out[os.path.basename(os.path.dirname(path))] = round(times[len(times) // 2], 2)
-        return out
-
-    def run(self) -> None:
-        self.prepare()
-        for study in self.studies:
-            self.train(study)
-            self.evaluate(study)
-            self.report(study)
-        spent = self.spend({})
-        write_json_atomic(os.path.join(self.results, "timings.json"),
-                          {"stages_s": spent, "step_seconds_median": self.step_seconds()})
-        print(f"wrote {self.page} and {self.results}/ in {self.timings['total']:.0f} s ({spent['total']:.0f} s "
-              "over all invocations)")
+def variants(r: Reproduction, study: Study) -> list[Variant]:
+    """The runs of the study's grid at this scale (the -smoke twins in quick mode), resolved and validated."""
+    return load_grid(os.path.join(REPO, study.grid_for(r.mode))).variants(smoke=r.quick, out=r.out)
 
 
-def _evaluated_elsewhere(config: EvalConfig, paths: list[str], out: str) -> dict[str, tuple[str, dict]]:
+def reads_smollm2(r: Reproduction) -> bool:
+    """Whether a selected study reads SmolLM2: a baseline, or a run that starts from it or uses its tokenizer
+    (every SmolLM2 study does; the from-scratch study reads only the sample corpus and its tokenizer)."""
+    model = os.path.join(REPO, SMOLLM2)
+    return any(study.baselines or any(model in (os.path.join(REPO, v.experiment.model.init),
+                                                os.path.join(REPO, v.experiment.data.tokenizer))
+                                      for v in variants(r, study)) for study in r.studies)
+
+
+def shard_builds(r: Reproduction) -> list[tuple[str, str, BuildConfig]]:
+    """(stage, what, build) of the shards the selected studies' runs read that the trainer does not build."""
+    reviews = (f"{REAL}/text/reviews.jsonl",)
+    pairs = tuple(sorted(glob.glob(os.path.join(REPO, REAL, "pairs", "*.jsonl"))))
+    builds = []
+    if unit_len := UNIT_SEQ_LEN.get(r.mode):  # the SmolLM2 scales
+        units = UNIT_SHARDS.format(seq_len=unit_len)
+        builds.append(("unit_shards", f"sentence units of {reviews[0]} ({unit_len} tokens) into {units}",
+                       BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=units, seq_len=unit_len,
+                                   units="sentence", progress=False)))
+    if span_len := SPAN_SEQ_LEN.get(r.mode):
+        spans = SPAN_SHARDS.format(seq_len=span_len)
+        builds.append(("span_shards", f"{reviews[0]} packed into {span_len} tokens with spans into {spans}",
+                       BuildConfig(inputs=reviews, tokenizer=SMOLLM2, output=spans, seq_len=span_len,
+                                   span_fraction=0.15, progress=False)))
+    builds.append(("pair_shards", f"{REAL}/pairs (64 tokens a text) into {PAIR_SHARDS}",
+                   BuildConfig(inputs=pairs, tokenizer=SMOLLM2, output=PAIR_SHARDS, seq_len=64, pairs=True,
+                               instructions=f"{REAL}/pairs/instructions.json", progress=False)))
+    read = {os.path.join(REPO, path) for study in r.studies for v in variants(r, study)
+            for path in (v.experiment.data.shards, v.experiment.data.unit_shards, v.experiment.data.pair_shards)
+            if path}
+    return [b for b in builds if os.path.join(REPO, b[2].output) in read]
+
+
+def inputs(r: Reproduction) -> list[str]:
+    """What the scale reads that nothing here makes from something else (absolute paths): the extracted data
+    (``make real-data``), SmolLM2 where a study reads it, each run's tokenizer and the files its trainer builds
+    shards from (a pattern's directory). Their size is what a machine with nothing under runs/ must be given
+    (gpu-short: <= 40 MB)."""
+    paths = {os.path.join(REPO, REAL)} | ({os.path.join(REPO, SMOLLM2)} if reads_smollm2(r) else set())
+    for study in r.studies:
+        for v in variants(r, study):
+            paths.add(os.path.join(REPO, v.experiment.data.tokenizer))
+            paths.update(os.path.join(REPO, pattern.split("*")[0].rstrip(os.sep))
+                         for pattern in v.experiment.data.build_inputs)
+    return sorted(p for p in paths if not any(p.startswith(other + os.sep) for other in paths))
+
+
+def gpu_grids(r: Reproduction) -> list[str]:
+    """The selected studies' grids at this scale whose runs declare GPU ranks (the paper and gpu-short scales)."""
+    return [s.grid_for(r.mode) for s in r.studies if any(v.resources.gpu for v in variants(r, s))]
+
+
+def rows(r: Reproduction, study: Study) -> tuple[tuple[str, str], ...]:
+    """The study's table rows this scale has: its baselines and the runs of the scale's grids (MAGNET's table
+    shows the LLM2Vec study's; gpu-short leaves the CPT chain out)."""
+    names = {v.name.removesuffix(SMOKE_SUFFIX) for s in STUDIES if s.grid_for(r.mode)
+             for v in variants(r, s)} | {b.name for b in study.baselines}
+    return tuple((label, row) for label, row in study.rows
+                 if row in names or any(n.startswith(row + "-s") for n in names))
+
+
+def plan(r: Reproduction) -> None:
+    """--dry-run: every run of the scale resolved and validated (the sweep's table: model, steps, tokens,
+    phases, start run, state), each study's evaluation options, the shards to build; nothing written."""
+    with contextlib.chdir(REPO):
+        for _, what, config in shard_builds(r):
+            print(f"shards: {what}: " + ("built" if os.path.isfile(os.path.join(config.output, MANIFEST))
+                                         else "to build"))
+        sizes = {os.path.relpath(p, REPO): size_mb(p) if os.path.exists(p) else None for p in inputs(r)}
+        print(f"device: {r.device}; inputs: " + ", ".join(
+            f"{p} {mb:.1f} MB" if mb is not None else f"{p} not here" for p, mb in sizes.items())
+              + f"; {sum(mb or 0 for mb in sizes.values()):.1f} MB here in all")
+        for study in r.studies:
+            print(f"\n== {study.name} ({r.mode} scale): {study.grid_for(r.mode)}" + (" (twins)" if r.quick else ""))
+            prepare(SweepRequest(study.grid_for(r.mode), smoke=r.quick, out=r.out))
+            for task, options in task_options(study.tasks.split(","), study.options[r.mode]).items():
+                print(f"eval {task}: {asdict(options)}")
+
+
+# The stages, in the order reproduce() runs them.
+
+def prepare_inputs(r: Reproduction, stages: Stages) -> None:
+    """The real data extracted, SmolLM2 imported where a study reads it, the shards the runs read built."""
+    if not is_extracted(os.path.join(REPO, REAL)):
+        extract(os.path.join(REPO, DOWNLOADS), os.path.join(REPO, REAL))
+    if reads_smollm2(r) and not os.path.isfile(os.path.join(REPO, SMOLLM2, "config.json")):
+        stages.run("import_smollm2", f"import the packaged GGUF into {SMOLLM2}",
+                   lambda: print(f"wrote {import_gguf(packaged_gguf(), SMOLLM2)}"))
+    for stage, what, config in shard_builds(r):
+        if not os.path.isfile(os.path.join(REPO, config.output, MANIFEST)):
+            stages.run(stage, what, lambda config=config: run_job(config))
+
+
+def train_study(r: Reproduction, stages: Stages, study: Study) -> list[str]:
+    """The study's runs trained through the sweep (finished ones skipped, unfinished ones resumed); returns the
+    study's run directories (names with -smoke in quick mode) that have an HF export."""
+    request = SweepRequest(study.grid_for(r.mode), smoke=r.quick, out=r.out, action="local")
+    stages.run(f"train_{study.name}", f"the runs of {study.grid_for(r.mode)}" + (" (twins)" if r.quick else "")
+               + f" trained here into {r.out}", lambda: act(prepare(request)))
+    suffix = SMOKE_SUFFIX if r.quick else ""
+    names = []
+    for _, row in study.rows:
+        names += sorted(os.path.basename(d) for d in glob.glob(os.path.join(r.out, row + "*"))
+                        if os.path.isdir(RunDir(d).hf) and os.path.basename(d).endswith(suffix)
+                        and (os.path.basename(d).removesuffix(suffix) == row
+                             or os.path.basename(d).removesuffix(suffix).startswith(row + "-s")))
+    return [os.path.join(r.out, name) for name in names]
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A study's evaluated numbers: each table row's headline numbers (one per seed) and each row's curve over the
+    chain's steps (the first seed's)."""
+
+    headlines: dict[str, list[dict]]
+    curves: dict[str, Curve]
+
+
+def evaluate_study(r: Reproduction, stages: Stages, study: Study, runs: list[str]) -> Evaluated:
+    """Every baseline and run of the study without its results evaluated (the kept checkpoints on the curve
+    tasks too); returns the study's numbers."""
+    for b in study.baselines:
+        evaluate_model(r, stages, study, SMOLLM2, baseline_results(r, study, b.name), b.attention,
+                       siblings=f"{b.name}-*.json")
+    for path in runs:
+        run = RunDir(path)
+        evaluate_model(r, stages, study, run.path, run.eval_results(study.name))
+        for step in kept_steps(run) if study.curve_tasks else ():
+            evaluate_model(r, stages, study, run.path, run.eval_results(study.name, step), tasks=study.curve_tasks,
+                           step=step)
+    headlines: dict[str, list[dict]] = {}
+    for b in study.baselines:
+        if os.path.isfile(path := baseline_results(r, study, b.name)):
+            headlines[b.name] = [EvalResults.read(path).headline]
+    curves: dict[str, Curve] = {}
+    for row, seeds in _row_runs(study, runs).items():
+        for path in seeds:
+            if os.path.isfile(results := RunDir(path).eval_results(study.name)):
+                headlines.setdefault(row, []).append(EvalResults.read(results).headline)
+        if study.curves and seeds and (curve := run_curve(RunDir(seeds[0]), study.name)):
+            curves[row] = curve
+    return Evaluated(headlines, curves)
+
+
+def baseline_results(r: Reproduction, study: Study, baseline: str) -> str:
+    return os.path.join(r.out, "baselines", f"{baseline}-{study.name}.json")
+
+
+def _row_runs(study: Study, runs: list[str]) -> dict[str, list[str]]:
+    """Table row -> its runs (its seeds' in order), for the rows that have any."""
+    by_name = {os.path.basename(p).removesuffix(SMOKE_SUFFIX): p for p in runs}
+    found = {}
+    for _, row in study.rows:
+        if seeds := [by_name[n] for n in sorted(n for n in by_name if n == row or n.startswith(row + "-s"))]:
+            found[row] = seeds
+    return found
+
+
+def evaluate_model(r: Reproduction, stages: Stages, study: Study, model: str, out: str, attention: str = "auto",
+                   siblings: str = "*.json", tasks: str = "", step: int | None = None) -> None:
+    """The study's tasks that ``out`` has no results of (all of them without ``out``; none: nothing to do) on
+    ``model``, merged into ``out``: written when a task finished, a failed task is an error (the finished ones
+    are kept, so a re-run evaluates only what is missing, e.g. a task a study gained). A task that another
+    study's results file of the same model (``siblings``, beside ``out``) holds with the same options is copied
+    from it, not run again: studies 1 and 3 both read STS. ``tasks`` (default: the study's) and ``step`` (a kept
+    checkpoint of the run ``model``) evaluate a point of the study's curves."""
+    before = EvalResults.read(out) if os.path.isfile(out) else EvalResults({}, {}, {})
+    wanted = (tasks or study.tasks).split(",")
+    tasks = [t for t in wanted if t not in before.results]
+    if not tasks:
+        return
+    config = EvalConfig(model=model, tasks=tasks, data_dir=REAL,
+                        overrides=[o for o in study.options[r.mode] if o.split(".", 1)[0] in tasks],
+                        attention=attention, device=r.device, batch_size=8, progress=False, step=step)
+    reused = _evaluated_elsewhere(config, glob.glob(os.path.join(os.path.dirname(out), siblings)), out)
+    config.tasks = [t for t in tasks if t not in reused]
+    config.overrides = [o for o in config.overrides if o.split(".", 1)[0] in config.tasks]
+
+    def evaluate_here() -> None:
+        if config.tasks:
+            results = evaluate(config)
+        else:  # every task is another study's
+            other = next(iter(reused.values()))[1]
+            results = EvalResults(asdict(config), other.model, other.environment)
+        for task, (path, other) in reused.items():
+            print(f"{task}: the results of {path} (the same model and options)")
+            results.with_task_of(other, task, os.path.basename(path), TASKS[task].headline(other.results[task]))
+        results = results.merge(before, wanted)
+        if results.write(out):
+            print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in results.headline.items()))
+        if results.failed or not results.results:
+            raise RuntimeError("; ".join(results.failure_lines()) or "no task finished")
+
+    at = "" if step is None else f" (step {step})"
+    stages.run(f"eval_{study.name}", f"{','.join(tasks)} on {model}{at} into {out}", evaluate_here)
+
+
+def report_study(r: Reproduction, stages: Stages, study: Study, runs: list[str], evaluated: Evaluated) -> None:
+    """The study's report and curves' plot into RESULTS/SCALE/STUDY, its runs' and baselines' records copied
+    there, and its block of the page rewritten."""
+    target = os.path.join(r.results, study.name)
+    labels = {run: label for label, run in study.rows}
+
+    def report_here() -> None:
+        print(write_report(runs, target))
+        if evaluated.curves:
+            path = plot_curves({labels[row]: c for row, c in evaluated.curves.items()},
+                               {labels[b.name]: h[0] for b in study.baselines
+                                if b.name in labels and (h := evaluated.headlines.get(b.name))},
+                               list(study.curves), os.path.join(target, "curves.png"),
+                               f"{study.name}: evaluated over training steps ({r.mode} run)")
+            print(path or "curves: no run has two evaluated steps")
+
+    stages.run(f"report_{study.name}", f"the report of {len(runs)} runs into {target}", report_here)
+    keep_records(r, study, runs)
+    page_dir = os.path.dirname(os.path.abspath(r.page))
+    plots = [os.path.relpath(os.path.join(target, f"{name}.png"), page_dir) for name in study.plots
+             if os.path.isfile(os.path.join(target, f"{name}.png"))]
+    with open(r.page) as f:
+        text = f.read()
+    shown = replace(study, rows=rows(r, study))
+    text = replace_block(text, r.mode, study.name, study_markdown(shown, evaluated.headlines, plots, r.mode,
+                                                                  evaluated.curves), r.page)
+    with open(r.page, "w") as f:
+        f.write(text)
+
+
+def keep_records(r: Reproduction, study: Study, runs: list[str]) -> None:
+    """The small records of the study's runs (experiment.json, metrics.jsonl, eval results, the kept steps' too)
+    under RESULTS/SCALE/runs, and its baselines' results under RESULTS/SCALE/baselines."""
+    for path in runs:
+        run, keep = RunDir(path), os.path.join(r.results, "runs", os.path.basename(path))
+        for rel in (os.path.relpath(p, path) for p in (run.experiment_json, run.metrics, *run.all_eval_results(),
+                                                       *run.step_eval_results())):
+            if os.path.isfile(os.path.join(path, rel)):
+                os.makedirs(os.path.dirname(os.path.join(keep, rel)), exist_ok=True)
+                shutil.copyfile(os.path.join(path, rel), os.path.join(keep, rel))
+    for path in glob.glob(os.path.join(r.out, "baselines", f"*-{study.name}.json")):
+        os.makedirs(os.path.join(r.results, "baselines"), exist_ok=True)
+        shutil.copyfile(path, os.path.join(r.results, "baselines", os.path.basename(path)))
+
+
+def step_seconds(out: str) -> dict[str, float]:
+    """Median seconds per training step of every run under ``out``, from its metrics.jsonl (the step's tokens over
+    its tokens/s): the measurement behind the budget in docs/results.md."""
+    found = {}
+    for path in sorted(RunDir(d).metrics for d in glob.glob(os.path.join(out, "*"))
+                       if os.path.isfile(RunDir(d).metrics)):
+        with open(path) as f:
+            records = [rec for rec in map(json.loads, f) if rec.get("perf/tokens_per_s")]
+        seen = [0] + [rec["progress/tokens_seen"] for rec in records]
+        times = sorted((b - a) / rec["perf/tokens_per_s"] for a, b, rec in zip(seen, seen[1:], records) if b > a)
+        if times:
+            found[os.path.basename(os.path.dirname(path))] = round(times[len(times) // 2], 2)
+    return found
+
+
+def write_timings(r: Reproduction, stages: Stages) -> dict[str, float]:
+    """RESULTS/SCALE/timings.json: the seconds per stage over every invocation that wrote OUT and the runs' median
+    step times; returns the seconds per stage."""
+    spent = stages.spend({})
+    write_json_atomic(os.path.join(r.results, "timings.json"),
+                      {"stages_s": spent, "step_seconds_median": step_seconds(r.out)})
+    return spent
+
+
+def reproduce(r: Reproduction) -> None:
+    """Every stage in order, from the repository root (where the records' relative paths point)."""
+    stages = Stages(r)
+    with contextlib.chdir(REPO):
+        prepare_inputs(r, stages)
+        for study in r.studies:
+            runs = train_study(r, stages, study)
+            report_study(r, stages, study, runs, evaluate_study(r, stages, study, runs))
+        spent = write_timings(r, stages)
+    print(f"wrote {r.page} and {r.results}/ in {stages.timings['total']:.0f} s ({spent['total']:.0f} s "
+          "over all invocations)")
+
+
+def _evaluated_elsewhere(config: EvalConfig, paths: list[str], out: str) -> dict[str, tuple[str, EvalResults]]:
     """Task -> (results file, its contents) for each of ``config``'s tasks that a results file in ``paths`` (not
     ``out``) has for the same model, attention, data and batch size with the options ``config`` would run."""
     wanted = {t: asdict(o) for t, o in task_options(config.tasks, config.overrides).items()}
     same = {k: v for k, v in asdict(config).items() if k not in ("tasks", "overrides", "progress")}
-    found: dict[str, tuple[str, dict]] = {}
+    found: dict[str, tuple[str, EvalResults]] = {}
     for path in sorted(p for p in paths if os.path.abspath(p) != os.path.abspath(out)):
-        other = read_json(path)
-        if {k: other["config"].get(k) for k in same} != same:
+        other = EvalResults.read(path)
+        if {k: other.config.get(k) for k in same} != same:
             continue
         for task, options in wanted.items():
-            if task not in found and task in other["results"] and other["options"].get(task) == options:
+            if task not in found and task in other.results and other.options.get(task) == options:
                 found[task] = (path, other)
     return found
 
@@ -471,14 +540,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(EVAL_THREADS)
     out = args.out or ("runs/reproduce" if args.scale == "full" else f"runs/reproduce-{args.scale}")
     try:
-        driver = Driver(args.scale, os.path.abspath(out), args.results, args.page,
-                        args.study or [s.name for s in STUDIES if s.grid_for(args.scale)], args.device)
-        if driver.device != "cuda" and not args.dry_run and (gpu := driver.gpu_grids()):
+        r = reproduction(args.scale, out, args.results, args.page,
+                         args.study or [s.name for s in STUDIES if s.grid_for(args.scale)], args.device)
+        if r.device != "cuda" and not args.dry_run and (gpu := gpu_grids(r)):
             raise ValueError(f"--scale {args.scale}: the runs of {', '.join(gpu)} declare GPU ranks (resources.gpu) "
                              f"and this run would be on the CPU (--device {args.device}); run it on a GPU machine, "
                              "or check it here with --dry-run")
-        set_rank_defaults(driver.device)
-        driver.plan() if args.dry_run else driver.run()
+        set_rank_defaults(r.device)
+        plan(r) if args.dry_run else reproduce(r)
     except (RealDataError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -8,8 +8,9 @@ import os
 from dataclasses import dataclass, field
 
 from pipeline.eval.data import DataError
+from pipeline.eval.results import EvalResults
 from pipeline.experiment import ExperimentConfig
-from pipeline.io import read_json, read_jsonl
+from pipeline.io import read_jsonl
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import OBJECTIVES
 from pipeline.run_dir import RunDir
@@ -99,6 +100,5 @@ def load_run(run_dir: str) -> RunSummary:
         raise FileNotFoundError(f"{run_dir}: no experiment.json, so not a run directory of launch/train.py")
     summary = RunSummary(run_dir, recipe_of(run, run.experiment()), read_history(run.metrics))
     for path in run.all_eval_results():
-        results = read_json(path, "results of launch/evaluate.py")
-        summary.headline.update(results.get("headline", {}))
+        summary.headline.update(EvalResults.read(path).headline)
     return summary

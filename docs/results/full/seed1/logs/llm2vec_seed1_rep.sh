@@ -2,7 +2,7 @@
 # Study 3's LLM2Vec side with train.seed=1: the MNTP -> SimCSE chain of docs/results/full/seed1 trained again (the same
 # seed gives the same losses) and read on study 3's repetition and infilling tasks, at chain steps 192 and 240.
 set -x
-cd /work/main
+cd .
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=2
 
 date

@@ -1,7 +1,7 @@
 #!/bin/bash
 # MAGNET of study 3 again with train.seed=1: the spread of its repetition, infilling and STS readings
 set -x
-cd /work/main
+cd .
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=2
 date
 .venv/bin/python launch/sweep.py experiments/reproduce/magnet/grid.yaml --only magnet-magnet --out runs/seed1 --set train.seed=1 --local

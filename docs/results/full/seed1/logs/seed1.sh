@@ -1,7 +1,7 @@
 #!/bin/bash
 # LLM2Vec's MNTP -> SimCSE chain of study 1 again with train.seed=1: the spread of the headline STS-B claim
 set -x
-cd /work/main
+cd .
 export DS_ACCELERATOR=cpu
 date
 .venv/bin/python launch/sweep.py experiments/reproduce/llm2vec/grid.yaml --only llm2vec-mntp --only llm2vec-simcse --out runs/seed1 --set train.seed=1 --local

@@ -1,0 +1,75 @@
+"""One evaluation's results, as ``launch/evaluate.py`` writes them (``RUN_DIR/eval/*.json``) and the report, the
+curves and ``make reproduce`` read them: what ran (config, model, options per task), what came out (results and
+headline numbers per task, failed tasks, seconds per task) and on what (environment), plus the tasks copied from
+another results file of the same model (``reused``, only when some were).
+
+The JSON is the dataclass's fields as a mapping (``reused`` left out when empty), written with sorted keys, so a
+file read and written again is the same bytes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from pipeline.io import read_json, write_json_atomic
+
+
+@dataclass
+class EvalResults:
+    config: dict  # the EvalConfig that ran, as a mapping
+    model: dict  # EvalModel.describe()
+    environment: dict  # python, torch, transformers, cpu, argv
+    options: dict[str, dict] = field(default_factory=dict)  # task -> its options
+    results: dict[str, dict] = field(default_factory=dict)  # task -> its results
+    headline: dict[str, float] = field(default_factory=dict)  # the few numbers the report shows, over all tasks
+    failed: dict[str, dict] = field(default_factory=dict)  # task -> {"error", "where"}
+    seconds: dict[str, float] = field(default_factory=dict)  # task -> wall seconds
+    reused: dict[str, str] = field(default_factory=dict)  # task -> the results file (name) it was copied from
+
+    # the fields kept per task: what merge combines, the older file's under the newer one's
+    PER_TASK = ("options", "results", "headline", "seconds", "reused")
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        if not self.reused:
+            del data["reused"]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> EvalResults:
+        return cls(**{f.name: data.get(f.name, {}) for f in fields(cls)})
+
+    @classmethod
+    def read(cls, path: str) -> EvalResults:
+        return cls.from_json(read_json(path, "results of launch/evaluate.py"))
+
+    def write(self, out: str) -> bool:
+        """Write to ``out`` when a task finished (atomically: a killed evaluation leaves no half file that a re-run
+        would take as finished); returns whether it wrote."""
+        if not self.results:
+            return False
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        write_json_atomic(out, self.to_json())
+        return True
+
+    def failure_lines(self) -> list[str]:
+        """One line per failed task."""
+        return [f"task {name} failed: {why['error']} (raised at {why['where']})" for name, why in self.failed.items()]
+
+    def with_task_of(self, other: EvalResults, task: str, source: str, headline: dict[str, float]) -> None:
+        """Take ``task`` from ``other`` (the results file ``source``, by name): its options, results and seconds, and
+        ``headline`` (the task's headline numbers of those results)."""
+        self.options[task] = other.options[task]
+        self.results[task] = other.results[task]
+        self.seconds[task] = other.seconds[task]
+        self.headline.update(headline)
+        self.reused[task] = source
+
+    def merge(self, older: EvalResults, order: list[str]) -> EvalResults:
+        """These results over ``older``'s (same model): each per-task field holds both, this one's where both have a
+        task; config, model, environment and failures are this one's, the config's tasks those with results in
+        ``order``."""
+        merged = replace(self, config={**self.config, "tasks": []},
+                         **{key: {**getattr(older, key), **getattr(self, key)} for key in self.PER_TASK})
+        merged.config["tasks"] = [t for t in order if t in merged.results]
+        return merged
