@@ -281,6 +281,11 @@ class TrainConfig:
             raise ConfigError(f"train.batch_warmup.multiple: {multiple} samples are not whole micro-batches of "
                               f"train.micro_batch {self.micro_batch}; set a multiple of micro_batch x the world size")
 
+    def global_batch(self, world: int, micro_batch: int | None = None) -> int:
+        """Samples per optimizer step over ``world`` ranks: ``micro_batch`` (default ``train.micro_batch``; a phase's
+        or the units' own) x ``grad_accum`` x ``world``, the one place this product is written."""
+        return (micro_batch or self.micro_batch) * self.grad_accum * world
+
 
 @dataclass
 class CheckpointConfig:

@@ -118,9 +118,9 @@ def check_resume_batch(exp: ExperimentConfig, world: int) -> None:
     path = run.checkpoint(step)
     saved_train = run.checkpoint_experiment(step).train
     saved_world = run.checkpoint_world_size(step)
-    saved = saved_train.micro_batch * saved_train.grad_accum * saved_world
+    saved = saved_train.global_batch(saved_world)
     t = exp.train
-    now = t.micro_batch * t.grad_accum * world
+    now = t.global_batch(world)
     if saved != now:
         keep = saved // (t.micro_batch * world) if saved % (t.micro_batch * world) == 0 else None
         fix = f"set train.grad_accum={keep} to keep it, or " if keep else ""
@@ -269,7 +269,7 @@ def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int
     d, t = exp.data, exp.train
     sources = d.mixture_sources()
     steps = sum(n for i, n in enumerate(exp.phase_lengths()) if exp.phase_data(i).loader == "packed")
-    budget = Budget(steps, t.micro_batch * t.grad_accum * world, d.seq_len)
+    budget = Budget(steps, t.global_batch(world), d.seq_len)
     try:
         plan = MixturePlan.build(index, {name: s.ratio for name, s in sources.items()}, t.seed, train_samples)
         lines = check_budget(plan, budget, {name: s.max_repetition for name, s in sources.items()})
@@ -287,11 +287,11 @@ def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: in
     readers = data_sources(prepared.objectives)
     t, d, tok = exp.train, exp.data, prepared.tokenizer
     indexes = {"packed": _check_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"],
-                                      t.micro_batch * t.grad_accum * world, exp.eval.holdout)}
+                                      t.global_batch(world), exp.eval.holdout)}
     for i, pd in _own_phase_data(exp):
         phase_readers = sorted({o.name for o in prepared.objectives[i] if o.objective.source == "packed"})
         indexes[pd.loader] = _check_index(pd.shards, f"phases[{i}].shards", d, tok, pd.seq_len, "packed",
-                                          phase_readers, pd.micro_batch * t.grad_accum * world)
+                                          phase_readers, t.global_batch(world, pd.micro_batch))
     prepared.held_out, prepared.holdout = check_held_out(exp, tok, indexes["packed"])
     prepared.train_samples = prepared.holdout.train_count
     if d.mixture:
@@ -299,10 +299,10 @@ def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: in
         prepared.notes += lines if rank == 0 else []
     if readers["units"]:
         indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
-                                        (d.unit_micro_batch or t.micro_batch) * t.grad_accum * world)
+                                        t.global_batch(world, d.unit_micro_batch))
     if readers["pairs"]:
         indexes["pairs"] = _check_index(d.pair_shards, "data.pair_shards", d, tok, None, "pairs", readers["pairs"],
-                                        t.micro_batch * t.grad_accum * world)
+                                        t.global_batch(world))
         check_instruction_format(exp, indexes["pairs"])
     return indexes
 
