@@ -32,11 +32,12 @@ from typing import Literal
 import yaml
 
 from pipeline.config import ConfigError, load_yaml, parse_overrides, to_dict
-from pipeline.data.manifest import MANIFEST
 from pipeline.grid import SMOKE_SUFFIX, Grid, Resources, Variant, load_grid
+from pipeline.inputs import check_buildable, under
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import OBJECTIVES
 from pipeline.run_dir import RunDir
+from pipeline.tokenizer import check_tokenizer_path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_SBATCH = os.path.join(REPO, "launch", "slurm", "train.sbatch")
@@ -202,15 +203,15 @@ def write_run(grid: Grid, variant: Variant, state: RunState) -> None:
 
 def check_inputs(variant: Variant) -> None:
     """Before a run is started: its shards (unless the trainer builds them) and tokenizer exist, so a placeholder
-    path fails here instead of in a queued job. Relative paths are relative to the repository root, where jobs run."""
+    path fails here instead of in a queued job; the checks preflight makes (``pipeline.inputs``). Relative paths are
+    relative to the repository root, where jobs run."""
     data = variant.experiment.data
-    if not (data.build_if_missing and data.build_inputs) and not os.path.isfile(os.path.join(REPO, data.shards,
-                                                                                             MANIFEST)):
-        raise ConfigError(f"{variant.name}: data.shards {data.shards} has no {MANIFEST}; build the shards first "
-                          "(docs/data_prep.md) or point the runs at them with --set data.shards=DIR")
-    if not os.path.exists(os.path.join(REPO, data.tokenizer)):
-        raise ConfigError(f"{variant.name}: data.tokenizer {data.tokenizer} does not exist; --set data.tokenizer=DIR "
-                          "(the tokenizer the shards were built with)")
+    try:
+        check_buildable(under(REPO, data.shards), "data.shards", "data.build_inputs", data.build_inputs,
+                        data.seq_len, data)
+        check_tokenizer_path(under(REPO, data.tokenizer))
+    except (ConfigError, FileNotFoundError) as e:
+        raise ConfigError(f"{variant.name}: {e}") from None
 
 
 def in_order(selected: list[Variant], everything: list[Variant], states: dict[str, RunState]) -> list[Variant]:
