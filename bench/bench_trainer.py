@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> None:
 
     from pipeline.data.build import run_job
     from pipeline.data.build_config import BuildConfig
+    from pipeline.data.holdout import ValidationSamples
     from pipeline.data.loader import ShardLoader
     from pipeline.data.manifest import load_index
     from pipeline.experiment import ValidationConfig, load_experiment
@@ -117,7 +118,6 @@ def run(args: argparse.Namespace) -> None:
     from pipeline.train.metrics import MetricsLogger
     from pipeline.train.module import build_train_model
     from pipeline.train.phases import build_objectives
-    from pipeline.train.preflight import HeldOut
     from pipeline.train.schedule import lr_scheduler
     from pipeline.train.signals import StopRequest
     from pipeline.train.step import train_step
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> None:
     ours, _ours_module = engine_for(use_train_module=True)
     index = load_index(shards)
     validation = ValidationConfig(every=args.eval_every, holdout=0.01, samples=args.eval_samples)
-    held = HeldOut(index, index.num_samples - args.eval_samples, args.eval_samples)
+    held = ValidationSamples(index, index.num_samples - args.eval_samples, args.eval_samples)
     validator = Validator(validation, held, probes(validation, tokenizer),
                           args.eval_micro_batch or shape.micro_batch, verify=False)
     loader = ShardLoader(index, shape.micro_batch, args.grad_accum, rank, world, exp.train.seed,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ def sample_shards(seq_len: int) -> str:
     return os.path.join("runs", "shards", f"sample-{seq_len}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MixtureSource:
     """One source of ``data.mixture`` (written ``SOURCE: ratio``, or ``SOURCE: {ratio: R, max_repetition: M}``)."""
 
@@ -38,6 +39,60 @@ class MixtureSource:
 
 
 MIN_RATIO = 1e-6  # mixture ratios are quantised to 2**-20 (pipeline.data.mixture)
+
+
+@dataclass(frozen=True)
+class SourceMixture:
+    """``data.mixture`` typed and checked once, when the experiment loads (:meth:`parse`): each source's ratio and
+    maximum repetition (filled in from ``data.mixture_max_repetition``), sorted by name; empty: no mixture. The
+    config keeps the mapping as written, so experiment files and ``--set data.mixture=...`` read and write as
+    before."""
+
+    sources: tuple[tuple[str, MixtureSource], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.sources)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.sources)
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        return {name: s.ratio for name, s in self.sources}
+
+    @property
+    def max_repetition(self) -> dict[str, float]:
+        return {name: s.max_repetition for name, s in self.sources}
+
+    @classmethod
+    def parse(cls, mixture: dict[str, Any], max_repetition: float) -> SourceMixture:
+        """``data.mixture`` as written (``max_repetition``: ``data.mixture_max_repetition``), or a ConfigError."""
+        out = {}
+        for name in sorted(mixture):
+            key, value = f"data.mixture.{name}", mixture[name]
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"data.mixture: {name!r} is not a source name; the keys are source names as "
+                                  f"data_prep recorded them (pipeline-inspect-shards lists them)")
+            if isinstance(value, dict):
+                src = from_dict(MixtureSource, value, key)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                src = MixtureSource(float(value))
+            else:
+                raise ConfigError(f"{key}: {value!r} is not a ratio; write {name}: 0.25 or "
+                                  f"{name}: {{ratio: 0.25, max_repetition: 2}}")
+            if not MIN_RATIO <= src.ratio <= 1:
+                raise ConfigError(f"{key}: ratio {src.ratio} is out of range; it must be in [{MIN_RATIO:g}, 1] "
+                                  f"(drop a source to leave it out)")
+            repetition = max_repetition if src.max_repetition is None else src.max_repetition
+            if not (math.isfinite(repetition) and repetition > 0):
+                raise ConfigError(f"{key}.max_repetition: {repetition} is out of range; it must be > 0")
+            out[name] = MixtureSource(src.ratio, float(repetition))
+        total = sum(s.ratio for s in out.values())
+        if out and not math.isclose(total, 1.0, abs_tol=1e-6):
+            scaled = ", ".join(f"{n}: {s.ratio / total:.4g}" for n, s in out.items())
+            raise ConfigError(f"data.mixture: ratios must sum to 1, got {total:.6g}; e.g. {{{scaled}}}")
+        return cls(tuple(out.items()))
 
 
 @dataclass
@@ -65,7 +120,7 @@ class DataConfig:
     fetch_timeout_s: float = 60.0  # per connect or read on the socket
     # source -> target ratio (or {ratio, max_repetition}) of data.shards' sources (built with --source-field);
     # {}: no mixture, the directory's samples in one permutation. docs/training.md, "Source mixtures"
-    mixture: dict[str, Any] = field(default_factory=dict)
+    mixture: dict[str, Any] = field(default_factory=dict)  # as written; typed: source_mixture
     mixture_max_repetition: float = 1.0  # times over a source's samples may be read, unless its own says otherwise
     RANGES: ClassVar[dict[str, str]] = {"seq_len": ">= 8", "num_workers": ">= 0", "unit_micro_batch": ">= 0",
                                         "cache_max_gb": "> 0", "fetch_attempts": ">= 1", "fetch_timeout_s": "> 0",
@@ -81,35 +136,13 @@ class DataConfig:
         if self.build_source_field.strip() != self.build_source_field:
             raise ConfigError(f"data.build_source_field: {self.build_source_field!r} must be a record field, dotted "
                               f"into objects (meta.redpajama_set_name), without surrounding blanks")
-        self.mixture_sources()
+        self.__dict__.pop("source_mixture", None)
+        _ = self.source_mixture  # parsed now, at load: a bad data.mixture fails here
 
-    def mixture_sources(self) -> dict[str, MixtureSource]:
-        """``mixture`` typed and checked (each source's ``max_repetition`` filled in), sorted by name."""
-        out = {}
-        for name in sorted(self.mixture):
-            key, value = f"data.mixture.{name}", self.mixture[name]
-            if not isinstance(name, str) or not name:
-                raise ConfigError(f"data.mixture: {name!r} is not a source name; the keys are source names as "
-                                  f"data_prep recorded them (pipeline-inspect-shards lists them)")
-            if isinstance(value, dict):
-                src = from_dict(MixtureSource, value, key)
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                src = MixtureSource(float(value))
-            else:
-                raise ConfigError(f"{key}: {value!r} is not a ratio; write {name}: 0.25 or "
-                                  f"{name}: {{ratio: 0.25, max_repetition: 2}}")
-            if not MIN_RATIO <= src.ratio <= 1:
-                raise ConfigError(f"{key}: ratio {src.ratio} is out of range; it must be in [{MIN_RATIO:g}, 1] "
-                                  f"(drop a source to leave it out)")
-            repetition = self.mixture_max_repetition if src.max_repetition is None else src.max_repetition
-            if not (math.isfinite(repetition) and repetition > 0):
-                raise ConfigError(f"{key}.max_repetition: {repetition} is out of range; it must be > 0")
-            out[name] = MixtureSource(src.ratio, float(repetition))
-        total = sum(s.ratio for s in out.values())
-        if out and not math.isclose(total, 1.0, abs_tol=1e-6):
-            scaled = ", ".join(f"{n}: {s.ratio / total:.4g}" for n, s in out.items())
-            raise ConfigError(f"data.mixture: ratios must sum to 1, got {total:.6g}; e.g. {{{scaled}}}")
-        return out
+    @functools.cached_property
+    def source_mixture(self) -> SourceMixture:
+        """``mixture`` typed (:meth:`SourceMixture.parse`), parsed once."""
+        return SourceMixture.parse(self.mixture, self.mixture_max_repetition)
 
 
 @dataclass
@@ -288,6 +321,11 @@ class TrainConfig:
             raise ConfigError(f"train.batch_warmup.multiple: {multiple} samples are not whole micro-batches of "
                               f"train.micro_batch {self.micro_batch}; set a multiple of micro_batch x the world size")
 
+    def global_batch(self, world: int, micro_batch: int | None = None) -> int:
+        """Samples per optimizer step over ``world`` ranks: ``micro_batch`` (default ``train.micro_batch``; a phase's
+        or the units' own) x ``grad_accum`` x ``world``, the one place this product is written."""
+        return (micro_batch or self.micro_batch) * self.grad_accum * world
+
 
 @dataclass
 class CheckpointConfig:
@@ -343,6 +381,7 @@ class ExperimentConfig:
     eval: ValidationConfig = field(default_factory=ValidationConfig)
 
     def validate(self) -> None:
+        self.__dict__.pop("phases_data", None)
         self.name = self.name or (os.path.basename(os.path.normpath(self.run_dir)) if self.run_dir else DEFAULT_NAME)
         self.run_dir = self.run_dir or os.path.join("runs", self.name)
         check_ranges(self)
@@ -363,9 +402,18 @@ class ExperimentConfig:
         self._check_phase_data()
         self._check_schedule_fits()
 
+    @functools.cached_property
+    def phases_data(self) -> tuple[PhaseData, ...]:
+        """:meth:`phase_data` of every phase, resolved once (by :meth:`validate`, which clears it first: the config
+        is not changed after it is validated)."""
+        return tuple(self._resolve_phase_data(i) for i in range(len(self.phases)))
+
     def phase_data(self, i: int) -> PhaseData:
         """Phase ``i``'s shards, sequence length, micro-batch and RoPE settings, its unset fields filled from the
         run's ``data`` and ``train`` (and the earlier phases, for the RoPE theta)."""
+        return self.phases_data[i]
+
+    def _resolve_phase_data(self, i: int) -> PhaseData:
         p, d = self.phases[i], self.data
         seq_len = p.seq_len or d.seq_len
         shards = self._phase_shards(i)
@@ -412,7 +460,7 @@ class ExperimentConfig:
             if 0 < p.seq_len < 8:
                 raise ConfigError(f"phases[{i}].seq_len: {p.seq_len} is out of range; it must be 0 (data.seq_len) "
                                   f"or >= 8")
-            data = self.phase_data(i)
+            data = self._resolve_phase_data(i)
             key, seq_len = length.setdefault(data.loader, (f"phases[{i}].seq_len", data.seq_len))
             if seq_len != data.seq_len:
                 raise ConfigError(f"phases[{i}].seq_len: {data.seq_len}, but its shards {data.shards} are read at "

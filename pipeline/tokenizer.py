@@ -179,11 +179,16 @@ def _load_sentencepiece(path: str) -> Tokenizer:
     return Tokenizer(path, hf_from_sentencepiece(path), {BARE_MODEL_NAME: path}, path)
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """Load an HF tokenizer directory (local only, never the hub) or a sentencepiece ``.model`` file."""
+def check_tokenizer_path(path: str) -> None:
+    """The tokenizer exists: checked as it loads, and by the sweep before it queues a run that would load it."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer {path} does not exist: pass an HF tokenizer directory or a sentencepiece "
                                 f".model file (train one with data_prep/train_tokenizer.py)")
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load an HF tokenizer directory (local only, never the hub) or a sentencepiece ``.model`` file."""
+    check_tokenizer_path(path)
     if os.path.isdir(path):
         return _load_hf_dir(path)
     return _load_sentencepiece(path)

@@ -6,6 +6,7 @@ transformers reloads with it) and a resume at the start of the extension phase t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -79,8 +80,8 @@ def test_preflight_refuses_a_phases_missing_shards_it_may_not_build_in_one_line(
     exp = load_experiment(None, [f"run_dir={tmp_path / 'run'}", "data.seq_len=32", "train.micro_batch=4",
                                  f"data.shards={make_shard_dir(tmp_path, seq_len=32)}", "data.build_if_missing=false",
                                  phases("seq_len: 128", f"shards: {missing}")])
-    with pytest.raises(ConfigError) as e:
-        check_setup(exp, 0, 1, False)
+    with pytest.raises(ConfigError) as e, contextlib.ExitStack() as held:
+        check_setup(exp, 0, 1, False, held)
     assert str(e.value) == (f"phases[1].shards: {missing} is not a shard directory; build it with "
                             f"data_prep/build_shards.py or set data.build_if_missing=true with data.build_inputs")
     assert not missing.exists()

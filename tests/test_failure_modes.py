@@ -298,8 +298,8 @@ def test_preflight_names_the_file_and_the_fix(shards, tmp_path, case):
         "model.init": (f"model.init={tmp_path}/start", rf"model.init: no such directory '{tmp_path}/start'"),
     }[case]
     exp = load_experiment(None, [*TINY, f"run_dir={tmp_path}/ok", f"data.shards={shards}", override])
-    with pytest.raises((ConfigError, ValueError, FileNotFoundError), match=message):
-        preflight(exp, rank=0, world=2)
+    with pytest.raises((ConfigError, ValueError, FileNotFoundError), match=message), preflight(exp, rank=0, world=2):
+        pass
     lock = RunDir(exp.run_dir).lock
     assert not os.path.exists(lock) or not open(lock).read()
 

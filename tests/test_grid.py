@@ -230,9 +230,9 @@ def test_sweep_cli_prints_the_table_and_writes_the_runs(tmp_path):
 def test_placeholder_data_paths_are_refused_before_anything_starts(tmp_path):
     grid = load_grid(write_grid(tmp_path))
     v = grid.variants(overrides={"data.shards": str(tmp_path / "none"), "data.build_if_missing": False})[0]
-    with pytest.raises(ConfigError, match=r"pre-210m-clm50: data.shards .*/none has no manifest.json; build the shards"):
+    with pytest.raises(ConfigError, match=r"^pre-210m-clm50: data.shards: .*/none is not a shard directory; build it"):
         check_inputs(v)
     v = grid.variants(overrides={"data.tokenizer": "/models/nowhere"})[0]
-    with pytest.raises(ConfigError, match="data.tokenizer /models/nowhere does not exist; --set data.tokenizer=DIR"):
+    with pytest.raises(ConfigError, match="^pre-210m-clm50: tokenizer /models/nowhere does not exist: pass an HF tokenizer directory"):
         check_inputs(v)
     check_inputs(grid.variants()[0])  # the defaults: the sample tokenizer, shards built on first use

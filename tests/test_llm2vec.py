@@ -162,8 +162,9 @@ def test_bad_input_is_refused_by_the_trainer(data, tmp_path):
                      f"run_dir={tmp_path / 'run'}", "model.init=tiny")
     tokenizer = load_tokenizer(TOKENIZER)
     with pytest.raises(ValueError, match=rf"data.unit_shards {packed} holds packed samples .* but simcse reads "
-                                         r"sentence units, one a sample; build unit shards with"):
-        preflight(exp, rank=0, world=1)
+                                         r"sentence units, one a sample; build unit shards with"), \
+            preflight(exp, rank=0, world=1):
+        pass
     no_zero = {"zero_optimization": {"stage": 0}}
     missing = str(tmp_path / "no-such-mntp-run" / "hf")
     with pytest.raises(ValueError, match=rf"no such directory {missing!r}; the model must be one of the presets"):

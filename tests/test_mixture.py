@@ -13,7 +13,7 @@ import pytest
 from helpers import http_server, launch_training, logged_steps, make_shard_dir
 from shard_corpus import HOLDOUT, ROOT, TOKENIZER, sourced_corpus
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, to_dict
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.holdout import split
@@ -156,6 +156,20 @@ def test_mixture_config_errors_name_the_field(overrides, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
+def test_the_mixture_is_typed_at_load_and_written_back_as_given():
+    """``data.mixture`` reads as typed fields (each source's repetition filled in, sorted by name); the config keeps
+    the mapping as written, so the run's experiment.yaml and a --set round trip are unchanged."""
+    written = "data.mixture={plays: 0.75, histories: {ratio: 0.25, max_repetition: 3}}"
+    exp = load_experiment(None, [written, "data.mixture_max_repetition=2"])
+    mixture = exp.data.source_mixture
+    assert mixture.names == ("histories", "plays")
+    assert mixture.ratios == {"histories": 0.25, "plays": 0.75}
+    assert mixture.max_repetition == {"histories": 3.0, "plays": 2.0}
+    assert to_dict(exp)["data"]["mixture"] == {"plays": 0.75, "histories": {"ratio": 0.25, "max_repetition": 3}}
+    assert load_experiment(None, [written, "data.mixture_max_repetition=2"]) == exp
+    assert not load_experiment(None, []).data.source_mixture
+
+
 COMMON = ["train.steps=8", "train.micro_batch=4", "train.log_every=4", "optim.warmup_steps=2",
           "optim.decay_steps=2", "optim.lr=0.002", "checkpoint.every=4", "data.seq_len=64",
           "data.build_if_missing=false", "train.export_hf=false",
@@ -174,8 +188,8 @@ COMMON = ["train.steps=8", "train.micro_batch=4", "train.log_every=4", "optim.wa
 ])
 def test_preflight_refuses_a_mixture_the_shards_cannot_serve(shards, tmp_path, overrides, message, end):
     exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}", *overrides])
-    with pytest.raises(ConfigError) as e:
-        preflight(exp, rank=0, world=2).lock.release()
+    with pytest.raises(ConfigError) as e, preflight(exp, rank=0, world=2):
+        pass
     assert str(e.value).startswith(message.format(shards=shards)) and "\n" not in str(e.value)
     assert str(e.value).endswith(end)
 
@@ -183,8 +197,8 @@ def test_preflight_refuses_a_mixture_the_shards_cannot_serve(shards, tmp_path, o
 def test_preflight_reports_the_plan_and_the_sources_left_out(shards, tmp_path):
     exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}",
                                  "data.mixture={histories: 0.4, plays: 0.6}"])
-    prepared = preflight(exp, rank=0, world=2)
-    prepared.lock.release()
+    with preflight(exp, rank=0, world=2) as prepared:
+        pass
     assert prepared.notes[0] == "mixture of 2 sources over 8 steps x 8 samples x 64 tokens (4,096 tokens):"
     assert prepared.notes[1].startswith("  histories: ratio 0.4, 26 samples (1,664 tokens) of its 2,")
     assert prepared.notes[-1] == f"note: data.mixture leaves out poems of {shards}: not trained on"
@@ -323,13 +337,13 @@ def test_preflight_and_loader_hold_out_each_sources_tail(shards, tmp_path):
     index = load_index(shards)
     exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}", "data.mixture={}",
                                  "eval.every=4", "eval.holdout=0.01", "eval.samples=30"])
-    prepared = preflight(exp, rank=0, world=2)
-    prepared.lock.release()
+    with preflight(exp, rank=0, world=2) as prepared:
+        pass
     h = prepared.holdout
     counts = {n: c["samples"] for n, c in index.source_counts().items()}
     assert h.held_counts == {n: math.ceil(c / 100) for n, c in counts.items()}
     assert prepared.train_samples == index.num_samples - h.held_count
-    held = prepared.held_out
+    held = prepared.validation
     scored = [(k, index.sources[i]) for rank in range(2) for b in
               iter_eval(index, 4, rank, 2, first=held.first, count=held.count, ids=held.ids)
               for k, i in zip(b.keys, b.source_ids) if k]

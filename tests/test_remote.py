@@ -175,8 +175,8 @@ def test_url_without_shards_is_a_config_error_and_nothing_is_built(tmp_path, mon
     with http_server(str(tmp_path / "empty")) as server:
         exp = load_experiment(None, [f"run_dir={tmp_path / 'run'}", f"data.shards={server.url}/s"])
         with pytest.raises(ConfigError, match=rf"^data.shards: {server.url}/s has no manifest.json, and shards are "
-                                              r"never built at a URL"):
-            check_setup(exp, 0, 1, False)
+                                              r"never built at a URL"), contextlib.ExitStack() as held:
+            check_setup(exp, 0, 1, False, held)
     assert sorted(os.listdir(tmp_path)) == ["empty", "run"]  # no "http:" directory
 
 

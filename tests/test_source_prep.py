@@ -189,12 +189,13 @@ def test_build_if_missing_builds_the_sources_a_mixture_mixes(corpus, tmp_path):
 
     mixture = ["data.mixture={histories: 0.3, plays: 0.5, poems: 0.2}", f"data.build_inputs={json.dumps(corpus)}"]
     with pytest.raises(ConfigError, match=r"^data.mixture: mixes sources, but the shards data.build_if_missing would "
-                                          r"build into .* set data.build_source_field"):
-        preflight(_experiment(tmp_path, *mixture), rank=0, world=1)
+                                          r"build into .* set data.build_source_field"), \
+            preflight(_experiment(tmp_path, *mixture), rank=0, world=1):
+        pass
     assert not os.path.exists(tmp_path / "shards")
-    prepared = preflight(_experiment(tmp_path, *mixture, "data.build_source_field=meta.redpajama_set_name"),
-                         rank=0, world=1)
-    prepared.lock.release()
+    with preflight(_experiment(tmp_path, *mixture, "data.build_source_field=meta.redpajama_set_name"), rank=0,
+                   world=1) as prepared:
+        pass
     index = prepared.indexes["packed"]
     assert index.sources == ("histories", "plays", "poems")
     assert any(line.startswith("mixture of 3 sources") for line in prepared.notes)

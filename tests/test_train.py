@@ -263,6 +263,13 @@ def test_ds_config_auto_fields_and_conflicts():
         resolve_ds_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, exp, world_size=1, bf16=False)
 
 
+def test_global_batch_is_micro_batch_times_grad_accum_times_world():
+    """One product for DeepSpeed's train_batch_size, preflight's checks and the planner: a phase's or the units' own
+    micro-batch replaces train.micro_batch, 0 (unset) keeps it."""
+    t = load_experiment(None, ["train.micro_batch=3", "train.grad_accum=2"]).train
+    assert [t.global_batch(1), t.global_batch(4), t.global_batch(4, 5), t.global_batch(4, 0)] == [6, 24, 40, 24]
+
+
 def test_ds_config_reduces_and_accumulates_bf16_gradients_in_fp32():
     """bf16 weights get fp32 gradient reduction (on more than one rank: one has nothing to reduce) and (with ZeRO)
     fp32 accumulation unless the JSON chooses; fp32 training and stage 0 (where DeepSpeed cannot accumulate bf16

@@ -92,8 +92,8 @@ def test_config_errors_are_one_line(overrides, message):
 def test_preflight_refuses_held_out_sets_it_cannot_score(shards, tmp_path, overrides, message):
     exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}",
                                  *(o.format(shards=shards) for o in overrides)])
-    with pytest.raises(ConfigError) as e:
-        preflight(exp, rank=0, world=1).lock.release()
+    with pytest.raises(ConfigError) as e, preflight(exp, rank=0, world=1):
+        pass
     assert str(e.value).startswith(message.format(shards=shards)) and "\n" not in str(e.value)
 
 
@@ -103,10 +103,10 @@ def test_preflight_holds_the_last_samples_out(shards, tmp_path):
     for every in (3, 0):
         exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}",
                                      f"eval.every={every}"])
-        prepared = preflight(exp, rank=0, world=1)
-        prepared.lock.release()
+        with preflight(exp, rank=0, world=1) as prepared:
+            pass
         assert prepared.train_samples == n - 59
-        held = prepared.held_out
+        held = prepared.validation
         assert (held.first, held.count) == (n - 59, 20) if every else held is None
 
 
@@ -117,9 +117,9 @@ def test_preflight_takes_a_separate_held_out_directory_whole(shards, tmp_path):
                         tokenizer=TOKENIZER, output=held_dir, seq_len=64, samples_per_shard=512, progress=False))
     exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}", "eval.holdout=0",
                                  f"eval.shards={held_dir}", "eval.samples=0"])
-    prepared = preflight(exp, rank=0, world=1)
-    prepared.lock.release()
-    held = prepared.held_out
+    with preflight(exp, rank=0, world=1) as prepared:
+        pass
+    held = prepared.validation
     assert (held.index.directory, held.first, held.count) == (held_dir, 0, load_index(held_dir).num_samples)
     assert prepared.train_samples == load_index(shards).num_samples
 

@@ -25,6 +25,18 @@ def held_out_count(num_samples: int, fraction: float) -> int:
 
 
 @dataclass(frozen=True)
+class ValidationSamples:
+    """The fixed set validation scores: samples [first, first + count) of ``index``, or with ``ids`` those ``count``
+    samples (ascending): taken per source from a :class:`Holdout`, they are no one range (:meth:`Holdout.scored`).
+    A :class:`Holdout` is the split of a directory (what trains, what is held out); this is what is scored."""
+
+    index: DatasetIndex
+    first: int
+    count: int
+    ids: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
 class Holdout:
     """Which samples of a directory training reads and which validation may score. ``train_counts`` and
     ``held_counts``: per source (sorted by name), how many of its first samples train and how many of its last are

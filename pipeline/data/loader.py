@@ -229,7 +229,8 @@ class ShardLoader:
     (its cost: BENCHMARKS.md). ``num_samples``: train on the first ones only (default all), the rest being held
     out for validation; a function of the index alone, so the held-out samples are the same on any world size.
     ``mixture``: target ratios of the index's sources (``pipeline.data.mixture``) instead of one permutation of all
-    samples; the state records it, and a resume with another mixture is refused. ``holdout`` (instead of
+    samples; the state records it, and a resume with another mixture is refused. ``plan``: its plan when the caller
+    built it already over these training samples with this seed (the trainer passes preflight's), else built here. ``holdout`` (instead of
     ``num_samples``): ``eval.holdout``'s split (``pipeline.data.holdout``), training on its training samples only:
     the first ones of a directory of one source (as ``num_samples``), each source's first ones of several; the
     state then records each source's held-out count, and a resume with another split is refused.
@@ -239,7 +240,7 @@ class ShardLoader:
                  dp_world: int = 1, seed: int = 0, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int = 2, max_open_shards: int = 64, verify: bool = True,
                  num_samples: int | None = None, mixture: dict[str, float] | None = None,
-                 holdout: Holdout | None = None, warmup: BatchWarmup | None = None):
+                 holdout: Holdout | None = None, warmup: BatchWarmup | None = None, plan: MixturePlan | None = None):
         if micro_batch < 1 or grad_accum < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
             raise ValueError(f"need micro_batch >= 1, grad_accum >= 1 and 0 <= dp_rank < dp_world, got "
                              f"micro_batch={micro_batch} grad_accum={grad_accum} dp_rank={dp_rank} dp_world={dp_world}")
@@ -262,7 +263,7 @@ class ShardLoader:
         self.mixture = dict(sorted(mixture.items())) if mixture else None
         if self.mixture:
             self._order = MixtureOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world, warmup=warmup,
-                                       plan=MixturePlan.build(index, self.mixture, seed, limit))
+                                       plan=plan or MixturePlan.build(index, self.mixture, seed, limit))
         else:
             self._order = TrainOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world,
                                      ids=holdout.train if spread else None, warmup=warmup)

@@ -32,17 +32,18 @@ ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 
 def build_model(spec: str, vocab_size: int, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
                 pad_token_id: int | None = None, bos_token_id: int | None = None,
-                eos_token_id: int | None = None) -> PreTrainedModel:
+                eos_token_id: int | None = None, config: PretrainedConfig | None = None) -> PreTrainedModel:
     """A causal-LM model from a preset name or a local HF checkpoint directory.
 
     ``vocab_size`` and the special ids come from the data's tokenizer: a preset takes them, a checkpoint must agree
-    with them (a model trained on another tokenizer would read the shards' ids as different tokens).
+    with them (a model trained on another tokenizer would read the shards' ids as different tokens). ``config``: the
+    checkpoint's :func:`start_checkpoint_config`, already read and checked (the trainer's, from preflight).
     """
     if spec in PRESETS:
         config = get_preset(spec).to_config(vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
                                             eos_token_id=eos_token_id)
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    config = start_checkpoint_config(spec, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    config = config or start_checkpoint_config(spec, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     config.use_cache = False
     return AutoModelForCausalLM.from_pretrained(Path(spec), config=config, dtype=dtype,
                                                 attn_implementation=attn_implementation, local_files_only=True,

@@ -179,16 +179,28 @@ class MaskingConfig:
             raise ValueError(f"masking.ratio: {self.ratio} is outside (0, 1]")
 
 
+class MaskTokenError(ValueError):
+    """A mask token the tokenizer lacks. ``what`` says how ("'<x>' is not a single token of tokenizer T"), for the
+    config's message that names its own setting (``phases[i].objectives[j].mask_token``, ``eval.mask_token``)."""
+
+    def __init__(self, message: str, what: str):
+        super().__init__(message)
+        self.what = what
+
+
 def resolve_mask_id(tokenizer: Tokenizer, mask_token: str | None) -> int:
+    """The id of ``mask_token`` (None: the tokenizer's mask token); the one place a mask token is resolved."""
     if mask_token is None:
         if tokenizer.mask_id is None:
-            raise ValueError(f"tokenizer {tokenizer.path} has no mask token; set masking.mask_token to an ordinary "
-                             "token such as '_' (LLM2Vec's choice for Llama)")
+            raise MaskTokenError(f"tokenizer {tokenizer.path} has no mask token; set masking.mask_token to an "
+                                 "ordinary token such as '_' (LLM2Vec's choice for Llama)",
+                                 f"null uses the mask token of, but there is none in tokenizer {tokenizer.path}")
         return tokenizer.mask_id
     vocab = tokenizer.hf.get_vocab()
     if mask_token not in vocab:
-        raise ValueError(f"masking.mask_token {mask_token!r} is not a single token of tokenizer {tokenizer.path}; "
-                         "pick a token string exactly as it appears in its vocabulary (e.g. '_' for Llama)")
+        raise MaskTokenError(f"masking.mask_token {mask_token!r} is not a single token of tokenizer "
+                             f"{tokenizer.path}; pick a token string exactly as it appears in its vocabulary (e.g. "
+                             "'_' for Llama)", f"{mask_token!r} is not a single token of tokenizer {tokenizer.path}")
     return vocab[mask_token]
 
 

@@ -200,7 +200,7 @@ def phase_steps(exp, world: int) -> list[tuple]:
     out = []
     for i, steps in enumerate(exp.phase_lengths()):
         data = exp.phase_data(i)
-        out.append((data, steps, data.micro_batch * exp.train.grad_accum * world * data.seq_len))
+        out.append((data, steps, exp.train.global_batch(world, data.micro_batch) * data.seq_len))
     return out
 
 

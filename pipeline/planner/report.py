@@ -229,10 +229,10 @@ def grid_report(plan: PlannerInput, cluster: Cluster) -> list[str]:
         if any(data.loader != "packed" for data, _, _ in phases):  # context extension: each phase's share
             lines.append("    " + ", ".join(f"{p.name} {s * n / 1e9:.2f}B at seq_len {data.seq_len}"
                                             for p, (data, s, n) in zip(exp.phases, phases)))
-        sources = exp.data.mixture_sources()
-        if sources:  # data.mixture mixes data.shards, which the phases without shards of their own read
+        mixture = exp.data.source_mixture
+        if mixture:  # data.mixture mixes data.shards, which the phases without shards of their own read
             seq_len = exp.data.seq_len
-            counts = MixturePlan.of_ratios({n: s.ratio for n, s in sources.items()}).counts(
+            counts = MixturePlan.of_ratios(mixture.ratios).counts(
                 sum(s * n // seq_len for data, s, n in phases if data.loader == "packed"))
             lines.append("    " + ", ".join(f"{n} {c * seq_len / 1e9:.2f}B" for n, c in counts.items()))
     lines.append(f"  {'total':<26}{'':>10}{total:>12,.0f}{total / cluster.gpus / 24:>8.1f}")

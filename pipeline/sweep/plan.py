@@ -11,12 +11,13 @@ from typing import Literal
 import yaml
 
 from pipeline.config import ConfigError, load_yaml, parse_overrides, to_dict
-from pipeline.data.manifest import MANIFEST
 from pipeline.experiment import REPO, repo_relative
 from pipeline.grid import SMOKE_SUFFIX, Grid, Variant, load_grid
+from pipeline.inputs import check_buildable, under
 from pipeline.sweep.local import run_local
 from pipeline.sweep.slurm import job_script, queued_jobs, submit_all
 from pipeline.sweep.status import RunState, run_dir, run_states, table
+from pipeline.tokenizer import check_tokenizer_path
 
 RESIZABLE = {"train.grad_accum"}  # may change for a started run: other resources, same global batch
 
@@ -83,15 +84,15 @@ def write_run(grid: Grid, variant: Variant, state: RunState) -> None:
 
 def check_inputs(variant: Variant) -> None:
     """Before a run is started: its shards (unless the trainer builds them) and tokenizer exist, so a placeholder
-    path fails here instead of in a queued job. Relative paths are relative to the repository root, where jobs run."""
+    path fails here instead of in a queued job; the checks preflight makes (``pipeline.inputs``). Relative paths are
+    relative to the repository root, where jobs run."""
     data = variant.experiment.data
-    if not (data.build_if_missing and data.build_inputs) and not os.path.isfile(os.path.join(REPO, data.shards,
-                                                                                             MANIFEST)):
-        raise ConfigError(f"{variant.name}: data.shards {data.shards} has no {MANIFEST}; build the shards first "
-                          "(docs/data_prep.md) or point the runs at them with --set data.shards=DIR")
-    if not os.path.exists(os.path.join(REPO, data.tokenizer)):
-        raise ConfigError(f"{variant.name}: data.tokenizer {data.tokenizer} does not exist; --set data.tokenizer=DIR "
-                          "(the tokenizer the shards were built with)")
+    try:
+        check_buildable(under(REPO, data.shards), "data.shards", "data.build_inputs", data.build_inputs,
+                        data.seq_len, data)
+        check_tokenizer_path(under(REPO, data.tokenizer))
+    except (ConfigError, FileNotFoundError) as e:
+        raise ConfigError(f"{variant.name}: {e}") from None
 
 
 def in_order(selected: list[Variant], everything: list[Variant], states: dict[str, RunState]) -> list[Variant]:

@@ -63,7 +63,7 @@ def phases_label(variant: Variant) -> str:
 
 def tokens_label(variant: Variant) -> str:
     t, r = variant.experiment.train, variant.resources
-    tokens = t.steps * t.micro_batch * t.grad_accum * r.world_size * variant.experiment.data.seq_len
+    tokens = t.steps * t.global_batch(r.world_size) * variant.experiment.data.seq_len
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if tokens >= scale:
             return f"{tokens / scale:.1f}{unit}"

@@ -13,7 +13,7 @@ def batch_warmup(t: TrainConfig, world: int) -> BatchWarmup | None:
     w = t.batch_warmup
     if not w.steps or w.start == 1:
         return None
-    split, full = t.micro_batch * world, t.micro_batch * t.grad_accum * world
+    split, full = t.micro_batch * world, t.global_batch(world)
     multiple = w.multiple or split
     if multiple % split or multiple > full:
         raise ConfigError(f"train.batch_warmup.multiple: {multiple} samples do not make whole micro-batches of "

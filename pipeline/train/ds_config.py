@@ -47,7 +47,7 @@ def resolve_ds_config(ds: dict, exp: ExperimentConfig, world_size: int, bf16: bo
     t, o = exp.train, exp.optim
     _fill(cfg, "train_micro_batch_size_per_gpu", t.micro_batch, "train.micro_batch", where)
     _fill(cfg, "gradient_accumulation_steps", t.grad_accum, "train.grad_accum", where)
-    _fill(cfg, "train_batch_size", t.micro_batch * t.grad_accum * world_size,
+    _fill(cfg, "train_batch_size", t.global_batch(world_size),
           f"train.micro_batch x train.grad_accum x world size ({world_size})", where)
     _fill(cfg, "gradient_clipping", o.grad_clip, "optim.grad_clip", where)
     _fill(cfg, "bf16.enabled", bf16, "model.dtype", where)

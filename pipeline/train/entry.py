@@ -8,6 +8,7 @@ torch and DeepSpeed, so a signal during the imports stops cleanly too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -61,24 +62,22 @@ def run(ds_config: str, experiment: str | None, overrides: list[str], stop: Stop
         stop.failing()
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return CONFIG_ERROR
-    prepared = agreed_preflight(exp, rank, world, device.type == "cuda", on_failure=stop.failing)
-    if prepared is None:
-        return CONFIG_ERROR
-    try:
-        for note in prepared.notes:
-            print(note, file=sys.stderr, flush=True)
-        Trainer.build(exp, ds, prepared, stop, device).fit()
-    except Diverged as e:
-        stop.failing()
-        errors.report(e, exp.run_dir, rank, started, prefix="diverged")
-        return DIVERGED
-    except BaseException as e:  # noqa: BLE001 - every failure becomes one message and a log file
-        stop.failing()
-        errors.report(e, exp.run_dir, rank, started)
-        return FAILED
-    finally:
-        if prepared.lock is not None:
-            prepared.lock.release()
+    with contextlib.ExitStack() as held:  # rank 0's lock of the run directory, released once, however the run ends
+        prepared = agreed_preflight(exp, rank, world, device.type == "cuda", held, on_failure=stop.failing)
+        if prepared is None:
+            return CONFIG_ERROR
+        try:
+            for note in prepared.notes:
+                print(note, file=sys.stderr, flush=True)
+            Trainer.build(exp, ds, prepared, stop, device).fit()
+        except Diverged as e:
+            stop.failing()
+            errors.report(e, exp.run_dir, rank, started, prefix="diverged")
+            return DIVERGED
+        except BaseException as e:  # noqa: BLE001 - every failure becomes one message and a log file
+            stop.failing()
+            errors.report(e, exp.run_dir, rank, started)
+            return FAILED
     dist.destroy_process_group()
     return 0
 

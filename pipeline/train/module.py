@@ -11,6 +11,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.compile.util import is_deepcompile_supported
 from deepspeed.utils import set_z3_leaf_modules
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.integrations import HfDeepSpeedConfig
 
 from pipeline.config import ConfigError
@@ -136,9 +137,10 @@ def leaf_layers(exp: ExperimentConfig) -> bool:
 
 
 def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=(), *,
-                      attn_implementation: str, fused: str):
+                      attn_implementation: str, fused: str, start_config: PretrainedConfig | None = None):
     """(HF model, engine module, the optimizer arguments of ``deepspeed.initialize``), with the implementation and
-    kernel preflight chose (:func:`attn_implementation`, :func:`fused_kind`). Objectives attach their trainable
+    kernel preflight chose (:func:`attn_implementation`, :func:`fused_kind`), and a checkpoint's ``start_config`` as
+    preflight read and checked it. Objectives attach their trainable
     heads to the model first, so the engine partitions and optimises them too. The optimizer arguments are the
     client optimizer, or, when the DeepSpeed config builds its own (CPU Adam for offload), the parameter groups it
     optimises: either way weight decay skips the norms."""
@@ -152,7 +154,7 @@ def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, ob
     with build_device(ds) or contextlib.nullcontext():
         lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
                          attn_implementation=attn_implementation, pad_token_id=info.pad_id,
-                         bos_token_id=info.bos_id, eos_token_id=info.eos_id)
+                         bos_token_id=info.bos_id, eos_token_id=info.eos_id, config=start_config)
     lora = exp.model.lora
     if lora.r:
         add_lora(lm, lora.r, lora.alpha, lora.dropout, tuple(lora.targets))
@@ -200,12 +202,13 @@ def parameter_line(model: nn.Module) -> str:
 
 
 def build_engine(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=(), *, attn_implementation: str,
-                 fused: str) -> tuple[nn.Module, deepspeed.DeepSpeedEngine]:
+                 fused: str, start_config: PretrainedConfig | None = None) -> tuple[nn.Module, deepspeed.DeepSpeedEngine]:
     """(HF model, the DeepSpeed engine that trains it with the experiment's LR schedule), compiled by DeepCompile
     when the DeepSpeed config asks for it (:func:`deepcompile`)."""
     check_compile(exp, ds)
     lm, model, optimizer = build_train_model(exp, ds, tokenizer, bf16, objectives,
-                                             attn_implementation=attn_implementation, fused=fused)
+                                             attn_implementation=attn_implementation, fused=fused,
+                                             start_config=start_config)
     engine, *_ = deepspeed.initialize(model=model, **optimizer, lr_scheduler=lr_scheduler(exp.train.steps, exp.optim),
                                       config=ds)
     if deepcompile(ds):

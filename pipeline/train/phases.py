@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pipeline.config import ConfigError
 from pipeline.experiment import ExperimentConfig, PhaseSpec
 from pipeline.model.moe import ROUTER_AUX
-from pipeline.objectives import OBJECTIVES, Objective, make_objective
-from pipeline.objectives.base import resolve_mask_id
+from pipeline.objectives import Objective, make_objective
+from pipeline.objectives.base import MaskTokenError
 
 
 @dataclass(frozen=True)
@@ -45,17 +45,12 @@ def build_objectives(phase: PhaseSpec, tokenizer, key: str = "phase") -> list[We
     out = []
     for j, spec in enumerate(phase.objectives):
         where = f"{key}.objectives[{j}]"
-        if OBJECTIVES[spec.name].masks:
-            try:
-                resolve_mask_id(tokenizer, spec.mask_token)
-            except ValueError:
-                what = (f"{spec.mask_token!r} is not a single token of" if spec.mask_token is not None
-                        else "null uses the mask token of, but there is none in")
-                raise ConfigError(f"{where}.mask_token: {what} tokenizer {tokenizer.path}; set it to a token of its "
-                                  f"vocabulary, e.g. {where}.mask_token={suggest_mask_token(tokenizer, spec.mask_token)!r}"
-                                  ) from None
-        out.append(WeightedObjective(spec.name, spec.weight, make_objective(spec, tokenizer, phase.document_masking),
-                                     spec.log_as))
+        try:  # a masking objective resolves its mask token (objectives.base.resolve_mask_id) as it is made
+            objective = make_objective(spec, tokenizer, phase.document_masking)
+        except MaskTokenError as e:
+            raise ConfigError(f"{where}.mask_token: {e.what}; set it to a token of its vocabulary, e.g. "
+                              f"{where}.mask_token={suggest_mask_token(tokenizer, spec.mask_token)!r}") from None
+        out.append(WeightedObjective(spec.name, spec.weight, objective, spec.log_as))
     check_loss_names(out, key)
     return out
 

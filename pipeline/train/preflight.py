@@ -1,39 +1,42 @@
 """Everything about an experiment that can be checked before DeepSpeed builds an engine, each thing once: the run
-directory (writable, not in use), the trackers' packages and login, the tokenizer, objectives against it, the start model and how it will run, the
+directory (writable, locked for the run), the trackers' packages and login, the tokenizer, objectives against it, the start model and how it will run, the
 shards (built when missing, then present, compatible, sizes, enough samples), and a resume's global batch.
 
 :func:`agreed_preflight` runs it on every rank in three agreed stages (checks, rank 0 builds missing shards, the
 shards' checks); the first failure of any rank is reported once, by rank 0. What it returns, :class:`Prepared`, is
-all the trainer needs to build the run: the trainer trusts it and checks nothing again.
+what it built (objectives, probes, the start model's config, the shards' indexes, the held-out split), frozen: the
+trainer builds the run from it and neither checks nor derives any of it again. Rank 0 takes the run directory's lock
+onto the caller's ``ExitStack`` (the entry's ``with``), which releases it once, however the run ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 
-import numpy as np
+from transformers import PretrainedConfig
 
 from pipeline.config import ConfigError, to_dict
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
-from pipeline.data.holdout import Holdout, held_out_count, split  # noqa: F401 - held_out_count: also preflight's
+from pipeline.data.holdout import Holdout, ValidationSamples, held_out_count, split  # noqa: F401 - held_out_count: also preflight's
 from pipeline.data.loader import check_compatible, check_enough_samples, check_shard_sizes, check_source
-from pipeline.data.manifest import MANIFEST, UNNAMED_SOURCE, DatasetIndex, load_index
+from pipeline.data.manifest import UNNAMED_SOURCE, DatasetIndex, load_index
 from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget
 from pipeline.data.order import BatchWarmup
-from pipeline.data.remote import ShardStore, is_url
-from pipeline.experiment import DataConfig, ExperimentConfig, PhaseData
+from pipeline.experiment import DataConfig, ExperimentConfig, PhaseData, ValidationConfig
 from pipeline.export.record import EncoderRecord, from_experiment
+from pipeline.inputs import check_buildable, has_shards, shard_store
 from pipeline.lock import DirLock, describe
 from pipeline.model.build import check_checkpoint_shape, check_sliding_window, start_checkpoint_config
 from pipeline.model.presets import PRESETS
-from pipeline.objectives.base import resolve_mask_id
+from pipeline.objectives.base import MaskTokenError
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 from pipeline.train import errors
@@ -41,34 +44,34 @@ from pipeline.train.batch_warmup import batch_warmup
 from pipeline.train.module import attn_implementation, fused_kind
 from pipeline.train.phases import WeightedObjective, build_objectives, data_sources
 from pipeline.train.trackers import check_trackers
+from pipeline.train.validation import probes
 
 
 @dataclass(frozen=True)
-class HeldOut:
-    """The fixed validation set: samples [first, first + count) of ``index``, or with ``ids`` those ``count``
-    samples (ascending): held out per source, they are no one range (``holdout.Holdout.scored``)."""
-    index: DatasetIndex
-    first: int
-    count: int
-    ids: np.ndarray | None = None
-
-
-@dataclass
 class Prepared:
+    """What preflight built and checked; :func:`check_setup` fills the first part, :func:`check_shards` the
+    shards' part (a new ``Prepared``)."""
+
     tokenizer: Tokenizer
     objectives: list[list[WeightedObjective]]  # per phase
     record: EncoderRecord  # what the run's HF export says of how to read the model
     attn_implementation: str  # the HF attention implementation to train with
     bf16: bool
     fused: str  # the AdamW kernel (module.fused_kind)
+    start_config: PretrainedConfig | None = None  # model.init's config, checked against the tokenizer (None: a preset)
+    probes: list[WeightedObjective] = field(default_factory=list)  # validation's probes (eval.every and eval.probes)
+    warmup: BatchWarmup | None = None  # train.batch_warmup on this world size (None: none)
+    notes: tuple[str, ...] = ()  # for rank 0 to print
     # per data source ("packed", "units", "pairs"), and per phase with shards of its own (PhaseData.loader)
     indexes: dict[str, DatasetIndex] = field(default_factory=dict)
-    held_out: HeldOut | None = None  # the validation samples (eval.every > 0)
-    train_samples: int | None = None  # how many packed samples training reads (None: all)
-    holdout: Holdout | None = None  # which ones: eval.holdout's split of data.shards
-    warmup: BatchWarmup | None = None  # train.batch_warmup on this world size (None: none)
-    lock: DirLock | None = None  # held by rank 0 for the run's life
-    notes: list[str] = field(default_factory=list)  # for rank 0 to print
+    validation: ValidationSamples | None = None  # the samples validation scores (eval.every > 0)
+    holdout: Holdout | None = None  # eval.holdout's split of data.shards: which packed samples training reads
+    mixture: MixturePlan | None = None  # data.mixture's plan over those samples (None: no mixture)
+
+    @property
+    def train_samples(self) -> int | None:
+        """How many packed samples training reads (None: not yet known, before :func:`check_shards`)."""
+        return None if self.holdout is None else self.holdout.train_count
 
 
 class PreflightFailed(Exception):
@@ -85,26 +88,27 @@ def check_run_dir(run_dir: str) -> None:
                           f"user can write (--set run_dir=...)") from None
 
 
-def lock_run_dir(run_dir: str) -> tuple[DirLock, list[str]]:
-    lock = DirLock(RunDir(run_dir).lock, f"run directory {run_dir}").acquire()
-    notes = []
-    if lock.stale:
-        notes.append(f"note: took over the lock of {run_dir} from a run that ended without releasing it: "
-                     f"{describe(lock.stale)}")
-    return lock, notes
+def lock_run_dir(run_dir: str, held: contextlib.ExitStack) -> list[str]:
+    """Lock ``run_dir`` until ``held`` closes (the entry's ``with``: one release, however the run ends); the note
+    of a lock taken over from a run that died holding it."""
+    lock = held.enter_context(DirLock(RunDir(run_dir).lock, f"run directory {run_dir}"))
+    return [f"note: took over the lock of {run_dir} from a run that ended without releasing it: "
+            f"{describe(lock.stale)}"] if lock.stale else []
 
 
-def _check_model(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
-    """The start model: a preset, or a checkpoint directory that fits the tokenizer, ``model.shape`` and the
-    sequence length."""
+def _start_config(exp: ExperimentConfig, tokenizer: Tokenizer) -> PretrainedConfig | None:
+    """The start model: a preset (None), or a checkpoint directory that fits the tokenizer, ``model.shape`` and the
+    sequence length (its config, read once: the model builder takes it)."""
     try:
         if exp.model.shape:
             check_checkpoint_shape(exp.model.init, exp.model.shape)
-        if exp.model.init not in PRESETS:
-            info = tokenizer.info
-            config = start_checkpoint_config(exp.model.init, info.vocab_size, bos_token_id=info.bos_id,
-                                             eos_token_id=info.eos_id)
-            check_sliding_window(config, exp.model.init, exp.phase_data(len(exp.phases) - 1).context)
+        if exp.model.init in PRESETS:
+            return None
+        info = tokenizer.info
+        config = start_checkpoint_config(exp.model.init, info.vocab_size, bos_token_id=info.bos_id,
+                                         eos_token_id=info.eos_id)
+        check_sliding_window(config, exp.model.init, exp.phases_data[-1].context)
+        return config
     except ValueError as e:
         raise ConfigError(f"model.init: {e}") from None
 
@@ -118,9 +122,9 @@ def check_resume_batch(exp: ExperimentConfig, world: int) -> None:
     path = run.checkpoint(step)
     saved_train = run.checkpoint_experiment(step).train
     saved_world = run.checkpoint_world_size(step)
-    saved = saved_train.micro_batch * saved_train.grad_accum * saved_world
+    saved = saved_train.global_batch(saved_world)
     t = exp.train
-    now = t.micro_batch * t.grad_accum * world
+    now = t.global_batch(world)
     if saved != now:
         keep = saved // (t.micro_batch * world) if saved % (t.micro_batch * world) == 0 else None
         fix = f"set train.grad_accum={keep} to keep it, or " if keep else ""
@@ -131,100 +135,55 @@ def check_resume_batch(exp: ExperimentConfig, world: int) -> None:
                           f"to resume with the new batch")
 
 
-def shard_store(d: DataConfig) -> ShardStore:
-    """How shard directories at a URL are fetched and cached."""
-    return ShardStore(d.cache_dir, int(d.cache_max_gb * 2**30), d.fetch_attempts, d.fetch_timeout_s)
-
-
-def _has_shards(directory: str, d: DataConfig) -> bool:
-    if not is_url(directory):
-        return os.path.exists(os.path.join(directory, MANIFEST))
-    try:
-        shard_store(d).size(f"{directory.rstrip('/')}/{MANIFEST}")
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool) -> Prepared:
-    """Everything but the shards' contents (they may not be built yet); rank 0 takes the run directory's lock."""
+def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, held: contextlib.ExitStack) -> Prepared:
+    """Everything but the shards' contents (they may not be built yet); rank 0 takes the run directory's lock
+    until ``held`` closes."""
     check_run_dir(exp.run_dir)
-    lock, notes = lock_run_dir(exp.run_dir) if rank == 0 else (None, [])
-    try:
-        if rank == 0:  # rank 0 alone logs
-            check_trackers(exp.train)
-        tokenizer = load_tokenizer(exp.data.tokenizer)
-        objectives = [build_objectives(p, tokenizer, f"phases[{i}]") for i, p in enumerate(exp.phases)]
-        _check_model(exp, tokenizer)
-        d = exp.data
-        has_shards = _check_buildable(d.shards, "data.shards", "data.build_inputs", d.build_inputs, d.seq_len, d)
-        for i, data in _own_phase_data(exp):
-            _check_buildable(data.shards, f"phases[{i}].shards", f"data.build_inputs (for phases[{i}])",
-                             list(data.build_inputs), data.seq_len, d)
-        if not has_shards and set(d.mixture) - {UNNAMED_SOURCE} and not (d.build_source_field or
-                                                                        d.build_source_default):
-            raise ConfigError(f"data.mixture: mixes sources, but the shards data.build_if_missing would build into "
-                              f"{d.shards} record none (one source {UNNAMED_SOURCE!r}); set data.build_source_field "
-                              f"to the record field naming each document's source (SlimPajama: "
-                              f"meta.redpajama_set_name), or build the shards with data_prep/build_shards.py "
-                              f"--source-field")
-        if data_sources(objectives)["units"] and not d.unit_shards:
-            raise ConfigError("data.unit_shards: an objective reads sentence units (e.g. simcse, sscl) but "
-                              "data.unit_shards is empty; build them with data_prep/build_shards.py --units and "
-                              "set data.unit_shards")
-        if data_sources(objectives)["pairs"] and not d.pair_shards:
-            raise ConfigError("data.pair_shards: the supervised objective reads (query, positive, negatives) rows but "
-                              "data.pair_shards is empty; build them with data_prep/build_shards.py --pairs and set "
-                              "data.pair_shards")
-        if exp.eval.every and exp.eval.probes:
-            _check_probe_mask(exp.eval.mask_token, tokenizer)
-        check_resume_batch(exp, world)
-        prepared = Prepared(tokenizer, objectives, from_experiment(exp, tokenizer),
-                            attn_implementation(exp.model, cuda),
-                            exp.model.dtype == "bf16" or (exp.model.dtype == "auto" and cuda),
-                            fused_kind(exp.optim, cuda), lock=lock, notes=notes,
-                            warmup=batch_warmup(exp.train, world))
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-    return prepared
+    notes = lock_run_dir(exp.run_dir, held) if rank == 0 else []
+    if rank == 0:  # rank 0 alone logs
+        check_trackers(exp.train)
+    tokenizer = load_tokenizer(exp.data.tokenizer)
+    objectives = [build_objectives(p, tokenizer, f"phases[{i}]") for i, p in enumerate(exp.phases)]
+    start_config = _start_config(exp, tokenizer)
+    d = exp.data
+    has_shards = check_buildable(d.shards, "data.shards", "data.build_inputs", d.build_inputs, d.seq_len, d)
+    for i, data in _own_phase_data(exp):
+        check_buildable(data.shards, f"phases[{i}].shards", f"data.build_inputs (for phases[{i}])",
+                        list(data.build_inputs), data.seq_len, d)
+    if not has_shards and set(d.source_mixture.names) - {UNNAMED_SOURCE} and not (d.build_source_field or
+                                                                    d.build_source_default):
+        raise ConfigError(f"data.mixture: mixes sources, but the shards data.build_if_missing would build into "
+                          f"{d.shards} record none (one source {UNNAMED_SOURCE!r}); set data.build_source_field "
+                          f"to the record field naming each document's source (SlimPajama: "
+                          f"meta.redpajama_set_name), or build the shards with data_prep/build_shards.py "
+                          f"--source-field")
+    if data_sources(objectives)["units"] and not d.unit_shards:
+        raise ConfigError("data.unit_shards: an objective reads sentence units (e.g. simcse, sscl) but "
+                          "data.unit_shards is empty; build them with data_prep/build_shards.py --units and "
+                          "set data.unit_shards")
+    if data_sources(objectives)["pairs"] and not d.pair_shards:
+        raise ConfigError("data.pair_shards: the supervised objective reads (query, positive, negatives) rows but "
+                          "data.pair_shards is empty; build them with data_prep/build_shards.py --pairs and set "
+                          "data.pair_shards")
+    validation_probes = _probes(exp.eval, tokenizer) if exp.eval.every and exp.eval.probes else []
+    check_resume_batch(exp, world)
+    return Prepared(tokenizer, objectives, from_experiment(exp, tokenizer), attn_implementation(exp.model, cuda),
+                    exp.model.dtype == "bf16" or (exp.model.dtype == "auto" and cuda), fused_kind(exp.optim, cuda),
+                    start_config, validation_probes, batch_warmup(exp.train, world), tuple(notes))
 
 
 def _own_phase_data(exp: ExperimentConfig) -> list[tuple[int, PhaseData]]:
     """(phase index, its data) of the first phase reading each shard directory other than data.shards."""
-    data = [(i, exp.phase_data(i)) for i in range(len(exp.phases))]
-    return [(i, pd) for i, pd in data if pd.loader == f"phases[{i}]"]
+    return [(i, pd) for i, pd in enumerate(exp.phases_data) if pd.loader == f"phases[{i}]"]
 
 
-def _check_buildable(directory: str, setting: str, inputs_setting: str, inputs: list[str], seq_len: int,
-                     d: DataConfig) -> bool:
-    """``directory`` holds shards (True), or data.build_if_missing can build it (locally, from ``inputs``)."""
-    if _has_shards(directory, d):
-        return True
-    if is_url(directory):
-        raise ConfigError(f"{setting}: {directory} has no {MANIFEST}, and shards are never built at a URL "
-                          f"(data.build_if_missing builds local directories only); build them with "
-                          f"data_prep/build_shards.py and upload the directory there")
-    if not d.build_if_missing:
-        raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with "
-                          f"data_prep/build_shards.py or set data.build_if_missing=true with data.build_inputs")
-    if not inputs:
-        raise ConfigError(f"{setting}: {directory} holds no shards (no {MANIFEST}) and {inputs_setting} names "
-                          f"nothing to build them from; check the path, build them with data_prep/build_shards.py "
-                          f"--output {directory} --seq-len {seq_len} --tokenizer {d.tokenizer} --input FILES, or "
-                          f"set data.build_inputs=[FILES] to have rank 0 build them")
-    return False
-
-
-def _check_probe_mask(mask_token: str | None, tokenizer: Tokenizer) -> None:
+def _probes(v: ValidationConfig, tokenizer: Tokenizer) -> list[WeightedObjective]:
+    """Validation's probes, built (their mask token resolved) once, here."""
     try:
-        resolve_mask_id(tokenizer, mask_token)
-    except ValueError:
-        what = (f"{mask_token!r} is not a single token of" if mask_token is not None
-                else "null uses the mask token of, but there is none in")
-        raise ConfigError(f"eval.mask_token: the MLM and MNTP probes mask tokens: {what} tokenizer {tokenizer.path}; "
-                          f"set eval.mask_token to a token of its vocabulary, or eval.probes=false") from None
+        return probes(v, tokenizer)
+    except MaskTokenError as e:
+        raise ConfigError(f"eval.mask_token: the MLM and MNTP probes mask tokens: {e.what}; set eval.mask_token to a "
+                          f"token of its vocabulary, or eval.probes=false") from None
 
 
 def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
@@ -235,7 +194,7 @@ def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
         d.build_source_default else ""
     for directory, seq_len, inputs in [(d.shards, d.seq_len, tuple(d.build_inputs)),
                                        *((pd.shards, pd.seq_len, pd.build_inputs) for _, pd in _own_phase_data(exp))]:
-        if _has_shards(directory, d):
+        if has_shards(directory, d):
             continue
         print(f"building shards of {list(inputs)} into {directory} (seq_len {seq_len}{sources})", flush=True)
         run_job(BuildConfig(inputs=inputs, tokenizer=tokenizer.path, output=directory, seq_len=seq_len,
@@ -245,7 +204,7 @@ def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
 
 def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
                  source: str, readers: list[str], global_batch: int, holdout: float = 0.0) -> DatasetIndex:
-    if not _has_shards(directory, d):
+    if not has_shards(directory, d):
         raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with data_prep/build_shards.py"
                           + {"units": " --units", "pairs": " --pairs"}.get(source, ""))
     index = load_index(directory, shard_store(d))
@@ -261,50 +220,49 @@ def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokeniz
 
 
 def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int | dict[str, int],
-                  world: int) -> list[str]:
+                  world: int) -> tuple[MixturePlan, list[str]]:
     """``data.mixture`` against the sources of ``index`` and the run's budget (the steps of the phases reading
     data.shards x global batch):
-    every source named exists and can supply its share within its maximum repetition. Returns the plan's lines
-    for rank 0 to print."""
+    every source named exists and can supply its share within its maximum repetition. Returns the plan (the packed
+    loader's) and its lines for rank 0 to print."""
     d, t = exp.data, exp.train
-    sources = d.mixture_sources()
-    steps = sum(n for i, n in enumerate(exp.phase_lengths()) if exp.phase_data(i).loader == "packed")
-    budget = Budget(steps, t.micro_batch * t.grad_accum * world, d.seq_len)
+    mixture = d.source_mixture
+    steps = sum(n for n, pd in zip(exp.phase_lengths(), exp.phases_data) if pd.loader == "packed")
+    budget = Budget(steps, t.global_batch(world), d.seq_len)
     try:
-        plan = MixturePlan.build(index, {name: s.ratio for name, s in sources.items()}, t.seed, train_samples)
-        lines = check_budget(plan, budget, {name: s.max_repetition for name, s in sources.items()})
+        plan = MixturePlan.build(index, mixture.ratios, t.seed, train_samples)
+        lines = check_budget(plan, budget, mixture.max_repetition)
     except MixtureError as e:
         raise ConfigError(str(e)) from None
-    left_out = [name for name in index.sources if name not in sources]
-    return ([f"mixture of {len(sources)} sources over {budget.describe()}:", *(f"  {line}" for line in lines)]
+    left_out = [name for name in index.sources if name not in mixture.names]
+    return plan, ([f"mixture of {len(mixture.names)} sources over {budget.describe()}:", *(f"  {line}" for line in lines)]
             + ([f"note: data.mixture leaves out {', '.join(left_out)} of {index.directory}: not trained on"]
                if left_out else []))
 
 
-def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: int = 0) -> dict[str, DatasetIndex]:
-    """The index of each data source the run reads, checked against the tokenizer, the objectives, the batch and
-    the mixture; the held-out samples into ``prepared`` (and the mixture's plan into its notes, on rank 0)."""
+def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: int = 0) -> Prepared:
+    """``prepared`` with the index of each data source the run reads, checked against the tokenizer, the
+    objectives, the batch and the mixture, the held-out split and validation samples (and the mixture's plan in its
+    notes, on rank 0)."""
     readers = data_sources(prepared.objectives)
     t, d, tok = exp.train, exp.data, prepared.tokenizer
     indexes = {"packed": _check_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"],
-                                      t.micro_batch * t.grad_accum * world, exp.eval.holdout)}
+                                      t.global_batch(world), exp.eval.holdout)}
     for i, pd in _own_phase_data(exp):
         phase_readers = sorted({o.name for o in prepared.objectives[i] if o.objective.source == "packed"})
         indexes[pd.loader] = _check_index(pd.shards, f"phases[{i}].shards", d, tok, pd.seq_len, "packed",
-                                          phase_readers, pd.micro_batch * t.grad_accum * world)
-    prepared.held_out, prepared.holdout = check_held_out(exp, tok, indexes["packed"])
-    prepared.train_samples = prepared.holdout.train_count
-    if d.mixture:
-        lines = check_mixture(exp, indexes["packed"], prepared.holdout.limit, world)
-        prepared.notes += lines if rank == 0 else []
+                                          phase_readers, t.global_batch(world, pd.micro_batch))
+    validation, holdout = check_held_out(exp, tok, indexes["packed"])
+    plan, notes = check_mixture(exp, indexes["packed"], holdout.limit, world) if d.source_mixture else (None, [])
     if readers["units"]:
         indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
-                                        (d.unit_micro_batch or t.micro_batch) * t.grad_accum * world)
+                                        t.global_batch(world, d.unit_micro_batch))
     if readers["pairs"]:
         indexes["pairs"] = _check_index(d.pair_shards, "data.pair_shards", d, tok, None, "pairs", readers["pairs"],
-                                        t.micro_batch * t.grad_accum * world)
+                                        t.global_batch(world))
         check_instruction_format(exp, indexes["pairs"])
-    return indexes
+    return replace(prepared, indexes=indexes, validation=validation, holdout=holdout, mixture=plan,
+                   notes=prepared.notes + (tuple(notes) if rank == 0 else ()))
 
 
 def check_instruction_format(exp: ExperimentConfig, index: DatasetIndex) -> None:
@@ -320,7 +278,7 @@ def check_instruction_format(exp: ExperimentConfig, index: DatasetIndex) -> None
 
 
 def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer,
-                   packed: DatasetIndex) -> tuple[HeldOut | None, Holdout]:
+                   packed: DatasetIndex) -> tuple[ValidationSamples | None, Holdout]:
     """(the validation samples, which packed samples training reads): the first ``eval.samples`` of
     ``eval.shards``, or of the last ``eval.holdout`` of each source of ``data.shards`` (``pipeline.data.holdout``).
     Training stops short of a holdout even while ``eval.every`` is 0, so turning validation on at a resume does not
@@ -343,25 +301,22 @@ def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer,
                           f"{available}; set eval.samples={available} (or 0: all of them), or hold out more")
     count = v.samples or available
     if v.shards:
-        return HeldOut(index, 0, count), holdout
+        return ValidationSamples(index, 0, count), holdout
     ids = holdout.scored(count)
     if ids[-1] - ids[0] + 1 == count:  # one range: one source (its last samples), or all held out ones adjacent
-        return HeldOut(index, int(ids[0]), count), holdout
-    return HeldOut(index, int(ids[0]), count, ids), holdout
+        return ValidationSamples(index, int(ids[0]), count), holdout
+    return ValidationSamples(index, int(ids[0]), count, ids), holdout
 
 
-def preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool = False) -> Prepared:
-    """The whole preflight in one process (rank 0 also builds missing shards); raises the first failure."""
-    prepared = check_setup(exp, rank, world, cuda)
-    try:
+@contextlib.contextmanager
+def preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool = False) -> Iterator[Prepared]:
+    """``with preflight(...) as prepared:`` the whole preflight in one process (rank 0 also builds missing shards),
+    the run directory locked (on rank 0) until the block ends; raises the first failure."""
+    with contextlib.ExitStack() as held:
+        prepared = check_setup(exp, rank, world, cuda, held)
         if rank == 0:
             build_missing_shards(exp, prepared.tokenizer)
-        prepared.indexes = check_shards(exp, prepared, world, rank)
-    except BaseException:
-        if prepared.lock is not None:
-            prepared.lock.release()
-        raise
-    return prepared
+        yield check_shards(exp, prepared, world, rank)
 
 
 def code_digest() -> str:
@@ -428,19 +383,16 @@ def _agreed(rank: int, world: int, stage: Callable[[], object], on_failure: Call
     raise PreflightFailed(first[1])
 
 
-def agreed_preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool,
+def agreed_preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool, held: contextlib.ExitStack,
                      on_failure: Callable[[], None] = lambda: None) -> Prepared | None:
-    """:func:`preflight` on every rank in agreed stages; None when any rank failed (rank 0 said why).
-    ``on_failure`` runs on every rank before the report (the trainer's stop request then holds signals)."""
-    prepared = None
+    """The stages of :func:`preflight` on every rank, agreed; None when any rank failed (rank 0 said why). Rank 0
+    holds the run directory's lock until ``held`` closes. ``on_failure`` runs on every rank before the report (the
+    trainer's stop request then holds signals)."""
     try:
         _agreed(rank, world, lambda: check_same_run(exp, world), on_failure)
-        prepared = _agreed(rank, world, lambda: check_setup(exp, rank, world, cuda), on_failure)
+        prepared = _agreed(rank, world, lambda: check_setup(exp, rank, world, cuda, held), on_failure)
         _agreed(rank, world, lambda: build_missing_shards(exp, prepared.tokenizer) if rank == 0 else None,
                 on_failure)
-        prepared.indexes = _agreed(rank, world, lambda: check_shards(exp, prepared, world, rank), on_failure)
+        return _agreed(rank, world, lambda: check_shards(exp, prepared, world, rank), on_failure)
     except PreflightFailed:
-        if prepared is not None and prepared.lock is not None:
-            prepared.lock.release()
         return None
-    return prepared

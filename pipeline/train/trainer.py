@@ -34,7 +34,7 @@ from pipeline.train.phases import WeightedObjective, at_step
 from pipeline.train.preflight import Prepared
 from pipeline.train.signals import StopRequest
 from pipeline.train.step import StepResult, target_counts, train_step
-from pipeline.train.validation import Validator, probes
+from pipeline.train.validation import Validator
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Trainer:
     rope_phase: int = field(init=False, default=-1)  # the phase whose RoPE settings the model holds (-1: the start's)
 
     def __post_init__(self) -> None:
-        self.phase_data = tuple(self.exp.phase_data(i) for i in range(len(self.exp.phases)))
+        self.phase_data = self.exp.phases_data
 
     @classmethod
     def build(cls, exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopRequest,
@@ -89,7 +89,8 @@ class Trainer:
         tokenizer, objectives, index = prepared.tokenizer, prepared.objectives, prepared.indexes["packed"]
         ds = resolve_ds_config(ds_raw, exp, world, prepared.bf16)
         lm, engine = build_engine(exp, ds, tokenizer, prepared.bf16, [o.objective for p in objectives for o in p],
-                                  attn_implementation=prepared.attn_implementation, fused=prepared.fused)
+                                  attn_implementation=prepared.attn_implementation, fused=prepared.fused,
+                                  start_config=prepared.start_config)
         if rank == 0:
             print(f"model {exp.model.init}: {parameter_line(engine.module)}", flush=True)
             note = sharding_note(ds, world, device.type == "cuda")
@@ -102,7 +103,7 @@ class Trainer:
             run.write_run_files(files)
         loaders = _open_loaders(exp, prepared, rank, world, device.type == "cuda")
         v = exp.eval
-        validator = Validator(v, prepared.held_out, probes(v, tokenizer) if v.probes else [],
+        validator = Validator(v, prepared.validation, prepared.probes,
                               v.micro_batch or exp.train.micro_batch, exp.data.verify_shards) if v.every else None
         checkpoints = Checkpointer(engine, run, exp.checkpoint, files)
         client = checkpoints.resume()
@@ -257,12 +258,13 @@ def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: i
     which count its steps as the optimizer does."""
     t, d = exp.train, exp.data
     micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch, "pairs": t.micro_batch}
-    micro |= {pd.loader: pd.micro_batch for pd in map(exp.phase_data, range(len(exp.phases)))}
-    holdout = {"packed": prepared.holdout}
-    mixture = {"packed": {name: s.ratio for name, s in d.mixture_sources().items()}}
+    micro |= {pd.loader: pd.micro_batch for pd in exp.phases_data}
+    holdout, plan = {"packed": prepared.holdout}, {"packed": prepared.mixture}
+    mixture = {"packed": d.source_mixture.ratios}
     first = exp.phase_data(0).loader
     warmed = {first if o.objective.source == "packed" else o.objective.source for o in prepared.objectives[0]}
     return {src: ShardLoader(index, micro[src], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
-                             verify=d.verify_shards, mixture=mixture.get(src), holdout=holdout.get(src),
+                             verify=d.verify_shards, mixture=mixture.get(src), plan=plan.get(src),
+                             holdout=holdout.get(src),
                              warmup=prepared.warmup if src in warmed else None)
             for src, index in prepared.indexes.items()}

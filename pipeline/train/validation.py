@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipeline.data.holdout import ValidationSamples
 from pipeline.data.loader import iter_eval
 from pipeline.experiment import ValidationConfig
 from pipeline.objectives import CLMConfig, MLMConfig, MNTPConfig, make_objective
 from pipeline.tokenizer import Tokenizer
 from pipeline.train.phases import WeightedObjective
-from pipeline.train.preflight import HeldOut
 
 
 def probes(config: ValidationConfig, tokenizer: Tokenizer) -> list[WeightedObjective]:
@@ -42,7 +42,7 @@ def forward_of(o: WeightedObjective) -> str:
 @dataclass
 class Validator:
     config: ValidationConfig
-    held_out: HeldOut
+    samples: ValidationSamples
     probes: list[WeightedObjective]
     micro_batch: int  # rows per rank per forward
     verify: bool  # data.verify_shards: checked on the first evaluation, which reads every held-out sample
@@ -62,7 +62,7 @@ class Validator:
         scored += [("probe", "probe_acc", p) for p in self.probes]
         forwards = {forward_of(o): o.objective for _, _, o in scored}
         sums: dict[tuple[str, str, str], torch.Tensor] = {}
-        h = self.held_out
+        h = self.samples
         sources = h.index.sources
         by_source: dict[tuple[str, str, str], torch.Tensor] = {}  # with sources: [S, 2] loss sum, targets
         engine.eval()
