@@ -127,7 +127,7 @@ def main() -> None:
             times[name].append(seconds)
             peaks[name].append(mib)
     print(f"vocab {args.vocab}, hidden {args.hidden}, layers {args.layers}, CLM {args.batch}x{args.seq_len} "
-          f"({int(targets.source.sum())} targets), chunk {args.chunk}, {args.dtype}, {torch.get_num_threads()} threads, "
+          f"({int(targets.predict_at.sum())} targets), chunk {args.chunk}, {args.dtype}, {torch.get_num_threads()} threads, "
           f"{args.reps} reps (forward + backward)")
     for name in heads:
         print(f"{name:>8}: median {statistics.median(times[name]) * 1e3:8.0f} ms "

@@ -304,7 +304,7 @@ def test_losses_per_source_add_no_host_read_and_average_to_the_loss():
     assert set(by_source.source_losses) == {"clm", "mlm", "magnet/mntp", "magnet/msg"} and not plain.source_losses
     batch.source_ids = torch.tensor([0, 1, 1, 0])
     for o in objectives[:2]:
-        rows = o.objective.targets(batch).source.sum(-1).double()
+        rows = o.objective.targets(batch).predict_at.sum(-1).double()
         targets = {"a": float(rows[[0, 3]].sum()), "b": float(rows[[1, 2]].sum())}
         mean = sum(by_source.source_losses[o.name][s] * n for s, n in targets.items()) / sum(targets.values())
         assert mean == pytest.approx(by_source.losses[o.name], rel=1e-6)
