@@ -328,7 +328,7 @@ def test_configs_are_picked_by_name_and_build_their_objective(tokenizer):
 
 
 def test_each_objective_declares_what_it_is(tokenizer):
-    facts = {name: (cls.masks, cls.predicts_next, cls.causal, bool(cls.needs_tokenizer), cls.source)
+    facts = {name: (cls.masks, cls.predicts_next, cls.causal, bool(cls.needs_tokenizer), cls.shard_kind)
              for name, cls in OBJECTIVES.items()}
     assert facts == {"clm": (False, True, True, False, "packed"), "mlm": (True, False, False, True, "packed"),
                      "mntp": (True, True, False, True, "packed"), "magnet": (True, True, False, True, "packed"),

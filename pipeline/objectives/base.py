@@ -260,7 +260,7 @@ class Objective(ABC):
     """One training objective: an attention mode plus a way to pick inputs and targets from a batch.
 
     The class declares what callers ask (``masks``, ``predicts_next``, ``causal``, ``needs_tokenizer``,
-    ``source``, ``predicts_tokens``); ``attention_mode`` and ``loss_weights`` follow from the config. The
+    ``shard_kind``, ``predicts_tokens``); ``attention_mode`` and ``loss_weights`` follow from the config. The
     trainer's contract, which objectives other than token prediction (contrastive ones) implement directly:
     ``attach`` adds trainable heads before the engine is built, ``num_targets(batch)`` counts targets without the
     model (as tensors on the batch's device), ``body_work(batch)`` counts what the forward's body runs (the MFU),
@@ -274,7 +274,7 @@ class Objective(ABC):
     predicts_next: ClassVar[bool] = False  # token i is predicted from the hidden state at position i - 1
     needs_tokenizer: ClassVar[str] = ""  # what it needs the data's Tokenizer for ("": it does not)
     # the packed training shards, sentence-unit shards, or (query, positive, negatives) pairs shards
-    source: ClassVar[Literal["packed", "units", "pairs"]] = "packed"
+    shard_kind: ClassVar[Literal["packed", "units", "pairs"]] = "packed"
     predicts_tokens: ClassVar[bool] = True  # its targets go through the LM head (contrastive ones count queries)
 
     def __init__(self, config: BaseConfig, document_masking: bool = True):

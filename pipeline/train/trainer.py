@@ -61,7 +61,7 @@ class Trainer:
     tokenizer: object
     objectives: list[list[WeightedObjective]]  # per phase
     record: EncoderRecord  # what the HF export says of how to read the model
-    loaders: dict[str, ShardLoader]  # per data source
+    loaders: dict[str, ShardLoader]  # by name: the packed shards, the units, the pairs, a phase's own shards
     checkpoints: Checkpointer
     metrics: MetricsLogger
     throughput: Throughput
@@ -140,7 +140,7 @@ class Trainer:
             tokens = world * local_tokens
             self.tokens_seen += tokens
             host = (mask_ratios | {"batch/tokens": tokens}  # the step's numbers the host already has
-                    | {f"batch/samples/{src}": world * sum(len(b.keys) for b in bs) for src, bs in batches.items()}
+                    | {f"batch/samples/{kind}": world * sum(len(b.keys) for b in bs) for kind, bs in batches.items()}
                     | ({"progress/seq_len": batches["packed"][0].input_ids.shape[1]} if "packed" in batches else {}))
             if unread is not None:  # the previous step, read while this one runs; its time: from start to start
                 self._log(unread, self._scalars(unread, t0 - unread.started))
@@ -195,14 +195,14 @@ class Trainer:
                   f"{self.lm.config.max_position_embeddings}", flush=True)
 
     def _next_batches(self, step_objs: list[WeightedObjective], packed: str) -> tuple[dict[str, list], int, list]:
-        """The step's micro-batches of each source on the device (the packed ones from the loader ``packed``, the
-        phase's), this rank's non-padding tokens in them and the objectives' targets (``target_counts``), counted
-        on the host copies (counting on the device would wait for it). The copies are asynchronous: the loaders pin
-        the host memory on CUDA."""
-        host = {src: self.loaders[packed if src == "packed" else src].next_global_step()
-                for src in sorted({o.objective.source for o in step_objs})}
+        """The step's micro-batches of each shard kind its objectives read, on the device (the packed ones from the
+        loader ``packed``, the phase's), this rank's non-padding tokens in them and the objectives' targets
+        (``target_counts``), counted on the host copies (counting on the device would wait for it). The copies are
+        asynchronous: the loaders pin the host memory on CUDA."""
+        host = {kind: self.loaders[packed if kind == "packed" else kind].next_global_step()
+                for kind in sorted({o.objective.shard_kind for o in step_objs})}
         tokens = sum(int((b.doc_ids >= 0).sum()) for bs in host.values() for b in bs)
-        return ({src: [b.to(self.device, non_blocking=True) for b in bs] for src, bs in host.items()}, tokens,
+        return ({kind: [b.to(self.device, non_blocking=True) for b in bs] for kind, bs in host.items()}, tokens,
                 target_counts(step_objs, host))
 
     def _save(self) -> None:
@@ -251,8 +251,9 @@ class Trainer:
 
 def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: int,
                   pin: bool) -> dict[str, ShardLoader]:
-    """A loader per data source: the packed shards (short of the held-out samples, in ``data.mixture`` when set),
-    the sentence units when an objective reads them, and each phase's own shards (all of them, one permutation).
+    """A loader per shard kind: the packed shards (short of the held-out samples, in ``data.mixture`` when set),
+    the sentence units or pairs when an objective reads them, and each phase's own shards (all of them, one
+    permutation).
     The batch warmup lies in the first phase (the config says so), so it warms up the loaders that phase reads,
     which count its steps as the optimizer does."""
     t, d = exp.train, exp.data
@@ -261,8 +262,8 @@ def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: i
     holdout = {"packed": prepared.holdout}
     mixture = {"packed": {name: s.ratio for name, s in d.mixture_sources().items()}}
     first = exp.phase_data(0).loader
-    warmed = {first if o.objective.source == "packed" else o.objective.source for o in prepared.objectives[0]}
-    return {src: ShardLoader(index, micro[src], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
-                             verify=d.verify_shards, mixture=mixture.get(src), holdout=holdout.get(src),
-                             warmup=prepared.warmup if src in warmed else None)
-            for src, index in prepared.indexes.items()}
+    warmed = {first if o.objective.shard_kind == "packed" else o.objective.shard_kind for o in prepared.objectives[0]}
+    return {name: ShardLoader(index, micro[name], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
+                              verify=d.verify_shards, mixture=mixture.get(name), holdout=holdout.get(name),
+                              warmup=prepared.warmup if name in warmed else None)
+            for name, index in prepared.indexes.items()}
