@@ -233,8 +233,8 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     if cached:  # the config allows a grad-cache objective only alone in its phase
         o = cached[0]
         name = o.loss_name(o.objective.name)
-        grad_norm = _cached_micro_steps(engine, o, batches[o.objective.shard_kind], weights[name] * scale[names.index(name)],
-                                        sums[names.index(name)])
+        grad_norm = _cached_micro_steps(engine, o, batches[o.objective.shard_kind],
+                                        weights[name] * scale[names.index(name)], sums[names.index(name)])
     else:
         micro_steps = len(batches[step_objs[0].objective.shard_kind])
         grad_norm = _micro_steps(engine, step_objs, batches, counts, names, weights, scale, sums, by_source, micro_steps)
