@@ -48,6 +48,7 @@ def main() -> None:
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
     from pipeline.train.module import build_engine
     from pipeline.train.phases import build_objectives
+    from pipeline.train.state import TrainState
     from pipeline.train.step import train_step
 
     single_process_env()
@@ -88,7 +89,7 @@ def main() -> None:
                 n += args.every
                 engine.checkpoint_engine = engines[kind]
                 t0 = time.perf_counter()
-                checkpointer.save(n, {"step": n})
+                checkpointer.save(TrainState({}, step=n))
                 lost[kind].append(time.perf_counter() - t0 + step())
         for checkpointer in checkpointers.values():
             checkpointer.wait()

@@ -127,8 +127,8 @@ def main() -> None:
             times[name].append(seconds)
             peaks[name].append(mib)
     print(f"vocab {args.vocab}, hidden {args.hidden}, layers {args.layers}, CLM {args.batch}x{args.seq_len} "
-          f"({int(targets.source.sum())} targets), chunk {args.chunk}, {args.dtype}, {torch.get_num_threads()} threads, "
-          f"{args.reps} reps (forward + backward)")
+          f"({int(targets.predict_at.sum())} targets), chunk {args.chunk}, {args.dtype}, "
+          f"{torch.get_num_threads()} threads, {args.reps} reps (forward + backward)")
     for name in heads:
         print(f"{name:>8}: median {statistics.median(times[name]) * 1e3:8.0f} ms "
               f"[{', '.join(f'{t * 1e3:.0f}' for t in times[name])}], peak {max(peaks[name]):8.0f} MiB "

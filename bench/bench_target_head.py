@@ -59,7 +59,7 @@ def full_head_step(model, objective: MLM, batch: Batch) -> torch.Tensor:
     attention = attention_inputs(objective.attention_mode, batch.doc_ids,
                                  attn_implementation=model.config._attn_implementation, dtype=model.dtype)
     logits = model(input_ids=targets.input_ids, **attention).logits.float()
-    return F.cross_entropy(logits[targets.source], targets.labels[targets.source], reduction="sum")
+    return F.cross_entropy(logits[targets.predict_at], targets.labels[targets.predict_at], reduction="sum")
 
 
 def target_head_step(model, objective: MLM, batch: Batch) -> torch.Tensor:

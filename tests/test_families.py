@@ -152,7 +152,7 @@ for family, path in json.loads(sys.argv[3]).items():
     with deepspeed.zero.GatheredParameters(watched):
         before = [p.detach().clone() for p in watched]
     for o in objectives:
-        out = engine(o.objective, units if o.objective.source == "units" else packed)
+        out = engine(o.objective, units if o.objective.shard_kind == "units" else packed)
         loss = sum(v[0] / max(int(v[1]), 1) for v in out.values())
         engine.backward(loss)
         losses.update({k: float(v[0]) / max(int(v[1]), 1) for k, v in out.items()})

@@ -92,7 +92,7 @@ def test_objective_with_the_chunked_head_equals_the_plain_head():
         outputs[name].loss_sum.backward()
         grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
     assert int(outputs["plain"].num_targets) == int(next_token_targets(
-        input_ids, input_ids, doc_ids, doc_ids >= 0).source.sum())
+        input_ids, input_ids, doc_ids, doc_ids >= 0).predict_at.sum())
     assert int(outputs["chunked"].num_correct) == int(outputs["plain"].num_correct)
     torch.testing.assert_close(outputs["chunked"].loss_sum, outputs["plain"].loss_sum, rtol=1e-5, atol=0)
     for n, g in grads["plain"].items():

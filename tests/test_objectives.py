@@ -170,7 +170,7 @@ def test_target_only_head_equals_full_head(model, tokenizer, name):
     with torch.no_grad():
         logits = model(input_ids=targets.input_ids, **attention(model, objective.attention_mode, batch)).logits
     full = F.cross_entropy(logits.transpose(1, 2), targets.labels, reduction="none")
-    torch.testing.assert_close(out.loss_sum.detach(), full[targets.source].sum())
+    torch.testing.assert_close(out.loss_sum.detach(), full[targets.predict_at].sum())
     assert objective.num_targets(batch) == {name: int(out.num_targets)}
 
 
@@ -184,20 +184,20 @@ def test_targets_on_a_hand_written_batch(tokenizer):
     everything = {"ratio": 1.0, "policy": "mask"}
     mlm_t, mntp_t = mlm(tokenizer, **everything).targets(batch), mntp(tokenizer, **everything).targets(batch)
     clm_t = CLM(CLMConfig()).targets(batch)
-    assert mlm_t.source.tolist() == [[True] * 6] and mlm_t.labels.tolist() == ids.tolist()
+    assert mlm_t.predict_at.tolist() == [[True] * 6] and mlm_t.labels.tolist() == ids.tolist()
     assert (mlm_t.input_ids == tokenizer.mask_id).all() and (mntp_t.input_ids == tokenizer.mask_id).all()
     assert torch.equal(clm_t.input_ids, ids)
     for t in (mntp_t, clm_t):
-        assert t.source.tolist() == [[True, True, False, True, True, False]]
-        assert t.labels[t.source].tolist() == [6, 7, 9, 10]
+        assert t.predict_at.tolist() == [[True, True, False, True, True, False]]
+        assert t.labels[t.predict_at].tolist() == [6, 7, 9, 10]
 
 
 def test_ratio_follows_the_plan(tokenizer):
     batch = make_batch(tokenizer, 4)
     maskable = (batch.mask_rank != int(UNMASKABLE)).sum(-1)
     for ratio in (0.2, 0.5):
-        source = mlm(tokenizer, ratio=ratio).targets(batch).source
-        assert source.sum(-1).tolist() == torch.floor(ratio * maskable.double() + 0.5).long().tolist()
+        predict_at = mlm(tokenizer, ratio=ratio).targets(batch).predict_at
+        assert predict_at.sum(-1).tolist() == torch.floor(ratio * maskable.double() + 0.5).long().tolist()
 
 
 PHASE = 11  # steps of the phase below: step i lies at fraction i / 10 of it
@@ -328,7 +328,7 @@ def test_configs_are_picked_by_name_and_build_their_objective(tokenizer):
 
 
 def test_each_objective_declares_what_it_is(tokenizer):
-    facts = {name: (cls.masks, cls.predicts_next, cls.causal, bool(cls.needs_tokenizer), cls.source)
+    facts = {name: (cls.masks, cls.predicts_next, cls.causal, bool(cls.needs_tokenizer), cls.shard_kind)
              for name, cls in OBJECTIVES.items()}
     assert facts == {"clm": (False, True, True, False, "packed"), "mlm": (True, False, False, True, "packed"),
                      "mntp": (True, True, False, True, "packed"), "magnet": (True, True, False, True, "packed"),

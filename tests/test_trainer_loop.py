@@ -32,6 +32,7 @@ from pipeline.train.metrics import MetricsLogger, Throughput
 from pipeline.train.module import TrainModule
 from pipeline.train.phases import WeightedObjective, build_objectives
 from pipeline.train.signals import STOP_SIGNALS, StopRequest
+from pipeline.train.state import TrainState
 from pipeline.train.step import target_counts, train_step
 from pipeline.train.trainer import Trainer
 
@@ -121,7 +122,7 @@ def trainer(tmp_path, stop, steps=8, every=2, max_bad_steps=2, phases=None, stop
     run = RunDir(exp.run_dir)
     objectives = [objectives_of(p) for p in exp.phases]
     return Trainer(exp, fake, lm, None, objectives, EncoderRecord(),
-                   {"packed": ShardLoader(load_index(shards), 2, 1, 0, 1, 0)},
+                   TrainState({"packed": ShardLoader(load_index(shards), 2, 1, 0, 1, 0)}),
                    Checkpointer(fake, run, exp.checkpoint, {}), MetricsLogger(run, True, 100),
                    Throughput(0.0, 1), DivergenceGuard(max_bad_steps), stop, torch.device("cpu"))
 
@@ -129,7 +130,7 @@ def trainer(tmp_path, stop, steps=8, every=2, max_bad_steps=2, phases=None, stop
 def test_a_stop_signal_checkpoints_the_step_it_stops_at(tmp_path, stop, capsys):
     t = trainer(tmp_path, stop, on_step=lambda step: step == 3 and os.kill(os.getpid(), signal.SIGUSR1))
     summary = t.fit()
-    assert summary["steps"] == 3 and t.step == 3
+    assert summary["steps"] == 3 and t.state.step == 3
     assert RunDir(t.exp.run_dir).complete_steps() == [2, 3]  # step 3 is off the every-2 grid: saved for the stop
     assert "stopped at step 3 (checkpointed) on SIGUSR1; start the same command again to resume" in capsys.readouterr().out
     assert logged_step_numbers(t.exp.run_dir) == [1, 2, 3]  # the stop step's record is written before it stops
@@ -193,9 +194,8 @@ def test_a_masking_ratio_schedule_is_logged_and_a_resume_inside_it_continues_it_
     first = trainer(tmp_path / "resumed", stop, phases=phases, stop_at_step=5)
     assert first.fit()["steps"] == 5
     resumed = trainer(tmp_path / "resumed", stop, phases=phases)  # a new process: fresh model and objectives
-    client = resumed.checkpoints.resume()  # what Trainer.build does with it
-    resumed.loaders["packed"].load_state_dict(client["loaders"]["packed"])
-    resumed.step, resumed.tokens_seen = client["step"], client["tokens_seen"]
+    assert resumed.checkpoints.resume(resumed.state)  # what Trainer.build does
+    assert (resumed.state.step, resumed.state.tokens_seen) == (5, first.state.tokens_seen)
     resumed.fit()
     again = logged_steps(resumed.exp.run_dir)
     assert sorted(again) == [6, 7, 8]
@@ -304,7 +304,7 @@ def test_losses_per_source_add_no_host_read_and_average_to_the_loss():
     assert set(by_source.source_losses) == {"clm", "mlm", "magnet/mntp", "magnet/msg"} and not plain.source_losses
     batch.source_ids = torch.tensor([0, 1, 1, 0])
     for o in objectives[:2]:
-        rows = o.objective.targets(batch).source.sum(-1).double()
+        rows = o.objective.targets(batch).predict_at.sum(-1).double()
         targets = {"a": float(rows[[0, 3]].sum()), "b": float(rows[[1, 2]].sum())}
         mean = sum(by_source.source_losses[o.name][s] * n for s, n in targets.items()) / sum(targets.values())
         assert mean == pytest.approx(by_source.losses[o.name], rel=1e-6)

@@ -16,7 +16,7 @@ from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig, BuildError
 from pipeline.data.build_sample import PlanSettings, make_sample
 from pipeline.data.format import Sample
-from pipeline.data.loader import ShardLoader, check_source
+from pipeline.data.loader import ShardLoader, check_shard_kind
 from pipeline.data.manifest import load_index
 from pipeline.data.tar_shard import ShardReader, ShardWriter
 from pipeline.data.units import split_units, unit_sample
@@ -185,11 +185,11 @@ def test_bad_unit_options_are_named(tmp_path, capsys):
 def test_trainer_refuses_the_wrong_kind_of_shards(sentence_shards, tmp_path):
     units = load_index(sentence_shards[0])
     packed = load_index(make_shard_dir(str(tmp_path)))
-    check_source(units, "units", "data.unit_shards", ["simcse"])
-    check_source(packed, "packed", "data.shards", ["mntp"])
+    check_shard_kind(units, "units", "data.unit_shards", ["simcse"])
+    check_shard_kind(packed, "packed", "data.shards", ["mntp"])
     with pytest.raises(ValueError, match=r"data.unit_shards .* holds packed samples .* but simcse reads sentence "
                                          r"units, one a sample; build unit shards with .*--units sentence"):
-        check_source(packed, "units", "data.unit_shards", ["simcse"])
+        check_shard_kind(packed, "units", "data.unit_shards", ["simcse"])
     with pytest.raises(ValueError, match=r"data.shards .* holds sentence units \(built with --units\), but clm, "
                                          r"mntp reads packed samples"):
-        check_source(units, "packed", "data.shards", ["clm", "mntp"])
+        check_shard_kind(units, "packed", "data.shards", ["clm", "mntp"])

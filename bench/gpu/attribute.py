@@ -124,7 +124,7 @@ class Engine:
     source: str = field(init=False)
 
     def __post_init__(self):
-        self.source = self.objectives[0].objective.source
+        self.shard_kind = self.objectives[0].objective.shard_kind
 
     def step(self):
         """One optimizer step: (``train_step``'s result, the step's non-padding tokens as the trainer counts them)."""
@@ -132,7 +132,7 @@ class Engine:
 
         host = self.loader.next_global_step()
         batches = [b.to(self.device, non_blocking=True) for b in host]
-        result = train_step(self.engine, self.objectives, {self.source: batches}, 1, self.grad_accum)
+        result = train_step(self.engine, self.objectives, {self.shard_kind: batches}, 1, self.grad_accum)
         return result, sum(int((b.doc_ids >= 0).sum()) for b in host)
 
 

@@ -439,7 +439,7 @@ def measure(row: Row, engine, wobj, loader, device, settings: Settings, config, 
     for i in range(settings.warmup + settings.steps):
         start = time.perf_counter()
         batches = [b.to(device, non_blocking=True) for b in loader.next_global_step()]
-        result = train_step(engine, [wobj], {wobj.objective.source: batches}, dist.get_world_size(), 1)
+        result = train_step(engine, [wobj], {wobj.objective.shard_kind: batches}, dist.get_world_size(), 1)
         if cuda:
             torch.cuda.synchronize()
         if i >= settings.warmup:

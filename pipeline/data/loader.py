@@ -42,21 +42,21 @@ def check_compatible(index: DatasetIndex, tokenizer_fingerprint: str, seq_len: i
         raise ValueError(f"{index.directory}: shards have seq_len {index.seq_len}, the experiment uses {seq_len}; {fix}")
 
 
-def check_source(index: DatasetIndex, source: str, setting: str, readers: list[str]) -> None:
-    """Refuse packed shards where the objectives ``readers`` read sentence units (source "units"), and unit shards
-    where they read packed samples (source "packed"): ``setting`` names the config key that chose the directory."""
-    if source == "pairs" and index.pairs is None:
+def check_shard_kind(index: DatasetIndex, kind: str, setting: str, readers: list[str]) -> None:
+    """Refuse shards of another kind than the objectives ``readers`` read (``Objective.shard_kind``: "packed",
+    "units", "pairs"): ``setting`` names the config key that chose the directory."""
+    if kind == "pairs" and index.pairs is None:
         raise ValueError(f"{setting} {index.directory} holds {'units' if index.units else 'packed samples'}, but "
                          f"{', '.join(readers)} reads (query, positive, negatives) rows; build pairs shards with "
                          f"data_prep/build_shards.py --pairs and set {setting} to them")
-    if source != "pairs" and index.pairs is not None:
+    if kind != "pairs" and index.pairs is not None:
         raise ValueError(f"{setting} {index.directory} holds (query, positive, negatives) rows (built with --pairs), "
-                         f"but {', '.join(readers)} reads {source}; point {setting} at shards built without --pairs")
-    if source == "units" and index.units is None:
+                         f"but {', '.join(readers)} reads {kind}; point {setting} at shards built without --pairs")
+    if kind == "units" and index.units is None:
         raise ValueError(f"{setting} {index.directory} holds packed samples (several documents a sample), but "
                          f"{', '.join(readers)} reads sentence units, one a sample; build unit shards with "
                          f"data_prep/build_shards.py --units sentence and set {setting} to them")
-    if source == "packed" and index.units is not None:
+    if kind == "packed" and index.units is not None:
         raise ValueError(f"{setting} {index.directory} holds {index.units} units (built with --units), but "
                          f"{', '.join(readers)} reads packed samples; point {setting} at shards built without --units")
 

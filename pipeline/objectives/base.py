@@ -159,8 +159,8 @@ class ObjectiveOutput:
 @dataclass
 class Targets:
     input_ids: torch.Tensor  # [B, L] what the model reads (masked for MLM/MNTP)
-    source: torch.Tensor  # bool [B, L] positions whose hidden state makes a prediction
-    labels: torch.Tensor  # [B, L] the token predicted at each source position (meaningless elsewhere)
+    predict_at: torch.Tensor  # bool [B, L] positions whose hidden state makes a prediction
+    labels: torch.Tensor  # [B, L] the token predicted at each such position (meaningless elsewhere)
 
 
 @dataclass(frozen=True)
@@ -237,34 +237,34 @@ def next_token_targets(input_ids: torch.Tensor, labels_from: torch.Tensor, doc_i
     Token i is a target only when ``is_target[i]`` and position i-1 lies in the same document: the first token of
     a document (its BOS, or a continued piece's first token) has no predecessor to predict it from.
     """
-    source = torch.zeros_like(is_target)
-    source[:, :-1] = is_target[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, 1:] >= 0)
+    predict_at = torch.zeros_like(is_target)
+    predict_at[:, :-1] = is_target[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, 1:] >= 0)
     labels = torch.zeros_like(labels_from)
     labels[:, :-1] = labels_from[:, 1:]
-    return Targets(input_ids=input_ids, source=source, labels=labels)
+    return Targets(input_ids=input_ids, predict_at=predict_at, labels=labels)
 
 
 def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets, rows: bool = False,
                 count: int | None = None) -> ObjectiveOutput:
-    """LM head and cross-entropy on the source positions only (fp32 logits); a ``ChunkedLMHead`` (the trainer's,
+    """LM head and cross-entropy on the predicting positions only (fp32 logits); a ``ChunkedLMHead`` (the trainer's,
     ``model.lm_head_chunk``) computes them a chunk of targets at a time. ``rows``: also each batch row's loss sum
     and target count (on the device: no host sync). ``count``: the number of targets when the host knows it (the
     trainer counts them on the host copy of the batch), so gathering them does not wait for the device; without
     it ``nonzero`` reads the count back (a host sync)."""
     if count is None:
-        where = targets.source.nonzero(as_tuple=True)
+        where = targets.predict_at.nonzero(as_tuple=True)
     else:  # a wrong count would silently drop or repeat targets: checked on the device, without waiting for it
-        torch._assert_async(targets.source.sum() == count, "the host's target count differs from the device's")
-        where = targets.source.nonzero_static(size=count).unbind(1)
+        torch._assert_async(targets.predict_at.sum() == count, "the host's target count differs from the device's")
+        where = targets.predict_at.nonzero_static(size=count).unbind(1)
     labels = targets.labels[where]
     if isinstance(lm_head, ChunkedLMHead):
         loss_sum, correct, *per_target = lm_head(hidden[where], labels, per_target=rows)
     else:
         loss_sum, correct, *per_target = cross_entropy(lm_head(hidden[where]).float(), labels, per_target=rows)
-    out = ObjectiveOutput(loss_sum=loss_sum, num_targets=targets.source.sum(), num_correct=correct)
+    out = ObjectiveOutput(loss_sum=loss_sum, num_targets=targets.predict_at.sum(), num_correct=correct)
     if rows:
-        out.row_loss = per_target[0].new_zeros(len(targets.source)).index_add_(0, where[0], per_target[0])
-        out.row_targets = targets.source.sum(-1)
+        out.row_loss = per_target[0].new_zeros(len(targets.predict_at)).index_add_(0, where[0], per_target[0])
+        out.row_targets = targets.predict_at.sum(-1)
     return out
 
 
@@ -272,7 +272,7 @@ class Objective(ABC):
     """One training objective: an attention mode plus a way to pick inputs and targets from a batch.
 
     The class declares what callers ask (``masks``, ``predicts_next``, ``causal``, ``needs_tokenizer``,
-    ``source``, ``predicts_tokens``); ``attention_mode`` and ``loss_weights`` follow from the config. The
+    ``shard_kind``, ``predicts_tokens``); ``attention_mode`` and ``loss_weights`` follow from the config. The
     trainer's contract, which objectives other than token prediction (contrastive ones) implement directly:
     ``attach`` adds trainable heads before the engine is built, ``num_targets(batch)`` counts targets without the
     model (as tensors on the batch's device), ``body_work(batch)`` counts what the forward's body runs (the MFU),
@@ -286,7 +286,7 @@ class Objective(ABC):
     predicts_next: ClassVar[bool] = False  # token i is predicted from the hidden state at position i - 1
     needs_tokenizer: ClassVar[str] = ""  # what it needs the data's Tokenizer for ("": it does not)
     # the packed training shards, sentence-unit shards, or (query, positive, negatives) pairs shards
-    source: ClassVar[Literal["packed", "units", "pairs"]] = "packed"
+    shard_kind: ClassVar[Literal["packed", "units", "pairs"]] = "packed"
     predicts_tokens: ClassVar[bool] = True  # its targets go through the LM head (contrastive ones count queries)
 
     def __init__(self, config: BaseConfig, document_masking: bool = True):
@@ -337,7 +337,7 @@ class Objective(ABC):
         """Targets of each loss in ``batch`` (int64 scalars on its device) without running the model, so the
         trainer can normalise a step before backward; it counts them on the batch's host copy, where reading them
         waits for no device."""
-        return {self.name: self.targets(batch).source.sum()}
+        return {self.name: self.targets(batch).predict_at.sum()}
 
     def body_work(self, batch: Batch) -> torch.Tensor:
         """(tokens, attended pairs) of the decoder body's passes over ``batch`` (``pipeline.model.flops``), on the

@@ -105,7 +105,7 @@ class Magnet(MaskedObjective):
         if "mntp" in self.loss_weights:
             input_ids, masked = self.masking.apply(replace(batch, mask_rank=context_ranks(batch.mask_rank, in_span)))
             mntp = next_token_targets(input_ids, batch.input_ids, batch.doc_ids, masked)
-            mntp.source &= ~in_span  # a span token's state never predicts context: context is the encoder's job
+            mntp.predict_at &= ~in_span  # a span token's state never predicts context: context is the encoder's job
             targets["mntp"] = mntp
         else:
             input_ids = batch.input_ids
@@ -114,7 +114,7 @@ class Magnet(MaskedObjective):
         return MagnetView(input_ids, span_ids, targets)
 
     def num_targets(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return {name: t.source.sum() for name, t in self.view(batch).targets.items()}
+        return {name: t.predict_at.sum() for name, t in self.view(batch).targets.items()}
 
     def __call__(self, model: PreTrainedModel, batch: Batch,
                  counts: dict[str, int] | None = None) -> dict[str, ObjectiveOutput]:

@@ -19,4 +19,4 @@ class MLM(MaskedObjective):
 
     def targets(self, batch: Batch) -> Targets:
         masked_ids, is_target = self.masking.apply(batch)
-        return Targets(input_ids=masked_ids, source=is_target, labels=batch.input_ids)
+        return Targets(input_ids=masked_ids, predict_at=is_target, labels=batch.input_ids)

@@ -61,7 +61,7 @@ class SimCSEConfig(BaseConfig):
 
 class SimCSE(Objective):
     name = "simcse"
-    source = "units"
+    shard_kind = "units"
     predicts_tokens = False
     needs_tokenizer = "to know which tokens are special (pooling leaves them out)"
 

@@ -79,7 +79,7 @@ class SentenceViews:
 
 class SSCL(Objective):
     name = "sscl"
-    source = "units"
+    shard_kind = "units"
     predicts_tokens = False
     needs_tokenizer = "to encode its instruction"
 

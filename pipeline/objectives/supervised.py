@@ -77,7 +77,7 @@ def check_pairs(batch: Batch, objective: str) -> None:
 
 class Supervised(Objective):
     name = "supervised"
-    source = "pairs"
+    shard_kind = "pairs"
     predicts_tokens = False
 
     def __init__(self, config: SupervisedConfig, document_masking: bool = True):

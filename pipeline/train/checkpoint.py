@@ -1,4 +1,5 @@
-"""The one checkpoint path: DeepSpeed engine state + our client state + a completion marker.
+"""The one checkpoint path: DeepSpeed engine state + our client state (:class:`~pipeline.train.state.TrainState`)
++ a completion marker.
 
 Layout (:class:`pipeline.run_dir.RunDir`): ``RUN/checkpoints/step{N:08d}/`` holds DeepSpeed's files, ``rng-rank{r}.pt`` per rank, and ``COMPLETE``
 (written by rank 0 once every rank has finished writing: after a barrier, or with ``checkpoint.async_save`` when
@@ -35,6 +36,7 @@ from pipeline.train.async_checkpoint import (
     wait_for_ranks,
     written_marker,
 )
+from pipeline.train.state import TrainState
 
 UNIVERSAL = "universal"  # sub-directory of a step with its universal-format copy
 
@@ -216,22 +218,22 @@ class Checkpointer:
             self.completer = BackgroundWriter() if not dist.is_initialized() or dist.get_rank() == 0 else None
             engine.checkpoint_engine = AsyncCheckpointEngine(engine.checkpoint_engine, self.writer)
 
-    def resume(self) -> dict | None:
-        """Collective. The client state of the newest complete checkpoint, loaded into the engine; None for a fresh
-        start (or ``checkpoint.resume: false``)."""
+    def resume(self, state: TrainState) -> bool:
+        """Collective. Load the newest complete checkpoint into the engine and ``state``; False for a fresh start
+        (or ``checkpoint.resume: false``)."""
         step = self.run.latest_complete() if self.cfg.resume else None
         if step is None:
-            return None
-        client = load(self.engine, self.run, step)
-        self.last_saved = client["step"]
-        return client
+            return False
+        state.load_state_dict(load(self.engine, self.run, step))
+        self.last_saved = state.step
+        return True
 
-    def save(self, step: int, client_state: dict) -> None:
-        """Collective."""
+    def save(self, state: TrainState) -> None:
+        """Collective: the engine and ``state`` at its step."""
         self._written()  # one state in host memory at a time, and the previous save's errors surface here
-        save(self.engine, self.run, step, client_state, self.run_files, self.cfg.keep_last, self.cfg.keep_every,
-             self.writer, self.completer)
-        self.last_saved = step
+        save(self.engine, self.run, state.step, state.state_dict(), self.run_files, self.cfg.keep_last,
+             self.cfg.keep_every, self.writer, self.completer)
+        self.last_saved = state.step
 
     def wait(self) -> None:
         """Collective: return once the last save is complete (a no-op without ``checkpoint.async_save``). Each rank

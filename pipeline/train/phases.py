@@ -82,7 +82,7 @@ def at_step(objectives: list[WeightedObjective], exp: ExperimentConfig, step: in
     return ratios
 
 
-def data_sources(objectives: list[list[WeightedObjective]]) -> dict[str, list[str]]:
-    """Source ("packed", "units", "pairs") -> the objectives of any phase that read it."""
-    return {src: sorted({o.name for phase in objectives for o in phase if o.objective.source == src})
-            for src in ("packed", "units", "pairs")}
+def shard_kind_readers(objectives: list[list[WeightedObjective]]) -> dict[str, list[str]]:
+    """Shard kind ("packed", "units", "pairs") -> the objectives of any phase that read it."""
+    return {kind: sorted({o.name for phase in objectives for o in phase if o.objective.shard_kind == kind})
+            for kind in ("packed", "units", "pairs")}

@@ -26,7 +26,7 @@ from pipeline.config import ConfigError, to_dict
 from pipeline.data.build import run_job
 from pipeline.data.build_config import BuildConfig
 from pipeline.data.holdout import Holdout, ValidationSamples, held_out_count, split  # noqa: F401 - held_out_count: also preflight's
-from pipeline.data.loader import check_compatible, check_enough_samples, check_shard_sizes, check_source
+from pipeline.data.loader import check_compatible, check_enough_samples, check_shard_kind, check_shard_sizes
 from pipeline.data.manifest import UNNAMED_SOURCE, DatasetIndex, load_index
 from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget
 from pipeline.data.order import BatchWarmup
@@ -42,7 +42,7 @@ from pipeline.tokenizer import Tokenizer, load_tokenizer
 from pipeline.train import errors
 from pipeline.train.batch_warmup import batch_warmup
 from pipeline.train.module import attn_implementation, fused_kind
-from pipeline.train.phases import WeightedObjective, build_objectives, data_sources
+from pipeline.train.phases import WeightedObjective, build_objectives, shard_kind_readers
 from pipeline.train.trackers import check_trackers
 from pipeline.train.validation import probes
 
@@ -62,7 +62,7 @@ class Prepared:
     probes: list[WeightedObjective] = field(default_factory=list)  # validation's probes (eval.every and eval.probes)
     warmup: BatchWarmup | None = None  # train.batch_warmup on this world size (None: none)
     notes: tuple[str, ...] = ()  # for rank 0 to print
-    # per data source ("packed", "units", "pairs"), and per phase with shards of its own (PhaseData.loader)
+    # per shard kind ("packed", "units", "pairs"), and per phase with shards of its own (PhaseData.loader)
     indexes: dict[str, DatasetIndex] = field(default_factory=dict)
     validation: ValidationSamples | None = None  # the samples validation scores (eval.every > 0)
     holdout: Holdout | None = None  # eval.holdout's split of data.shards: which packed samples training reads
@@ -157,11 +157,11 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, held: 
                           f"to the record field naming each document's source (SlimPajama: "
                           f"meta.redpajama_set_name), or build the shards with data_prep/build_shards.py "
                           f"--source-field")
-    if data_sources(objectives)["units"] and not d.unit_shards:
+    if shard_kind_readers(objectives)["units"] and not d.unit_shards:
         raise ConfigError("data.unit_shards: an objective reads sentence units (e.g. simcse, sscl) but "
                           "data.unit_shards is empty; build them with data_prep/build_shards.py --units and "
                           "set data.unit_shards")
-    if data_sources(objectives)["pairs"] and not d.pair_shards:
+    if shard_kind_readers(objectives)["pairs"] and not d.pair_shards:
         raise ConfigError("data.pair_shards: the supervised objective reads (query, positive, negatives) rows but "
                           "data.pair_shards is empty; build them with data_prep/build_shards.py --pairs and set "
                           "data.pair_shards")
@@ -203,14 +203,14 @@ def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
 
 
 def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
-                 source: str, readers: list[str], global_batch: int, holdout: float = 0.0) -> DatasetIndex:
+                 kind: str, readers: list[str], global_batch: int, holdout: float = 0.0) -> DatasetIndex:
     if not has_shards(directory, d):
         raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with data_prep/build_shards.py"
-                          + {"units": " --units", "pairs": " --pairs"}.get(source, ""))
+                          + {"units": " --units", "pairs": " --pairs"}.get(kind, ""))
     index = load_index(directory, shard_store(d))
     check_compatible(index, tokenizer.info.fingerprint, index.seq_len if seq_len is None else seq_len)
     if readers:
-        check_source(index, source, setting, readers)
+        check_shard_kind(index, kind, setting, readers)
     check_shard_sizes(index)
     try:
         check_enough_samples(index, global_batch, num_samples=split(index, holdout).train_count)
@@ -241,15 +241,15 @@ def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int
 
 
 def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: int = 0) -> Prepared:
-    """``prepared`` with the index of each data source the run reads, checked against the tokenizer, the
+    """``prepared`` with the index of each shard kind the run reads, checked against the tokenizer, the
     objectives, the batch and the mixture, the held-out split and validation samples (and the mixture's plan in its
     notes, on rank 0)."""
-    readers = data_sources(prepared.objectives)
+    readers = shard_kind_readers(prepared.objectives)
     t, d, tok = exp.train, exp.data, prepared.tokenizer
     indexes = {"packed": _check_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"],
                                       t.global_batch(world), exp.eval.holdout)}
     for i, pd in _own_phase_data(exp):
-        phase_readers = sorted({o.name for o in prepared.objectives[i] if o.objective.source == "packed"})
+        phase_readers = sorted({o.name for o in prepared.objectives[i] if o.objective.shard_kind == "packed"})
         indexes[pd.loader] = _check_index(pd.shards, f"phases[{i}].shards", d, tok, pd.seq_len, "packed",
                                           phase_readers, t.global_batch(world, pd.micro_batch))
     validation, holdout = check_held_out(exp, tok, indexes["packed"])

@@ -70,7 +70,7 @@ def target_counts(step_objs: list[WeightedObjective], batches: dict[str, list]) 
     """Each objective's targets of each loss in each of its micro-batches (``num_targets``), as host ints. The
     trainer counts them on the batches' host copies, where this waits for no device; on device batches it reads
     each count back."""
-    return [[{own: int(n) for own, n in o.objective.num_targets(b).items()} for b in batches[o.objective.source]]
+    return [[{own: int(n) for own, n in o.objective.num_targets(b).items()} for b in batches[o.objective.shard_kind]]
             for o in step_objs]
 
 
@@ -140,7 +140,7 @@ def _micro_steps(engine, step_objs: list[WeightedObjective], batches: dict[str, 
         _mark_boundary(engine, micro, micro_steps)
         loss = 0.0
         for o, per_micro in zip(step_objs, counts):
-            batch = batches[o.objective.source][micro]
+            batch = batches[o.objective.shard_kind][micro]
             known = (per_micro[micro],) if o.objective.predicts_tokens else ()
             for own, out in engine(o.objective, batch, *known).items():
                 loss_sum, correct = out[0], out[2]
@@ -148,7 +148,7 @@ def _micro_steps(engine, step_objs: list[WeightedObjective], batches: dict[str, 
                 i = names.index(name)
                 loss = loss + weights[name] * loss_sum * scale[i]
                 sums[i] += torch.stack([loss_sum.detach().float(), correct.float()])
-                if by_source is not None and o.objective.source == "packed" and len(out) == 5:
+                if by_source is not None and o.objective.shard_kind == "packed" and len(out) == 5:
                     by_source.add(name, batch, out[3], out[4])
         engine.backward(loss)
         if micro == micro_steps - 1:
@@ -183,8 +183,8 @@ def _cached_micro_steps(engine, o: WeightedObjective, micro: list, factor: torch
 
 def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, list], world: int,
                grad_accum: int, sources: tuple[str, ...] = (), counts: list[list[dict]] | None = None) -> StepResult:
-    """One optimizer step over the micro-batches in ``batches`` (``grad_accum`` of each source, or fewer while a
-    batch warmup grows the global batch).
+    """One optimizer step over the micro-batches in ``batches`` (by shard kind: ``grad_accum`` of each, or fewer
+    while a batch warmup grows the global batch).
 
     Every loss is normalised by its target count over the whole global batch (all ranks, all micro-steps), so
     the step equals one big-batch step whatever the split; DeepSpeed divides the gradients by the world size and
@@ -206,7 +206,7 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     body = torch.zeros(2, dtype=torch.float64, device=device)
     router_aux_coef = getattr(engine.module, "router_aux_coef", None)  # an MoE model: one router loss per call
     for o, per_micro in zip(step_objs, counts):
-        for b in batches[o.objective.source]:
+        for b in batches[o.objective.shard_kind]:
             body += o.objective.body_work(b)
         for micro in per_micro:
             for own, n in micro.items():
@@ -233,10 +233,10 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     if cached:  # the config allows a grad-cache objective only alone in its phase
         o = cached[0]
         name = o.loss_name(o.objective.name)
-        grad_norm = _cached_micro_steps(engine, o, batches[o.objective.source], weights[name] * scale[names.index(name)],
-                                        sums[names.index(name)])
+        grad_norm = _cached_micro_steps(engine, o, batches[o.objective.shard_kind],
+                                        weights[name] * scale[names.index(name)], sums[names.index(name)])
     else:
-        micro_steps = len(batches[step_objs[0].objective.source])
+        micro_steps = len(batches[step_objs[0].objective.shard_kind])
         grad_norm = _micro_steps(engine, step_objs, batches, counts, names, weights, scale, sums, by_source, micro_steps)
     if grad_norm is None:  # None only where the DeepSpeed config turns it off (zero_optimization.compute_grad_norm)
         grad_norm = engine.get_global_grad_norm()

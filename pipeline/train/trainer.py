@@ -2,7 +2,8 @@
 
 :meth:`Trainer.build` sets a run up (shards, DeepSpeed engine with the LR schedule, run files, loaders, resume);
 :meth:`Trainer.fit` is the loop. Each collaborator has one job: :func:`~pipeline.train.step.train_step` the
-optimizer step, :class:`~pipeline.train.checkpoint.Checkpointer` resume and save,
+optimizer step, :class:`~pipeline.train.checkpoint.Checkpointer` resume and save of the engine and the
+:class:`~pipeline.train.state.TrainState` (steps, tokens, loader positions),
 :class:`~pipeline.train.metrics.MetricsLogger` metrics.jsonl, the trackers and the console line,
 :class:`~pipeline.train.guard.DivergenceGuard` bad steps, :class:`~pipeline.train.signals.StopRequest` the stop
 signal, :class:`~pipeline.train.validation.Validator` the held-out evaluation when due,
@@ -33,6 +34,7 @@ from pipeline.train.module import build_engine, parameter_line
 from pipeline.train.phases import WeightedObjective, at_step
 from pipeline.train.preflight import Prepared
 from pipeline.train.signals import StopRequest
+from pipeline.train.state import TrainState
 from pipeline.train.step import StepResult, target_counts, train_step
 from pipeline.train.validation import Validator
 
@@ -61,18 +63,14 @@ class Trainer:
     tokenizer: object
     objectives: list[list[WeightedObjective]]  # per phase
     record: EncoderRecord  # what the HF export says of how to read the model
-    loaders: dict[str, ShardLoader]  # per data source
+    state: TrainState  # what a checkpoint carries besides the engine: steps, tokens, the loaders
     checkpoints: Checkpointer
     metrics: MetricsLogger
     throughput: Throughput
     guard: DivergenceGuard
     stop: StopRequest
     device: torch.device
-    step: int = 0  # optimizer steps done
-    tokens_seen: int = 0
     validator: Validator | None = None  # None without eval.every
-    sources: tuple[str, ...] = ()  # the packed shards' sources when there are several: losses are logged per source
-    source_tokens: dict[str, int] | None = None  # tokens seen of each source (with sources)
     phase_data: tuple[PhaseData, ...] = field(init=False)  # per phase: its packed loader, seq_len, RoPE settings
     rope_phase: int = field(init=False, default=-1)  # the phase whose RoPE settings the model holds (-1: the start's)
 
@@ -106,49 +104,43 @@ class Trainer:
         validator = Validator(v, prepared.validation, prepared.probes,
                               v.micro_batch or exp.train.micro_batch, exp.data.verify_shards) if v.every else None
         checkpoints = Checkpointer(engine, run, exp.checkpoint, files)
-        client = checkpoints.resume()
-        if client is not None:
-            for src, state in client["loaders"].items():
-                loaders[src].load_state_dict(state)
-            if rank == 0:
-                print(f"resumed from {tag(client['step'])} ({client['tokens_seen']:,} tokens seen)")
-        step, tokens_seen = (client["step"], client["tokens_seen"]) if client else (0, 0)
-        sources = index.sources if len(index.sources) > 1 else ()
-        source_tokens = {src: (client or {}).get("source_tokens", {}).get(src, 0) for src in sources}
-        return cls(exp, engine, lm, tokenizer, objectives, prepared.record, loaders, checkpoints,
-                   MetricsLogger(run, rank == 0, exp.train.log_every, start_step=step, exp=exp),
+        state = TrainState(loaders, source_tokens=dict.fromkeys(index.sources if len(index.sources) > 1 else (), 0))
+        if checkpoints.resume(state) and rank == 0:
+            print(f"resumed from {tag(state.step)} ({state.tokens_seen:,} tokens seen)")
+        return cls(exp, engine, lm, tokenizer, objectives, prepared.record, state, checkpoints,
+                   MetricsLogger(run, rank == 0, exp.train.log_every, start_step=state.step, exp=exp),
                    Throughput(device_peak_tflops(exp.train.peak_tflops), world),
                    DivergenceGuard(exp.train.max_bad_steps, skipped_before=engine.skipped_steps), stop, device,
-                   step, tokens_seen, validator, sources, source_tokens)
+                   validator)
 
     def fit(self) -> dict:
         """Train to ``train.steps``, or until a stop; returns the summary."""
         self.stop.training_started()
         started = time.time()
         unread: _Unread | None = None  # the newest step whose numbers are still on their way from the device
-        while self.step < self.exp.train.steps:
+        state = self.state
+        while state.step < self.exp.train.steps:
             t0 = time.time()
-            phase_idx, phase = self.exp.phase_at(self.step)
+            phase_idx, phase = self.exp.phase_at(state.step)
             self._enter_phase(phase_idx)
             data = self.phase_data[phase_idx]
-            mask_ratios = at_step(self.objectives[phase_idx], self.exp, self.step)
+            mask_ratios = at_step(self.objectives[phase_idx], self.exp, state.step)
             batches, local_tokens, counts = self._next_batches(self.objectives[phase_idx], data.loader)
             world = dist.get_world_size()
             t_data = time.time() - t0
             result = train_step(self.engine, self.objectives[phase_idx], batches, world, self.exp.train.grad_accum,
-                                self.sources if data.loader == "packed" else (), counts)
-            self.step += 1
+                                state.sources if data.loader == "packed" else (), counts)
             tokens = world * local_tokens
-            self.tokens_seen += tokens
+            state.advance(tokens)
             host = (mask_ratios | {"batch/tokens": tokens}  # the step's numbers the host already has
-                    | {f"batch/samples/{src}": world * sum(len(b.keys) for b in bs) for src, bs in batches.items()}
+                    | {f"batch/samples/{kind}": world * sum(len(b.keys) for b in bs) for kind, bs in batches.items()}
                     | ({"progress/seq_len": batches["packed"][0].input_ids.shape[1]} if "packed" in batches else {}))
             if unread is not None:  # the previous step, read while this one runs; its time: from start to start
                 self._log(unread, self._scalars(unread, t0 - unread.started))
-            unread = _Unread(self.step, phase_idx, phase.name, result, tokens, t0, t_data, self.engine.skipped_steps,
-                             self.tokens_seen, host)
+            unread = _Unread(state.step, phase_idx, phase.name, result, tokens, t0, t_data,
+                             self.engine.skipped_steps, state.tokens_seen, host)
             signalled, stopping, due = self._stop_or_due()
-            validating = self.validator is not None and self.validator.due(self.step, self.exp.train.steps)
+            validating = self.validator is not None and self.validator.due(state.step, self.exp.train.steps)
             if stopping or due or validating:  # read now: a checkpoint needs the guard's verdict on this step,
                 scalars = self._scalars(unread)  # and a validation's numbers join its record
                 if validating:
@@ -180,9 +172,9 @@ class Trainer:
     def _source_scalars(self, result) -> dict[str, float]:
         """``source_loss/<output>/<source>`` of the step, ``progress/source_tokens/<source>`` so far."""
         for src, n in result.source_tokens.items():
-            self.source_tokens[src] += n
+            self.state.source_tokens[src] += n
         return ({f"source_loss/{name}/{src}": v for name, by in result.source_losses.items() for src, v in by.items()}
-                | {f"progress/source_tokens/{src}": n for src, n in (self.source_tokens or {}).items()})
+                | {f"progress/source_tokens/{src}": n for src, n in self.state.source_tokens.items()})
 
     def _enter_phase(self, phase_idx: int) -> None:
         """The phase's RoPE theta and context on the model before its first step (and a resumed run's first),
@@ -196,64 +188,61 @@ class Trainer:
                   f"{self.lm.config.max_position_embeddings}", flush=True)
 
     def _next_batches(self, step_objs: list[WeightedObjective], packed: str) -> tuple[dict[str, list], int, list]:
-        """The step's micro-batches of each source on the device (the packed ones from the loader ``packed``, the
-        phase's), this rank's non-padding tokens in them and the objectives' targets (``target_counts``), counted
-        on the host copies (counting on the device would wait for it). The copies are asynchronous: the loaders pin
-        the host memory on CUDA."""
-        host = {src: self.loaders[packed if src == "packed" else src].next_global_step()
-                for src in sorted({o.objective.source for o in step_objs})}
+        """The step's micro-batches of each shard kind its objectives read, on the device (the packed ones from the
+        loader ``packed``, the phase's), this rank's non-padding tokens in them and the objectives' targets
+        (``target_counts``), counted on the host copies (counting on the device would wait for it). The copies are
+        asynchronous: the loaders pin the host memory on CUDA."""
+        host = {kind: self.state.loaders[packed if kind == "packed" else kind].next_global_step()
+                for kind in sorted({o.objective.shard_kind for o in step_objs})}
         tokens = sum(int((b.doc_ids >= 0).sum()) for bs in host.values() for b in bs)
-        return ({src: [b.to(self.device, non_blocking=True) for b in bs] for src, bs in host.items()}, tokens,
+        return ({kind: [b.to(self.device, non_blocking=True) for b in bs] for kind, bs in host.items()}, tokens,
                 target_counts(step_objs, host))
-
-    def _save(self) -> None:
-        self.checkpoints.save(self.step, {
-            "step": self.step, "tokens_seen": self.tokens_seen,
-            "loaders": {src: loader.state_dict() for src, loader in self.loaders.items()},
-            **({"source_tokens": dict(self.source_tokens)} if self.sources else {}),
-            "phase": self.exp.phase_at(max(self.step - 1, 0))[1].name})
 
     def _stop_or_due(self) -> tuple[bool, bool, bool]:
         """(a stop signal on any rank, the run stops at this step (that or ``train.stop_at_step``), a checkpoint is
         due or the last step is done)."""
         signalled = self.stop.agreed()
-        stopping = signalled or self.step == self.exp.train.stop_at_step
-        return signalled, stopping, self.step % self.exp.checkpoint.every == 0 or self.step == self.exp.train.steps
+        step = self.state.step
+        stopping = signalled or step == self.exp.train.stop_at_step
+        return signalled, stopping, step % self.exp.checkpoint.every == 0 or step == self.exp.train.steps
 
     def _checkpoint_or_stop(self, signalled: bool, stopping: bool, due: bool) -> bool:
         """Checkpoint when one is due and the newest step is good; True when the run stops at this step."""
         if self.guard.healthy and (due or stopping):
-            self._save()
+            self.checkpoints.save(self.state)
         if stopping:
             self.checkpoints.wait()
         if stopping and dist.get_rank() == 0:
             why = f" on {self.stop.reason or 'the stop request of another rank'}" if signalled else ""
-            saved = ("checkpointed" if self.checkpoints.last_saved == self.step else
+            saved = ("checkpointed" if self.checkpoints.last_saved == self.state.step else
                      f"not checkpointed: the newest step was bad; the last good checkpoint is "
                      f"{self.checkpoints.last_good()}")
-            print(f"stopped at step {self.step} ({saved}){why}; start the same command again to resume", flush=True)
+            print(f"stopped at step {self.state.step} ({saved}){why}; start the same command again to resume",
+                  flush=True)
         return stopping
 
     def _finish(self, started: float) -> dict:
         """The last checkpoint, the HF export of a finished healthy run, the summary; the loaders closed."""
-        if self.checkpoints.last_saved != self.step and self.guard.healthy:
-            self._save()
+        state = self.state
+        if self.checkpoints.last_saved != state.step and self.guard.healthy:
+            self.checkpoints.save(state)
         self.checkpoints.wait()
-        summary = {"steps": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": round(time.time() - started, 1),
-                   "run_dir": self.exp.run_dir}
-        if self.step == self.exp.train.steps and self.exp.train.export_hf and self.guard.healthy:
+        summary = {"steps": state.step, "tokens_seen": state.tokens_seen,
+                   "elapsed_s": round(time.time() - started, 1), "run_dir": self.exp.run_dir}
+        if state.step == self.exp.train.steps and self.exp.train.export_hf and self.guard.healthy:
             summary["hf_export"] = export_engine(self.engine, self.lm, self.tokenizer, RunDir(self.exp.run_dir).hf,
-                                                 self.record, self.exp, self.step, self.tokens_seen)
+                                                 self.record, self.exp, state.step, state.tokens_seen)
         self.metrics.close(summary)
-        for loader in self.loaders.values():
+        for loader in state.loaders.values():
             loader.close()
         return summary
 
 
 def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: int,
                   pin: bool) -> dict[str, ShardLoader]:
-    """A loader per data source: the packed shards (short of the held-out samples, in ``data.mixture`` when set),
-    the sentence units when an objective reads them, and each phase's own shards (all of them, one permutation).
+    """A loader per shard kind: the packed shards (short of the held-out samples, in ``data.mixture`` when set),
+    the sentence units or pairs when an objective reads them, and each phase's own shards (all of them, one
+    permutation).
     The batch warmup lies in the first phase (the config says so), so it warms up the loaders that phase reads,
     which count its steps as the optimizer does."""
     t, d = exp.train, exp.data
@@ -262,9 +251,8 @@ def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: i
     holdout, plan = {"packed": prepared.holdout}, {"packed": prepared.mixture}
     mixture = {"packed": d.source_mixture.ratios}
     first = exp.phase_data(0).loader
-    warmed = {first if o.objective.source == "packed" else o.objective.source for o in prepared.objectives[0]}
-    return {src: ShardLoader(index, micro[src], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
-                             verify=d.verify_shards, mixture=mixture.get(src), plan=plan.get(src),
-                             holdout=holdout.get(src),
-                             warmup=prepared.warmup if src in warmed else None)
-            for src, index in prepared.indexes.items()}
+    warmed = {first if o.objective.shard_kind == "packed" else o.objective.shard_kind for o in prepared.objectives[0]}
+    return {name: ShardLoader(index, micro[name], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
+                              verify=d.verify_shards, mixture=mixture.get(name), plan=plan.get(name),
+                              holdout=holdout.get(name), warmup=prepared.warmup if name in warmed else None)
+            for name, index in prepared.indexes.items()}

@@ -58,7 +58,7 @@ class Validator:
         ``eval/source_probe/<probe>/<source>``.
         Dropout is off while it runs (eval mode) and the engine is back in train mode after."""
         started = time.time()
-        scored = [("loss", "acc", o) for o in phase if o.objective.source == "packed"]
+        scored = [("loss", "acc", o) for o in phase if o.objective.shard_kind == "packed"]
         scored += [("probe", "probe_acc", p) for p in self.probes]
         forwards = {forward_of(o): o.objective for _, _, o in scored}
         sums: dict[tuple[str, str, str], torch.Tensor] = {}
