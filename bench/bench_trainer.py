@@ -84,20 +84,14 @@ class TimedEngine:
         self._engine = engine
         self.times: dict[str, float] = defaultdict(float)
 
-    def _timed(self, part: str, fn, *args, **kwargs):
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        self.times[part] += time.perf_counter() - start
-        return out
-
     def __call__(self, *args, **kwargs):
-        return self._timed("forward", self._engine, *args, **kwargs)
+        return timed(self._engine, self.times, "forward")(*args, **kwargs)
 
     def backward(self, loss):
-        return self._timed("backward", self._engine.backward, loss)
+        return timed(self._engine.backward, self.times, "backward")(loss)
 
     def step(self):
-        return self._timed("step", self._engine.step)
+        return timed(self._engine.step, self.times, "step")()
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
