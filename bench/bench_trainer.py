@@ -4,19 +4,22 @@ In 2 ranks of ZeRO-3 on CPU (gloo), two identically configured engines start fro
 
   (a) bare: ``engine(input_ids=x, labels=x).loss; engine.backward(loss); engine.step()`` on a fixed batch (this
       rank's first micro-batches), HF's own full-head loss;
-  (b) ours: what the training loop does per step -- this rank's micro-batches from the real ``ShardLoader``,
-      ``pipeline.train.step.train_step`` with the CLM objective (target-only head, document masking, global
-      target-count normalisation), then the loop's per-step bookkeeping (grad norm, stop agreement, metrics).
+  (b) ours: ``Trainer.fit`` itself, the trainer built as ``launch/train.py`` builds it (``agreed_preflight``, then
+      ``Trainer.build``) on a CLM experiment: each step reads this rank's micro-batches from the real
+      ``ShardLoader``, runs ``pipeline.train.step.train_step`` (target-only head, document masking, global
+      target-count normalisation) and the loop's per-step bookkeeping (metrics, the divergence guard, the stop
+      agreement).
 
-With ``--eval-every N`` (b) also runs the trainer's validation (``pipeline.train.validation.Validator``: the
-phase's CLM and the three probes on ``--eval-samples`` held-out samples) after every N-th step, timed apart from
-the step, and it prints what validation adds to training: one evaluation against the N steps it follows.
+With ``--eval-every N`` the experiment validates (``eval.every``: the phase's CLM and the three probes on the last
+``--eval-samples`` samples, held out of training) after every N-th step, timed apart from the step, and it prints
+what validation adds to training: one evaluation against the N steps it follows.
 
-Steps alternate between (a) and (b) so machine noise hits both alike; it prints medians, where the time goes,
-and the ratio (goal <= 1.05): the median over steps of ours / the bare step just before it, which follows a
-shared machine's changing load better than the ratio of medians (also printed). Shards come from the embedded
-sample corpus (one input file), the model is a Llama of the chosen shape with the sample tokenizer's 8k
-vocabulary. Run from the repository root:
+Steps alternate between (a) and (b) so machine noise hits both alike: a bare step runs at each of ``fit``'s step
+boundaries (inside the stop agreement, which every step calls once), outside the time of the steps around it. It
+prints medians, where the time goes, and the ratio (goal <= 1.05): the median over steps of ours / the bare step
+just before it, which follows a shared machine's changing load better than the ratio of medians (also printed).
+Shards come from the embedded sample corpus (one input file), the model is a Llama of the chosen shape with the
+sample tokenizer's 8k vocabulary. Run from the repository root:
 
     python bench/bench_trainer.py --shape tiny      # tiny preset, seq 128
     python bench/bench_trainer.py --shape h256      # hidden 256, 4 layers, seq 256: compute dominates
@@ -28,6 +31,7 @@ It relaunches itself under ``torch.distributed.run`` with ``--nproc`` ranks (DS_
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -63,10 +67,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def relaunch(nproc: int) -> int:
-    """Run this script under torch.distributed.run on the CPU accelerator, one thread per rank."""
+def relaunch(nproc: int, argv: list[str]) -> int:
+    """Run this script under torch.distributed.run on the CPU accelerator, one thread per rank. ``argv`` leaves
+    out ``--nproc``, which torch.distributed.run would take for an abbreviation of its own ``--nproc-per-node``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-           os.path.abspath(__file__), *sys.argv[1:]]
+           os.path.abspath(__file__), *argv]
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **os.environ}
     return subprocess.call(cmd, env=env, cwd=REPO)
 
@@ -79,23 +84,80 @@ class TimedEngine:
         self._engine = engine
         self.times: dict[str, float] = defaultdict(float)
 
-    def _timed(self, part: str, fn, *args, **kwargs):
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        self.times[part] += time.perf_counter() - start
-        return out
-
     def __call__(self, *args, **kwargs):
-        return self._timed("forward", self._engine, *args, **kwargs)
+        return timed(self._engine, self.times, "forward")(*args, **kwargs)
 
     def backward(self, loss):
-        return self._timed("backward", self._engine.backward, loss)
+        return timed(self._engine.backward, self.times, "backward")(loss)
 
     def step(self):
-        return self._timed("step", self._engine.step)
+        return timed(self._engine.step, self.times, "step")()
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
+
+
+class StepClock:
+    """Per-step seconds of (a) and (b), split into parts. ``fit`` calls ``boundary`` once per step; there the
+    step of (b) that just ended is closed and the next bare step runs, each between barriers, so a step ends when
+    every rank is done and both loops pay for the slower rank alike."""
+
+    def __init__(self, bare_step, bare: TimedEngine, ours: TimedEngine, warmup: int, steps: int):
+        self.bare_step, self.bare, self.ours, self.warmup, self.steps = bare_step, bare, ours, warmup, steps
+        self.samples: dict[str, dict[str, list[float]]] = {"bare": defaultdict(list), "ours": defaultdict(list)}
+        self.first_loss: dict[str, float] = {}
+        self.step = 0  # steps of (b) done
+        self.started = 0.0  # when the current step of (b) started
+        self.apart = 0.0  # seconds of the current step of (b) spent on validation
+
+    def run_bare(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+        self.bare.times.clear()
+        start = time.perf_counter()
+        loss = self.bare_step()
+        dist.barrier()
+        self.first_loss.setdefault("bare", loss)
+        self._record("bare", self.bare, time.perf_counter() - start)
+
+    def start_ours(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+        self.ours.times.clear()
+        self.apart = 0.0
+        self.started = time.perf_counter()
+
+    def boundary(self) -> None:
+        """The end of a step of (b) (its stop agreement done): close it, run the next bare step, start the next."""
+        import torch.distributed as dist
+
+        dist.barrier()
+        self._record("ours", self.ours, time.perf_counter() - self.started - self.apart)
+        self.step += 1
+        if self.step < self.warmup + self.steps:
+            self.run_bare()
+            self.start_ours()
+
+    def _record(self, name: str, engine: TimedEngine, total: float) -> None:
+        index = self.step  # (a)'s step k runs just before (b)'s step k
+        if index >= self.warmup:
+            parts = self.samples[name]
+            parts["total"].append(total)
+            for part, seconds in engine.times.items():
+                parts[part].append(seconds)
+            parts["other"].append(total - sum(engine.times.values()))
+
+
+def timed(fn, times: dict[str, float], part: str):
+    """``fn`` adding its seconds to ``times[part]``."""
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        times[part] += time.perf_counter() - start
+        return out
+    return call
 
 
 def run(args: argparse.Namespace) -> None:
@@ -107,122 +169,119 @@ def run(args: argparse.Namespace) -> None:
 
     from pipeline.data.build import run_job
     from pipeline.data.build_config import BuildConfig
-    from pipeline.data.holdout import ValidationSamples
     from pipeline.data.loader import ShardLoader
     from pipeline.data.manifest import load_index
-    from pipeline.experiment import ValidationConfig, load_experiment
+    from pipeline.experiment import load_experiment
     from pipeline.model.presets import ModelPreset
-    from pipeline.run_dir import RunDir
     from pipeline.tokenizer import load_tokenizer
+    from pipeline.train.distributed import start_distributed
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
-    from pipeline.train.metrics import MetricsLogger
     from pipeline.train.module import build_train_model
-    from pipeline.train.phases import build_objectives
+    from pipeline.train.preflight import agreed_preflight
     from pipeline.train.schedule import lr_scheduler
     from pipeline.train.signals import StopRequest
-    from pipeline.train.step import train_step
-    from pipeline.train.validation import Validator, probes
+    from pipeline.train.trainer import Trainer
 
     deepspeed.utils.logger.setLevel("WARNING")
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = start_distributed()
     shape = SHAPES[args.shape]
     work = os.path.join(args.work_dir, args.shape)
     shards, init_dir = os.path.join(work, f"shards-{shape.seq_len}"), os.path.join(work, "init")
     tokenizer_dir = os.path.join(REPO, "data", "sample", "tokenizer")
-    tokenizer = load_tokenizer(tokenizer_dir)
     if rank == 0:  # data and initial weights shared by both engines, made afresh (a few seconds)
         shutil.rmtree(work, ignore_errors=True)
         run_job(BuildConfig(inputs=(SAMPLE_INPUT,), tokenizer=tokenizer_dir, output=shards, seq_len=shape.seq_len,
                             progress=False))
         preset = ModelPreset(num_layers=shape.layers, hidden_size=shape.hidden, ffn_size=4 * shape.hidden,
                              num_heads=shape.heads, num_kv_heads=shape.heads, max_seq_len=shape.seq_len)
-        info = tokenizer.info
+        info = load_tokenizer(tokenizer_dir).info
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(preset.to_config(info.vocab_size, pad_token_id=info.pad_id,
                                                           bos_token_id=info.bos_id, eos_token_id=info.eos_id)
                                          ).save_pretrained(init_dir)
     dist.barrier()
 
-    exp = load_experiment(None, [f"run_dir={os.path.join(work, 'run', str(rank))}", f"data.shards={shards}",
+    index = load_index(shards)
+    steps = args.warmup + args.steps
+    # eval.holdout: exactly the last --eval-samples samples (holdout.held_out_count rounds up)
+    validation = ([f"eval.every={args.eval_every}", f"eval.holdout={args.eval_samples / index.num_samples}",
+                   f"eval.samples={args.eval_samples}", f"eval.micro_batch={args.eval_micro_batch or shape.micro_batch}"]
+                  if args.eval_every else [])
+    exp = load_experiment(None, [f"run_dir={os.path.join(work, 'run')}", f"data.shards={shards}",
+                                 f"data.tokenizer={tokenizer_dir}", "data.build_if_missing=false",
                                  f"data.seq_len={shape.seq_len}", f"model.init={init_dir}",
                                  f"train.micro_batch={shape.micro_batch}", f"train.grad_accum={args.grad_accum}",
-                                 "train.steps=100000", "train.log_every=100000"])
+                                 f"train.steps={steps}", "train.log_every=100000", "train.export_hf=false",
+                                 f"checkpoint.every={steps}", *validation])
     ds_raw = load_ds_config(os.path.join(REPO, "ds_configs", "zero3.json"))
-    (clm,) = build_objectives(exp.phases[0], tokenizer)
+    stop = StopRequest(rank)
+    prepared = agreed_preflight(exp, rank, world, device.type == "cuda", on_failure=stop.failing)
+    if prepared is None:
+        raise SystemExit(2)  # rank 0 said why
+    (clm,) = prepared.objectives[0]
 
-    def engine_for(use_train_module: bool):
-        ds = resolve_ds_config(ds_raw, exp, world, bf16=False)
-        lm, module, optimizer = build_train_model(exp, ds, tokenizer, False, [clm.objective],
-                                                  attn_implementation="sdpa", fused="none")
-        engine, *_ = deepspeed.initialize(model=module if use_train_module else lm, **optimizer,
-                                          lr_scheduler=lr_scheduler(exp.train.steps, exp.optim), config=ds)
-        return TimedEngine(engine), module
-
-    bare, _bare_module = engine_for(use_train_module=False)  # the module holds HfDeepSpeedConfig alive
-    ours, _ours_module = engine_for(use_train_module=True)
-    index = load_index(shards)
-    validation = ValidationConfig(every=args.eval_every, holdout=0.01, samples=args.eval_samples)
-    held = ValidationSamples(index, index.num_samples - args.eval_samples, args.eval_samples)
-    validator = Validator(validation, held, probes(validation, tokenizer),
-                          args.eval_micro_batch or shape.micro_batch, verify=False)
-    loader = ShardLoader(index, shape.micro_batch, args.grad_accum, rank, world, exp.train.seed,
-                         num_samples=held.first)
+    # (a): the same model, optimizer and LR schedule as the trainer's engine, HF's model as the engine's module
+    ds = resolve_ds_config(ds_raw, exp, world, prepared.bf16)
+    lm, _bare_module, optimizer = build_train_model(exp, ds, prepared.tokenizer, prepared.bf16, [clm.objective],
+                                                    attn_implementation=prepared.attn_implementation,
+                                                    fused=prepared.fused)  # the module holds HfDeepSpeedConfig
+    bare_engine, *_ = deepspeed.initialize(model=lm, **optimizer, lr_scheduler=lr_scheduler(steps, exp.optim),
+                                           config=ds)
+    bare = TimedEngine(bare_engine)
     fixed = [b.input_ids for b in ShardLoader(index, shape.micro_batch, args.grad_accum, rank, world,
                                               exp.train.seed).next_global_step()]  # ours' first step's batch
-    metrics = MetricsLogger(RunDir(exp.run_dir), rank == 0, exp.train.log_every)
-    stop = StopRequest(rank)
-    stop.training_started()
-    cpu = torch.device("cpu")
 
-    def bare_step() -> dict[str, float]:
+    def bare_step() -> float:
         for x in fixed:
             loss = bare(input_ids=x, labels=x).loss
             bare.backward(loss)
             bare.step()
-        return {"loss": loss.item()}
+        return loss.item()
 
-    def our_step() -> dict[str, float]:
-        start = time.perf_counter()
-        batches = {"packed": [b.to(cpu) for b in loader.next_global_step()]}
-        ours.times["data"] += time.perf_counter() - start
-        result = train_step(ours, [clm], batches, world, args.grad_accum)
-        losses = result.losses
-        start = time.perf_counter()
-        tokens = world * sum(int((b.doc_ids >= 0).sum()) for b in batches["packed"])
-        scalars = {"loss/clm": losses["clm"], "optim/lr": result.lr, "optim/grad_norm": result.grad_norm,
-                   "perf/tokens_per_s": float(tokens), "perf/data_wait": 0.0, "perf/mem_gib": 0.0}
-        metrics.log(ours.global_steps, scalars, "clm")
-        stop.agreed()
-        ours.times["loop bookkeeping"] += time.perf_counter() - start
-        return {"loss": losses["clm"]}
+    # (b): the trainer as launch/train.py builds it; its engine, data, bookkeeping and validation timed in place
+    trainer = Trainer.build(exp, ds_raw, prepared, stop, device)
+    ours = TimedEngine(trainer.engine)
+    trainer.engine = ours
+    clock = StepClock(bare_step, bare, ours, args.warmup, args.steps)
+    trainer._next_batches = timed(trainer._next_batches, ours.times, "data")
+    trainer.metrics.log = timed(trainer.metrics.log, ours.times, "loop bookkeeping")
+    agreed = timed(stop.agreed, ours.times, "loop bookkeeping")
 
-    samples: dict[str, dict[str, list[float]]] = {"bare": defaultdict(list), "ours": defaultdict(list)}
-    for i in range(args.warmup + args.steps):
-        for name, fn, engine in (("bare", bare_step, bare), ("ours", our_step, ours)):
-            dist.barrier()
-            engine.times.clear()
-            start = time.perf_counter()
-            out = fn()
-            dist.barrier()  # a step ends when every rank is done: both loops pay for the slower rank alike
-            total = time.perf_counter() - start
-            if i == 0 and rank == 0:
-                print(f"first step loss: {name} {out['loss']:.4f}", flush=True)
-            if i >= args.warmup:
-                parts = samples[name]
-                parts["total"].append(total)
-                for part, seconds in engine.times.items():
-                    parts[part].append(seconds)
-                parts["other"].append(total - sum(engine.times.values()))
-        if args.eval_every and (i + 1) % args.eval_every == 0:
+    def agreed_then_bare() -> bool:
+        out = agreed()
+        clock.boundary()
+        return out
+
+    stop.agreed = agreed_then_bare
+    if trainer.validator is not None:
+        evaluate = trainer.validator.run
+
+        def timed_evaluation(*a, **kw):
+            """One evaluation, timed apart from the steps (its forwards are not the step's)."""
+            kept = dict(ours.times)
             dist.barrier()
             start = time.perf_counter()
-            validator.run(ours, [clm], cpu)
+            out = evaluate(*a, **kw)
             dist.barrier()
-            samples["ours"]["eval"].append(time.perf_counter() - start)
-    metrics.close({})
+            seconds = time.perf_counter() - start
+            clock.apart += seconds
+            clock.samples["ours"]["eval"].append(seconds)
+            ours.times.clear()
+            ours.times.update(kept)
+            return out
+
+        trainer.validator.run = timed_evaluation
+    clock.run_bare()
+    clock.start_ours()
+    trainer.fit()
+    if prepared.lock is not None:
+        prepared.lock.release()
     if rank == 0:
-        report(args, shape, world, samples)
+        with open(trainer.metrics.history_path) as f:
+            ours_first = json.loads(f.readline())["loss/clm"]
+        print(f"first step loss: bare {clock.first_loss['bare']:.4f}", flush=True)
+        print(f"first step loss: ours {ours_first:.4f}", flush=True)
+        report(args, shape, world, clock.samples)
 
 
 def report(args: argparse.Namespace, shape: Shape, world: int, samples: dict[str, dict[str, list[float]]]) -> None:
@@ -264,9 +323,10 @@ def main() -> int:
                                                                          "(0: the shape's micro-batch)")
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "bench_trainer"),
                         help="shards, initial weights and metrics go here (replaced on every run)")
-    args = parser.parse_args()
+    args, argv = parser.parse_args(), sys.argv[1:]
     if "LOCAL_RANK" not in os.environ:
-        return relaunch(args.nproc)
+        at = next((i for i, a in enumerate(argv) if a.split("=")[0] == "--nproc"), None)
+        return relaunch(args.nproc, argv if at is None else argv[:at] + argv[at + 1 + ("=" not in argv[at]):])
     run(args)
     return 0
 

@@ -1,4 +1,5 @@
-"""Fixtures shared by the training tests (a module that defines its own fixture of the same name uses that one)."""
+"""Fixtures shared by the test modules. The read-only ones that cost a build (the tokenizer, shards, the tiny
+checkpoint) are session-scoped: every module reads the same files, built once; a test that changes them copies them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pipeline.model.build import build_model
 from pipeline.tokenizer import load_tokenizer
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
+SAMPLE_TRAIN = os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -28,21 +30,36 @@ def smollm2(tmp_path_factory) -> str:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tokenizer():
     """The sample tokenizer the shipped shards and the tiny checkpoints use."""
     return load_tokenizer(TOKENIZER)
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("data") / "shards")
-    run_job(BuildConfig(inputs=(os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),), tokenizer=TOKENIZER,
-                        output=out, seq_len=64, samples_per_shard=512, progress=False))
-    return out
+@pytest.fixture(scope="session")
+def build_shards(tmp_path_factory):
+    """``build_shards(inputs=..., **BuildConfig fields)`` -> shards in the sample tokenizer (64-token samples of the
+    sample corpus's train split unless told), built once a session for each distinct set of settings."""
+    built: dict[tuple, str] = {}
+
+    def build(inputs: tuple[str, ...] = (SAMPLE_TRAIN,), **settings) -> str:
+        key = (tuple(inputs), tuple(sorted(settings.items())))
+        if key not in built:
+            out = str(tmp_path_factory.mktemp("data") / "shards")
+            run_job(BuildConfig(**{"inputs": tuple(inputs), "tokenizer": TOKENIZER, "output": out, "seq_len": 64,
+                                   "progress": False, **settings}))
+            built[key] = out
+        return built[key]
+    return build
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
+def shards(build_shards) -> str:
+    """The whole train split of the sample corpus in 512-sample shards."""
+    return build_shards(samples_per_shard=512)
+
+
+@pytest.fixture(scope="session")
 def init_dir(tmp_path_factory) -> str:
     """A tiny random HF checkpoint, so the ZeRO-3 run and the reference loop start from the same weights (and a
     run started from an HF checkpoint directory is exercised)."""

@@ -126,6 +126,29 @@ def test_encode_bench_dry_run_checks_agreement_then_times_all_three(tmp_path):
     assert proc.stdout.rstrip().endswith(f"{rates['encode()'] / rates['sentence-transformers encode']:.2f}x")
 
 
+@pytest.mark.e2e
+@pytest.mark.slow  # a benchmark's plumbing (~35 s): one rank, the trainer and a bare engine built side by side
+def test_trainer_bench_times_trainer_fit_against_a_bare_engine(tmp_path):
+    """bench/bench_trainer.py on one rank, 1 + 2 steps, validating at step 3: ``Trainer.fit`` trains every step
+    (its metrics.jsonl), a bare step runs before each, and the report has each part and both ratios."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_trainer.py"), "--nproc", "1",
+                           "--steps", "2", "--warmup", "1", "--eval-every", "3", "--eval-samples", "8",
+                           "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    history = [json.loads(line) for line in open(tmp_path / "tiny" / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in history] == [1, 2, 3] and "eval/loss/clm" in history[-1]
+    out = proc.stdout
+    assert f"first step loss: ours {history[0]['loss/clm']:.4f}" in out and "first step loss: bare " in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(" ")}
+    for part in ("forward", "backward", "step", "total"):
+        assert len(rows[part]) == 2 and all(float(ms) > 0 for ms in rows[part]), rows
+    assert len(rows["other"]) == 2  # the rest of each step (a few ms, barriers included)
+    assert rows["data"][0] == "-" and float(rows["data"][1]) > 0  # only the trainer reads shards
+    assert "trainer / bare DeepSpeed step time: " in out
+    assert "validation: 1 evaluations of 8 held-out samples" in out
+
+
 def _bench_module(name: str):
     """A bench/gpu script as a module (they import each other by file name)."""
     sys.path.insert(0, os.path.dirname(BENCH_GPU))

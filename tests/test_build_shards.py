@@ -25,20 +25,15 @@ SEQ_LEN = 128
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> str:
-    return TOKENIZER
-
-
-@pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> list[str]:
     """The held-out Shakespeare split dealt into five files: documents from a few lines to ~6k tokens, so samples
     hold several documents and long documents run over many samples."""
     return split_corpus(tmp_path_factory.mktemp("corpus"), 5)
 
 
-def config(inputs, tok, out, **kw) -> BuildConfig:
+def config(inputs, out, **kw) -> BuildConfig:
     kw = {"seq_len": SEQ_LEN, "samples_per_shard": 8, "progress": False, "remainder": "pad", **kw}
-    return BuildConfig(inputs=tuple(inputs), tokenizer=tok, output=str(out), **kw)
+    return BuildConfig(inputs=tuple(inputs), tokenizer=TOKENIZER, output=str(out), **kw)
 
 
 def read_samples(directory) -> dict:
@@ -56,31 +51,30 @@ def dir_bytes(directory) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def built(corpus, tokenizer, tmp_path_factory):
+def built(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("built") / "shards"
-    summary = run_job(config(corpus, tokenizer, out))
+    summary = run_job(config(corpus, out))
     return out, summary
 
 
 def test_token_stream_roundtrip(built, corpus, tokenizer):
     out, summary = built
-    tok = load_tokenizer(tokenizer)
     samples = read_samples(out)
     assert summary.samples == len(samples) and summary.files == len(corpus)
     for file_index, path in enumerate(corpus):
         docs = list(read_texts(path, "text", RecordStats()))
-        expected = [t for ids in tok.encode_batch(docs) for t in [tok.bos_id, *ids, tok.eos_id]]
+        expected = [t for ids in tokenizer.encode_batch(docs) for t in [tokenizer.bos_id, *ids, tokenizer.eos_id]]
         keys = sorted(k for k in samples if parse_key(k)[0] == file_index)
         assert [parse_key(k)[1] for k in keys] == list(range(len(keys)))
         got = [int(t) for k in keys for s, e in samples[k].segments for t in samples[k].input_ids[s:e]]
         assert got == expected
         last = samples[keys[-1]]
-        assert (last.input_ids[last.segments[-1, 1]:] == tok.pad_id).all()  # the padded remainder
+        assert (last.input_ids[last.segments[-1, 1]:] == tokenizer.pad_id).all()  # the padded remainder
     assert not [n for n in os.listdir(out) if ".tmp" in n or n.startswith(".work")]
     assert summary.tokens == sum(int((s.segments[:, 1] - s.segments[:, 0]).sum()) for s in samples.values())
 
 
-def test_throughput_leaves_out_tokenizer_loading(corpus, tokenizer, tmp_path, monkeypatch, capsys):
+def test_throughput_leaves_out_tokenizer_loading(corpus, tmp_path, monkeypatch, capsys):
     """A slow tokenizer load (here 1 s) is reported apart and not divided into the docs/s and tokens/s."""
     import time
 
@@ -92,7 +86,7 @@ def test_throughput_leaves_out_tokenizer_loading(corpus, tokenizer, tmp_path, mo
 
     monkeypatch.setattr(build, "load_tokenizer", slow_load)
     start = time.monotonic()
-    summary = run_job(config(corpus, tokenizer, tmp_path / "shards"))
+    summary = run_job(config(corpus, tmp_path / "shards"))
     wall = time.monotonic() - start
     assert summary.tokenizer_s >= 1.0 and summary.elapsed_s <= wall - 1.0
     assert f"{summary.tokens / summary.elapsed_s:.0f} tokens/s" in summary.lines()[-1]
@@ -100,24 +94,23 @@ def test_throughput_leaves_out_tokenizer_loading(corpus, tokenizer, tmp_path, mo
 
 
 def test_no_bos_and_dropped_remainder(corpus, tokenizer, tmp_path):
-    run_job(config(corpus[:1], tokenizer, tmp_path / "out", bos=False, remainder="drop"))
-    tok = load_tokenizer(tokenizer)
-    expected = [t for ids in tok.encode_batch(list(read_texts(corpus[0], "text", RecordStats())))
-                for t in [*ids, tok.eos_id]]
+    run_job(config(corpus[:1], tmp_path / "out", bos=False, remainder="drop"))
+    expected = [t for ids in tokenizer.encode_batch(list(read_texts(corpus[0], "text", RecordStats())))
+                for t in [*ids, tokenizer.eos_id]]
     samples = read_samples(tmp_path / "out")
     got = [int(t) for k in sorted(samples) for s, e in samples[k].segments for t in samples[k].input_ids[s:e]]
     assert got == expected[: len(expected) // SEQ_LEN * SEQ_LEN]
 
 
-def test_two_runs_give_identical_bytes(built, corpus, tokenizer, tmp_path):
+def test_two_runs_give_identical_bytes(built, corpus, tmp_path):
     out, _ = built
-    run_job(config(corpus, tokenizer, tmp_path / "again"))
+    run_job(config(corpus, tmp_path / "again"))
     assert dir_bytes(out) == dir_bytes(tmp_path / "again")
 
 
-def test_three_jobs_equal_one_job(built, corpus, tokenizer, tmp_path):
+def test_three_jobs_equal_one_job(built, corpus, tmp_path):
     out, _ = built
-    summaries = [run_job(config(corpus, tokenizer, tmp_path / "k3", num_jobs=3, job_index=k, workers=2))
+    summaries = [run_job(config(corpus, tmp_path / "k3", num_jobs=3, job_index=k, workers=2))
                  for k in range(3)]
     assert [s.index_written for s in summaries] == [False, False, True]
     assert [s.files for s in summaries] == [2, 2, 1]
@@ -135,8 +128,7 @@ def test_three_jobs_equal_one_job(built, corpus, tokenizer, tmp_path):
 
 def test_mask_plan(built, tokenizer):
     out, _ = built
-    tok = load_tokenizer(tokenizer)
-    special = np.asarray(tok.special_ids)
+    special = np.asarray(tokenizer.special_ids)
     eligible = masked = 0
     for sample in read_samples(out).values():
         rank = torch.from_numpy(sample.mask_rank.astype(np.int32))
@@ -164,28 +156,28 @@ def test_spans_in_bounds_and_inside_one_document(built):
     assert 0.08 < span_tokens / doc_tokens < 0.2
 
 
-def test_rerun_of_finished_job_does_nothing(built, corpus, tokenizer, capsys):
+def test_rerun_of_finished_job_does_nothing(built, corpus, capsys):
     out, _ = built
     before = {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}
-    summary = run_job(config(corpus, tokenizer, out))
+    summary = run_job(config(corpus, out))
     assert summary.already_complete and summary.samples == 0
     assert "already complete" in capsys.readouterr().err
     assert before == {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}
 
 
-def test_other_settings_are_refused(built, corpus, tokenizer):
+def test_other_settings_are_refused(built, corpus):
     out, _ = built
     with pytest.raises(BuildError) as e:
-        run_job(config(corpus, tokenizer, out, seq_len=64, seed=3))
+        run_job(config(corpus, out, seq_len=64, seed=3))
     message = str(e.value)
     assert "seq_len: directory has 128, this run has 64" in message
     assert "seed: directory has 0, this run has 3" in message
     assert "new --output" in message
     with pytest.raises(BuildError, match="built with --num-jobs 1, this run has --num-jobs 2"):
-        run_job(config(corpus, tokenizer, out, num_jobs=2))
+        run_job(config(corpus, out, num_jobs=2))
 
 
-def test_same_samples_from_parquet_and_hf_dataset(corpus, tokenizer, tmp_path):
+def test_same_samples_from_parquet_and_hf_dataset(corpus, tmp_path):
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -196,7 +188,7 @@ def test_same_samples_from_parquet_and_hf_dataset(corpus, tokenizer, tmp_path):
     runs = {}
     for name, src, field in [("zst", corpus[0], "text"), ("parquet", str(tmp_path / "in.parquet"), "body"),
                              ("hf", str(tmp_path / "in_ds"), "body")]:
-        run_job(config([src], tokenizer, tmp_path / name, text_field=field))
+        run_job(config([src], tmp_path / name, text_field=field))
         runs[name] = read_samples(tmp_path / name)
     for name in ("parquet", "hf"):
         assert runs[name].keys() == runs["zst"].keys()
@@ -233,23 +225,23 @@ def bad_file(path, kind: str) -> str:
     ("invalid_utf8", "bad.jsonl:151: byte 10 is not UTF-8"),
     ("corrupt_file", "bad.jsonl.zst:"),
 ])
-def test_bad_records_are_counted_and_reported(tokenizer, tmp_path, capsys, kind, message):
+def test_bad_records_are_counted_and_reported(tmp_path, capsys, kind, message):
     path = bad_file(tmp_path / ("bad.jsonl.zst" if kind == "corrupt_file" else "bad.jsonl"), kind)
     out = tmp_path / "out"
-    run_job(config([path], tokenizer, out))
+    run_job(config([path], out))
     err = capsys.readouterr().err
     assert message in err and "warning:" in err
     files = json.load(open(out / job_manifest_name(0)))["files"]
     assert files[0]["bad_records"] == {kind: 1}
 
 
-def test_too_many_bad_records_fail_after_committing_earlier_files(corpus, tokenizer, tmp_path):
+def test_too_many_bad_records_fail_after_committing_earlier_files(corpus, tmp_path):
     bad = tmp_path / "z-bad.jsonl"  # sorts after the corpus files
     bad.write_bytes(b"\n".join([json.dumps({"text": "fine"}).encode()] * 10 + [b"not json"] * 2) + b"\n")
     out = tmp_path / "out"
     inputs = [*corpus[:2], str(bad)]
     with pytest.raises(BuildError) as e:
-        run_job(config(inputs, tokenizer, out))
+        run_job(config(inputs, out))
     assert f"{bad}: 2 bad records of 12 (16.67%: not_json 2) exceed --max-bad-fraction 0.01" in str(e.value)
     assert "the 2 files before it are committed" in str(e.value)
     job = json.load(open(out / job_manifest_name(0)))
@@ -257,10 +249,10 @@ def test_too_many_bad_records_fail_after_committing_earlier_files(corpus, tokeni
     assert not [n for n in os.listdir(out) if n.startswith(".work")]
     assert (out / ".lock-job-00000").exists()  # an unfinished job keeps its lock file; a finished one removes it
     # max_bad_fraction is not a shard setting: a re-run with a higher limit continues with the bad file
-    summary = run_job(config(inputs, tokenizer, out, max_bad_fraction=0.2))
+    summary = run_job(config(inputs, out, max_bad_fraction=0.2))
     assert summary.files == 1 and summary.bad_records == 2 and not (out / ".lock-job-00000").exists()
     reference = tmp_path / "ref"
-    run_job(config(inputs, tokenizer, reference, max_bad_fraction=0.2))
+    run_job(config(inputs, reference, max_bad_fraction=0.2))
     assert dir_bytes(out) == dir_bytes(reference)
 
 
@@ -270,9 +262,9 @@ def test_too_many_bad_records_fail_after_committing_earlier_files(corpus, tokeni
     ({"span_min": 9, "span_max": 8}, "need 1 <= --span-min <= --span-max, got 9..8"),
     ({"job_index": 2, "num_jobs": 2}, "--job-index must be in [0, 2) for --num-jobs 2, got 2"),
 ])
-def test_bad_options_are_refused_before_any_work(corpus, tokenizer, tmp_path, option, message):
+def test_bad_options_are_refused_before_any_work(corpus, tmp_path, option, message):
     with pytest.raises(BuildError) as e:
-        run_job(config(corpus, tokenizer, tmp_path / "out", **option))
+        run_job(config(corpus, tmp_path / "out", **option))
     assert message in str(e.value)
     assert not (tmp_path / "out").exists()
 
@@ -297,7 +289,7 @@ def test_sigkill_midway_then_rerun_is_identical(tokenizer, tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "data_prep/build_shards.py"), "--input", *inputs, "--tokenizer",
            tokenizer, "--seq-len", str(SEQ_LEN), "--samples-per-shard", "50", "--no-progress", "--workers", "2"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    run_job(config(inputs, tokenizer, reference, remainder="drop", samples_per_shard=50, workers=2))
+    run_job(config(inputs, reference, remainder="drop", samples_per_shard=50, workers=2))
 
     proc = subprocess.Popen([*cmd, "--output", str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     job_json = killed / job_manifest_name(0)
@@ -312,6 +304,6 @@ def test_sigkill_midway_then_rerun_is_identical(tokenizer, tmp_path):
     job = json.load(open(job_json))
     assert not job["complete"] and 0 < len(job["files"]) < len(inputs)
 
-    run_job(config(inputs, tokenizer, killed, remainder="drop", samples_per_shard=50, workers=2))
+    run_job(config(inputs, killed, remainder="drop", samples_per_shard=50, workers=2))
     assert dir_bytes(killed) == dir_bytes(reference)
     assert os.path.exists(killed / INDEX) and os.path.exists(killed / MANIFEST)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 from test_eval_tasks import make_data_dir
-from test_train import launch
+from test_train_e2e import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = ["train.steps=6", "optim.warmup_steps=1", "optim.decay_steps=2", "checkpoint.every=6", "train.log_every=2"]

@@ -16,7 +16,6 @@ import pytest
 import torch
 import yaml
 from helpers import ONE_RANK, REPO, launch_training, plain_transformers_hidden, tiny_llama
-from shard_corpus import TOKENIZER
 from transformers import LlamaForCausalLM
 
 from pipeline.config import from_dict
@@ -29,18 +28,12 @@ from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
 from pipeline.export.sentence_transformers import check_expressible, st_record
 from pipeline.model.build import build_model
-from pipeline.tokenizer import load_tokenizer
 
 TEXTS = ["The river rises in the hills.", "A much longer sentence about the hills, the river and the sea beyond.",
          "Short."]
 DOC_PATH = "runs/llm2vec-mntp/hf"  # the export the README's and docs/export.md's snippet loads
 MNTP = EncoderRecord(attention="bidirectional", reads_previous=True, mask_token="<mask>", layout="bos_eos",
                      objectives=("mntp",))
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(TOKENIZER)
 
 
 def export(tokenizer, out: str, record: EncoderRecord, sentence_transformers: bool = False) -> str:

@@ -40,8 +40,6 @@ from helpers import (
 )
 
 from pipeline.config import ConfigError
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
 from pipeline.data.loader import ShardCorrupt, ShardLoader, check_shard_sizes, verify_shard_hash
 from pipeline.data.manifest import (
     MANIFEST,
@@ -75,11 +73,9 @@ TINY = ["train.steps=40", "train.micro_batch=2", "train.log_every=1", "optim.war
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("data") / "shards")
-    run_job(BuildConfig(inputs=(INPUT,), tokenizer=TOKENIZER, output=out, seq_len=64, samples_per_shard=256,
-                        progress=False))
-    return out
+def shards(build_shards) -> str:
+    """The shared shards' samples in 256-sample shards."""
+    return build_shards(samples_per_shard=256)
 
 
 def run_train(run_dir: str, shards: str, *overrides: str, nproc: int = 2, launcher: str = "deepspeed",

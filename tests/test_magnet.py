@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import packed_text_batch
-from shard_corpus import TOKENIZER, documents
+from shard_corpus import documents
 
 from pipeline.config import from_dict
 from pipeline.data.format import UNMASKABLE
@@ -16,17 +16,11 @@ from pipeline.model.attention import attention_inputs, dense_allowed
 from pipeline.model.build import build_model
 from pipeline.objectives import CLM, CLMConfig, Magnet, MagnetConfig, MNTPConfig, make_objective
 from pipeline.objectives.magnet import context_ranks
-from pipeline.tokenizer import load_tokenizer
 
 IMPLEMENTATIONS = ("eager", "sdpa")
 # positions 0..7: C S0 S0 C S1 | C S2 | pad  (documents 0 and 1, then padding)
 DOC = torch.tensor([[0, 0, 0, 0, 0, 1, 1, -1]], dtype=torch.int32)
 SPAN = torch.tensor([[-1, 0, 0, -1, 1, -1, 2, -1]], dtype=torch.int32)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(TOKENIZER)
 
 
 @pytest.fixture(scope="module")

@@ -101,7 +101,7 @@ def test_a_source_short_of_its_share_is_an_error_naming_it_and_the_fixes():
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
+def sourced_shards(tmp_path_factory) -> str:
     """One train file of the sample corpus split into its three sources, 64-token samples: about 5.8k samples
     (histories 2.1k, plays 3.4k, poems 0.3k)."""
     corpus = sourced_corpus(tmp_path_factory.mktemp("corpus"),
@@ -123,8 +123,8 @@ def _global_batches(index, world: int, grad_accum: int, steps: int, state=None) 
             for _ in range(steps)], loaders[0].state_dict()
 
 
-def test_loader_order_is_world_size_independent_and_resumes_exactly(shards):
-    index = load_index(shards)
+def test_loader_order_is_world_size_independent_and_resumes_exactly(sourced_shards):
+    index = load_index(sourced_shards)
     one, _ = _global_batches(index, 1, 4, 6)
     two, _ = _global_batches(index, 2, 2, 6)
     assert one == two
@@ -186,31 +186,31 @@ COMMON = ["train.steps=8", "train.micro_batch=4", "train.log_every=4", "optim.wa
     (["train.steps=2000"], "data.mixture: source 'poems' cannot supply", "or add data of that source (also short: "
                                                                          "histories, plays)"),
 ])
-def test_preflight_refuses_a_mixture_the_shards_cannot_serve(shards, tmp_path, overrides, message, end):
-    exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}", *overrides])
+def test_preflight_refuses_a_mixture_the_shards_cannot_serve(sourced_shards, tmp_path, overrides, message, end):
+    exp = load_experiment(None, [*COMMON, f"data.shards={sourced_shards}", f"run_dir={tmp_path / 'run'}", *overrides])
     with pytest.raises(ConfigError) as e, preflight(exp, rank=0, world=2):
         pass
-    assert str(e.value).startswith(message.format(shards=shards)) and "\n" not in str(e.value)
+    assert str(e.value).startswith(message.format(shards=sourced_shards)) and "\n" not in str(e.value)
     assert str(e.value).endswith(end)
 
 
-def test_preflight_reports_the_plan_and_the_sources_left_out(shards, tmp_path):
-    exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}",
+def test_preflight_reports_the_plan_and_the_sources_left_out(sourced_shards, tmp_path):
+    exp = load_experiment(None, [*COMMON, f"data.shards={sourced_shards}", f"run_dir={tmp_path / 'run'}",
                                  "data.mixture={histories: 0.4, plays: 0.6}"])
     with preflight(exp, rank=0, world=2) as prepared:
         pass
     assert prepared.notes[0] == "mixture of 2 sources over 8 steps x 8 samples x 64 tokens (4,096 tokens):"
     assert prepared.notes[1].startswith("  histories: ratio 0.4, 26 samples (1,664 tokens) of its 2,")
-    assert prepared.notes[-1] == f"note: data.mixture leaves out poems of {shards}: not trained on"
+    assert prepared.notes[-1] == f"note: data.mixture leaves out poems of {sourced_shards}: not trained on"
 
 
-def test_planner_reports_tokens_per_source(shards):
+def test_planner_reports_tokens_per_source(sourced_shards):
     plan = PlannerInput(model="tiny", nodes=1, gpus_per_node=2, gpu="h100", seq_len=64, micro_batch=4,
-                        tokens_per_step=8 * 64, steps=100, mixture=RATIOS, shards=shards)
+                        tokens_per_step=8 * 64, steps=100, mixture=RATIOS, shards=sourced_shards)
     plan.validate()
     text = report(plan)
     assert "mixture of 3 sources over 800 samples of 64 tokens (0.00 B tokens):" in text
-    held = load_index(shards).source_counts()["poems"]["samples"]
+    held = load_index(sourced_shards).source_counts()["poems"]["samples"]
     assert f"  poems                        0.2      0.000B           160{held:>14,}{160 / held:>8.2f}x" in text
     short = report(PlannerInput(**{**plan.__dict__, "steps": 100_000}))
     assert "SHORT: beyond max repetition 1" in short.split("poems")[1].splitlines()[0]
@@ -230,15 +230,15 @@ def held_out(tmp_path_factory) -> str:
 
 
 @pytest.mark.e2e
-def test_two_rank_run_on_a_mixture_logs_losses_and_tokens_per_source(shards, held_out, init_dir, tmp_path):
+def test_two_rank_run_on_a_mixture_logs_losses_and_tokens_per_source(sourced_shards, held_out, init_dir, tmp_path):
     """The run reads the plan's samples (its tokens per source are the plan's counts: the samples are full), logs
     each source's loss (the overall loss is their mean weighted by targets, so it lies between them), in training
     and in validation."""
     run_dir = str(tmp_path / "run")
-    launch_training(run_dir, None, *COMMON, f"data.shards={shards}", f"model.init={init_dir}", "train.steps=6",
+    launch_training(run_dir, None, *COMMON, f"data.shards={sourced_shards}", f"model.init={init_dir}", "train.steps=6",
                     "eval.every=3", f"eval.shards={held_out}", "eval.samples=0", "eval.micro_batch=8")
     steps = logged_steps(run_dir)
-    plan = MixturePlan.build(load_index(shards), RATIOS, seed=0)
+    plan = MixturePlan.build(load_index(sourced_shards), RATIOS, seed=0)
     for step in steps:
         counts = plan.counts(step * 8)
         assert {n: steps[step][f"progress/source_tokens/{n}"] for n in RATIOS} == {n: c * 64 for n, c in counts.items()}
@@ -261,15 +261,15 @@ def _trained_numbers(run_dir: str) -> dict[int, dict[str, float]]:
 
 @pytest.mark.e2e
 @pytest.mark.slow  # three launches: the slow suite
-def test_mixture_over_http_with_validation_resumes_after_kill_as_the_local_run(shards, init_dir, tmp_path):
+def test_mixture_over_http_with_validation_resumes_after_kill_as_the_local_run(sourced_shards, init_dir, tmp_path):
     """Issue 21's "done when": a 2-rank ZeRO-3 run on a mixture, validating every 3 steps, reading its shards over
     HTTP, killed (SIGKILL of rank 0 while it writes its last checkpoint, step 6) and resumed from step 3, logs
     exactly what the same run from the local directory logs uninterrupted: losses, per-source losses and tokens,
     validation."""
     run = [*COMMON, f"model.init={init_dir}", "train.steps=6", "checkpoint.every=3", "eval.every=3",
            "eval.holdout=0.01", "eval.samples=16", "eval.micro_batch=4"]
-    launch_training(str(tmp_path / "local"), None, *run, f"data.shards={shards}")
-    parent, name = os.path.split(shards)
+    launch_training(str(tmp_path / "local"), None, *run, f"data.shards={sourced_shards}")
+    parent, name = os.path.split(sourced_shards)
     with http_server(parent) as server:
         remote = [*run, f"data.shards={server.url}/{name}", f"data.cache_dir={tmp_path / 'cache'}"]
         killed = launch_training(str(tmp_path / "http"), None, *remote, env={"PIPELINE_FAULT": "kill-before-marker:6"},
@@ -331,11 +331,11 @@ def test_holdout_of_one_source_is_the_directory_tail(tmp_path):
     assert by_split.state_dict() == by_count.state_dict()
 
 
-def test_preflight_and_loader_hold_out_each_sources_tail(shards, tmp_path):
+def test_preflight_and_loader_hold_out_each_sources_tail(sourced_shards, tmp_path):
     """On the sample corpus's three sources: every source is in the scored set in proportion, training on 1 or 2
     ranks reads none of it, and a loader state of another split is refused."""
-    index = load_index(shards)
-    exp = load_experiment(None, [*COMMON, f"data.shards={shards}", f"run_dir={tmp_path / 'run'}", "data.mixture={}",
+    index = load_index(sourced_shards)
+    exp = load_experiment(None, [*COMMON, f"data.shards={sourced_shards}", f"run_dir={tmp_path / 'run'}", "data.mixture={}",
                                  "eval.every=4", "eval.holdout=0.01", "eval.samples=30"])
     with preflight(exp, rank=0, world=2) as prepared:
         pass

@@ -12,8 +12,6 @@ import sys
 
 import pytest
 
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
 from pipeline.experiment import REPO, SAMPLE_DIR
 from pipeline.grid import load_grid
 from pipeline.run_dir import RunDir
@@ -74,11 +72,9 @@ def test_every_twin_builds_its_objectives_on_the_sample_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("data") / "sample-64")
-    run_job(BuildConfig(inputs=(os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),),
-                        tokenizer=os.path.join(SAMPLE_DIR, "tokenizer"), output=out, seq_len=64, progress=False))
-    return out
+def shards(build_shards) -> str:
+    """The shared shards' samples in data prep's default shard size."""
+    return build_shards()
 
 
 def sweep(out: str, shards: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from helpers import ZERO3, launch_training, logged_steps, packed_text_batch
 from safetensors.torch import load_file
 from shard_corpus import TOKENIZER
 from test_families import TINY_MOE, batch, tiny_checkpoint
-from test_trainer_loop import FakeEngine
+from test_trainer import FakeEngine
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModel
 
@@ -76,7 +76,7 @@ def test_router_loss_is_transformers_over_the_real_tokens(family, moe, tokenizer
 
 
 class RecordingEngine(FakeEngine):
-    """The fake engine of tests/test_trainer_loop.py, keeping each loss it back-propagates."""
+    """The fake engine of tests/test_trainer.py, keeping each loss it back-propagates."""
 
     def backward(self, loss):
         self.losses = [*getattr(self, "losses", []), float(loss.detach())]

@@ -64,12 +64,6 @@ TEXTS = [  # Shakespeare, public domain: short and long documents, so some cross
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    """The project's shipped sample tokenizer (sentencepiece, 8000 ids, with a <mask> piece)."""
-    return load_tokenizer(TOKENIZER_DIR)
-
-
 def make_batch(tokenizer: Tokenizer, seed: int = 0) -> Batch:
     """Real text packed as data prep packs it: three full samples and a padded last one, with real plans."""
     docs = tokenizer.encode_batch(TEXTS)

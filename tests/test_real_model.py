@@ -31,7 +31,7 @@ SEQ_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory, smollm2) -> tuple[str, str]:
+def smollm2_shards(tmp_path_factory, smollm2) -> tuple[str, str]:
     """(train, held-out) packed shards of the sample corpus in SmolLM2's tokenizer."""
     root = tmp_path_factory.mktemp("smollm2-shards")
     out = []
@@ -102,8 +102,8 @@ def test_import_writes_a_plain_hf_directory(smollm2, tmp_path):
 
 
 @pytest.mark.e2e
-def test_llm2vec_mntp_lowers_the_loss_and_keeps_generation(smollm2, shards, tmp_path):
-    train_shards, heldout = shards
+def test_llm2vec_mntp_lowers_the_loss_and_keeps_generation(smollm2, smollm2_shards, tmp_path):
+    train_shards, heldout = smollm2_shards
     run = str(tmp_path / "mntp")
     steps = train(run, os.path.join(REPO, "experiments", "llm2vec", "mntp-smoke.yaml"), smollm2, train_shards,
                   "phases.0.objectives.0.mask_token=_")
@@ -116,8 +116,8 @@ def test_llm2vec_mntp_lowers_the_loss_and_keeps_generation(smollm2, shards, tmp_
 
 
 @pytest.mark.e2e
-def test_clm_then_mlm_continued_pretraining_lowers_the_loss_and_keeps_generation(smollm2, shards, tmp_path):
-    train_shards, heldout = shards
+def test_clm_then_mlm_continued_pretraining_lowers_the_loss_and_keeps_generation(smollm2, smollm2_shards, tmp_path):
+    train_shards, heldout = smollm2_shards
     run = str(tmp_path / "cpt")
     steps = train(run, None, smollm2, train_shards, "phases=[{share: 0.5, objectives: [{name: clm}]}, "
                   "{share: 0.5, objectives: [{name: mlm, ratio: 0.4, mask_token: _}]}]")

@@ -4,7 +4,7 @@ One run trains steps 1-10 on 2 ranks, 11-15 on 1 rank and 16-20 on 2 ranks again
 of 8 (2 ranks x 2 x 2 accumulation, then 1 rank x 2 x 4), warmed up from 4 over its first 16 steps
 (``train.batch_warmup``), so both resumes land inside the warmup: a step of 4 samples is 1 micro-step a rank on 2
 ranks and 2 of DeepSpeed's 4 on 1 rank. Its losses must follow the uninterrupted training (the single-process
-reference loop of test_train, which matches 2-rank ZeRO-3 to fp32 rounding) step for step, and the samples it logs
+reference loop of test_train_e2e, which matches 2-rank ZeRO-3 to fp32 rounding) step for step, and the samples it logs
 per step the schedule.
 """
 
@@ -13,40 +13,16 @@ from __future__ import annotations
 import os
 
 import pytest
-import test_train as tt
-import torch
+import test_train_e2e as tt
 from helpers import logged_steps
 
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
 from pipeline.experiment import load_experiment
-from pipeline.model.build import build_model
 from pipeline.run_dir import RunDir
-from pipeline.tokenizer import load_tokenizer
 from pipeline.train.batch_warmup import batch_warmup
 from pipeline.train.checkpoint import UNIVERSAL
 
 # granules of 4 samples: whole micro-batches of 2 on 1 rank and on 2 ranks
 WARMUP = ("train.batch_warmup.start=0.5", "train.batch_warmup.steps=16", "train.batch_warmup.multiple=4")
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
-    out = str(tmp_path_factory.mktemp("data") / "shards")
-    run_job(BuildConfig(inputs=(os.path.join(tt.SAMPLE_DIR, "train", "**", "*.jsonl.zst"),), tokenizer=tt.TOKENIZER,
-                        output=out, seq_len=64, samples_per_shard=512, progress=False))
-    return out
-
-
-@pytest.fixture(scope="module")
-def init_dir(tmp_path_factory) -> str:
-    tok = load_tokenizer(tt.TOKENIZER)
-    torch.manual_seed(0)
-    lm = build_model("tiny", tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
-                     eos_token_id=tok.info.eos_id)
-    out = str(tmp_path_factory.mktemp("init") / "tiny")
-    lm.save_pretrained(out)
-    return out
 
 
 @pytest.mark.e2e

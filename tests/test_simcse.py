@@ -30,11 +30,6 @@ from pipeline.objectives.simcse import mean_pool
 from pipeline.tokenizer import load_tokenizer
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(TOKENIZER)
-
-
 def sentences(n: int) -> list[str]:
     """Sentence units of the sample corpus, long enough to differ from each other."""
     units = [u for doc in documents(max_chars=3000) for u in split_units(doc, "sentence")]

@@ -1,3 +1,6 @@
+"""The input readers (pipeline/data/sources.py): jsonl (plain, .zst, .gz), parquet and HF dataset directories read
+alike, damaged files and bad records counted by reason, globs expanded."""
+
 import gzip
 import json
 import os

@@ -30,11 +30,6 @@ from pipeline.objectives.sscl import HEAD, INSTRUCTION
 from pipeline.tokenizer import load_tokenizer
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(TOKENIZER)
-
-
 def sentences(n: int) -> list[str]:
     """Lines of the sample corpus long enough to be sentences."""
     lines = [line.strip() for doc in documents(max_chars=3000) for line in doc.split("\n")]

@@ -29,17 +29,11 @@ from pipeline.experiment import load_experiment
 from pipeline.export.record import from_experiment
 from pipeline.objectives import Supervised, SupervisedConfig
 from pipeline.objectives.infonce import info_nce
-from pipeline.tokenizer import load_tokenizer
 from pipeline.train.grad_cache import grad_cache
 
 PAIRS = os.path.join(REPO, "data", "sample", "pairs")
 TOKENIZER = os.path.join(REPO, "data", "sample", "tokenizer")
 WIDTH = 40
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(TOKENIZER)
 
 
 def build(output: str, inputs: tuple[str, ...], **kw) -> str:

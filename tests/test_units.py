@@ -20,7 +20,6 @@ from pipeline.data.loader import ShardLoader, check_shard_kind
 from pipeline.data.manifest import load_index
 from pipeline.data.tar_shard import ShardReader, ShardWriter
 from pipeline.data.units import split_units, unit_sample
-from pipeline.tokenizer import load_tokenizer
 
 DOC = """SCENE II. A Camp near Forres.
 
@@ -102,11 +101,6 @@ def test_paraphrase_errors_name_the_sample():
     filler = Sample("", np.zeros(8, np.int32), np.zeros((0, 2), np.int32), good.mask_rank, good.mask_draw,
                     np.zeros((0, 2), np.int32))
     assert collate([good, filler]).paraphrase_ids[1].tolist() == [0] * 8  # a padding row pads its paraphrase
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(TOKENIZER)
 
 
 @pytest.fixture(scope="module")

@@ -63,12 +63,10 @@ def test_held_out_fraction_is_never_trained_on(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> str:
+def shards(build_shards) -> str:
     """5835 samples of 64 tokens (59 of them held out at 1 %): one input file of the sample corpus."""
-    out = str(tmp_path_factory.mktemp("data") / "shards")
-    run_job(BuildConfig(inputs=(os.path.join(SAMPLE_DIR, "train", "chunk1", "example_train_0.jsonl.zst"),),
-                        tokenizer=TOKENIZER, output=out, seq_len=64, samples_per_shard=512, progress=False))
-    return out
+    return build_shards(inputs=(os.path.join(SAMPLE_DIR, "train", "chunk1", "example_train_0.jsonl.zst"),),
+                        samples_per_shard=512)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -170,7 +168,7 @@ def test_a_resumed_run_logs_the_validation_of_the_uninterrupted_one(baseline, sh
 @pytest.mark.slow  # several launches: the slow suite
 def test_one_rank_logs_the_validation_of_two(baseline, shards, init_dir, tmp_path):
     """Same global batch (1 rank accumulating 2 micro-batches) and the same eval micro-batches: the numbers differ
-    only by fp32 summation order in ZeRO-3's reductions during training (as the trainer's losses, test_train.py)."""
+    only by fp32 summation order in ZeRO-3's reductions during training (as the trainer's losses, test_train_e2e.py)."""
     run_dir = str(tmp_path / "one-rank")
     launch(run_dir, shards, init_dir, "train.grad_accum=2", nproc=1)
     one, two = eval_numbers(run_dir), eval_numbers(baseline[0])

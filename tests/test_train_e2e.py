@@ -17,19 +17,16 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import ZERO3, launch_training, logged_steps, one_rank_env, rendezvous
+from helpers import ZERO3, launch_training, logged_steps
 
-from pipeline.config import ConfigError
 from pipeline.data.loader import ShardLoader
 from pipeline.data.manifest import load_index
-from pipeline.data.order import BatchWarmup
 from pipeline.experiment import SAMPLE_DIR, load_experiment
 from pipeline.model.build import build_model
 from pipeline.model.weight_decay import param_groups
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.batch_warmup import batch_warmup
-from pipeline.train.ds_config import resolve_ds_config, sharding_note
 from pipeline.train.module import TrainModule
 from pipeline.train.phases import build_objectives
 from pipeline.train.schedule import lr_multiplier
@@ -197,136 +194,8 @@ def test_hf_export_reloads_with_the_trained_weights(baseline, shards, init_dir, 
     assert tok.info.fingerprint == load_tokenizer(TOKENIZER).info.fingerprint
 
 
-# One rank builds the engine as the trainer does from a ZeRO-3 DeepSpeed JSON; prints each optimizer group's weight
-# decay and element count. Exits without teardown (DeepSpeed's gloo threads, as launch/train.py leaves a rank).
-ENGINE_OPTIMIZER = """
-import json, os, sys
-import deepspeed
-from pipeline.tokenizer import load_tokenizer
-from pipeline.train.ds_config import load_ds_config, resolve_ds_config
-from pipeline.experiment import load_experiment
-from pipeline.train.module import build_engine
-deepspeed.init_distributed(dist_backend="gloo")
-exp = load_experiment(None, ["optim.weight_decay=0.1"])
-_, engine = build_engine(exp, resolve_ds_config(load_ds_config(sys.argv[1]), exp, 1, False),
-                         load_tokenizer(exp.data.tokenizer), False, attn_implementation="sdpa", fused="none")
-zero = engine.optimizer  # ZeRO-3 keeps each group's (partitioned) parameters in fp16_groups
-print(json.dumps({"optimizer": type(zero.optimizer).__name__,
-                  "groups": [[g["weight_decay"], sum(p.ds_numel for p in params)]
-                             for g, params in zip(zero.param_groups, zero.fp16_groups, strict=True)]}), flush=True)
-os._exit(0)
-"""
-
-
-@pytest.mark.e2e
-@pytest.mark.slow  # the CPU Adam build takes minutes on a new machine
-def test_ds_config_optimizer_skips_weight_decay_on_norms(tmp_path):
-    """ds_configs/zero3_offload.json builds DeepSpeed's CPU Adam (a JIT build of a few minutes the first time)
-    over the trainer's parameter groups: the norms' elements are exactly those without weight decay."""
-    with rendezvous() as rdzv:
-        proc = subprocess.run([sys.executable, "-c", ENGINE_OPTIMIZER,
-                               os.path.join(REPO, "ds_configs", "zero3_offload.json")],
-                              env=one_rank_env(rdzv), cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    tok = load_tokenizer(TOKENIZER)
-    lm = build_model("tiny", tok.info.vocab_size)
-    norms = sum(p.numel() for p in lm.parameters() if p.ndim == 1)
-    assert result["optimizer"] == "DeepSpeedCPUAdam"
-    decayed = {wd: sum(n for w, n in result["groups"] if w == wd) for wd, _ in result["groups"]}
-    assert decayed == {0.1: sum(p.numel() for p in lm.parameters()) - norms, 0.0: norms}
-
-
 @pytest.mark.e2e
 def test_export_without_checkpoint_says_so(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", str(tmp_path),
                            "--output", str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr
-
-
-def test_run_dir_names_the_run():
-    assert (load_experiment(None).name, load_experiment(None).run_dir) == ("sample-tiny-clm", "runs/sample-tiny-clm")
-    assert load_experiment(None, ["run_dir=/tmp/runs/mntp-try2/"]).name == "mntp-try2"
-    assert load_experiment(None, ["name=x", "run_dir=/tmp/y"]).name == "x"  # an explicit name wins
-
-
-def test_ds_config_auto_fields_and_conflicts():
-    exp = load_experiment(None, ["train.micro_batch=3", "train.grad_accum=2"])
-    ds = resolve_ds_config({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-                            "zero_optimization": {"stage": 3}}, exp, world_size=4, bf16=False)
-    assert ds["train_batch_size"] == 24 and ds["gradient_accumulation_steps"] == 2 and ds["bf16"]["enabled"] is False
-    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu = 8 contradicts.*train.micro_batch"):
-        resolve_ds_config({"train_micro_batch_size_per_gpu": 8}, exp, world_size=1, bf16=False)
-    with pytest.raises(ConfigError, match="scheduler"):
-        resolve_ds_config({"scheduler": {"type": "WarmupLR"}}, exp, world_size=1, bf16=False)
-    with pytest.raises(ConfigError, match="optimizer.params.lr"):
-        resolve_ds_config({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, exp, world_size=1, bf16=False)
-
-
-def test_global_batch_is_micro_batch_times_grad_accum_times_world():
-    """One product for DeepSpeed's train_batch_size, preflight's checks and the planner: a phase's or the units' own
-    micro-batch replaces train.micro_batch, 0 (unset) keeps it."""
-    t = load_experiment(None, ["train.micro_batch=3", "train.grad_accum=2"]).train
-    assert [t.global_batch(1), t.global_batch(4), t.global_batch(4, 5), t.global_batch(4, 0)] == [6, 24, 40, 24]
-
-
-def test_ds_config_reduces_and_accumulates_bf16_gradients_in_fp32():
-    """bf16 weights get fp32 gradient reduction (on more than one rank: one has nothing to reduce) and (with ZeRO)
-    fp32 accumulation unless the JSON chooses; fp32 training and stage 0 (where DeepSpeed cannot accumulate bf16
-    gradients in fp32) are left alone."""
-    exp = load_experiment(None)
-    zero3 = resolve_ds_config({"zero_optimization": {"stage": 3}}, exp, world_size=2, bf16=True)
-    assert zero3["communication_data_type"] == "fp32" and zero3["data_types"] == {"grad_accum_dtype": "fp32"}
-    one_rank = resolve_ds_config({"zero_optimization": {"stage": 1}}, exp, world_size=1, bf16=True)
-    assert "communication_data_type" not in one_rank and one_rank["data_types"] == {"grad_accum_dtype": "fp32"}
-    stage0 = resolve_ds_config({}, exp, world_size=2, bf16=True)
-    assert stage0["communication_data_type"] == "fp32" and "data_types" not in stage0
-    assert not {"communication_data_type", "data_types"} & set(resolve_ds_config({}, exp, world_size=2, bf16=False))
-    theirs = resolve_ds_config({"zero_optimization": {"stage": 2}, "communication_data_type": "bf16",
-                                "data_types": {"grad_accum_dtype": "bf16"}}, exp, world_size=2, bf16=True)
-    assert theirs["communication_data_type"] == "bf16" and theirs["data_types"] == {"grad_accum_dtype": "bf16"}
-
-
-def test_zero3_on_one_gpu_is_told_of_zero1():
-    """The user's command names zero3.json; on one GPU, where it shards nothing, rank 0 says what is faster."""
-    zero3 = {"zero_optimization": {"stage": 3}}
-    assert "--config ds_configs/zero1.json trains faster" in sharding_note(zero3, world=1, cuda=True)
-    assert sharding_note(zero3, world=2, cuda=True) is None  # a second rank: ZeRO-3 shards
-    assert sharding_note(zero3, world=1, cuda=False) is None  # CPU ranks: the measured layouts differ (BENCHMARKS)
-    assert sharding_note({"zero_optimization": {"stage": 1}}, world=1, cuda=True) is None
-    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
-    assert sharding_note(offload, world=1, cuda=True) is None  # offload needs ZeRO-3
-
-
-def test_batch_warmup_config_errors_name_the_field():
-    warm = ["train.micro_batch=2", "train.grad_accum=4", "train.steps=20", "train.batch_warmup.steps=8"]
-    with pytest.raises(ConfigError, match=r"^train.batch_warmup.start: 0.0 is out of range; it must be in \(0, 1\]$"):
-        load_experiment(None, [*warm, "train.batch_warmup.start=0"])
-    with pytest.raises(ConfigError, match="^train.batch_warmup.multiple: 3 samples are not whole micro-batches of "
-                                          "train.micro_batch 2; set a multiple of micro_batch x the world size$"):
-        load_experiment(None, [*warm, "train.batch_warmup.multiple=3"])
-    with pytest.raises(ConfigError, match=r"^train.batch_warmup.steps: 8 steps outlast the first phase \(5 steps\)"):
-        load_experiment(None, [*warm, "phases=[{share: 0.25, objectives: [{name: clm}]}, "
-                                      "{share: 0.75, objectives: [{name: mlm}]}]"])
-    t = load_experiment(None, [*warm, "train.batch_warmup.multiple=6"]).train
-    with pytest.raises(ConfigError, match="^train.batch_warmup.multiple: 6 samples do not make whole micro-batches "
-                                          "of 2 on each of 2 ranks within the global batch of 16; set it to a "
-                                          "multiple of 4 up to 16"):
-        batch_warmup(t, 2)
-    assert batch_warmup(t, 1).granule == 3 and batch_warmup(t, 3).granule == 3  # 6 samples: 3 micro-batches of 2
-    default = load_experiment(None, warm).train
-    assert batch_warmup(default, 2) == BatchWarmup(full=8, start=0.25, steps=8, granule=2)  # micro_batch x world
-    assert batch_warmup(load_experiment(None, []).train, 2) is None  # steps 0: no warmup
-
-
-def test_experiment_config_errors_name_the_key():
-    with pytest.raises(ConfigError, match=r"phases.0.objectives.0.name: 'bert' is not allowed; choose one of"):
-        load_experiment(None, ["phases=[{objectives: [{name: bert}]}]"])
-    with pytest.raises(ConfigError, match=r"train.stepz: unknown key"):
-        load_experiment(None, ["train.stepz=3"])
-    with pytest.raises(ConfigError, match="shares must sum to 1"):
-        load_experiment(None, ["phases=[{share: 0.5, objectives: [{name: clm}]}]"])
-    exp = load_experiment(None, ["train.steps=100", "phases=[{share: 0.25, objectives: [{name: clm}]}, "
-                                 "{share: 0.75, objectives: [{name: mlm, ratio: 0.4}]}]"])
-    assert exp.phase_starts() == [0, 25]
-    assert exp.phase_at(24)[1].name == "clm" and exp.phase_at(25)[1].name == "mlm"

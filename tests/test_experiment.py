@@ -1,0 +1,58 @@
+"""The experiment's fields as they load (pipeline/experiment.py): the run's name, errors that name the key, the
+phases' boundaries, and the batch warmup's fields checked against the world size (pipeline/train/batch_warmup.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import ConfigError
+from pipeline.data.order import BatchWarmup
+from pipeline.experiment import load_experiment
+from pipeline.train.batch_warmup import batch_warmup
+
+
+def test_run_dir_names_the_run():
+    assert (load_experiment(None).name, load_experiment(None).run_dir) == ("sample-tiny-clm", "runs/sample-tiny-clm")
+    assert load_experiment(None, ["run_dir=/tmp/runs/mntp-try2/"]).name == "mntp-try2"
+    assert load_experiment(None, ["name=x", "run_dir=/tmp/y"]).name == "x"  # an explicit name wins
+
+
+def test_batch_warmup_config_errors_name_the_field():
+    warm = ["train.micro_batch=2", "train.grad_accum=4", "train.steps=20", "train.batch_warmup.steps=8"]
+    with pytest.raises(ConfigError, match=r"^train.batch_warmup.start: 0.0 is out of range; it must be in \(0, 1\]$"):
+        load_experiment(None, [*warm, "train.batch_warmup.start=0"])
+    with pytest.raises(ConfigError, match="^train.batch_warmup.multiple: 3 samples are not whole micro-batches of "
+                                          "train.micro_batch 2; set a multiple of micro_batch x the world size$"):
+        load_experiment(None, [*warm, "train.batch_warmup.multiple=3"])
+    with pytest.raises(ConfigError, match=r"^train.batch_warmup.steps: 8 steps outlast the first phase \(5 steps\)"):
+        load_experiment(None, [*warm, "phases=[{share: 0.25, objectives: [{name: clm}]}, "
+                                      "{share: 0.75, objectives: [{name: mlm}]}]"])
+    t = load_experiment(None, [*warm, "train.batch_warmup.multiple=6"]).train
+    with pytest.raises(ConfigError, match="^train.batch_warmup.multiple: 6 samples do not make whole micro-batches "
+                                          "of 2 on each of 2 ranks within the global batch of 16; set it to a "
+                                          "multiple of 4 up to 16"):
+        batch_warmup(t, 2)
+    assert batch_warmup(t, 1).granule == 3 and batch_warmup(t, 3).granule == 3  # 6 samples: 3 micro-batches of 2
+    default = load_experiment(None, warm).train
+    assert batch_warmup(default, 2) == BatchWarmup(full=8, start=0.25, steps=8, granule=2)  # micro_batch x world
+    assert batch_warmup(load_experiment(None, []).train, 2) is None  # steps 0: no warmup
+
+
+def test_experiment_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"phases.0.objectives.0.name: 'bert' is not allowed; choose one of"):
+        load_experiment(None, ["phases=[{objectives: [{name: bert}]}]"])
+    with pytest.raises(ConfigError, match=r"train.stepz: unknown key"):
+        load_experiment(None, ["train.stepz=3"])
+    with pytest.raises(ConfigError, match="shares must sum to 1"):
+        load_experiment(None, ["phases=[{share: 0.5, objectives: [{name: clm}]}]"])
+    exp = load_experiment(None, ["train.steps=100", "phases=[{share: 0.25, objectives: [{name: clm}]}, "
+                                 "{share: 0.75, objectives: [{name: mlm, ratio: 0.4}]}]"])
+    assert exp.phase_starts() == [0, 25]
+    assert exp.phase_at(24)[1].name == "clm" and exp.phase_at(25)[1].name == "mlm"
+
+
+def test_global_batch_is_micro_batch_times_grad_accum_times_world():
+    """One product for DeepSpeed's train_batch_size, preflight's checks and the planner: a phase's or the units' own
+    micro-batch replaces train.micro_batch, 0 (unset) keeps it."""
+    t = load_experiment(None, ["train.micro_batch=3", "train.grad_accum=2"]).train
+    assert [t.global_batch(1), t.global_batch(4), t.global_batch(4, 5), t.global_batch(4, 0)] == [6, 24, 40, 24]
