@@ -10,7 +10,7 @@ import torch
 
 from pipeline.config import ConfigError
 from pipeline.experiment import load_experiment
-from pipeline.model.build import build_model, check_checkpoint_shape
+from pipeline.model.build import build_model, check_checkpoint_shape, start_checkpoint_config
 
 
 def _save_tiny(path, **changes) -> str:
@@ -48,6 +48,21 @@ def test_start_checkpoint_of_another_architecture_is_refused(tmp_path):
     (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; supported architectures: llama"):
         check_checkpoint_shape(path, "tiny")
+
+
+def test_start_config_checks_the_shape_it_read_before_the_tokenizer(tmp_path):
+    """Preflight reads the start checkpoint's config once: ``start_checkpoint_config`` checks ``model.shape`` on it
+    first (the shape is the first thing wrong), then the tokenizer."""
+    path = _save_tiny(tmp_path / "tiny")
+    with pytest.raises(ValueError, match=r"the start checkpoint has 2 layers.*but model.shape '610m'"):
+        start_checkpoint_config(path, 99, shape="610m")
+    with pytest.raises(ValueError, match="vocab_size 100 does not match the data tokenizer's 99"):
+        start_checkpoint_config(path, 99, shape="tiny")
+    with pytest.raises(ValueError, match="missing'.*start checkpoint does not exist.*launch/export_hf.py"):
+        start_checkpoint_config(str(tmp_path / "missing"), 100, shape="tiny")
+    with pytest.raises(ValueError, match="no such directory"):
+        start_checkpoint_config(str(tmp_path / "missing"), 100)
+    assert start_checkpoint_config(path, 100, shape="tiny").num_hidden_layers == 2
 
 
 def test_unknown_shape_is_a_config_error():

@@ -13,7 +13,7 @@ from helpers import make_shard_dir
 
 from pipeline.data.batch import collate
 from pipeline.data.format import UNMASKABLE, Sample
-from pipeline.data.loader import ShardLoader, check_compatible, iter_eval
+from pipeline.data.loader import ShardLoader, check_compatible, check_enough_samples, iter_eval
 from pipeline.data.manifest import job_manifest_name, load_index
 from pipeline.data.order import BatchWarmup, permute
 from pipeline.data.tar_shard import ShardReader
@@ -137,7 +137,11 @@ def test_check_compatible(index):
 
 def test_too_small_or_inconsistent_directory(index, tmp_path):
     with pytest.raises(ValueError, match="37 samples, fewer than one global batch of 40"):
-        ShardLoader(index, micro_batch=10, grad_accum=2, dp_world=2, dp_rank=1)
+        check_enough_samples(index, 10 * 2 * 2)  # micro_batch 10 x grad_accum 2 x dp_world 2: preflight's check
+    check_enough_samples(index, 37)
+    with pytest.raises(ValueError, match=r"37 samples, 33 of them for training \(4 held out\), fewer than one global "
+                                         r"batch of 36"):
+        check_enough_samples(index, 36, num_samples=33)
     directory = make_shard_dir(tmp_path, num_samples=8, samples_per_shard=8)
     path = os.path.join(directory, job_manifest_name(0))
     with open(path) as f:

@@ -61,15 +61,15 @@ def check_shard_kind(index: DatasetIndex, kind: str, setting: str, readers: list
                          f"{', '.join(readers)} reads packed samples; point {setting} at shards built without --units")
 
 
-def check_enough_samples(index: DatasetIndex, global_batch: int, detail: str = "",
-                         num_samples: int | None = None) -> None:
-    """A loader yields whole global batches: a directory with fewer samples than one would yield nothing.
+def check_enough_samples(index: DatasetIndex, global_batch: int, num_samples: int | None = None) -> None:
+    """A loader yields whole global batches: a directory with fewer samples than one would yield nothing. Checked
+    once, before any loader is built (the trainer's preflight); :class:`ShardLoader` does not repeat it.
     ``num_samples``: the samples training reads, when some are held out (default: all)."""
     n = index.num_samples if num_samples is None else num_samples
     if n < global_batch:
         held = f", {n} of them for training ({index.num_samples - n} held out)" if n != index.num_samples else ""
         raise ValueError(f"{index.directory} holds {index.num_samples} samples{held}, fewer than one global batch of "
-                         f"{global_batch}{detail}; use a smaller batch or build more data")
+                         f"{global_batch}; use a smaller batch or build more data")
 
 
 def _shard_size(index: DatasetIndex, info: ShardInfo) -> int:
@@ -233,7 +233,9 @@ class ShardLoader:
     built it already over these training samples with this seed (the trainer passes preflight's), else built here. ``holdout`` (instead of
     ``num_samples``): ``eval.holdout``'s split (``pipeline.data.holdout``), training on its training samples only:
     the first ones of a directory of one source (as ``num_samples``), each source's first ones of several; the
-    state then records each source's held-out count, and a resume with another split is refused.
+    state then records each source's held-out count, and a resume with another split is refused. The directory
+    must hold one global batch of training samples: the caller checks that once (:func:`check_enough_samples`,
+    the trainer's preflight).
     """
 
     def __init__(self, index: DatasetIndex, micro_batch: int, grad_accum: int = 1, dp_rank: int = 0,
@@ -267,8 +269,6 @@ class ShardLoader:
         else:
             self._order = TrainOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world,
                                      ids=holdout.train if spread else None, warmup=warmup)
-        check_enough_samples(index, self.global_batch, f" (micro_batch {micro_batch} x grad_accum {grad_accum} x "
-                                                       f"dp_world {dp_world})", num_samples)
         self._samples_consumed_at_start = 0
         self._micro_consumed = 0  # micro-batches handed out since the order's first_step
         self._iterator: Iterator[Batch] | None = None

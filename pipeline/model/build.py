@@ -51,14 +51,18 @@ def build_model(spec: str, vocab_size: int, *, dtype: torch.dtype = torch.float3
 
 
 def start_checkpoint_config(spec: str, vocab_size: int, *, bos_token_id: int | None = None,
-                            eos_token_id: int | None = None) -> PretrainedConfig:
-    """The config of the HF checkpoint directory ``spec`` (not a preset), checked against the data tokenizer."""
-    path = Path(spec)
+                            eos_token_id: int | None = None, shape: str = "") -> PretrainedConfig:
+    """The config of the HF checkpoint directory ``spec`` (not a preset), read once and checked: of the preset
+    ``shape``'s shape when given (``model.shape``, :func:`check_checkpoint_shape`), then against the data
+    tokenizer."""
+    path = start_dir(spec) if shape else Path(spec)
     if not path.is_dir():
         hint = f"no such directory {spec!r}" if ("/" in spec or spec.startswith(".")) else f"unknown preset {spec!r}"
         raise ValueError(f"{hint}; the model must be one of the presets {', '.join(PRESETS)} "
                          f"or a local HF checkpoint directory (model_type {', '.join(ARCHITECTURES)})")
     config = project_masks(load_checkpoint_config(path))
+    if shape:
+        check_checkpoint_shape(spec, shape, config)
     check_tokenizer_compatible(config, path, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     return config
 
@@ -115,20 +119,28 @@ def check_sliding_window(config: PretrainedConfig, spec: str, seq_len: int) -> N
                          f"project's attention masks have no sliding window, so set data.seq_len <= {window}")
 
 
-def check_checkpoint_shape(spec: str, preset: str) -> None:
+def start_dir(spec: str) -> Path:
+    """The start checkpoint directory of continued pretraining, which must exist."""
+    path = Path(spec)
+    if not path.is_dir():
+        raise ValueError(f"model.init {spec!r}: the start checkpoint does not exist; continued pretraining starts "
+                         "from the HF export of a finished run (RUN/hf, written at the end of its training, or "
+                         "launch/export_hf.py --run RUN --output DIR); finish or export that run first")
+    return path
+
+
+def check_checkpoint_shape(spec: str, preset: str, config: PretrainedConfig | None = None) -> None:
     """Continued pretraining names the size it continues (``model.shape``): the checkpoint in ``spec`` must have
-    that preset's shape, so a run never silently continues the wrong start model."""
+    that preset's shape, so a run never silently continues the wrong start model. ``config``: the checkpoint's,
+    when the caller read it already (:func:`start_checkpoint_config`), else read here."""
     want = get_preset(preset)
     if spec in PRESETS:
         if spec != preset:
             raise ValueError(f"model.init is the preset {spec!r} but model.shape is {preset!r}; make them agree")
         return
     path = Path(spec)
-    if not path.is_dir():
-        raise ValueError(f"model.init {spec!r}: the start checkpoint does not exist; continued pretraining starts "
-                         "from the HF export of a finished run (RUN/hf, written at the end of its training, or "
-                         "launch/export_hf.py --run RUN --output DIR); finish or export that run first")
-    config = load_checkpoint_config(path)
+    if config is None:
+        config = load_checkpoint_config(start_dir(spec))
     got = (config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.num_attention_heads,
            config.num_key_value_heads, num_experts(config))
     expected = (want.num_layers, want.hidden_size, want.ffn_size, want.num_heads, want.num_kv_heads, want.experts)

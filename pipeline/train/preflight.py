@@ -97,16 +97,16 @@ def lock_run_dir(run_dir: str, held: contextlib.ExitStack) -> list[str]:
 
 
 def _start_config(exp: ExperimentConfig, tokenizer: Tokenizer) -> PretrainedConfig | None:
-    """The start model: a preset (None), or a checkpoint directory that fits the tokenizer, ``model.shape`` and the
+    """The start model: a preset (None), or a checkpoint directory that fits ``model.shape``, the tokenizer and the
     sequence length (its config, read once: the model builder takes it)."""
     try:
-        if exp.model.shape:
-            check_checkpoint_shape(exp.model.init, exp.model.shape)
         if exp.model.init in PRESETS:
+            if exp.model.shape:
+                check_checkpoint_shape(exp.model.init, exp.model.shape)
             return None
         info = tokenizer.info
         config = start_checkpoint_config(exp.model.init, info.vocab_size, bos_token_id=info.bos_id,
-                                         eos_token_id=info.eos_id)
+                                         eos_token_id=info.eos_id, shape=exp.model.shape)
         check_sliding_window(config, exp.model.init, exp.phases_data[-1].context)
         return config
     except ValueError as e:
@@ -202,8 +202,10 @@ def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
                             source_default=d.build_source_default))
 
 
-def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
-                 kind: str, readers: list[str], global_batch: int, holdout: float = 0.0) -> DatasetIndex:
+def _load_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
+                kind: str, readers: list[str]) -> DatasetIndex:
+    """The index of ``directory``: present, built with the tokenizer and sequence length, of the kind its
+    ``readers`` read, every shard of its recorded size."""
     if not has_shards(directory, d):
         raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with data_prep/build_shards.py"
                           + {"units": " --units", "pairs": " --pairs"}.get(kind, ""))
@@ -212,10 +214,23 @@ def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokeniz
     if readers:
         check_shard_kind(index, kind, setting, readers)
     check_shard_sizes(index)
+    return index
+
+
+def _check_enough(setting: str, index: DatasetIndex, global_batch: int, holdout: Holdout | None = None) -> None:
+    """The one check that the samples training reads of ``index`` (short of ``holdout``'s) fill a global batch:
+    the loaders built from it do not repeat it."""
     try:
-        check_enough_samples(index, global_batch, num_samples=split(index, holdout).train_count)
+        check_enough_samples(index, global_batch, None if holdout is None else holdout.train_count)
     except ValueError as e:
         raise ConfigError(f"{setting}: {e}") from None
+
+
+def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
+                 kind: str, readers: list[str], global_batch: int) -> DatasetIndex:
+    """:func:`_load_index`, all of whose samples are read in batches of ``global_batch``."""
+    index = _load_index(directory, setting, d, tokenizer, seq_len, kind, readers)
+    _check_enough(setting, index, global_batch)
     return index
 
 
@@ -246,13 +261,14 @@ def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: in
     notes, on rank 0)."""
     readers = shard_kind_readers(prepared.objectives)
     t, d, tok = exp.train, exp.data, prepared.tokenizer
-    indexes = {"packed": _check_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"],
-                                      t.global_batch(world), exp.eval.holdout)}
+    indexes = {"packed": _load_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"])}
+    holdout = split(indexes["packed"], exp.eval.holdout)  # once: training, validation and the mixture take it
+    _check_enough("data.shards", indexes["packed"], t.global_batch(world), holdout)
     for i, pd in _own_phase_data(exp):
         phase_readers = sorted({o.name for o in prepared.objectives[i] if o.objective.shard_kind == "packed"})
         indexes[pd.loader] = _check_index(pd.shards, f"phases[{i}].shards", d, tok, pd.seq_len, "packed",
                                           phase_readers, t.global_batch(world, pd.micro_batch))
-    validation, holdout = check_held_out(exp, tok, indexes["packed"])
+    validation = check_held_out(exp, tok, indexes["packed"], holdout)
     plan, notes = check_mixture(exp, indexes["packed"], holdout.limit, world) if d.source_mixture else (None, [])
     if readers["units"]:
         indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
@@ -277,16 +293,14 @@ def check_instruction_format(exp: ExperimentConfig, index: DatasetIndex) -> None
                                   f"it to {built!r} (or rebuild the shards with --instruction-format)")
 
 
-def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer,
-                   packed: DatasetIndex) -> tuple[ValidationSamples | None, Holdout]:
-    """(the validation samples, which packed samples training reads): the first ``eval.samples`` of
-    ``eval.shards``, or of the last ``eval.holdout`` of each source of ``data.shards`` (``pipeline.data.holdout``).
-    Training stops short of a holdout even while ``eval.every`` is 0, so turning validation on at a resume does not
-    change the training order."""
+def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer, packed: DatasetIndex,
+                   holdout: Holdout) -> ValidationSamples | None:
+    """The validation samples: the first ``eval.samples`` of ``eval.shards``, or of ``holdout``, the last
+    ``eval.holdout`` of each source of ``data.shards`` (``pipeline.data.holdout``). Training stops short of a holdout
+    even while ``eval.every`` is 0, so turning validation on at a resume does not change the training order."""
     v = exp.eval
-    holdout = split(packed, v.holdout)
     if not v.every:
-        return None, holdout
+        return None
     if v.shards:
         index = _check_index(v.shards, "eval.shards", exp.data, tokenizer, exp.data.seq_len, "packed",
                              ["validation"], 1)
@@ -301,11 +315,11 @@ def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer,
                           f"{available}; set eval.samples={available} (or 0: all of them), or hold out more")
     count = v.samples or available
     if v.shards:
-        return ValidationSamples(index, 0, count), holdout
+        return ValidationSamples(index, 0, count)
     ids = holdout.scored(count)
     if ids[-1] - ids[0] + 1 == count:  # one range: one source (its last samples), or all held out ones adjacent
-        return ValidationSamples(index, int(ids[0]), count), holdout
-    return ValidationSamples(index, int(ids[0]), count, ids), holdout
+        return ValidationSamples(index, int(ids[0]), count)
+    return ValidationSamples(index, int(ids[0]), count, ids)
 
 
 @contextlib.contextmanager
