@@ -28,9 +28,9 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 import datasets  # noqa: E402  (imported here so that its import time is not measured)
 
-from pipeline.data.build import run_job  # noqa: E402  (after TOKENIZERS_PARALLELISM)
-from pipeline.data.build_config import BuildConfig  # noqa: E402
-from pipeline.data.sources import RecordStats, read_texts  # noqa: E402
+from pipeline.data.prep.build import run_job  # noqa: E402  (after TOKENIZERS_PARALLELISM)
+from pipeline.data.prep.build_config import BuildConfig  # noqa: E402
+from pipeline.data.prep.sources import RecordStats, read_texts  # noqa: E402
 from pipeline.tokenizer import load_tokenizer  # noqa: E402
 
 BATCH = 512

@@ -38,8 +38,8 @@ def main() -> None:
     import deepspeed
     import torch
 
-    from pipeline.data.batch import Batch
-    from pipeline.data.format import UNMASKABLE
+    from pipeline.data.format.sample import UNMASKABLE
+    from pipeline.data.loading.batch import Batch
     from pipeline.experiment import load_experiment
     from pipeline.run_dir import RunDir
     from pipeline.tokenizer import load_tokenizer

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.data.batch import Batch, collate
-from pipeline.data.build_sample import PlanSettings, make_sample
+from pipeline.data.loading.batch import Batch, collate
+from pipeline.data.prep.build_sample import PlanSettings, make_sample
 from pipeline.model.attention import attention_inputs
 from pipeline.model.presets import PRESETS, ModelPreset
 from pipeline.objectives import CLM, CLMConfig, Magnet, MagnetConfig, Masking

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from pipeline.data.batch import Batch
+from pipeline.data.loading.batch import Batch
 from pipeline.model.attention import attention_inputs
 from pipeline.model.presets import PRESETS, ModelPreset
 from pipeline.objectives import MLM, Masking, MLMConfig

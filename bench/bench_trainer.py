@@ -167,10 +167,10 @@ def run(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from pipeline.data.build import run_job
-    from pipeline.data.build_config import BuildConfig
-    from pipeline.data.loader import ShardLoader
-    from pipeline.data.manifest import load_index
+    from pipeline.data.format.index import load_index
+    from pipeline.data.loading.loader import ShardLoader
+    from pipeline.data.prep.build import run_job
+    from pipeline.data.prep.build_config import BuildConfig
     from pipeline.experiment import load_experiment
     from pipeline.model.presets import ModelPreset
     from pipeline.tokenizer import load_tokenizer

@@ -15,11 +15,11 @@ import statistics
 import tempfile
 import time
 
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
-from pipeline.data.loader import ShardLoader
-from pipeline.data.manifest import load_index
-from pipeline.data.tar_shard import sha256_file
+from pipeline.data.format.index import load_index
+from pipeline.data.format.tar_shard import sha256_file
+from pipeline.data.loading.loader import ShardLoader
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(REPO, "data", "sample")

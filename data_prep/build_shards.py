@@ -3,13 +3,13 @@
     python data_prep/build_shards.py --input 'train/chunk*/example_train_*.jsonl.zst' \
         --tokenizer TOKENIZER_DIR --output shards/ --seq-len 2048 --num-jobs 64 --job-index 0 --workers 8
 
-Also installed as ``pipeline-build-shards``; options: ``--help``. The command line is pipeline/data/build_cli.py,
-the build pipeline/data/build.py (docs/data_prep.md).
+Also installed as ``pipeline-build-shards``; options: ``--help``. The command line is pipeline/data/prep/build_cli.py,
+the build pipeline/data/prep/build.py (docs/data_prep.md).
 """
 
 import sys
 
-from pipeline.data.build_cli import main
+from pipeline.data.prep.build_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,13 +2,13 @@
 
     python data_prep/inspect_shards.py shards/ --sample 0 --ratio 0.3 --policy 80-10-10
 
-Also installed as ``pipeline-inspect-shards``; options: ``--help``. The checks are pipeline/data/inspection.py
+Also installed as ``pipeline-inspect-shards``; options: ``--help``. The checks are pipeline/data/prep/inspection.py
 (docs/data_prep.md).
 """
 
 import sys
 
-from pipeline.data.inspection import main
+from pipeline.data.prep.inspection import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
 """Regenerate ``data/sample/pairs/``: a small real (query, positive, hard negative) set made from the sample corpus's
-training split by the rule in pipeline/data/pairs_sample.py (speech replies and continuations), for the tests and
+training split by the rule in pipeline/data/prep/pairs_sample.py (speech replies and continuations), for the tests and
 the supervised smoke run:
 
     python data_prep/make_pairs_sample.py [--output data/sample/pairs]
@@ -8,7 +8,7 @@ the supervised smoke run:
 import argparse
 import os
 
-from pipeline.data.pairs_sample import write_pairs_sample
+from pipeline.data.prep.pairs_sample import write_pairs_sample
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,12 +4,12 @@
         --vocab-size 8000 --output data/sample/tokenizer
 
 Also installed as ``pipeline-train-tokenizer``; options: ``--help``. The training is
-pipeline/data/tokenizer_training.py (docs/data_prep.md).
+pipeline/data/prep/tokenizer_training.py (docs/data_prep.md).
 """
 
 import sys
 
-from pipeline.data.tokenizer_training import main
+from pipeline.data.prep.tokenizer_training import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -38,7 +38,7 @@ class MixtureSource:
     max_repetition: float | None = None  # times over its samples may be read (None: data.mixture_max_repetition)
 
 
-MIN_RATIO = 1e-6  # mixture ratios are quantised to 2**-20 (pipeline.data.mixture)
+MIN_RATIO = 1e-6  # mixture ratios are quantised to 2**-20 (pipeline.data.loading.mixture)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 from pipeline.config import ConfigError
-from pipeline.data.manifest import MANIFEST
-from pipeline.data.remote import ShardStore, is_url
+from pipeline.data.format.index import MANIFEST
+from pipeline.data.format.remote import ShardStore, is_url
 from pipeline.experiment import DataConfig
 
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import SAMPLE_DIR
 from pipeline.model.build import build_model
 from pipeline.tokenizer import load_tokenizer

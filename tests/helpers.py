@@ -22,13 +22,13 @@ import threading
 import numpy as np
 import torch
 
-from pipeline.data.batch import Batch, collate
-from pipeline.data.build_sample import PlanSettings, make_sample
-from pipeline.data.format import FORMAT_VERSION
-from pipeline.data.manifest import MANIFEST, job_manifest_name, settings_fingerprint
-from pipeline.data.packing import Packer
-from pipeline.data.tar_shard import ShardWriter
-from pipeline.data.units import unit_sample
+from pipeline.data.format.index import MANIFEST, job_manifest_name, settings_fingerprint
+from pipeline.data.format.sample import FORMAT_VERSION
+from pipeline.data.format.tar_shard import ShardWriter
+from pipeline.data.loading.batch import Batch, collate
+from pipeline.data.prep.build_sample import PlanSettings, make_sample
+from pipeline.data.prep.packing import Packer
+from pipeline.data.prep.units import unit_sample
 from pipeline.io import write_json_atomic
 from pipeline.model.build import build_model
 

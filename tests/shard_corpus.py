@@ -8,7 +8,7 @@ import os
 
 import zstandard
 
-from pipeline.data.sources import RecordStats, read_texts
+from pipeline.data.prep.sources import RecordStats, read_texts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "data/sample/tokenizer")

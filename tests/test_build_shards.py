@@ -11,14 +11,14 @@ import torch
 import zstandard
 from shard_corpus import HOLDOUT, ROOT, TOKENIZER, TRAIN, documents, split_corpus
 
-from pipeline.data import build_cli
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig, BuildError
-from pipeline.data.format import UNMASKABLE, parse_key
-from pipeline.data.manifest import INDEX, MANIFEST, job_manifest_name, load_index
-from pipeline.data.masking import mask_targets
-from pipeline.data.sources import RecordStats, read_texts
-from pipeline.data.tar_shard import ShardReader
+from pipeline.data.format.index import INDEX, MANIFEST, job_manifest_name, load_index
+from pipeline.data.format.masking import mask_targets
+from pipeline.data.format.sample import UNMASKABLE, parse_key
+from pipeline.data.format.tar_shard import ShardReader
+from pipeline.data.prep import build_cli
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig, BuildError
+from pipeline.data.prep.sources import RecordStats, read_texts
 from pipeline.tokenizer import load_tokenizer
 
 SEQ_LEN = 128
@@ -78,7 +78,7 @@ def test_throughput_leaves_out_tokenizer_loading(corpus, tmp_path, monkeypatch, 
     """A slow tokenizer load (here 1 s) is reported apart and not divided into the docs/s and tokens/s."""
     import time
 
-    from pipeline.data import build
+    from pipeline.data.prep import build
 
     def slow_load(path):
         time.sleep(1.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch._dynamo.utils
 
-from pipeline.data.batch import Batch
+from pipeline.data.loading.batch import Batch
 from pipeline.model.build import build_model, compile_body
 from pipeline.model.checkpointing import enable_checkpointing
 from pipeline.objectives import CLM, MLM, CLMConfig, Masking, MLMConfig

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data.batch import Batch
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
-from pipeline.data.format import UNMASKABLE
+from pipeline.data.format.sample import UNMASKABLE
+from pipeline.data.loading.batch import Batch
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 from pipeline.eval import encode, load_model
 from pipeline.eval.encode import pool
 from pipeline.eval.finetune.protocol import FinetuneOptions, linear_warmup_decay, split_train
@@ -218,13 +218,13 @@ def test_embedding_tasks(model, data_dir):
 
 
 def test_zero_shot_retrieval_ranks_the_pool_with_instructed_queries(model, tmp_path):
-    """The held-out plays' reply set (the rule of pipeline.data.pairs_sample): NDCG@10 equals scikit-learn's on
+    """The held-out plays' reply set (the rule of pipeline.data.prep.pairs_sample): NDCG@10 equals scikit-learn's on
     encode()'s embeddings of "instruction: query" against bare documents; a model recorded with the supervised
     instruction format gets the same prefix, and a query without its instruction another ranking."""
     from sklearn.metrics import ndcg_score
 
-    from pipeline.data.pairs_sample import retrieval_rows
-    from pipeline.data.sources import RecordStats, read_texts
+    from pipeline.data.prep.pairs_sample import retrieval_rows
+    from pipeline.data.prep.sources import RecordStats, read_texts
 
     texts = list(read_texts(os.path.join(SAMPLE_DIR, "validation", "chunk1", "example_holdout_0.jsonl.zst"), "text",
                             RecordStats()))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import ConfigError
-from pipeline.data.order import BatchWarmup
+from pipeline.data.loading.order import BatchWarmup
 from pipeline.experiment import load_experiment
 from pipeline.train.batch_warmup import batch_warmup
 

@@ -40,16 +40,16 @@ from helpers import (
 )
 
 from pipeline.config import ConfigError
-from pipeline.data.loader import ShardCorrupt, ShardLoader, check_shard_sizes, verify_shard_hash
-from pipeline.data.manifest import (
+from pipeline.data.format.index import (
     MANIFEST,
     ShardInfo,
     job_manifest_name,
     load_index,
     settings_fingerprint,
-    write_json_atomic,
 )
-from pipeline.data.order import TrainOrder
+from pipeline.data.loading.loader import ShardCorrupt, ShardLoader, check_shard_sizes, verify_shard_hash
+from pipeline.data.loading.order import TrainOrder
+from pipeline.data.prep.manifest import write_json_atomic
 from pipeline.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
 from pipeline.lock import DirLock
 from pipeline.run_dir import RunDir

@@ -102,3 +102,15 @@ def test_deepspeed_train_script_runs_from_a_checkout_that_is_not_installed(tmp_p
     proc = subprocess.run([python, "-u", os.path.join(REPO, "launch", "train.py"), "--help"], capture_output=True,
                           text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0 and "deepspeed launch/train.py --config" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_training_reads_shards_without_data_prep():
+    """pipeline/data/ says by its folders what training reaches: format/ (the shard contract) and loading/ stand on
+    their own, and the trainer reaches prep/ only through preflight's build of missing shards."""
+    def prep_imports(top: str) -> dict[str, list[str]]:
+        found = {os.path.relpath(p, REPO): sorted(m for m in imported_modules(p) if m.startswith("pipeline.data.prep"))
+                 for p in python_files(top)}
+        return {p: m for p, m in found.items() if m}
+    assert prep_imports("pipeline/data/format") == prep_imports("pipeline/data/loading") == {}
+    assert set(prep_imports("pipeline/train")) <= {"pipeline/train/preflight.py"}
+    assert prep_imports("pipeline/objectives") == prep_imports("pipeline/model") == {}

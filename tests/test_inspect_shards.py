@@ -8,13 +8,13 @@ import pytest
 import torch
 from shard_corpus import TOKENIZER, split_corpus
 
-from pipeline.data import inspection
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
-from pipeline.data.format import UNMASKABLE, Sample
-from pipeline.data.manifest import job_manifest_name, load_index
-from pipeline.data.masking import mask_targets
-from pipeline.data.tar_shard import ShardReader
+from pipeline.data.format.index import job_manifest_name, load_index
+from pipeline.data.format.masking import mask_targets
+from pipeline.data.format.sample import UNMASKABLE, Sample
+from pipeline.data.format.tar_shard import ShardReader
+from pipeline.data.prep import inspection
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 
 
 @pytest.fixture(scope="module")

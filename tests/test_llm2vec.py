@@ -18,8 +18,8 @@ from shard_corpus import HOLDOUT, TOKENIZER, documents, write_jsonl_zst
 from transformers import AutoConfig
 
 from pipeline.config import to_dict
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 from pipeline.eval import encode, load_model
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
 from pipeline.experiment import load_experiment

@@ -17,8 +17,8 @@ from helpers import ONE_RANK, REPO, launch_training, logged_steps
 from safetensors.torch import load_file
 from shard_corpus import TRAIN, documents, write_jsonl_zst
 
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 EXPERIMENTS = os.path.join(REPO, "experiments", "llm2vec")
@@ -90,7 +90,7 @@ def test_mntp_simcse_supervised_chain_from_smollm2(smollm2, data, tmp_path, lora
     from mteb.mocks.mock_tasks.sts import MockSTSTask
     from sentence_transformers import SentenceTransformer
 
-    from pipeline.data.pairs import format_instruction
+    from pipeline.data.format.instructions import format_instruction
     from pipeline.eval import encode, load_model
     from pipeline.eval.mteb_encoder import MTEBEncoder
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.data.batch import Batch
+from pipeline.data.loading.batch import Batch
 from pipeline.model.build import build_model
 from pipeline.model.lm_head import ChunkedLMHead, chunk_lm_head, linear_cross_entropy
 from pipeline.objectives import CLM, CLMConfig

@@ -11,12 +11,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import make_shard_dir
 
-from pipeline.data.batch import collate
-from pipeline.data.format import UNMASKABLE, Sample
-from pipeline.data.loader import ShardLoader, check_compatible, check_enough_samples, iter_eval
-from pipeline.data.manifest import job_manifest_name, load_index
-from pipeline.data.order import BatchWarmup, permute
-from pipeline.data.tar_shard import ShardReader
+from pipeline.data.format.index import job_manifest_name, load_index
+from pipeline.data.format.sample import UNMASKABLE, Sample
+from pipeline.data.format.tar_shard import ShardReader
+from pipeline.data.loading.batch import collate
+from pipeline.data.loading.loader import ShardLoader, check_compatible, check_enough_samples, iter_eval
+from pipeline.data.loading.order import BatchWarmup
+from pipeline.data.loading.permutation import permute
 
 N, G = 37, 4  # samples in the test directory; global batch of every geometry below
 STEPS_PER_EPOCH = N // G

@@ -11,7 +11,7 @@ from helpers import packed_text_batch
 from shard_corpus import documents
 
 from pipeline.config import from_dict
-from pipeline.data.format import UNMASKABLE
+from pipeline.data.format.sample import UNMASKABLE
 from pipeline.model.attention import attention_inputs, dense_allowed
 from pipeline.model.build import build_model
 from pipeline.objectives import CLM, CLMConfig, Magnet, MagnetConfig, MNTPConfig, make_objective

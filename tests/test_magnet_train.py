@@ -16,8 +16,8 @@ from helpers import ONE_RANK, REPO, launch_training, logged_steps
 from shard_corpus import HOLDOUT, TOKENIZER, TRAIN, documents, write_jsonl_zst
 
 from pipeline.config import to_dict
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import load_experiment
 from pipeline.model.attention import VARLEN
 from pipeline.tokenizer import load_tokenizer

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.data.build_sample import PlanSettings, make_sample
-from pipeline.data.format import UNMASKABLE
-from pipeline.data.masking import apply_mask_plan, mask_targets
-from pipeline.data.packing import Packer
-from pipeline.data.spans import sample_spans
+from pipeline.data.format.masking import apply_mask_plan, mask_targets
+from pipeline.data.format.sample import UNMASKABLE
+from pipeline.data.prep.build_sample import PlanSettings, make_sample
+from pipeline.data.prep.packing import Packer
+from pipeline.data.prep.spans import sample_spans
 
 BOS, EOS, PAD, MASK = 1, 2, 0, 3
 SPECIAL = np.array([PAD, BOS, EOS, MASK])

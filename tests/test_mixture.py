@@ -1,4 +1,4 @@
-"""Source mixtures (``data.mixture``, ``pipeline/data/mixture.py``): the order's index arithmetic (ratios at every
+"""Source mixtures (``data.mixture``, ``pipeline/data/loading/mixture.py``): the order's index arithmetic (ratios at every
 prefix, maximum repetition, the error of a source too small for its share), the loader's world-size independent and
 resumable order, the config's and preflight's errors, the planner's tokens per source, and a real 2-rank ZeRO-3 CPU
 run on the sample corpus split into named sources (``shard_corpus.genre``) that logs its losses per source."""
@@ -14,13 +14,13 @@ from helpers import http_server, launch_training, logged_steps, make_shard_dir
 from shard_corpus import HOLDOUT, ROOT, TOKENIZER, sourced_corpus
 
 from pipeline.config import ConfigError, to_dict
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
-from pipeline.data.holdout import split
-from pipeline.data.loader import ShardLoader, iter_eval
-from pipeline.data.manifest import DatasetIndex, ShardInfo, load_index
-from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget, source_samples
-from pipeline.data.order import TrainOrder
+from pipeline.data.format.index import DatasetIndex, ShardInfo, load_index
+from pipeline.data.loading.holdout import split
+from pipeline.data.loading.loader import ShardLoader, iter_eval
+from pipeline.data.loading.mixture import Budget, MixtureError, MixturePlan, check_budget, source_samples
+from pipeline.data.loading.order import TrainOrder
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import load_experiment
 from pipeline.planner.report import PlannerInput, report
 from pipeline.train.preflight import preflight

@@ -16,10 +16,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import PreTrainedTokenizerFast
 
 from pipeline.config import ConfigError, from_tagged
-from pipeline.data.batch import Batch, collate
-from pipeline.data.build_sample import PlanSettings, make_sample
-from pipeline.data.format import UNMASKABLE
-from pipeline.data.packing import Packer
+from pipeline.data.format.sample import UNMASKABLE
+from pipeline.data.loading.batch import Batch, collate
+from pipeline.data.prep.build_sample import PlanSettings, make_sample
+from pipeline.data.prep.packing import Packer
 from pipeline.experiment import load_experiment
 from pipeline.model.attention import attention_inputs
 from pipeline.model.build import build_model

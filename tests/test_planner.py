@@ -22,7 +22,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import (
 from helpers import make_shard_dir
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from pipeline.data.manifest import load_index
+from pipeline.data.format.index import load_index
 from pipeline.experiment import load_experiment
 from pipeline.model.flops import param_counts
 from pipeline.model.presets import get_preset

@@ -16,10 +16,10 @@ from shard_corpus import HOLDOUT, TRAIN, documents, write_jsonl_zst
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.config import from_tagged
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
-from pipeline.data.loader import iter_eval
-from pipeline.data.manifest import load_index
+from pipeline.data.format.index import load_index
+from pipeline.data.loading.loader import iter_eval
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 from pipeline.model.build import build_model
 from pipeline.objectives import ObjectiveConfig, make_objective
 from pipeline.tokenizer import load_tokenizer

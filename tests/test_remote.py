@@ -1,4 +1,4 @@
-"""Shard directories at a URL (``pipeline/data/remote.py``): real shards served by a loopback HTTP server (and
+"""Shard directories at a URL (``pipeline/data/format/remote.py``): real shards served by a loopback HTTP server (and
 fsspec's in-memory filesystem for the other schemes) give the loader, preflight and a 2-rank ZeRO-3 run exactly what
 the local directory gives, through a dropped connection, a bounded cache and a server that never answers."""
 
@@ -14,13 +14,13 @@ import pytest
 from helpers import http_server, launch_training, logged_steps, make_shard_dir, one_error
 
 from pipeline.config import ConfigError
-from pipeline.data import inspection
-from pipeline.data.batch import Batch
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
-from pipeline.data.loader import ShardCorrupt, ShardLoader, check_shard_sizes, iter_eval
-from pipeline.data.manifest import load_index
-from pipeline.data.remote import RemoteError, ShardStore
+from pipeline.data.format.index import load_index
+from pipeline.data.format.remote import RemoteError, ShardStore
+from pipeline.data.loading.batch import Batch
+from pipeline.data.loading.loader import ShardCorrupt, ShardLoader, check_shard_sizes, iter_eval
+from pipeline.data.prep import inspection
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import SAMPLE_DIR, load_experiment
 from pipeline.train.preflight import check_setup
 

@@ -7,8 +7,8 @@ import tarfile
 import numpy as np
 import pytest
 
-from pipeline.data.format import TAR_MTIME, Sample, tar_end
-from pipeline.data.tar_shard import ShardReader, ShardWriter, sha256_file
+from pipeline.data.format.sample import TAR_MTIME, Sample, tar_end
+from pipeline.data.format.tar_shard import ShardReader, ShardWriter, sha256_file
 
 
 def npy_members(sample: Sample) -> list[tuple[str, bytes]]:

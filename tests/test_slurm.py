@@ -21,8 +21,8 @@ import pytest
 from shard_corpus import HOLDOUT, TOKENIZER, split_corpus
 from slurm.cluster import Cluster, missing_packages
 
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 from pipeline.run_dir import MARKER, RunDir, tag
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from shard_corpus import ROOT, TOKENIZER, genre, sourced_corpus
 
-from pipeline.data import inspection
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
-from pipeline.data.loader import ShardLoader
-from pipeline.data.manifest import INDEX, UNNAMED_SOURCE, job_manifest_name, load_index
-from pipeline.data.sources import RecordStats, SourceField, read_records
-from pipeline.data.tar_shard import ShardReader
+from pipeline.data.format.index import INDEX, UNNAMED_SOURCE, job_manifest_name, load_index
+from pipeline.data.format.tar_shard import ShardReader
+from pipeline.data.loading.loader import ShardLoader
+from pipeline.data.prep import inspection
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
+from pipeline.data.prep.sources import RecordStats, SourceField, read_records
 from pipeline.tokenizer import load_tokenizer
 
 SEQ_LEN = 128

@@ -1,4 +1,4 @@
-"""The input readers (pipeline/data/sources.py): jsonl (plain, .zst, .gz), parquet and HF dataset directories read
+"""The input readers (pipeline/data/prep/sources.py): jsonl (plain, .zst, .gz), parquet and HF dataset directories read
 alike, damaged files and bad records counted by reason, globs expanded."""
 
 import gzip
@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from pipeline.data.sources import InputError, RecordStats, expand_inputs, input_size, read_texts
+from pipeline.data.prep.sources import InputError, RecordStats, expand_inputs, input_size, read_texts
 
 _rng = random.Random(0)
 MANY = [f"document {i}: " + " ".join(f"w{_rng.randrange(10**6)}" for _ in range(i % 40 + 1)) for i in range(6000)]

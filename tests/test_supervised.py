@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from helpers import REPO, ZERO3, rendezvous, tiny_llama
 
 from pipeline.config import ConfigError
-from pipeline.data.batch import collate
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig, BuildError
-from pipeline.data.manifest import load_index
-from pipeline.data.pairs import format_instruction, instructed_rows, text_hash
-from pipeline.data.pairs_sample import write_pairs_sample
-from pipeline.data.tar_shard import ShardReader
+from pipeline.data.format.index import load_index
+from pipeline.data.format.instructions import format_instruction, instructed_rows, text_hash
+from pipeline.data.format.tar_shard import ShardReader
+from pipeline.data.loading.batch import collate
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig, BuildError
+from pipeline.data.prep.pairs_sample import write_pairs_sample
 from pipeline.experiment import load_experiment
 from pipeline.export.record import from_experiment
 from pipeline.objectives import Supervised, SupervisedConfig

@@ -15,8 +15,8 @@ import zstandard
 from sentencepiece import sentencepiece_model_pb2
 from transformers import AutoTokenizer
 
-from pipeline.data import tokenizer_training
-from pipeline.data.sources import RecordStats, read_texts
+from pipeline.data.prep import tokenizer_training
+from pipeline.data.prep.sources import RecordStats, read_texts
 from pipeline.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -19,8 +19,8 @@ import pytest
 import torch
 from helpers import ZERO3, launch_training, logged_steps
 
-from pipeline.data.loader import ShardLoader
-from pipeline.data.manifest import load_index
+from pipeline.data.format.index import load_index
+from pipeline.data.loading.loader import ShardLoader
 from pipeline.experiment import SAMPLE_DIR, load_experiment
 from pipeline.model.build import build_model
 from pipeline.model.weight_decay import param_groups

@@ -13,8 +13,8 @@ import torch
 from helpers import ZERO3, launch_training, logged_steps, make_shard_dir
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.data.loader import ShardLoader
-from pipeline.data.manifest import load_index
+from pipeline.data.format.index import load_index
+from pipeline.data.loading.loader import ShardLoader
 from pipeline.run_dir import RunDir, tag
 from pipeline.train.state import TrainState
 

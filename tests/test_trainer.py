@@ -18,8 +18,8 @@ from helpers import MASK, SPECIAL_IDS, logged_steps, make_shard_dir, packed_text
 from torch.overrides import TorchFunctionMode
 
 from pipeline.config import ConfigError, from_dict
-from pipeline.data.loader import ShardLoader
-from pipeline.data.manifest import load_index
+from pipeline.data.format.index import load_index
+from pipeline.data.loading.loader import ShardLoader
 from pipeline.experiment import SAMPLE_DIR, ExperimentConfig, PhaseSpec
 from pipeline.export.record import EncoderRecord
 from pipeline.model.build import build_model

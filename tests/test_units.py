@@ -10,16 +10,16 @@ import pytest
 from helpers import make_shard_dir
 from shard_corpus import TOKENIZER, documents, write_jsonl_zst
 
-from pipeline.data import build_cli
-from pipeline.data.batch import collate
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig, BuildError
-from pipeline.data.build_sample import PlanSettings, make_sample
-from pipeline.data.format import Sample
-from pipeline.data.loader import ShardLoader, check_shard_kind
-from pipeline.data.manifest import load_index
-from pipeline.data.tar_shard import ShardReader, ShardWriter
-from pipeline.data.units import split_units, unit_sample
+from pipeline.data.format.index import load_index
+from pipeline.data.format.sample import Sample
+from pipeline.data.format.tar_shard import ShardReader, ShardWriter
+from pipeline.data.loading.batch import collate
+from pipeline.data.loading.loader import ShardLoader, check_shard_kind
+from pipeline.data.prep import build_cli
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig, BuildError
+from pipeline.data.prep.build_sample import PlanSettings, make_sample
+from pipeline.data.prep.units import split_units, unit_sample
 
 DOC = """SCENE II. A Camp near Forres.
 

@@ -14,10 +14,10 @@ import pytest
 from helpers import launch_training, logged_steps, make_shard_dir
 
 from pipeline.config import ConfigError
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
-from pipeline.data.loader import ShardLoader, iter_eval
-from pipeline.data.manifest import load_index
+from pipeline.data.format.index import load_index
+from pipeline.data.loading.loader import ShardLoader, iter_eval
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import SAMPLE_DIR, load_experiment
 from pipeline.train.preflight import held_out_count, preflight
 

@@ -15,12 +15,12 @@ import webdataset
 import wids
 from shard_corpus import TOKENIZER, split_corpus
 
-from pipeline.data.batch import collate
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
-from pipeline.data.format import FIELDS, OPTIONAL_FIELDS, Sample
-from pipeline.data.manifest import DatasetIndex, load_index
-from pipeline.data.tar_shard import ShardReader
+from pipeline.data.format.index import DatasetIndex, load_index
+from pipeline.data.format.sample import FIELDS, OPTIONAL_FIELDS, Sample
+from pipeline.data.format.tar_shard import ShardReader
+from pipeline.data.loading.batch import collate
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 
 SEQ_LEN = 64
 

@@ -30,7 +30,7 @@ ZERO1_DEEPCOMPILE = os.path.join(REPO, "ds_configs", "zero1_deepcompile.json")
 ENGINE_STEPS = """
 import json, os, sys
 import deepspeed, torch, torch._dynamo.utils
-from pipeline.data.batch import Batch
+from pipeline.data.loading.batch import Batch
 from pipeline.experiment import load_experiment
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.ds_config import load_ds_config, resolve_ds_config

@@ -88,8 +88,8 @@ def prepare_data(directory: str, cfg: RunConfig, samples: int) -> Data:
     several of them at any ``seq_len``."""
     from bench_gpu import make_corpus, make_tokenizer
 
-    from pipeline.data.build import run_job
-    from pipeline.data.build_config import BuildConfig
+    from pipeline.data.prep.build import run_job
+    from pipeline.data.prep.build_config import BuildConfig
 
     data = Data(os.path.join(directory, f"shards-{cfg.seq_len}-{cfg.vocab}"), os.path.join(directory, f"tokenizer-{cfg.vocab}"))
     if not os.path.exists(os.path.join(data.shards, "index.json")):
@@ -156,8 +156,8 @@ def single_process() -> object:
 @contextmanager
 def opened_engine(cfg: RunConfig, data: Data, work: str, device):
     """:class:`Engine` of ``cfg``, destroyed afterwards. A config the experiment refuses raises ConfigError here."""
-    from pipeline.data.loader import ShardLoader
-    from pipeline.data.manifest import load_index
+    from pipeline.data.format.index import load_index
+    from pipeline.data.loading.loader import ShardLoader
     from pipeline.experiment import load_experiment
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config

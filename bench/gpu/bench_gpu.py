@@ -319,10 +319,10 @@ def measure_presets(settings: Settings, device, work: str, ds_raw: dict, peak: f
     import deepspeed
     import torch
 
-    from pipeline.data.build import run_job
-    from pipeline.data.build_config import BuildConfig
-    from pipeline.data.loader import ShardLoader
-    from pipeline.data.manifest import load_index
+    from pipeline.data.format.index import load_index
+    from pipeline.data.loading.loader import ShardLoader
+    from pipeline.data.prep.build import run_job
+    from pipeline.data.prep.build_config import BuildConfig
     from pipeline.experiment import load_experiment
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import resolve_ds_config

@@ -10,7 +10,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 # the trainer (deepspeed, the model, the loader), data prep (zstandard) and FusedAdam's Python side
-MODULES = ("deepspeed", "deepspeed.ops.adam", "pipeline.train.trainer", "pipeline.data.build")
+MODULES = ("deepspeed", "deepspeed.ops.adam", "pipeline.train.trainer", "pipeline.data.prep.build")
 
 
 def version(dist: str) -> str:

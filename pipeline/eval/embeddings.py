@@ -19,7 +19,7 @@ from typing import Literal
 
 import numpy as np
 
-from pipeline.data.pairs import format_instruction
+from pipeline.data.format.instructions import format_instruction
 from pipeline.eval.data import DataError, Row, dataset_name, read_rows
 from pipeline.eval.encode import encode
 from pipeline.eval.metrics import spearman, v_measure

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from pipeline.data.pairs import format_instruction, instructed_rows
+from pipeline.data.format.instructions import format_instruction, instructed_rows
 from pipeline.eval.forward import length_batches, pad_id, row_states, to_device
 from pipeline.eval.load import EvalModel
 from pipeline.eval.ranks import gather_rows, world
@@ -71,7 +71,7 @@ def rows_for(model: EvalModel, texts: Sequence[str], instruction: str | None, ma
              ) -> list[tuple[list[int], int, int]]:
     """(ids, first text position, end of text) per text; ``instruction`` is the verbatim prefix (already
     formatted, :func:`query_prefix`); the text is cut to fit ``max_length`` tokens. The layout is data prep's for
-    pairs shards (``pipeline.data.pairs.instructed_rows``), so supervised training pools what this pools."""
+    pairs shards (``pipeline.data.format.instructions.instructed_rows``), so supervised training pools what this pools."""
     head, tail = special_tokens(model.tokenizer, layout)
     return instructed_rows(model.tokenizer, texts, [instruction or ""] * len(texts), max_length, head, tail)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from pipeline.data.units import split_units
+from pipeline.data.prep.units import split_units
 from pipeline.eval.data import DataError, Row, dataset_name, read_rows
 from pipeline.eval.forward import encode_with_offsets, hidden_states, pad_id, pad_rows, token_owner, wrap
 from pipeline.eval.task import EvalContext, Task

@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from pipeline.data.loader import check_compatible, iter_eval
-from pipeline.data.manifest import load_index
+from pipeline.data.format.index import load_index
+from pipeline.data.loading.loader import check_compatible, iter_eval
 from pipeline.eval.task import EvalContext, Task
 from pipeline.objectives import CLMConfig, MaskedConfig, MLMConfig, MNTPConfig, make_objective
 

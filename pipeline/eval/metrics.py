@@ -19,7 +19,7 @@ import numpy as np
 from scipy import stats
 from sklearn.metrics import v_measure_score
 
-from pipeline.data.units import split_units
+from pipeline.data.prep.units import split_units
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:

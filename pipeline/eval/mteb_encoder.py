@@ -37,7 +37,7 @@ from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 from mteb.types import PromptType
 
-from pipeline.data.pairs import DEFAULT_FORMAT, format_instruction
+from pipeline.data.format.instructions import DEFAULT_FORMAT, format_instruction
 from pipeline.eval.encode import MAX_TOKENS, encode
 from pipeline.eval.load import EvalModel, load_model
 from pipeline.eval.ranks import init_from_env

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from pipeline.data.units import split_units
+from pipeline.data.prep.units import split_units
 from pipeline.eval.data import DataError, dataset_name, read_rows
 from pipeline.eval.forward import pad_id
 from pipeline.eval.metrics import rep_n, rep_sen

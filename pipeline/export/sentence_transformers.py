@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import replace
 
-from pipeline.data.pairs import format_instruction
+from pipeline.data.format.instructions import format_instruction
 from pipeline.export.record import EncoderRecord
 
 ST_POOLING = {"mean": "mean", "last": "lasttoken"}

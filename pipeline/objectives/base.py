@@ -19,8 +19,8 @@ import torch
 from transformers import PreTrainedModel
 
 from pipeline.config import ConfigError
-from pipeline.data.batch import Batch
-from pipeline.data.masking import POLICIES, apply_mask_plan
+from pipeline.data.format.masking import POLICIES, apply_mask_plan
+from pipeline.data.loading.batch import Batch
 from pipeline.model.attention import attention_inputs
 from pipeline.model.flops import body_work, segment_lengths
 from pipeline.model.lm_head import ChunkedLMHead, cross_entropy

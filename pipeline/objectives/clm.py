@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.data.batch import Batch
+from pipeline.data.loading.batch import Batch
 from pipeline.objectives.base import BaseConfig, Objective, Targets, next_token_targets
 
 

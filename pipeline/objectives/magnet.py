@@ -23,8 +23,8 @@ import torch
 from transformers import PreTrainedModel
 
 from pipeline.config import ConfigError
-from pipeline.data.batch import Batch
-from pipeline.data.format import UNMASKABLE
+from pipeline.data.format.sample import UNMASKABLE
+from pipeline.data.loading.batch import Batch
 from pipeline.objectives.base import (
     MaskedConfig,
     MaskedObjective,

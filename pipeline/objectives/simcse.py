@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from pipeline.config import ConfigError
-from pipeline.data.batch import Batch
+from pipeline.data.loading.batch import Batch
 from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
 from pipeline.objectives.infonce import info_nce
 from pipeline.tokenizer import Tokenizer

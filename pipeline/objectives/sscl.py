@@ -35,7 +35,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from pipeline.config import ConfigError
-from pipeline.data.batch import Batch
+from pipeline.data.loading.batch import Batch
 from pipeline.model.flops import body_work
 from pipeline.objectives.augment import edit_tokens
 from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput

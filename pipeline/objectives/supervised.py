@@ -1,6 +1,6 @@
 """LLM2Vec's supervised contrastive stage: (query, positive, hard negatives) rows with task instructions.
 
-A pairs sample (``build_shards.py --pairs``, ``pipeline/data/pairs.py``) holds t = 2 + K slots of W tokens: the
+A pairs sample (``build_shards.py --pairs``, ``pipeline/data/prep/pairs.py``) holds t = 2 + K slots of W tokens: the
 instructed query, its positive and K hard negatives. The [B, t x W] rows unpack to [B x t, W], cut to the longest
 slot, run once with bidirectional attention, and each slot is mean-pooled over its text tokens (``pool_spans``:
 the instruction, BOS and EOS left out, exactly what ``encode()`` pools). InfoNCE on cosine similarity at
@@ -30,8 +30,8 @@ import torch
 from transformers import PreTrainedModel
 
 from pipeline.config import ConfigError
-from pipeline.data.batch import Batch
-from pipeline.data.pairs import DEFAULT_FORMAT, check_format
+from pipeline.data.format.instructions import DEFAULT_FORMAT, check_format
+from pipeline.data.loading.batch import Batch
 from pipeline.model.flops import body_work, segment_lengths
 from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
 from pipeline.objectives.infonce import info_nce

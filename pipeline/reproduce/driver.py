@@ -1,5 +1,5 @@
 """Run the studies end to end: real data, SmolLM2 (``pipeline.model.gguf_import``), unit, span and pairs shards
-(``pipeline.data.build``), each grid's runs trained here through the sweep (``pipeline.sweep``, as
+(``pipeline.data.prep.build``), each grid's runs trained here through the sweep (``pipeline.sweep``, as
 ``launch/sweep.py --local``: finished runs skipped, unfinished ones resumed), every run and baseline without results
 evaluated (``pipeline.eval.runner``), the kept checkpoints too on the study's curve tasks (``pipeline.reproduce.curves``),
 then the report (``pipeline.eval.report.write``), the curves' plot and the results page. Each
@@ -42,9 +42,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
-from pipeline.data.manifest import MANIFEST
+from pipeline.data.format.index import MANIFEST
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.report.write import write_report
 from pipeline.eval.results import EvalResults

@@ -1,9 +1,9 @@
-"""``train.batch_warmup`` on this world size: the loaders' :class:`~pipeline.data.order.BatchWarmup`, checked."""
+"""``train.batch_warmup`` on this world size: the loaders' :class:`~pipeline.data.loading.order.BatchWarmup`, checked."""
 
 from __future__ import annotations
 
 from pipeline.config import ConfigError
-from pipeline.data.order import BatchWarmup
+from pipeline.data.loading.order import BatchWarmup
 from pipeline.experiment import TrainConfig
 
 

@@ -23,13 +23,18 @@ from dataclasses import dataclass, field, replace
 from transformers import PretrainedConfig
 
 from pipeline.config import ConfigError, to_dict
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig
-from pipeline.data.holdout import Holdout, ValidationSamples, held_out_count, split  # noqa: F401 - held_out_count: also preflight's
-from pipeline.data.loader import check_compatible, check_enough_samples, check_shard_kind, check_shard_sizes
-from pipeline.data.manifest import UNNAMED_SOURCE, DatasetIndex, load_index
-from pipeline.data.mixture import Budget, MixtureError, MixturePlan, check_budget
-from pipeline.data.order import BatchWarmup
+from pipeline.data.format.index import UNNAMED_SOURCE, DatasetIndex, load_index
+from pipeline.data.loading.holdout import Holdout, ValidationSamples, held_out_count, split  # noqa: F401 - held_out_count: also preflight's
+from pipeline.data.loading.loader import (
+    check_compatible,
+    check_enough_samples,
+    check_shard_kind,
+    check_shard_sizes,
+)
+from pipeline.data.loading.mixture import Budget, MixtureError, MixturePlan, check_budget
+from pipeline.data.loading.order import BatchWarmup
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import DataConfig, ExperimentConfig, PhaseData, ValidationConfig
 from pipeline.export.record import EncoderRecord, from_experiment
 from pipeline.inputs import check_buildable, has_shards, shard_store
@@ -296,7 +301,7 @@ def check_instruction_format(exp: ExperimentConfig, index: DatasetIndex) -> None
 def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer, packed: DatasetIndex,
                    holdout: Holdout) -> ValidationSamples | None:
     """The validation samples: the first ``eval.samples`` of ``eval.shards``, or of ``holdout``, the last
-    ``eval.holdout`` of each source of ``data.shards`` (``pipeline.data.holdout``). Training stops short of a holdout
+    ``eval.holdout`` of each source of ``data.shards`` (``pipeline.data.loading.holdout``). Training stops short of a holdout
     even while ``eval.every`` is 0, so turning validation on at a resume does not change the training order."""
     v = exp.eval
     if not v.every:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipeline.data.loader import ShardLoader
+from pipeline.data.loading.loader import ShardLoader
 
 
 @dataclass

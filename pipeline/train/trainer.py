@@ -19,7 +19,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from pipeline.data.loader import ShardLoader
+from pipeline.data.loading.loader import ShardLoader
 from pipeline.experiment import ExperimentConfig, PhaseData
 from pipeline.export.record import EncoderRecord
 from pipeline.model.flops import device_peak_tflops, work_flops

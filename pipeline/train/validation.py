@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeline.data.holdout import ValidationSamples
-from pipeline.data.loader import iter_eval
+from pipeline.data.loading.holdout import ValidationSamples
+from pipeline.data.loading.loader import iter_eval
 from pipeline.experiment import ValidationConfig
 from pipeline.objectives import CLMConfig, MLMConfig, MNTPConfig, make_objective
 from pipeline.tokenizer import Tokenizer

@@ -31,7 +31,7 @@ import json
 import os
 import re
 
-from pipeline.data.sources import RecordStats, read_texts
+from pipeline.data.prep.sources import RecordStats, read_texts
 
 SOURCE = os.path.join("data", "sample", "train", "chunk1", "example_train_0.jsonl.zst")
 ROWS = 128

@@ -29,19 +29,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.data.build_config import BuildConfig, BuildError
-from pipeline.data.build_file import FileResult, WorkerSpec, init_worker, pad_id, process_file
-from pipeline.data.build_sample import PlanSettings
-from pipeline.data.manifest import (
-    INDEX,
+from pipeline.data.format.index import INDEX, job_manifest_name
+from pipeline.data.prep.build_config import BuildConfig, BuildError
+from pipeline.data.prep.build_file import FileResult, WorkerSpec, init_worker, pad_id, process_file
+from pipeline.data.prep.build_sample import PlanSettings
+from pipeline.data.prep.manifest import (
     add_source_counts,
     ensure_manifest,
-    job_manifest_name,
     load_job,
     maybe_write_index,
     write_job,
 )
-from pipeline.data.sources import JSONL_SUFFIXES, InputError, expand_inputs
+from pipeline.data.prep.sources import JSONL_SUFFIXES, InputError, expand_inputs
 from pipeline.lock import DirLock, LockHeld
 from pipeline.tokenizer import load_tokenizer
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.data.manifest import DatasetIndex
-from pipeline.data.order import MAX_POSITION, permute
+from pipeline.data.format.index import DatasetIndex
+from pipeline.data.loading.permutation import MAX_POSITION, permute
 
 SCALE = 1 << 20  # ratios are integers over this
 

@@ -1,5 +1,5 @@
 """The data prep's command line: tokenize text into webdataset shards with document boundaries, masking plans and
-MAGNET spans (``pipeline.data.build.run_job``; ``pipeline-build-shards`` runs the same):
+MAGNET spans (``pipeline.data.prep.build.run_job``; ``pipeline-build-shards`` runs the same):
 
     python data_prep/build_shards.py --input 'train/chunk*/example_train_*.jsonl.zst' \\
         --tokenizer TOKENIZER_DIR --output shards/ --seq-len 2048 --num-jobs 64 --job-index 0 --workers 8
@@ -24,10 +24,10 @@ import errno
 import os
 import sys
 
-from pipeline.data.build import run_job
-from pipeline.data.build_config import BuildConfig, BuildError
-from pipeline.data.sources import InputError
-from pipeline.data.units import UNIT_MODES
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig, BuildError
+from pipeline.data.prep.sources import InputError
+from pipeline.data.prep.units import UNIT_MODES
 
 DEFAULT_UNIT_TOKENS = 128  # LLM2Vec's SimCSE max_seq_length
 DEFAULT_TEXT_TOKENS = 512  # LLM2Vec's supervised max_seq_length

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import fsspec
 import numpy as np
 
-from pipeline.data.format import index_path
-from pipeline.data.tar_shard import ShardCorrupt, ShardReader, sha256_mismatch
+from pipeline.data.format.sample import index_path
+from pipeline.data.format.tar_shard import ShardCorrupt, ShardReader, sha256_mismatch
 
 CHUNK = 1 << 20
 DEFAULT_CACHE = os.path.join(tempfile.gettempdir(), "decoder-encoders-shards")

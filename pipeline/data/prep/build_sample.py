@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.data.format import Sample, sample_key
-from pipeline.data.masking import maskable_positions, plan_masks, regular_token_table, sample_rng
-from pipeline.data.spans import sample_spans
+from pipeline.data.format.masking import maskable_positions, plan_masks, regular_token_table, sample_rng
+from pipeline.data.format.sample import Sample, sample_key
+from pipeline.data.prep.spans import sample_spans
 
 
 @dataclass(frozen=True)

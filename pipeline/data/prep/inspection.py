@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.data.format import UNMASKABLE, Sample, parse_key
-from pipeline.data.manifest import INDEX, DatasetIndex, load_index
-from pipeline.data.masking import POLICIES, apply_mask_plan
-from pipeline.data.remote import is_url
-from pipeline.data.tar_shard import ShardReader, sha256_file
+from pipeline.data.format.index import INDEX, DatasetIndex, load_index
+from pipeline.data.format.masking import POLICIES, apply_mask_plan
+from pipeline.data.format.remote import is_url
+from pipeline.data.format.sample import UNMASKABLE, Sample, parse_key
+from pipeline.data.format.tar_shard import ShardReader, sha256_file
 from pipeline.io import read_json
 from pipeline.tokenizer import load_tokenizer
 

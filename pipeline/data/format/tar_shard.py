@@ -8,7 +8,7 @@ import tarfile
 
 import numpy as np
 
-from pipeline.data.format import Sample, append_sample_tar, index_path, read_sample, tar_end
+from pipeline.data.format.sample import Sample, append_sample_tar, index_path, read_sample, tar_end
 from pipeline.io import fsync_replace
 
 SHARD_FIX = ("copy the shard again from where it was built, or rebuild the shard directory with "

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import sentencepiece as spm
 
-from pipeline.data.sources import InputError, RecordStats, expand_inputs, read_texts
+from pipeline.data.prep.sources import InputError, RecordStats, expand_inputs, read_texts
 from pipeline.tokenizer import Tokenizer, hf_from_sentencepiece, load_tokenizer
 
 SPECIALS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}

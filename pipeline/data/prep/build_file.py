@@ -20,13 +20,13 @@ from itertools import islice
 
 import numpy as np
 
-from pipeline.data.build_sample import PlanSettings, make_sample
-from pipeline.data.format import Sample
-from pipeline.data.packing import Packer
-from pipeline.data.pairs import PairsSettings, default_task, pair_samples, parse_row
-from pipeline.data.sources import RecordStats, SourceField, read_objects, read_records
-from pipeline.data.tar_shard import ShardWriter
-from pipeline.data.units import split_units, unit_sample
+from pipeline.data.format.sample import Sample
+from pipeline.data.format.tar_shard import ShardWriter
+from pipeline.data.prep.build_sample import PlanSettings, make_sample
+from pipeline.data.prep.packing import Packer
+from pipeline.data.prep.pairs import PairsSettings, default_task, pair_samples, parse_row
+from pipeline.data.prep.sources import RecordStats, SourceField, read_objects, read_records
+from pipeline.data.prep.units import split_units, unit_sample
 from pipeline.tokenizer import load_tokenizer
 
 ENCODE_BATCH_DOCS = 512

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.data.manifest import DatasetIndex
-from pipeline.data.mixture import SourceSamples
+from pipeline.data.format.index import DatasetIndex
+from pipeline.data.loading.mixture import SourceSamples
 
 
 def held_out_count(num_samples: int, fraction: float) -> int:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.data.format import MAX_SEQ_LEN
-from pipeline.data.packing import REMAINDER_POLICIES
-from pipeline.data.pairs import DEFAULT_FORMAT, PairsSettings, check_format, load_instructions
-from pipeline.data.sources import SourceField, input_size
-from pipeline.data.units import UNIT_MODES
+from pipeline.data.format.instructions import DEFAULT_FORMAT, check_format, load_instructions
+from pipeline.data.format.sample import MAX_SEQ_LEN
+from pipeline.data.prep.packing import REMAINDER_POLICIES
+from pipeline.data.prep.pairs import PairsSettings
+from pipeline.data.prep.sources import SourceField, input_size
+from pipeline.data.prep.units import UNIT_MODES
 
 
 class BuildError(RuntimeError):

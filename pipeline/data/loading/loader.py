@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.data.batch import Batch, collate
-from pipeline.data.format import UNMASKABLE, Sample
-from pipeline.data.holdout import Holdout
-from pipeline.data.manifest import DatasetIndex, ShardInfo
-from pipeline.data.mixture import MixturePlan
-from pipeline.data.order import BatchWarmup, EvalOrder, MixtureOrder, TrainOrder
-from pipeline.data.tar_shard import SHARD_FIX, ShardCorrupt, ShardReader, sha256_file, sha256_mismatch
+from pipeline.data.format.index import DatasetIndex, ShardInfo
+from pipeline.data.format.sample import UNMASKABLE, Sample
+from pipeline.data.format.tar_shard import SHARD_FIX, ShardCorrupt, ShardReader, sha256_file, sha256_mismatch
+from pipeline.data.loading.batch import Batch, collate
+from pipeline.data.loading.holdout import Holdout
+from pipeline.data.loading.mixture import MixturePlan
+from pipeline.data.loading.order import BatchWarmup, EvalOrder, MixtureOrder, TrainOrder
 
 STATE_KEYS = ("fingerprint", "seed", "epoch", "samples_in_epoch", "samples_consumed", "global_batch")
 
@@ -221,17 +221,17 @@ class ShardLoader:
     """A rank's endless stream of micro-batches over the epochs of a shard directory.
 
     Iterate it for micro-batches, or call :meth:`next_global_step` for the ``grad_accum`` micro-batches of one
-    optimizer step (fewer while ``warmup``, :class:`~pipeline.data.order.BatchWarmup`, grows the global batch). :meth:`state_dict` counts what was handed out, not what workers prefetched, rounded down to
+    optimizer step (fewer while ``warmup``, :class:`~pipeline.data.loading.order.BatchWarmup`, grows the global batch). :meth:`state_dict` counts what was handed out, not what workers prefetched, rounded down to
     whole optimizer steps (model and optimizer only change at step boundaries, so a resume replays the micro-batches
     of an unfinished step). The state is global (the next step, its epoch and position), so it loads into a
     loader with another ``dp_world``, ``micro_batch``, ``grad_accum`` or ``num_workers``; a resume inside a warmup
     needs the same warmup. ``verify`` checks each shard's sha256 when a process first opens it and every sample's token ids
     (its cost: BENCHMARKS.md). ``num_samples``: train on the first ones only (default all), the rest being held
     out for validation; a function of the index alone, so the held-out samples are the same on any world size.
-    ``mixture``: target ratios of the index's sources (``pipeline.data.mixture``) instead of one permutation of all
+    ``mixture``: target ratios of the index's sources (``pipeline.data.loading.mixture``) instead of one permutation of all
     samples; the state records it, and a resume with another mixture is refused. ``plan``: its plan when the caller
     built it already over these training samples with this seed (the trainer passes preflight's), else built here. ``holdout`` (instead of
-    ``num_samples``): ``eval.holdout``'s split (``pipeline.data.holdout``), training on its training samples only:
+    ``num_samples``): ``eval.holdout``'s split (``pipeline.data.loading.holdout``), training on its training samples only:
     the first ones of a directory of one source (as ``num_samples``), each source's first ones of several; the
     state then records each source's held-out count, and a resume with another split is refused. The directory
     must hold one global batch of training samples: the caller checks that once (:func:`check_enough_samples`,

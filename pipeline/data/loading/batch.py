@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from pipeline.data.format import UNMASKABLE, Sample
+from pipeline.data.format.sample import UNMASKABLE, Sample
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.data.format import UNMASKABLE
+from pipeline.data.format.sample import UNMASKABLE
 
 POLICIES = ("80-10-10", "mask")
 
