@@ -3,7 +3,7 @@
 # (the device tool's carry: ["build/gpu-wheels"]): the wheels of bench/gpu/requirements.txt for the GPU's Python
 # (cp312, manylinux x86-64), DeepSpeed's built from its sdist without ops. Then bench/gpu/run.sh there installs them.
 #   bench/gpu/prepare.sh [--python-version X.Y] [--out DIR]     (defaults: 3.12, build/gpu-wheels)
-# --python-version picks the wheels of another Python (tests/test_gpu_install.py fetches this machine's);
+# --python-version picks the wheels of another Python (tests/e2e/test_gpu_install.py fetches this machine's);
 # PYTHON (default .venv/bin/python, else python3) is the pip that builds and downloads.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

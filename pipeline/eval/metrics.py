@@ -1,4 +1,4 @@
-"""The evaluation metrics, each small enough to check by hand (``tests/test_eval_metrics.py`` does).
+"""The evaluation metrics, each small enough to check by hand (``tests/unit/eval/test_eval_metrics.py`` does).
 
 Spearman's rho and the Student-t quantile come from scipy, the V-measure from scikit-learn; the rest (NDCG as
 trec_eval, entity F1 as conlleval / seqeval, SQuAD's EM/F1, repetition rates) are written here in numpy, each

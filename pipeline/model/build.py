@@ -2,8 +2,8 @@
 
 Checkpoint families (``ARCHITECTURES``): Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2 and Gemma 3 (text), and the
 mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (their router loss: ``pipeline.model.moe``). Each runs
-the project's attention masks through its HF ``model.model(...)`` forward unchanged (tests/test_families.py,
-tests/test_moe.py); their sliding-window layers are the one thing those masks do not express
+the project's attention masks through its HF ``model.model(...)`` forward unchanged (tests/unit/model/test_families.py,
+tests/unit/model/test_moe.py); their sliding-window layers are the one thing those masks do not express
 (``check_sliding_window``).
 
 Both routes go through ``AutoModelForCausalLM.from_config`` / ``from_pretrained``: under ZeRO-3 (while the trainer

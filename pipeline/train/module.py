@@ -129,9 +129,9 @@ def leaf_layers(exp: ExperimentConfig) -> bool:
     """Whether the decoder layers may be ZeRO-3 leaf modules. DeepSpeed reduces a leaf module's gradients in its
     backward hook, which runs once per forward call, so each micro-step must run a layer once before its backward:
     a phase of several objectives sums their losses into one backward after one body forward each (DeepSpeed 0.19
-    then asserts on a parameter reduced twice: MAGNET + SSCL, tests/test_magnet_train.py). And a LoRA layer, whose
+    then asserts on a parameter reduced twice: MAGNET + SSCL, tests/e2e/test_magnet_train.py). And a LoRA layer, whose
     frozen weights take no gradient, reaches its backward with them still partitioned (a size-0 weight in the
-    input's gradient: tests/test_lora.py). Those runs keep the per-module hooks. Every objective runs the body once
+    input's gradient: tests/unit/model/test_lora.py). Those runs keep the per-module hooks. Every objective runs the body once
     a call (SimCSE its two views in one batch)."""
     return all(len(phase.objectives) == 1 for phase in exp.phases) and not exp.model.lora.r
 

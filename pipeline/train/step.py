@@ -195,7 +195,7 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     packed objective is then also summed per source (its loss over that source's targets in the global batch).
     ``counts``: :func:`target_counts` of the batches' host copies (the trainer's; default: counted here).
     """
-    # Nothing here reads the device back (tests/test_trainer.py counts the reads): a host sync drains the
+    # Nothing here reads the device back (tests/unit/train/test_trainer.py counts the reads): a host sync drains the
     # device's queue, so one before (or inside) the forward would leave it idle while the host launches. The target
     # counts come from the host; the logged numbers leave the device in one non-blocking copy (``StepResult``).
     device = next(engine.module.parameters()).device

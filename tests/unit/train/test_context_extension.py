@@ -27,7 +27,7 @@ from pipeline.planner.report import main as plan_main
 from pipeline.run_dir import RunDir
 from pipeline.train.preflight import check_setup
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../../.."))
 ETTIN_SMOKE = os.path.join(REPO, "experiments", "ettin", "ettin-210m-smoke.yaml")
 MLM = "{name: mlm, ratio: 0.3}"
 

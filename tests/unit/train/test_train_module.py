@@ -63,11 +63,11 @@ def test_speed_fields_are_validated():
 
 def test_layers_are_zero3_leaf_modules_only_where_a_micro_step_runs_each_once():
     """A phase of several objectives runs each layer once per objective before one backward; DeepSpeed reduces a
-    leaf module's gradients once per call, so such a run keeps per-module hooks (tests/test_magnet_train.py's
+    leaf module's gradients once per call, so such a run keeps per-module hooks (tests/e2e/test_magnet_train.py's
     two-stage MAGNET + SSCL run trains under ZeRO-3 with them), as a LoRA run does."""
     assert leaf_layers(load_experiment(None))  # one CLM phase
     two_phases = "phases=[{share: 0.5, objectives: [{name: clm}]}, {share: 0.5, objectives: [{name: mlm}]}]"
     assert leaf_layers(load_experiment(None, [two_phases]))
     mixed = "phases=[{objectives: [{name: clm}, {name: mlm}]}]"
     assert not leaf_layers(load_experiment(None, [mixed]))
-    assert not leaf_layers(load_experiment(None, ["model.lora.r=4"]))  # its frozen weights (tests/test_lora.py)
+    assert not leaf_layers(load_experiment(None, ["model.lora.r=4"]))  # its frozen weights (tests/unit/model/test_lora.py)

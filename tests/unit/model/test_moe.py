@@ -1,7 +1,7 @@
 """Mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) on tiny random checkpoints, in process: the
 router loss is transformers' own over the non-padding tokens, an MNTP step counts it in the loss and logs it, a
 resumed run continues bit for bit, and the planner's FLOPs count the routed experts only. Their masks, SDPA vs eager
-and plain-transformers export: tests/test_families.py; 2 ZeRO-3 ranks: there, and the trainer's run of the tiny-moe
+and plain-transformers export: tests/unit/model/test_families.py; 2 ZeRO-3 ranks: there, and the trainer's run of the tiny-moe
 preset below (its resume from a DeepSpeed checkpoint: make test-extended)."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_router_loss_is_transformers_over_the_real_tokens(family, moe, tokenizer
 
 
 class RecordingEngine(FakeEngine):
-    """The fake engine of tests/test_trainer.py, keeping each loss it back-propagates."""
+    """The fake engine of tests/unit/train/test_trainer.py, keeping each loss it back-propagates."""
 
     def backward(self, loss):
         self.losses = [*getattr(self, "losses", []), float(loss.detach())]

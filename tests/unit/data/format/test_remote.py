@@ -166,7 +166,7 @@ def test_training_on_a_url_that_never_answers_stops_with_one_line(tmp_path):
     line = one_error(proc, "error")
     assert line.startswith(f"error: {url}/manifest.json: failed 2 times, the last with TimeoutError"), line
     assert proc.returncode == 2
-    assert not os.path.exists(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "http:"))
+    assert not os.path.exists(os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "../../../..")), "http:"))
 
 
 def test_url_without_shards_is_a_config_error_and_nothing_is_built(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from PIL import Image
 from test_eval_tasks import make_data_dir
 from test_train_e2e import launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
 SMOKE = ["train.steps=6", "optim.warmup_steps=1", "optim.decay_steps=2", "checkpoint.every=6", "train.log_every=2"]
 GRID = {  # name -> phases: the MLM-vs-CLM axes (CLM share, masking ratio)
     "clm": "[{objectives: [{name: clm}]}]",

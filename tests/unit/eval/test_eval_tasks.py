@@ -29,7 +29,7 @@ from pipeline.experiment import SAMPLE_DIR
 from pipeline.objectives import MagnetConfig, make_objective
 from pipeline.tokenizer import load_tokenizer
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "eval")
+FIXTURES = os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "../..")), "fixtures", "eval")
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 TINY_SWEEP = ["lrs=[1e-3, 1e-4]", "seeds=[0, 1]", "max_steps=2", "batch_size=4"]
 

@@ -19,7 +19,7 @@ from pipeline.data.prep import tokenizer_training
 from pipeline.data.prep.sources import RecordStats, read_texts
 from pipeline.tokenizer import load_tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
 SAMPLE = os.path.join(ROOT, "data", "sample")
 SHIPPED = os.path.join(SAMPLE, "tokenizer")
 HOLDOUT = os.path.join(SAMPLE, "validation", "chunk1", "example_holdout_0.jsonl.zst")

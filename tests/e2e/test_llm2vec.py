@@ -98,7 +98,7 @@ def data(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.mark.e2e
 @pytest.mark.slow  # ~1 min of launches: the slow suite keeps make test under 20 min
-@pytest.mark.extended  # tests/test_llm2vec_chain.py runs MNTP then SimCSE from its export, from SmolLM2
+@pytest.mark.extended  # tests/e2e/test_llm2vec_chain.py runs MNTP then SimCSE from its export, from SmolLM2
 def test_smoke_recipe_mntp_then_simcse_on_two_zero3_ranks(data, tmp_path):
     packed, units = data
     mntp = str(tmp_path / "mntp")

@@ -25,7 +25,7 @@ from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
 from pipeline.run_dir import MARKER, RunDir, tag
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
 PREP = os.path.join(REPO, "launch", "slurm", "prep.sbatch")
 TRAIN = os.path.join(REPO, "launch", "slurm", "train.sbatch")
 SEQ_LEN, SAMPLES_PER_SHARD, ARRAY_TASKS = 64, 128, 3

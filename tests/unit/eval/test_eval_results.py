@@ -9,7 +9,7 @@ import os
 
 from pipeline.eval.results import EvalResults
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../../.."))
 
 
 def committed_results() -> list[str]:

@@ -3,7 +3,7 @@ Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) on tiny random configs: the project's mask
 forward equal to eager's) and leave its causal forward unchanged, a bidirectional export runs the same in plain
 transformers, a sliding window shorter than the sequences is refused, and (2 ZeRO-3 ranks, one run for the dense
 families and Mixtral) the trainer builds each one partitioned and takes a step of MNTP, MLM, MAGNET and SimCSE.
-The MoE router loss, steps and resume: tests/test_moe.py."""
+The MoE router loss, steps and resume: tests/unit/model/test_moe.py."""
 
 from __future__ import annotations
 

@@ -260,7 +260,7 @@ ZERO3_STEP = """
 import json, os, sys
 import deepspeed, torch
 from deepspeed.utils import safe_get_full_grad
-sys.path.insert(0, os.path.join(sys.argv[4], "tests"))
+sys.path[:0] = [os.path.join(sys.argv[4], "tests"), os.path.join(sys.argv[4], "tests/unit/objectives")]
 from test_supervised import real_batch
 from pipeline.experiment import load_experiment
 from pipeline.tokenizer import load_tokenizer
@@ -327,7 +327,7 @@ def test_grad_cache_under_zero3_on_two_ranks_equals_one_big_batch(pair_dir, toke
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # tests/test_llm2vec_chain.py trains this stage from SmolLM2 and checks the export's instructions
+@pytest.mark.extended  # tests/e2e/test_llm2vec_chain.py trains this stage from SmolLM2 and checks the export's instructions
 @pytest.mark.e2e
 def test_smoke_twin_trains_on_two_zero3_ranks_and_its_export_formats_instructions(tmp_path, init_dir):
     """supervised-smoke.yaml through launch/train.py (GradCache, 2 x 2 x 2 rows a step): 8 finite steps, and an export

@@ -49,7 +49,7 @@ from pipeline.objectives.base import resolve_mask_id
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 
 SEQ_LEN = 32
-TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "sample", "tokenizer")
+TOKENIZER_DIR = os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "../../..")), "data", "sample", "tokenizer")
 TEXTS = [  # Shakespeare, public domain: short and long documents, so some cross sample boundaries
     "To be, or not to be, that is the question.",
     "Whether 'tis nobler in the mind to suffer the slings and arrows of outrageous fortune, or to take arms "

@@ -31,7 +31,7 @@ from pipeline.train.module import TrainModule
 from pipeline.train.phases import build_objectives
 from pipeline.train.schedule import lr_multiplier
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 STEPS = 20
 COMMON = ["train.steps=20", "train.micro_batch=2", "train.grad_accum=2", "train.log_every=5",
@@ -155,7 +155,7 @@ def test_resume_is_bit_identical_and_survives_kill_during_an_async_checkpoint(ba
 
 
 @pytest.mark.e2e
-@pytest.mark.slow  # compiling in both ranks adds ~2.5 min on 2 cores; tests/test_compile.py is the fast check
+@pytest.mark.slow  # compiling in both ranks adds ~2.5 min on 2 cores; tests/unit/model/test_compile.py is the fast check
 @pytest.mark.extended  # and test_zero3_engine.py compiles the layers under ZeRO-3
 def test_compiled_body_under_zero3_gives_the_eager_losses(baseline, shards, init_dir, tmp_path):
     """model.compile with selective activation checkpointing and ZeRO-3's gather hooks around the compiled layers,

@@ -176,7 +176,7 @@ def test_a_checkpoint_of_every_zero_stage_exports_the_trained_weights(shards, tm
     assert offline.keys() == engine.keys()
     for name, weight in engine.items():
         assert torch.equal(offline[name], weight), name
-    for d in (out, os.path.join(run, "hf")):  # the model card of a CLM run (an encoder's: tests/test_export.py)
+    for d in (out, os.path.join(run, "hf")):  # the model card of a CLM run (an encoder's: tests/unit/export/test_export.py)
         meta = yaml.safe_load(open(os.path.join(d, "README.md")).read().split("---\n")[1])
         assert meta == {"library_name": "transformers", "pipeline_tag": "text-generation",
                         "tags": ["decoder-encoders", "clm"]}, d

@@ -1,5 +1,5 @@
 """LLM2Vec's three stages chained as its users run them, from the real SmolLM2 on the fastest CPU layout (one rank,
-no ZeRO; LoRA under ZeRO-3 on 2 ranks: tests/test_lora.py): MNTP, SimCSE from MNTP's export, then the supervised
+no ZeRO; LoRA under ZeRO-3 on 2 ranks: tests/unit/model/test_lora.py): MNTP, SimCSE from MNTP's export, then the supervised
 stage from SimCSE's export; with LoRA adapters (each stage merges the one before into the weights and trains a new
 one) and full-parameter. The last export embeds instructed queries the same through encode(), sentence-transformers
 and MTEB's encoder. Slow: three SmolLM2 launches of 2 steps each per variant."""

@@ -22,7 +22,7 @@ from pipeline.eval.forward import hidden_states, length_batches, pad_id, pad_row
 from pipeline.eval.runner import main as evaluate_main
 from pipeline.tokenizer import load_tokenizer
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "eval")
+FIXTURES = os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "../..")), "fixtures", "eval")
 TEXTS = [("word " * (i % 13)) + f"sentence number {i}." for i in range(23)]
 BUDGET = 96  # padded tokens per batch: several batches of different sizes, an odd count for 2 ranks
 

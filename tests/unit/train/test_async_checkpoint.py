@@ -1,6 +1,6 @@
 """checkpoint.async_save's parts in process: the host copy taken at the save, the writer thread's order and errors,
 rank 0's wait for the other ranks' files. The whole path (2 ZeRO-3 ranks, resumed bit for bit, killed mid-write):
-tests/test_train_e2e.py::test_resume_is_bit_identical_and_survives_kill_during_an_async_checkpoint."""
+tests/e2e/test_train_e2e.py::test_resume_is_bit_identical_and_survives_kill_during_an_async_checkpoint."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from pipeline.data.loading.loader import ShardLoader
 from pipeline.run_dir import RunDir, tag
 from pipeline.train.state import TrainState
 
-OLD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "old_checkpoint")
+OLD = os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "../..")), "fixtures", "old_checkpoint")
 OLD_STEP = 2  # the fixture's checkpoint: a run of 4 steps stopped at step 2
 # The fixture's run: the smallest Llama the tokenizer allows (its embedding table is most of it), one rank, ZeRO-3
 OVERRIDES = ("train.steps=4", "train.micro_batch=2", "train.grad_accum=1", "train.log_every=1", "data.seq_len=64",

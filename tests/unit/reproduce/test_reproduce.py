@@ -455,7 +455,7 @@ def tiny_model_and_driver(tmp_path, monkeypatch) -> tuple[str, Reproduction, Sta
     model = str(tmp_path / "tiny")
     tiny_llama(tok).save_pretrained(model)
     tok.save(model)
-    monkeypatch.setattr(driver_module, "REAL", os.path.join(os.path.dirname(__file__), "fixtures", "eval"))
+    monkeypatch.setattr(driver_module, "REAL", os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "../..")), "fixtures", "eval"))
     r = reproduction("quick", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "results.md"), [])
     return model, r, Stages(r)
 

@@ -20,7 +20,7 @@ from helpers import ONE_RANK, launch_training, logged_steps
 
 from pipeline.planner import report as plan_cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
 BENCH_GPU = os.path.join(REPO, "bench", "gpu", "bench_gpu.py")
 spec = importlib.util.spec_from_file_location("bench_gpu", BENCH_GPU)
 bench_gpu = sys.modules["bench_gpu"] = importlib.util.module_from_spec(spec)  # (dataclasses look their module up)

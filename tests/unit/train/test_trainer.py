@@ -1,7 +1,7 @@
 """The trainer's loop in process: the divergence guard, checkpoints and the stop request working together, and a
 phase's losses kept apart by name, on a small fake engine (what the loop uses of DeepSpeed's, over a real model,
 AdamW, real shards and the real checkpoint path) in a one-rank gloo group. The same interplay under DeepSpeed on
-2 ranks: tests/test_failure_modes.py and tests/test_train_e2e.py."""
+2 ranks: tests/e2e/test_failure_modes.py and tests/e2e/test_train_e2e.py."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from pipeline.model.build import build_model
 from pipeline.model.flops import body_work, flops_per_token, param_counts, segment_lengths
 from pipeline.model.presets import PRESETS, get_preset
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../../.."))
 
 
 def test_tiny_architecture():

@@ -1,7 +1,7 @@
 """bench/gpu's install recipe on CPU, so that it cannot rot between GPU loans: prepare.sh fetches the pinned wheels
 for this Python, and run.sh installs exactly them (install.sh: no index, no pip configuration) into an environment
 that lacks them as the lent GPU's image does, checks the imports, prints the versions and starts ablate.py (its
---help: tests/test_bench.py runs the benchmark itself). prepare.sh's default, the GPU's cp312 set, is fetched too.
+--help: tests/e2e/test_bench.py runs the benchmark itself). prepare.sh's default, the GPU's cp312 set, is fetched too.
 Needs PyPI; ~1 min."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 from helpers import canonical, venv_without
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
 GPU = os.path.join(REPO, "bench", "gpu")
 # The lent GPU's image as this test models it: this venv less what the image lacks (the device tool's KINDS.md,
 # "Python packages already there", read 2026-11-17) or may hold too old (typing-extensions, for pydantic).

@@ -11,7 +11,7 @@ import os
 import pytest
 from test_eval_e2e import cli
 
-FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "eval")
+FIXTURES = os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "..")), "fixtures", "eval")
 
 
 @pytest.mark.slow
