@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 
 from pipeline.config import ConfigError, to_dict
 from pipeline.data.format.index import UNNAMED_SOURCE, DatasetIndex, load_index
-from pipeline.data.loading.holdout import Holdout, ValidationSamples, held_out_count, split  # noqa: F401 - held_out_count: also preflight's
+from pipeline.data.loading.holdout import Holdout, ValidationSamples, split
 from pipeline.data.loading.loader import (
     check_compatible,
     check_enough_samples,

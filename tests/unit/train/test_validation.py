@@ -15,11 +15,12 @@ from helpers import launch_training, logged_steps, make_shard_dir
 
 from pipeline.config import ConfigError
 from pipeline.data.format.index import load_index
+from pipeline.data.loading.holdout import held_out_count
 from pipeline.data.loading.loader import ShardLoader, iter_eval
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import SAMPLE_DIR, load_experiment
-from pipeline.train.preflight import held_out_count, preflight
+from pipeline.train.preflight import preflight
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 STEPS = 8
