@@ -204,10 +204,17 @@ def test_verdicts_follow_the_seed_spread():
     assert compare(None, Measured((0.3,)))[0] == "inconclusive"
 
 
+def unset(monkeypatch, name: str) -> None:
+    """``name`` absent for the test and as it was after it, whatever the code under test sets (``delenv`` of an
+    absent variable records nothing to undo, so a value set later would outlive the test)."""
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
+
+
 @pytest.mark.parametrize("cuda", [True, False])
 def test_ranks_train_on_the_machines_accelerator(monkeypatch, cuda):
     for name in ("DS_ACCELERATOR", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(name, raising=False)
+        unset(monkeypatch, name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)  # the machine, not the code under test
     set_rank_defaults(resolve_device("auto"))
     assert os.environ["DS_ACCELERATOR"] == ("cuda" if cuda else "cpu") and "OMP_NUM_THREADS" not in os.environ
@@ -219,7 +226,7 @@ def test_ranks_train_on_the_machines_accelerator(monkeypatch, cuda):
 
 def test_device_cpu_hides_the_gpu_from_the_ranks_and_cuda_needs_one(monkeypatch):
     """--device cpu on a GPU machine: the trainer takes a GPU wherever torch sees one, so the ranks see none."""
-    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    unset(monkeypatch, "DS_ACCELERATOR")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     set_rank_defaults(resolve_device("cpu"))
@@ -304,7 +311,8 @@ def test_the_prepared_gpu_short_script_dry_run_checks_the_stack_and_every_run_an
     """bench/gpu/reproduce_short.sh --dry-run OUT: the imports the GPU run needs, the versions line, and
     `launch/reproduce.py --scale gpu-short --dry-run`'s plan (each run resolved and validated, each task's options,
     the inputs and their size) into OUT/plan.txt; nothing else written."""
-    env = {**os.environ, "PYTHON": sys.executable, "WHEELS": str(tmp_path / "none")}
+    # DeepSpeed's accelerator named, as on the GPU: its CPU guess would print a warning before the versions line
+    env = {**os.environ, "PYTHON": sys.executable, "WHEELS": str(tmp_path / "none"), "DS_ACCELERATOR": "cpu"}
     script = os.path.join(REPO, "bench", "gpu", "reproduce_short.sh")
     proc = subprocess.run([script, "--dry-run", str(tmp_path / "out")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)

@@ -30,7 +30,7 @@ class _Late:
 
 
 def _rank(rank: int, rdzv: dict, fixed: bool, out_dir: str) -> None:
-    os.environ.update(rdzv, RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(rdzv, RANK=str(rank), LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
     world = int(rdzv["WORLD_SIZE"])
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")

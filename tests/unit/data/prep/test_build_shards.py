@@ -284,10 +284,10 @@ def test_slurm_array_defaults():
 
 
 @pytest.mark.e2e
-def test_sigkill_midway_then_rerun_is_identical(tokenizer, tmp_path):
+def test_sigkill_midway_then_rerun_is_identical(tmp_path):
     inputs = split_corpus(tmp_path, 12, TRAIN, max_chars=3000)
     cmd = [sys.executable, os.path.join(ROOT, "data_prep/build_shards.py"), "--input", *inputs, "--tokenizer",
-           tokenizer, "--seq-len", str(SEQ_LEN), "--samples-per-shard", "50", "--no-progress", "--workers", "2"]
+           TOKENIZER, "--seq-len", str(SEQ_LEN), "--samples-per-shard", "50", "--no-progress", "--workers", "2"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     run_job(config(inputs, reference, remainder="drop", samples_per_shard=50, workers=2))
 
