@@ -1,6 +1,7 @@
 """An experiment's input paths, checked before anything starts: each shard directory holds shards or can be built,
-and the tokenizer exists (``pipeline.tokenizer.check_tokenizer_path``). Preflight calls these before a run trains and the sweep before it queues one, so each
-check lives here once (below ``pipeline.train``, which the sweep may not import)."""
+and the tokenizer exists (``pipeline.tokenizer.check_tokenizer_path``). Preflight calls these before a run trains
+and the sweep before it queues one, so each check lives here once (below ``pipeline.train``, which the sweep may
+not import)."""
 
 from __future__ import annotations
 
