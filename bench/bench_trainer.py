@@ -31,6 +31,7 @@ It relaunches itself under ``torch.distributed.run`` with ``--nproc`` ranks (DS_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -215,7 +216,8 @@ def run(args: argparse.Namespace) -> None:
                                  f"checkpoint.every={steps}", *validation])
     ds_raw = load_ds_config(os.path.join(REPO, "ds_configs", "zero3.json"))
     stop = StopRequest(rank)
-    prepared = agreed_preflight(exp, rank, world, device.type == "cuda", on_failure=stop.failing)
+    held = contextlib.ExitStack()  # rank 0 holds the run directory's lock until the run ends, as entry.py does
+    prepared = agreed_preflight(exp, rank, world, device.type == "cuda", held, on_failure=stop.failing)
     if prepared is None:
         raise SystemExit(2)  # rank 0 said why
     (clm,) = prepared.objectives[0]
@@ -274,8 +276,7 @@ def run(args: argparse.Namespace) -> None:
     clock.run_bare()
     clock.start_ours()
     trainer.fit()
-    if prepared.lock is not None:
-        prepared.lock.release()
+    held.close()
     if rank == 0:
         with open(trainer.metrics.history_path) as f:
             ours_first = json.loads(f.readline())["loss/clm"]
