@@ -460,7 +460,7 @@ class ExperimentConfig:
             if 0 < p.seq_len < 8:
                 raise ConfigError(f"phases[{i}].seq_len: {p.seq_len} is out of range; it must be 0 (data.seq_len) "
                                   f"or >= 8")
-            data = self._resolve_phase_data(i)
+        for i, data in enumerate(self.phases_data):
             key, seq_len = length.setdefault(data.loader, (f"phases[{i}].seq_len", data.seq_len))
             if seq_len != data.seq_len:
                 raise ConfigError(f"phases[{i}].seq_len: {data.seq_len}, but its shards {data.shards} are read at "

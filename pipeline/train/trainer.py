@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.data.loading.loader import ShardLoader
-from pipeline.experiment import ExperimentConfig, PhaseData
+from pipeline.experiment import ExperimentConfig
 from pipeline.export.record import EncoderRecord
 from pipeline.model.flops import device_peak_tflops, work_flops
 from pipeline.model.rope import set_rope
@@ -71,11 +71,7 @@ class Trainer:
     stop: StopRequest
     device: torch.device
     validator: Validator | None = None  # None without eval.every
-    phase_data: tuple[PhaseData, ...] = field(init=False)  # per phase: its packed loader, seq_len, RoPE settings
     rope_phase: int = field(init=False, default=-1)  # the phase whose RoPE settings the model holds (-1: the start's)
-
-    def __post_init__(self) -> None:
-        self.phase_data = self.exp.phases_data
 
     @classmethod
     def build(cls, exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopRequest,
@@ -123,7 +119,7 @@ class Trainer:
             t0 = time.time()
             phase_idx, phase = self.exp.phase_at(state.step)
             self._enter_phase(phase_idx)
-            data = self.phase_data[phase_idx]
+            data = self.exp.phases_data[phase_idx]
             mask_ratios = at_step(self.objectives[phase_idx], self.exp, state.step)
             batches, local_tokens, counts = self._next_batches(self.objectives[phase_idx], data.loader)
             world = dist.get_world_size()
@@ -181,7 +177,7 @@ class Trainer:
         a function of the phase alone, so a resume continues with the settings the run had."""
         if phase_idx == self.rope_phase:
             return
-        data, self.rope_phase = self.phase_data[phase_idx], phase_idx
+        data, self.rope_phase = self.exp.phases_data[phase_idx], phase_idx
         if set_rope(self.lm, data.rope_theta, data.context) and dist.get_rank() == 0:
             print(f"phase {self.exp.phases[phase_idx].name}: seq_len {data.seq_len}, RoPE "
                   f"{self.lm.config.rope_parameters}, max_position_embeddings "
@@ -250,7 +246,7 @@ def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: i
     micro |= {pd.loader: pd.micro_batch for pd in exp.phases_data}
     holdout, plan = {"packed": prepared.holdout}, {"packed": prepared.mixture}
     mixture = {"packed": d.source_mixture.ratios}
-    first = exp.phase_data(0).loader
+    first = exp.phases_data[0].loader
     warmed = {first if o.objective.shard_kind == "packed" else o.objective.shard_kind for o in prepared.objectives[0]}
     return {name: ShardLoader(index, micro[name], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
                               verify=d.verify_shards, mixture=mixture.get(name), plan=plan.get(name),
