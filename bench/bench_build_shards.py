@@ -40,9 +40,9 @@ _tok = None
 def make_corpus(directory: str, megabytes: float, procs: int) -> tuple[list[str], float]:
     """Files of SlimPajama-like size, each the sample corpus's training files concatenated (zstd frames chain),
     as many as give about ``megabytes`` of text, rounded to a multiple of ``procs`` so no process idles."""
-    sources = sorted(glob.glob("data/sample/train/*/*.jsonl.zst"))
-    text_mb = sum(len(t.encode()) for p in sources for t in read_texts(p, "text", RecordStats())) / 1e6
-    blob = b"".join(open(p, "rb").read() for p in sources)
+    inputs = sorted(glob.glob("data/sample/train/*/*.jsonl.zst"))
+    text_mb = sum(len(t.encode()) for p in inputs for t in read_texts(p, "text", RecordStats())) / 1e6
+    blob = b"".join(open(p, "rb").read() for p in inputs)
     paths = []
     for i in range(procs * max(1, round(megabytes / text_mb / procs))):
         paths.append(os.path.join(directory, f"part{i:03d}.jsonl.zst"))

@@ -26,6 +26,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def main() -> None:
+    from pipeline.train.deepspeed_ops import use_install_ops_dir
+
+    use_install_ops_dir()  # DeepSpeed's ops, this process's and its children's, in this install's folder
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="20m")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -48,6 +51,7 @@ def main() -> None:
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
     from pipeline.train.module import build_engine
     from pipeline.train.phases import build_objectives
+    from pipeline.train.preflight import check_model
     from pipeline.train.state import TrainState
     from pipeline.train.step import train_step
 
@@ -57,7 +61,7 @@ def main() -> None:
                                  f"train.micro_batch={args.micro_batch}", "checkpoint.keep_last=1"])
     tokenizer = load_tokenizer(exp.data.tokenizer)
     ds = resolve_ds_config(load_ds_config(args.ds_config), exp, 1, bf16=False)
-    _, engine = build_engine(exp, ds, tokenizer, False, attn_implementation="sdpa", fused="none")
+    _, engine = build_engine(exp, ds, check_model(exp, tokenizer, ds, cuda=False), fused="none")
     objectives = build_objectives(exp.phases[0], tokenizer)
     shape = (args.micro_batch, args.seq_len)
     generator = torch.Generator().manual_seed(0)

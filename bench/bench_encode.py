@@ -35,7 +35,7 @@ from pipeline.eval import encode, load_model
 from pipeline.experiment import load_experiment
 from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord
-from pipeline.model.build import DTYPES, build_model
+from pipeline.model.build import DTYPES, build_model, model_spec
 from pipeline.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,8 +61,8 @@ def export(preset: str, out: str) -> str:
     """A seeded ``preset`` as an HF directory that sentence-transformers loads too."""
     tok = load_tokenizer(TOKENIZER)
     torch.manual_seed(0)
-    lm = build_model(preset, tok.info.vocab_size, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id,
-                     eos_token_id=tok.eos_id)
+    lm = build_model(model_spec(preset, tok.info.vocab_size, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id,
+                     eos_token_id=tok.eos_id))
     return save_hf(lm, lm.state_dict(), tok, out, RECORD, load_experiment(None, [f"model.init={preset}"]), 0,
                    sentence_transformers=True)
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.model.lora import LLM2VEC_TARGETS, add_lora
 
 VOCAB = 8000  # the sample tokenizer's
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     models = {}
     for kind in ("full", "lora"):
         torch.manual_seed(0)
-        model = build_model(args.preset, VOCAB)
+        model = build_model(model_spec(args.preset, VOCAB))
         if kind == "lora":
             add_lora(model, 16, 32.0, 0.05, LLM2VEC_TARGETS)
         model.train()

@@ -176,9 +176,9 @@ def run(args: argparse.Namespace) -> None:
     from pipeline.model.presets import ModelPreset
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.distributed import start_distributed
-    from pipeline.train.ds_config import load_ds_config, resolve_ds_config
+    from pipeline.train.ds_config import load_ds_config
     from pipeline.train.module import build_train_model
-    from pipeline.train.preflight import agreed_preflight
+    from pipeline.train.preflight import agreed_preflight, local_preflight
     from pipeline.train.schedule import lr_scheduler
     from pipeline.train.signals import StopRequest
     from pipeline.train.trainer import Trainer
@@ -217,15 +217,15 @@ def run(args: argparse.Namespace) -> None:
     ds_raw = load_ds_config(os.path.join(REPO, "ds_configs", "zero3.json"))
     stop = StopRequest(rank)
     held = contextlib.ExitStack()  # rank 0 holds the run directory's lock until the run ends, as entry.py does
-    prepared = agreed_preflight(exp, rank, world, device.type == "cuda", held, on_failure=stop.failing)
+    local = local_preflight(exp, rank, world, device.type == "cuda", ds_raw)  # before the group in entry.py; here after
+    prepared = agreed_preflight(exp, rank, world, device.type == "cuda", held, local, on_failure=stop.failing)
     if prepared is None:
         raise SystemExit(2)  # rank 0 said why
     (clm,) = prepared.objectives[0]
 
     # (a): the same model, optimizer and LR schedule as the trainer's engine, HF's model as the engine's module
-    ds = resolve_ds_config(ds_raw, exp, world, prepared.bf16)
-    lm, _bare_module, optimizer = build_train_model(exp, ds, prepared.tokenizer, prepared.bf16, [clm.objective],
-                                                    attn_implementation=prepared.attn_implementation,
+    ds = prepared.ds_config()
+    lm, _bare_module, optimizer = build_train_model(exp, ds, prepared.model, [clm.objective],
                                                     fused=prepared.fused)  # the module holds HfDeepSpeedConfig
     bare_engine, *_ = deepspeed.initialize(model=lm, **optimizer, lr_scheduler=lr_scheduler(steps, exp.optim),
                                            config=ds)
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> None:
         return loss.item()
 
     # (b): the trainer as launch/train.py builds it; its engine, data, bookkeeping and validation timed in place
-    trainer = Trainer.build(exp, ds_raw, prepared, stop, device)
+    trainer = Trainer.build(exp, prepared, stop, device)
     ours = TimedEngine(trainer.engine)
     trainer.engine = ours
     clock = StepClock(bare_step, bare, ours, args.warmup, args.steps)
@@ -312,6 +312,9 @@ def report(args: argparse.Namespace, shape: Shape, world: int, samples: dict[str
 
 
 def main() -> int:
+    from pipeline.train.deepspeed_ops import use_install_ops_dir
+
+    use_install_ops_dir()  # DeepSpeed's ops, this process's and its children's, in this install's folder
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps of each loop")

@@ -152,17 +152,27 @@ def to_dict(obj: Any) -> Any:
 def set_path(data: dict, key: str, value: Any) -> None:
     """``set_path(d, "a.b", v)`` sets d["a"]["b"] = v, creating mappings on the way; integer parts index lists."""
     parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {key}={value!r}: the key has an empty part; keys are dotted field names, e.g. "
+                          f"train.steps=100")
     node: Any = data
-    for i, part in enumerate(parts[:-1]):
-        nxt = parts[i + 1]
+    for i, part in enumerate(parts):
+        where = ".".join(parts[:i])
         if isinstance(node, list):
-            node = node[int(part)]
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--set {key}: {where} has {len(node)} item(s) here (an index counts from 0 over "
+                                  f"the list the experiment file gives), so {part!r} names none; set the whole list "
+                                  f"instead, e.g. --set '{where}=[...]'")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: {where} is {node!r}, not a mapping with the key {part!r}; set {where} "
+                              f"itself")
+        if i == len(parts) - 1:
+            node[part] = value
+        elif isinstance(node, list) or part in node:
+            node = node[part]
         else:
-            node = node.setdefault(part, [] if nxt.isdigit() else {})
-    if isinstance(node, list):
-        node[int(parts[-1])] = value
-    else:
-        node[parts[-1]] = value
+            node = node.setdefault(part, [] if parts[i + 1].isdigit() else {})
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from pipeline.config import ConfigError, apply_overrides, check_ranges, from_dict, load_experiment_file
+from pipeline.data.prep.input_shards import input_shards
 from pipeline.model.lora import LLM2VEC_TARGETS
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import CLMConfig, ObjectiveConfig
@@ -28,6 +30,11 @@ def repo_relative(path: str) -> str:
 def sample_shards(seq_len: int) -> str:
     """The shard directory of the embedded sample corpus at ``seq_len``, the only one built from it unasked."""
     return os.path.join("runs", "shards", f"sample-{seq_len}")
+
+
+def _is_sample(inputs: list[str]) -> bool:
+    """``inputs`` are the sample corpus's (as the config holds them, or as a record relative to the repository)."""
+    return all(os.path.normpath(p) in (SAMPLE_INPUTS[0], repo_relative(SAMPLE_INPUTS[0])) for p in inputs)
 
 
 @dataclass(frozen=True)
@@ -97,12 +104,15 @@ class SourceMixture:
 
 @dataclass
 class DataConfig:
-    shards: str = ""  # shard directory; "": sample_shards(seq_len), runs/shards/sample-<seq_len>
+    # shard directory; "": the directory of build_inputs when they are named (shards_at), else sample_shards(seq_len),
+    # runs/shards/sample-<seq_len>
+    shards: str = ""
     tokenizer: str = os.path.join(SAMPLE_DIR, "tokenizer")
     seq_len: int = 128
     num_workers: int = 0  # DataLoader worker processes per rank; the order does not depend on it
     # files rank 0 builds data.shards from when it has no shards ([]: the sample corpus, for sample_shards only, so
-    # a mistyped data.shards is an error instead of a run on the sample)
+    # a mistyped data.shards is an error instead of a run on the sample); named with data.shards unset, they are
+    # built into a directory of their own (shards_at), never the sample's
     build_inputs: list[str] = field(default_factory=list)
     build_if_missing: bool = True  # rank 0 builds the shards from build_inputs when the directory has none
     # the build's --source-field / --source-default (docs/data_prep.md, "Sources"): the sources data.mixture mixes
@@ -126,10 +136,20 @@ class DataConfig:
                                         "cache_max_gb": "> 0", "fetch_attempts": ">= 1", "fetch_timeout_s": "> 0",
                                         "mixture_max_repetition": "> 0"}
 
+    # data.shards was left at its default and data.build_inputs named files: it is their own directory
+    # (shards_at), set by validate (not a field: the config records the directory it resolved to)
+    shards_from_inputs = False
+
     def validate(self) -> None:
-        self.shards = self.shards or sample_shards(self.seq_len)
-        if not self.build_inputs and os.path.normpath(self.shards) == sample_shards(self.seq_len):
-            self.build_inputs = list(SAMPLE_INPUTS)
+        if not self.shards and self.build_inputs and not _is_sample(self.build_inputs):
+            self.shards_from_inputs = True
+        self.shards = self.shards or self.shards_at(self.seq_len)
+        if os.path.normpath(self.shards) == sample_shards(self.seq_len):
+            if self.build_inputs and not _is_sample(self.build_inputs):
+                raise ConfigError(f"data.shards: {self.shards} is the sample corpus's directory, but "
+                                  f"data.build_inputs names {self.build_inputs}; leave data.shards unset to build "
+                                  f"them into a directory of their own, or name another directory")
+            self.build_inputs = self.build_inputs or list(SAMPLE_INPUTS)
         if self.build_source_default.strip() != self.build_source_default:
             raise ConfigError(f"data.build_source_default: {self.build_source_default!r} must be a source name "
                               f"without surrounding blanks")
@@ -138,6 +158,17 @@ class DataConfig:
                               f"into objects (meta.redpajama_set_name), without surrounding blanks")
         self.__dict__.pop("source_mixture", None)
         _ = self.source_mixture  # parsed now, at load: a bad data.mixture fails here
+
+    def shards_at(self, seq_len: int) -> str:
+        """The default shard directory at ``seq_len``: the named inputs' own (``input_shards``) when
+        :attr:`shards_from_inputs`, else the sample corpus's."""
+        if not self.shards_from_inputs:
+            return sample_shards(seq_len)
+        try:
+            return input_shards(self.build_inputs, self.tokenizer, seq_len,
+                                (self.build_source_field, self.build_source_default))
+        except ValueError as e:
+            raise ConfigError(f"data.build_inputs: {str(e).removeprefix('--input ')}") from None
 
     @functools.cached_property
     def source_mixture(self) -> SourceMixture:
@@ -337,7 +368,72 @@ class CheckpointConfig:
     # write the files in a background thread after a copy to host memory (pinned on CUDA): training goes on while
     # they are written; costs one more copy of each rank's checkpoint state in host memory
     async_save: bool = False
+    # an eval/ scalar (eval/sts_avg, eval/loss/clm): its best step's checkpoint is kept from the keep_last rotation
+    # and exported at the end to RUN/hf-best ("": none); keep_best_mode auto: higher is better for scores and
+    # accuracies, lower for losses, perplexities and repetition rates (metric_mode)
+    keep_best: str = ""
+    keep_best_mode: Literal["auto", "max", "min"] = "auto"
     RANGES: ClassVar[dict[str, str]] = {"every": ">= 1", "keep_last": ">= 1", "keep_every": ">= 0"}
+
+
+# the tasks of launch/evaluate.py that run during training (eval.evaluators), each with the prefixes of the headline
+# scores it logs (as eval/<headline key>) and whether higher or lower is better
+EVALUATOR_METRICS: dict[str, dict[str, str]] = {
+    "sts": {"sts_avg": "max", "sts/": "max"},
+    "zero_shot_retrieval": {"zs_ndcg_avg": "max", "zs_ndcg/": "max", "zs_mrr/": "max"},
+    "clustering": {"clustering_avg": "max"},
+    "infilling": {"infill_ppl_": "min"},
+    "repetition": {"rep_sen/": "min", "rep_4/": "min"},
+}
+# the validation's own scalars (pipeline.train.validation)
+VALIDATION_METRICS = {"loss/": "min", "acc/": "max", "probe/": "min", "probe_acc/": "max", "probe_ppl/": "min",
+                      "source_loss/": "min", "source_probe/": "min"}
+
+
+def metric_mode(metric: str, tasks: list[str]) -> str | None:
+    """"max" or "min": which way ``metric`` (``eval/...``) improves, when the validation or one of the evaluator
+    ``tasks`` logs it; None for a name none of them logs."""
+    key = metric.removeprefix("eval/")
+    if key == metric:
+        return None
+    known = VALIDATION_METRICS | {k: v for t in tasks for k, v in EVALUATOR_METRICS.get(t, {}).items()}
+    return next((mode for prefix, mode in known.items() if key.startswith(prefix)), None)
+
+
+@dataclass
+class EvaluatorConfig:
+    """One task of ``launch/evaluate.py`` run on the model being trained at every validation (``eval.evaluators``,
+    docs/training.md "Evaluators during training"); it logs that task's headline scores as ``eval/<key>``."""
+
+    task: str  # one of EVALUATOR_METRICS: sts, zero_shot_retrieval, clustering, infilling, repetition
+    datasets: list[str] = field(default_factory=list)  # its data files (launch/evaluate.py --set TASK.datasets=...)
+    options: dict[str, Any] = field(default_factory=dict)  # its other options, as --set TASK.KEY=VALUE
+
+    def task_options(self, where: str) -> Any:
+        """The task's typed options dataclass (``where``: the entry's config key, for errors)."""
+        from pipeline.eval.registry import TASKS  # here: the evaluation modules import this one
+
+        return from_dict(TASKS[self.task].options, {**self.options, "datasets": list(self.datasets)},
+                         f"{where}.options")
+
+    def check(self, where: str) -> None:
+        """The task runs during training, it names data files and its options parse; else a ConfigError. Whether
+        the files exist is preflight's check (:meth:`check_files`): a finished run's experiment loads without them."""
+        if self.task not in EVALUATOR_METRICS:
+            raise ConfigError(f"{where}.task: {self.task!r} does not run during training; choose one of "
+                              f"{list(EVALUATOR_METRICS)} (launch/evaluate.py runs the others on an export)")
+        if "datasets" in self.options:
+            raise ConfigError(f"{where}.options.datasets: name the task's files in {where}.datasets instead")
+        if not self.datasets:
+            raise ConfigError(f"{where}.datasets: empty; name the {self.task} task's data files (their layout: "
+                              f"docs/evaluation.md), e.g. {where}.datasets=[tests/fixtures/eval/sts/stsb.tsv]")
+        self.task_options(where)
+
+    def check_files(self, where: str) -> None:
+        for i, path in enumerate(self.datasets):
+            if not os.path.isfile(path):
+                raise ConfigError(f"{where}.datasets[{i}]: {path}: no such file; name an existing {self.task} file "
+                                  f"(relative to the directory training starts in)")
 
 
 @dataclass
@@ -353,6 +449,8 @@ class ValidationConfig:
     micro_batch: int = 0  # rows per rank per forward (0: train.micro_batch)
     probes: bool = True  # CLM perplexity, MLM at 15 % (80-10-10), MNTP at 20 %, whatever the phase trains
     mask_token: str | None = None  # the probes' mask token (None: the tokenizer's), as objectives' mask_token
+    # launch/evaluate.py's tasks run on the training model at every validation, logged as eval/<headline key>
+    evaluators: list[EvaluatorConfig] = field(default_factory=list)
     RANGES: ClassVar[dict[str, str]] = {"every": ">= 0", "holdout": "[0, 1)", "samples": ">= 0",
                                         "micro_batch": ">= 0"}
 
@@ -363,6 +461,45 @@ class ValidationConfig:
         if self.every and not (self.shards or self.holdout):
             raise ConfigError("eval.every: validation needs held-out samples; set eval.shards to a held-out shard "
                               "directory or eval.holdout to a fraction of data.shards (e.g. eval.holdout=0.01)")
+        if self.evaluators and not self.every:
+            raise ConfigError("eval.evaluators: they run at each validation; set eval.every (and eval.holdout or "
+                              "eval.shards), e.g. eval.every=50 eval.holdout=0.01")
+        for i, evaluator in enumerate(self.evaluators):
+            evaluator.check(f"eval.evaluators[{i}]")
+
+
+# a Hub license id as the Hub writes them (apache-2.0, cc-by-nc-4.0, llama3.1, openrail++, other)
+HUB_LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")
+
+
+@dataclass
+class ExportConfig:
+    """What the model card of the run's HF exports tells the Hub (key ``export``; docs/export.md, "The model card").
+    Never a local path: the card travels with the directory."""
+
+    repo_id: str = ""  # the Hub repo the export goes to: the card's snippet loads it ("": the card's own directory)
+    base_model: str = ""  # Hub id of the start model ("": the start model's card's or HF cache path's; none for a preset)
+    license: str = ""  # Hub license id ("": the start model's card's; a preset start: apache-2.0, the project's own)
+    datasets: list[str] = field(default_factory=list)  # Hub dataset ids of the training data (local data: none)
+
+    def validate(self) -> None:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        for key, value in (("repo_id", self.repo_id), ("base_model", self.base_model),
+                           *((f"datasets.{i}", d) for i, d in enumerate(self.datasets))):
+            if not value:
+                continue
+            try:
+                validate_repo_id(value)
+            except HFValidationError as e:
+                raise ConfigError(f"export.{key}: {value!r} is not a Hub id ({e}); name it as namespace/name, "
+                                  f"e.g. HuggingFaceTB/SmolLM2-135M") from None
+            if key != "repo_id" and os.path.exists(value):
+                raise ConfigError(f"export.{key}: {value!r} is a local path, which the Hub cannot link; name the "
+                                  f"Hub id it came from (namespace/name), or leave it empty")
+        if self.license and not HUB_LICENSE.fullmatch(self.license):
+            raise ConfigError(f"export.license: {self.license!r} is not a Hub license id; use one of "
+                              f"https://huggingface.co/docs/hub/repositories-licenses, e.g. apache-2.0 or mit")
 
 
 DEFAULT_NAME = "sample-tiny-clm"  # the embedded default experiment's run
@@ -379,6 +516,7 @@ class ExperimentConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: ValidationConfig = field(default_factory=ValidationConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)  # the exports' model card
 
     def validate(self) -> None:
         self.__dict__.pop("phases_data", None)
@@ -393,14 +531,39 @@ class ExperimentConfig:
                 objective.check_step(self.train.grad_accum, len(phase.objectives), f"phases[{i}].objectives[{j}]")
                 objective.check_schedule(f"phases[{i}].objectives[{j}]")
         if not math.isclose(sum(p.share for p in self.phases), 1.0, abs_tol=1e-6):
-            raise ConfigError(f"phases: shares must sum to 1, got {[p.share for p in self.phases]}")
+            shares = [p.share for p in self.phases]
+            raise ConfigError(f"phases: shares must sum to 1, got {shares} (sum {sum(shares):g}); set each phase's "
+                              f"share so they do, e.g. {[round(s / sum(shares), 4) for s in shares]}")
         first_phase = self.phase_lengths()[0]
         if self.train.batch_warmup.steps > first_phase:
             raise ConfigError(f"train.batch_warmup.steps: {self.train.batch_warmup.steps} steps outlast the first "
-                              f"phase ({first_phase} steps); warm the batch up within it (the loaders of later "
-                              f"phases count only the steps they read)")
+                              f"phase ({first_phase} steps); set train.batch_warmup.steps={first_phase} or fewer: the "
+                              f"batch warms up within it (the loaders of later phases count only the steps they "
+                              f"read)")
         self._check_phase_data()
         self._check_schedule_fits()
+        if self.checkpoint.keep_best:
+            self.keep_best_mode()
+
+    def keep_best_mode(self) -> str:
+        """"max" or "min" for ``checkpoint.keep_best`` (its mode, or derived by :func:`metric_mode`); a ConfigError
+        when the metric is not measured at a step that has a checkpoint."""
+        c, v, metric = self.checkpoint, self.eval, self.checkpoint.keep_best
+        if not v.every:
+            raise ConfigError(f"checkpoint.keep_best: {metric} is measured by the validation; set eval.every (a "
+                              f"multiple of checkpoint.every, {c.every}) and eval.holdout or eval.shards")
+        if v.every % c.every:
+            raise ConfigError(f"checkpoint.keep_best: eval.every {v.every} is not a multiple of checkpoint.every "
+                              f"{c.every}, so a best step could have no checkpoint; set eval.every to a multiple, "
+                              f"e.g. eval.every={c.every * max(1, round(v.every / c.every))}")
+        derived = metric_mode(metric, [e.task for e in v.evaluators])
+        if not metric.startswith("eval/") or (derived is None and c.keep_best_mode == "auto"):
+            tasks = [e.task for e in v.evaluators]
+            names = [f"eval/{k}..." for k in [*VALIDATION_METRICS, *(k for t in tasks for k in EVALUATOR_METRICS[t])]]
+            raise ConfigError(f"checkpoint.keep_best: {metric!r} is not a validation scalar this run logs; name one "
+                              f"of {names} (eval.evaluators add theirs), or set checkpoint.keep_best_mode to max "
+                              f"or min for another eval/ name")
+        return derived if c.keep_best_mode == "auto" else c.keep_best_mode
 
     @functools.cached_property
     def phases_data(self) -> tuple[PhaseData, ...]:
@@ -435,8 +598,8 @@ class ExperimentConfig:
         seq_len = p.seq_len or d.seq_len
         if p.shards or seq_len == d.seq_len:
             return p.shards or d.shards
-        if os.path.normpath(d.shards) == sample_shards(d.seq_len):
-            return sample_shards(seq_len)
+        if os.path.normpath(d.shards) == os.path.normpath(d.shards_at(d.seq_len)):
+            return d.shards_at(seq_len)
         raise ConfigError(f"{where}.shards: the phase's seq_len {seq_len} is not data.seq_len {d.seq_len}, so it "
                           f"cannot read data.shards ({d.shards}); set {where}.shards to shards built at seq_len "
                           f"{seq_len} (preflight builds them from data.build_inputs when missing)")

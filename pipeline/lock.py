@@ -86,6 +86,18 @@ class DirLock:
     def acquire(self) -> DirLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         holder = self._read(fd)
+        self._flock(fd, holder)
+        self.stale = holder or None
+        mine = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "command": " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(mine).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        _HELD.add(fd)
+        return self
+
+    def _flock(self, fd: int, holder: dict) -> None:
+        """Take the flock on ``fd`` or raise :class:`LockHeld` naming ``holder`` (the fd closed)."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -96,14 +108,15 @@ class DirLock:
                 raise
             if holder and _holder_alive(holder):
                 self._refuse(holder, fd)
-        self.stale = holder or None
-        mine = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "command": " ".join(sys.argv)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(mine).encode(), 0)
-        os.fsync(fd)
-        self._fd = fd
-        _HELD.add(fd)
-        return self
+
+    def check_free(self) -> None:
+        """Raise :class:`LockHeld` as :meth:`acquire` would, but keep nothing and write nothing: the check before a
+        start (``launch/train.py --check``, rank 0's checks before the process group) leaves no file behind."""
+        if not os.path.exists(self.path):  # a lock is held through its file: none, no holder
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        self._flock(fd, self._read(fd))
+        os.close(fd)  # drops the flock taken here
 
     def release(self, remove: bool = False) -> None:
         """Clear the holder record (so the next holder sees no stale lock) and unlock; a process that dies

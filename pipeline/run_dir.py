@@ -71,6 +71,7 @@ class RunDir:
     logs = property(lambda self: self._file("logs"))
     checkpoints = property(lambda self: self._file("checkpoints"))
     hf = property(lambda self: self._file("hf"))
+    hf_best = property(lambda self: self._file("hf-best"))  # checkpoint.keep_best's step, exported at the end
     eval = property(lambda self: self._file("eval"))
     job_file = property(lambda self: self._file("job.sbatch"))
     jobs_log = property(lambda self: self._file("jobs.txt"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -13,12 +14,24 @@ import torch
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import SAMPLE_DIR
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.tokenizer import load_tokenizer
+from pipeline.train.deepspeed_ops import use_install_ops_dir
+
+# DeepSpeed's ops built by the tests and their ranks (children inherit it) stay in this install's folder
+use_install_ops_dir()
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 SAMPLE_TRAIN = os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _environ_per_test():
+    """Each test's changes to os.environ end with it: an in-process rank's RANK or MASTER_PORT=0 must not reach a
+    later test's children (the SLURM cluster's jobs inherit the environment they are submitted from)."""
+    with mock.patch.dict(os.environ):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -65,8 +78,8 @@ def init_dir(tmp_path_factory) -> str:
     run started from an HF checkpoint directory is exercised)."""
     tok = load_tokenizer(TOKENIZER)
     torch.manual_seed(0)
-    lm = build_model("tiny", tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
-                     eos_token_id=tok.info.eos_id)
+    lm = build_model(model_spec("tiny", tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
+                     eos_token_id=tok.info.eos_id))
     out = str(tmp_path_factory.mktemp("init") / "tiny")
     lm.save_pretrained(out)
     tok.hf.save_pretrained(out)

@@ -13,7 +13,7 @@ import http.server
 import importlib.metadata
 import json
 import os
-import re
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -22,6 +22,7 @@ import threading
 import numpy as np
 import torch
 
+from pipeline.constraints import canonical  # noqa: F401  (the tests' too)
 from pipeline.data.format.index import MANIFEST, job_manifest_name, settings_fingerprint
 from pipeline.data.format.sample import FORMAT_VERSION
 from pipeline.data.format.tar_shard import ShardWriter
@@ -30,7 +31,7 @@ from pipeline.data.prep.build_sample import PlanSettings, make_sample
 from pipeline.data.prep.packing import Packer
 from pipeline.data.prep.units import unit_sample
 from pipeline.io import write_json_atomic
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, BOS, EOS, MASK = 0, 1, 2, 3
@@ -64,7 +65,7 @@ def make_shard_dir(root: str, num_samples: int = 37, seq_len: int = 32, vocab: i
     write_json_atomic(os.path.join(directory, MANIFEST), {"format": FORMAT_VERSION, "fingerprint": fingerprint,
                                                           "settings": settings, "num_jobs": 1})
     write_json_atomic(os.path.join(directory, job_manifest_name(0)),
-                      {"fingerprint": fingerprint, "complete": True, "shards": shards})
+                      {"format": FORMAT_VERSION, "fingerprint": fingerprint, "complete": True, "shards": shards})
     return directory
 
 
@@ -159,8 +160,8 @@ def tiny_llama(tokenizer, attention_dropout: float = 0.0, seed: int = 0):
     """The "tiny" preset with ``tokenizer``'s vocabulary and seeded weights; ``attention_dropout`` is set on every
     attention layer, as the trainer does."""
     torch.manual_seed(seed)
-    model = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id,
-                        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    model = build_model(model_spec("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id,
+                        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id))
     model.config.attention_dropout = attention_dropout
     for module in model.modules():
         if hasattr(module, "attention_dropout"):
@@ -240,6 +241,33 @@ def one_error(proc: subprocess.CompletedProcess, prefix: str) -> str:
     return lines[0]
 
 
+@contextlib.contextmanager
+def in_process_entry():
+    """``pipeline.train.entry.main`` callable in this process as one launcher-less rank (RANK, WORLD_SIZE set, so
+    it does not set them for later tests); the stop signals' handlers it installs are restored (its threads end as
+    it returns)."""
+    from pipeline.train.entry import main
+    from pipeline.train.signals import STOP_SIGNALS
+
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    try:
+        yield main
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(wakeup)
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def logged_steps(run_dir: str) -> dict[int, dict]:
     """Step -> the scalars logged in ``metrics.jsonl``; a step logged twice (replayed after a resume) keeps its last."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -291,11 +319,6 @@ def http_server(directory: str, drop: str | None = None):
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
-
-
-def canonical(name: str) -> str:
-    """A distribution's name as pip compares them."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def image_without(hidden: set[str], directory) -> str:

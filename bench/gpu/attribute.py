@@ -103,11 +103,12 @@ def prepare_data(directory: str, cfg: RunConfig, samples: int) -> Data:
 
 
 def experiment_overrides(cfg: RunConfig, data: Data, run_dir: str) -> list[str]:
-    """The experiment of ``cfg`` as ``--set`` items: the bench's CLM on ``data`` (SDPA, as the GPU baseline ran),
-    then the config's own overrides, which win. launch/train.py given these trains the same steps."""
+    """The experiment of ``cfg`` as ``--set`` items: the bench's CLM on ``data`` (SDPA and eager, as the GPU
+    baseline ran: ``model.compile`` would be auto, which compiles on CUDA), then the config's own overrides, which
+    win. launch/train.py given these trains the same steps."""
     return [f"run_dir={run_dir}", f"data.shards={data.shards}", f"data.tokenizer={data.tokenizer}",
             f"data.seq_len={cfg.seq_len}", f"model.init={cfg.preset}", f"model.dtype={'bf16' if cfg.bf16 else 'fp32'}",
-            "model.attn_implementation=sdpa", f"train.micro_batch={cfg.micro_batch}",
+            "model.attn_implementation=sdpa", "model.compile=false", f"train.micro_batch={cfg.micro_batch}",
             f"train.grad_accum={cfg.grad_accum}", "train.steps=1000", "phases=[{objectives: [{name: clm}]}]",
             *cfg.overrides]
 
@@ -121,7 +122,7 @@ class Engine:
     loader: object
     device: object
     grad_accum: int
-    source: str = field(init=False)
+    shard_kind: str = field(init=False)
 
     def __post_init__(self):
         self.shard_kind = self.objectives[0].objective.shard_kind
@@ -161,8 +162,10 @@ def opened_engine(cfg: RunConfig, data: Data, work: str, device):
     from pipeline.experiment import load_experiment
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
-    from pipeline.train.module import attn_implementation, build_engine, fused_kind
+    from pipeline.train.kernels import fused_kind
+    from pipeline.train.module import build_engine
     from pipeline.train.phases import build_objectives
+    from pipeline.train.preflight import check_model
 
     cuda = device.type == "cuda"
     exp = load_experiment(None, experiment_overrides(cfg, data, os.path.join(work, "run")))
@@ -170,8 +173,8 @@ def opened_engine(cfg: RunConfig, data: Data, work: str, device):
     objectives = build_objectives(exp.phases[0], tokenizer)
     ds = resolve_ds_config(load_ds_config(os.path.join(REPO, cfg.ds_config)), exp, 1, cfg.bf16)
     # the trainer's own engine: built on the GPU below ZeRO-3, DeepCompile'd where the JSON asks for it
-    lm, engine = build_engine(exp, ds, tokenizer, cfg.bf16, [o.objective for o in objectives],
-                              attn_implementation=attn_implementation(exp.model, cuda), fused=fused_kind(exp.optim, cuda))
+    lm, engine = build_engine(exp, ds, check_model(exp, tokenizer, ds, cuda), [o.objective for o in objectives],
+                              fused=fused_kind(exp.optim, cuda))
     loader = ShardLoader(load_index(data.shards), cfg.micro_batch, cfg.grad_accum, 0, 1, exp.train.seed, cfg.workers,
                          pin_memory=cuda)
     try:
@@ -425,6 +428,9 @@ def chosen_config(args: argparse.Namespace) -> RunConfig:
 
 
 def main() -> int:
+    from pipeline.train.deepspeed_ops import use_install_ops_dir
+
+    use_install_ops_dir()  # DeepSpeed's ops, this process's and its children's, in this install's folder
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for attribution.json, attribution.md, trace.json.gz")
     parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny preset, seq 64, fp32, CPU activities")

@@ -140,7 +140,12 @@ def run_until(cmd: list[str], deadline: float) -> tuple[str, bool]:
 
 
 def _single_process_env() -> None:
-    """DeepSpeed's collectives need a process group even on one device: a world of one on this host."""
+    """DeepSpeed's collectives need a process group even on one device: a world of one on this host. And, as the
+    trainer's ``start_distributed``, TORCH_CUDA_ARCH_LIST in the form DeepSpeed's op builds (DeepCompile's,
+    FusedAdam's) read: the image's ``9.0a`` becomes ``9.0``."""
+    from pipeline.train.deepspeed_ops import arch_list_for_deepspeed
+
+    arch_list_for_deepspeed()
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
@@ -234,6 +239,9 @@ def summary_ratios(rows: list[Row]) -> dict[str, dict]:
 
 
 def main() -> int:
+    from pipeline.train.deepspeed_ops import use_install_ops_dir
+
+    use_install_ops_dir()  # DeepSpeed's ops, this process's and its children's, in this install's folder
     started = time.time()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for results.json and results.md")
@@ -326,8 +334,10 @@ def measure_presets(settings: Settings, device, work: str, ds_raw: dict, peak: f
     from pipeline.experiment import load_experiment
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import resolve_ds_config
-    from pipeline.train.module import attn_implementation, build_train_model, fused_kind
+    from pipeline.train.kernels import fused_kind
+    from pipeline.train.module import build_train_model
     from pipeline.train.phases import build_objectives
+    from pipeline.train.preflight import check_model
 
     cuda = device.type == "cuda"
     started = time.time()
@@ -356,9 +366,9 @@ def measure_presets(settings: Settings, device, work: str, ds_raw: dict, peak: f
         engine = loader = None
         try:
             t0 = time.time()
-            lm, module, optimizer = build_train_model(
-                exp, ds, tokenizer, settings.bf16, [o.objective for o in built.values()],
-                attn_implementation=attn_implementation(exp.model, cuda), fused=fused_kind(exp.optim, cuda))
+            lm, module, optimizer = build_train_model(exp, ds, check_model(exp, tokenizer, ds, cuda),
+                                                      [o.objective for o in built.values()],
+                                                      fused=fused_kind(exp.optim, cuda))
             engine, *_ = deepspeed.initialize(model=module, **optimizer, config=ds)
             print(f"{preset}: engine built in {time.time() - t0:.0f} s", flush=True)
             loader = ShardLoader(index, micro, 1, 0, 1, exp.train.seed, settings.workers, pin_memory=cuda)

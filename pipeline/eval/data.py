@@ -101,20 +101,20 @@ def _hub_rows(name: str, split: str) -> Iterator[Row]:
         yield Row(dict(record), f"{name}[{split}]#{i}")
 
 
-def read_rows(source: str, split: str = "test") -> list[Row]:
-    """All records of a local file, or of split ``split`` of the HF dataset ``source`` when no such file exists."""
-    if os.path.isfile(source):
-        if source.endswith(".jsonl"):
-            return list(_jsonl_rows(source))
-        if source.endswith(".json"):
-            return list(_json_rows(source))
-        if source.endswith(TABLE_EXTS):
-            return list(_table_rows(source))
-        raise DataError(f"{source}: unknown file type; use one of {', '.join(RECORD_EXTS)}")
-    if os.path.exists(source) or os.path.isabs(source) or source.endswith(RECORD_EXTS) or "/" not in source:
-        raise DataError(f"{source}: no such file; put it there or pass an HF dataset name (owner/name[:config]) "
+def read_rows(dataset: str, split: str = "test") -> list[Row]:
+    """All records of a local file, or of split ``split`` of the HF dataset ``dataset`` when no such file exists."""
+    if os.path.isfile(dataset):
+        if dataset.endswith(".jsonl"):
+            return list(_jsonl_rows(dataset))
+        if dataset.endswith(".json"):
+            return list(_json_rows(dataset))
+        if dataset.endswith(TABLE_EXTS):
+            return list(_table_rows(dataset))
+        raise DataError(f"{dataset}: unknown file type; use one of {', '.join(RECORD_EXTS)}")
+    if os.path.exists(dataset) or os.path.isabs(dataset) or dataset.endswith(RECORD_EXTS) or "/" not in dataset:
+        raise DataError(f"{dataset}: no such file; put it there or pass an HF dataset name (owner/name[:config]) "
                         f"when online (see docs/evaluation.md)")
-    return list(_hub_rows(source, split))
+    return list(_hub_rows(dataset, split))
 
 
 def find_files(directory: str, exts: Sequence[str], what: str) -> list[str]:

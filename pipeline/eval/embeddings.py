@@ -1,6 +1,6 @@
 """Sentence-embedding tasks as MTEB scores them, on local files, without training: STS (Spearman of cosine similarity
 against the gold scores, x100), clustering (V-measure of k-means with k = the number of gold labels, x100) and
-zero-shot retrieval (NDCG@10 x100 of the cosine ranking, ``pipeline.eval.ranking``).
+zero-shot retrieval (NDCG@10 and MRR@10 x100 of the cosine ranking, ``pipeline.eval.ranking``).
 
 STS records (``.tsv`` with a header, ``.jsonl``, or an HF dataset): STS-B (``sentence1``, ``sentence2``,
 ``score``), SICK (``sentence_A``, ``sentence_B``, ``relatedness_score``), MTEB (``sentence1``, ``sentence2``,
@@ -23,7 +23,7 @@ from pipeline.data.format.instructions import format_instruction
 from pipeline.eval.data import DataError, Row, dataset_name, read_rows
 from pipeline.eval.encode import encode
 from pipeline.eval.metrics import spearman, v_measure
-from pipeline.eval.ranking import ndcg, ranking_pool
+from pipeline.eval.ranking import mrr, ndcg, ranking_pool
 from pipeline.eval.task import EvalContext, Task
 
 EXTS = (".tsv", ".csv", ".txt", ".jsonl", ".json")
@@ -33,7 +33,7 @@ EXTS = (".tsv", ".csv", ".txt", ".jsonl", ".json")
 class EmbeddingOptions:
     datasets: list[str] = field(default_factory=list)  # files or HF names; default: all of DATA_DIR/<task>
     pooling: Literal["mean", "last", "weighted_mean"] | None = None  # None: the model's recorded pooling
-    layout: Literal["bos_eos", "special", "text"] | None = None  # None: the model's recorded layout
+    layout: Literal["bos_eos", "special", "text", "echo"] | None = None  # None: the model's recorded one
     instruction: str | None = None  # None: the model's recorded one ("" for none); left out of pooling
     attention: Literal["causal", "bidirectional"] | None = None  # None: the model's
     max_length: int = 512
@@ -41,7 +41,7 @@ class EmbeddingOptions:
     split: str = "test"  # split of an HF dataset
     # zero-shot retrieval: how a query's instruction is joined for a model without a recorded instruction_format
     instruction_format: str = "{instruction}: "
-    k: int = 10  # zero-shot retrieval: NDCG cut-off
+    k: int = 10  # zero-shot retrieval: NDCG and MRR cut-off
 
 
 def _embed(ctx: EvalContext, texts: list[str], opts: EmbeddingOptions, instruction: str | None = None
@@ -67,11 +67,11 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / norms
 
 
-def sts_file(ctx: EvalContext, source: str, opts: EmbeddingOptions) -> dict:
-    rows = read_rows(source, opts.split)
+def sts_file(ctx: EvalContext, dataset: str, opts: EmbeddingOptions) -> dict:
+    rows = read_rows(dataset, opts.split)
     rows = rows[: opts.max_examples] if opts.max_examples else rows
     if len(rows) < 2:
-        raise DataError(f"{source}: {len(rows)} pairs; Spearman needs at least 2")
+        raise DataError(f"{dataset}: {len(rows)} pairs; Spearman needs at least 2")
     first = [r.get(("sentence1", "sentence_A", "text1", "s1"), "first sentence") for r in rows]
     second = [r.get(("sentence2", "sentence_B", "text2", "s2"), "second sentence") for r in rows]
     gold = [_float(r, r.get(("score", "relatedness_score", "similarity", "label"), "gold score"), "score")
@@ -117,8 +117,8 @@ def cluster_sets(rows: list[Row]) -> list[tuple[list[str], list[str], str]]:
              [str(r.get(("label", "labels", "category"), "label")) for r in rows], rows[0].where if rows else "")]
 
 
-def clustering_file(ctx: EvalContext, source: str, opts: EmbeddingOptions) -> dict:
-    rows = read_rows(source, opts.split)
+def clustering_file(ctx: EvalContext, dataset: str, opts: EmbeddingOptions) -> dict:
+    rows = read_rows(dataset, opts.split)
     sets = cluster_sets(rows[: opts.max_examples] if opts.max_examples else rows)
     scores = []
     for texts, labels, where in sets:
@@ -131,9 +131,9 @@ def clustering_file(ctx: EvalContext, source: str, opts: EmbeddingOptions) -> di
     return {"v_measure": 100 * float(np.mean(scores)), "sets": len(sets)}
 
 
-def retrieval_file(ctx: EvalContext, source: str, opts: EmbeddingOptions) -> dict:
-    rows = read_rows(source, opts.split)
-    pool = ranking_pool(rows[: opts.max_examples] if opts.max_examples else rows, source)
+def retrieval_file(ctx: EvalContext, dataset: str, opts: EmbeddingOptions) -> dict:
+    rows = read_rows(dataset, opts.split)
+    pool = ranking_pool(rows[: opts.max_examples] if opts.max_examples else rows, dataset)
     queries = np.zeros((len(pool.queries), ctx.model.lm.config.hidden_size), dtype=np.float32)
     by_instruction: dict[str, list[int]] = {}
     for i, row in enumerate(pool.rows):
@@ -145,7 +145,8 @@ def retrieval_file(ctx: EvalContext, source: str, opts: EmbeddingOptions) -> dic
             instruction = format_instruction(opts.instruction_format, instruction)
         queries[which] = _embed(ctx, [pool.queries[i] for i in which], opts, instruction or "")
     documents = _embed(ctx, pool.documents, opts, "")
-    return {"ndcg": ndcg(queries, documents, pool.relevance, opts.k), "k": opts.k, "queries": len(pool.queries),
+    return {"ndcg": ndcg(queries, documents, pool.relevance, opts.k),
+            "mrr": mrr(queries, documents, pool.relevance, opts.k), "k": opts.k, "queries": len(pool.queries),
             "documents": len(pool.documents)}
 
 
@@ -154,7 +155,7 @@ METRICS = {"sts": "spearman", "clustering": "v_measure", "zero_shot_retrieval": 
 
 def _run(family: str, per_file):
     def run(ctx: EvalContext, opts: EmbeddingOptions) -> dict:
-        results = {dataset_name(s): per_file(ctx, s, opts) for s in ctx.sources(family, opts.datasets, EXTS)}
+        results = {dataset_name(s): per_file(ctx, s, opts) for s in ctx.datasets(family, opts.datasets, EXTS)}
         metric = METRICS[family]
         return {"datasets": results, "average": float(np.mean([r[metric] for r in results.values()])),
                 "pooling": opts.pooling or ctx.model.record.pooling, "layout": opts.layout or ctx.model.record.layout,
@@ -173,5 +174,6 @@ TASKS = (
     Task("zero_shot_retrieval", "zero_shot_retrieval",
          "zero-shot retrieval: NDCG@k x100 of the cosine ranking, instructed queries", EmbeddingOptions,
          _run("zero_shot_retrieval", retrieval_file),
-         lambda r: {"zs_ndcg_avg": r["average"], **{f"zs_ndcg/{k}": v["ndcg"] for k, v in r["datasets"].items()}}),
+         lambda r: {"zs_ndcg_avg": r["average"], **{f"zs_ndcg/{k}": v["ndcg"] for k, v in r["datasets"].items()},
+                    **{f"zs_mrr/{k}": v["mrr"] for k, v in r["datasets"].items()}}),
 )

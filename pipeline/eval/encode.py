@@ -8,7 +8,9 @@ picks head and tail:
 - ``bos_eos``: BOS and EOS, as data prep writes every document and unit (the default);
 - ``special``: what the tokenizer itself adds (``tokenizer(text)``: BOS for Llama, nothing for Qwen2), LLM2Vec's and
   sentence-transformers' layout;
-- ``text``: the text tokens alone.
+- ``text``: the text tokens alone;
+- ``echo``: Echo embeddings (``pipeline.eval.echo``): BOS, the text twice in the Echo paper's template, EOS; the
+  second copy is pooled, the model read causally. Not a layout a training record holds (``LAYOUTS``).
 
 Pooling (special tokens are never pooled, except by ``last``):
 
@@ -24,8 +26,10 @@ Across ranks (an initialised process group, ``pipeline.eval.ranks``), every rank
 all texts and encodes every ``world``-th batch (rank r: batches r, r + world, ...); the rows are gathered in input
 order on every rank (``gather="all"``) or on rank 0 only (``"rank0"``; None elsewhere). A row's embedding depends
 on its batch (its neighbours and padded width change the kernels' summation order, ~1e-6 on CPU fp32), so batches
-are a function of the whole input and not of the rank count: the result is bit-equal to one process's. On CUDA
-the embeddings are copied without blocking into pinned host memory, so the host never waits on a batch.
+are a function of the whole input and not of the rank count: the result is bit-equal to one process's. Under
+ZeRO-3 (an evaluator during training, ``pipeline.train.evaluators``) a rank with one batch fewer runs one more
+forward whose states it drops, since every forward gathers the weights from all ranks. On CUDA the embeddings are
+copied without blocking into pinned host memory, so the host never waits on a batch.
 """
 
 from __future__ import annotations
@@ -36,42 +40,29 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from pipeline.data.format.instructions import format_instruction, instructed_rows
+from pipeline.data.format.instructions import LAYOUTS, format_instruction, instructed_rows, special_tokens
+from pipeline.eval.echo import ECHO, echo_rows
 from pipeline.eval.forward import length_batches, pad_id, row_states, to_device
 from pipeline.eval.load import EvalModel
-from pipeline.eval.ranks import gather_rows, world
-from pipeline.export.record import LAYOUTS, POOLINGS
-from pipeline.tokenizer import Tokenizer
+from pipeline.eval.ranks import gather_rows, lockstep, world
+from pipeline.export.record import POOLINGS
 
-PROBE = "probe text"  # what ``special`` tokenizes to find the tokenizer's own special tokens
 MAX_TOKENS = 16384  # padded tokens per batch (rows x longest row)
 GATHERS = ("all", "rank0")
-
-
-def special_tokens(tokenizer: Tokenizer, layout: str) -> tuple[list[int], list[int]]:
-    """(ids before, ids after) the instruction and text under ``layout``; ``special`` asks the tokenizer what its
-    own call adds around a text (e.g. Llama: BOS; Qwen2: nothing)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-    if layout == "text":
-        return [], []
-    if layout == "bos_eos":
-        return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []), (
-            [tokenizer.eos_id] if tokenizer.eos_id is not None else [])
-    bare = tokenizer.hf(PROBE, add_special_tokens=False)["input_ids"]
-    full = tokenizer.hf(PROBE)["input_ids"]
-    start = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
-    if start is None:
-        raise ValueError(f"tokenizer {tokenizer.path}: its own special tokens change the text's tokens, so layout "
-                         f"'special' cannot find the text in them; use layout 'bos_eos' or 'text'")
-    return full[:start], full[start + len(bare):]
+ENCODE_LAYOUTS = (*LAYOUTS, ECHO)  # a record's layouts, and Echo, which encode() alone reads
 
 
 def rows_for(model: EvalModel, texts: Sequence[str], instruction: str | None, max_length: int, layout: str
              ) -> list[tuple[list[int], int, int]]:
     """(ids, first text position, end of text) per text; ``instruction`` is the verbatim prefix (already
-    formatted, :func:`query_prefix`); the text is cut to fit ``max_length`` tokens. The layout is data prep's for
-    pairs shards (``pipeline.data.format.instructions.instructed_rows``), so supervised training pools what this pools."""
+    formatted, :func:`query_prefix`); the text is cut to fit ``max_length`` tokens (under ``echo`` each copy is, and
+    the row fits the model's positions). The layout is data prep's for pairs shards
+    (``pipeline.data.format.instructions.instructed_rows``), so supervised training pools what this pools."""
+    if layout not in ENCODE_LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {', '.join(ENCODE_LAYOUTS)}")
+    if layout == ECHO:
+        return echo_rows(model.tokenizer, texts, instruction, max_length, model.max_length,
+                         *special_tokens(model.tokenizer, "bos_eos"))
     head, tail = special_tokens(model.tokenizer, layout)
     return instructed_rows(model.tokenizer, texts, [instruction or ""] * len(texts), max_length, head, tail)
 
@@ -113,14 +104,24 @@ def encode(model: EvalModel, texts: Sequence[str], instruction: str | None = Non
         raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}")
     if gather not in GATHERS:
         raise ValueError(f"gather {gather!r} is not one of {', '.join(GATHERS)}")
-    rows = rows_for(model, list(texts), instruction, min(max_length, model.max_length), layout or model.record.layout)
+    layout, mode = layout or model.record.layout, attention or model.attention
+    if layout == ECHO and mode != "causal":
+        raise ValueError(f"layout echo reads a causal model (the second copy sees the first); attention is {mode!r}: "
+                         "pass attention='causal' or another layout")
+    rows = rows_for(model, list(texts), instruction, min(max_length, model.max_length), layout)
     rank, size = world()
     batches = length_batches([len(r[0]) for r in rows], max_tokens)
     owned = [[i for batch in batches[r::size] for i in batch] for r in range(size)]
     cuda = model.device.type == "cuda"
     local = torch.empty((len(owned[rank]), model.lm.config.hidden_size), dtype=torch.float32, pin_memory=cuda)
-    pad, mode, done = pad_id(model.tokenizer), attention or model.attention, 0
-    for batch in tqdm(batches[rank::size], desc="encode", disable=not progress, leave=False):
+    pad, done = pad_id(model.tokenizer), 0
+    mine = batches[rank::size]
+    rounds = -(-len(batches) // size) if size > 1 and lockstep(model.lm) else len(mine)
+    for n in tqdm(range(rounds), desc="encode", disable=not progress, leave=False):
+        if n == len(mine):  # ZeRO-3: this rank's share is done; it joins the others' last forward, on the last batch
+            row_states(model.lm, [rows[j][0] for j in batches[-1]], pad, mode)
+            continue
+        batch = mine[n]
         chunk = [rows[i] for i in batch]
         embedded = pool(row_states(model.lm, [r[0] for r in chunk], pad, mode), chunk, pooling).float()
         local[done:done + len(batch)].copy_(embedded, non_blocking=cuda)

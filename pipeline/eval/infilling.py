@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from pipeline.data.prep.units import split_units
+from pipeline.data.format.units import split_units
 from pipeline.eval.data import DataError, Row, dataset_name, read_rows
 from pipeline.eval.forward import encode_with_offsets, hidden_states, pad_id, pad_rows, token_owner, wrap
 from pipeline.eval.task import EvalContext, Task
@@ -116,12 +116,12 @@ def fill_spans(ctx: EvalContext, examples: list[Example], mode: str) -> list[lis
     return [ids[i, e.start:e.end].tolist() for i, e in enumerate(examples)]
 
 
-def evaluate_file(ctx: EvalContext, source: str, opts: InfillOptions) -> dict:
-    rows = read_rows(source)
+def evaluate_file(ctx: EvalContext, dataset: str, opts: InfillOptions) -> dict:
+    rows = read_rows(dataset)
     rows = rows[: opts.max_examples] if opts.max_examples else rows
     examples = [e for e in tokenize(ctx, rows) if len(e.ids) <= min(opts.max_length, ctx.model.max_length)]
     if not examples:
-        raise DataError(f"{source}: no example fits max_length {opts.max_length}")
+        raise DataError(f"{dataset}: no example fits max_length {opts.max_length}")
     result: dict = {"examples": len(examples), "skipped_too_long": len(rows) - len(examples)}
     chunks = [examples[i:i + ctx.batch_size] for i in range(0, len(examples), ctx.batch_size)]
     for mode in MODES:
@@ -145,8 +145,8 @@ def evaluate_file(ctx: EvalContext, source: str, opts: InfillOptions) -> dict:
 
 
 def run(ctx: EvalContext, opts: InfillOptions) -> dict:
-    sources = ctx.sources("infilling", opts.datasets, (".jsonl", ".json", ".tsv"))
-    return {"datasets": {dataset_name(s): evaluate_file(ctx, s, opts) for s in sources}}
+    datasets = ctx.datasets("infilling", opts.datasets, (".jsonl", ".json", ".tsv"))
+    return {"datasets": {dataset_name(s): evaluate_file(ctx, s, opts) for s in datasets}}
 
 
 def headline(result: dict) -> dict[str, float]:

@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from pipeline.data.format.index import load_index
-from pipeline.data.loading.loader import check_compatible, iter_eval
+from pipeline.data.format.index import check_compatible, load_index
+from pipeline.data.loading.loader import iter_eval
 from pipeline.eval.task import EvalContext, Task
 from pipeline.objectives import CLMConfig, MaskedConfig, MLMConfig, MNTPConfig, make_objective
 

@@ -21,12 +21,13 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
+from pipeline.eval.description import ModelDescription, recorded_path
 from pipeline.export.hf import export_checkpoint
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
-from pipeline.export.weights import causal_lm_kwargs
-from pipeline.model.build import DTYPES, project_masks
+from pipeline.model.build import DTYPES
+from pipeline.model.load_hf import load_hf
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 
@@ -60,10 +61,13 @@ class EvalModel:
     def max_length(self) -> int:
         return int(getattr(self.lm.config, "max_position_embeddings", 2048))
 
-    def describe(self) -> dict:
-        return {"hf_dir": self.hf_dir, "run_dir": self.run_dir, "step": self.step, "attention": self.attention,
-                "reads_previous": self.reads_previous, "record": self.record.as_dict(),
-                "tokenizer": self.tokenizer.path, "parameters": sum(p.numel() for p in self.lm.parameters())}
+    def describe(self, root: str) -> ModelDescription:
+        """What its results record of it, paths relative to the results root ``root``."""
+        return ModelDescription(hf_dir=recorded_path(self.hf_dir, root),
+                                run_dir=self.run_dir and recorded_path(self.run_dir, root), step=self.step,
+                                attention=self.attention, reads_previous=self.reads_previous, record=self.record,
+                                tokenizer=recorded_path(self.tokenizer.path, root),
+                                parameters=sum(p.numel() for p in self.lm.parameters()))
 
 
 def checkpoint_export(run: RunDir, step: int) -> str:
@@ -118,15 +122,13 @@ def load_model(path: str, *, attention: str = "auto", tokenizer: str | None = No
     except ValueError as e:
         raise ModelError(f"{hf_dir}: the model has no usable tokenizer ({e}); copy the training tokenizer's files "
                          f"into it, or pass --tokenizer DIR") from e
-    lm = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=DTYPES[dtype],
-                                              attn_implementation=attn_implementation, **causal_lm_kwargs(hf_dir))
+    lm = load_hf(hf_dir, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
     try:
         record = read_record(lm.config)
     except (TypeError, ValueError) as e:
         raise ModelError(f"{hf_dir}/config.json: {e}; re-export the model with launch/export_hf.py") from e
     if record is None:  # an export without a record: its run's experiment, else a plain decoder
         record = from_experiment(RunDir(run_dir).experiment(), tok) if run_dir else EncoderRecord()
-    project_masks(lm.config)
     if tok.info.vocab_size > lm.config.vocab_size:
         raise ModelError(f"{hf_dir}: the tokenizer has {tok.info.vocab_size} ids but the model only "
                          f"{lm.config.vocab_size}; pass the tokenizer the model was trained with (--tokenizer)")

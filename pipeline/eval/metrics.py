@@ -19,7 +19,7 @@ import numpy as np
 from scipy import stats
 from sklearn.metrics import v_measure_score
 
-from pipeline.data.prep.units import split_units
+from pipeline.data.format.units import split_units
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
@@ -49,6 +49,12 @@ def ndcg_at_k(ranked: Sequence[str], relevance: dict[str, float], k: int = 10) -
     ideal = sorted(relevance.values(), reverse=True)[:k]
     idcg = sum(g / math.log2(i + 2) for i, g in enumerate(ideal))
     return dcg / idcg if idcg > 0 else 0.0
+
+
+def mrr_at_k(ranked: Sequence[str], relevance: dict[str, float], k: int = 10) -> float:
+    """Reciprocal rank of the first relevant candidate (gain > 0) among the top ``k``, 0 without one: MRR@k of one
+    query (MTEB's retrieval ``mrr_at_k``)."""
+    return next((1.0 / (i + 1) for i, doc in enumerate(ranked[:k]) if relevance.get(doc, 0.0) > 0), 0.0)
 
 
 def t_quantile(p: float, df: int) -> float:

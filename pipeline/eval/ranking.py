@@ -1,5 +1,5 @@
 """Retrieval as MTEB scores it, shared by the fine-tuned bi-encoder task and the zero-shot one: the candidate pool
-of a file of query/document pairs, and NDCG@k of the cosine ranking.
+of a file of query/document pairs, and NDCG@k and MRR@k of the cosine ranking.
 
 A file's rows are (query, document) pairs with an optional graded ``relevance`` (default 1); rows with the same
 query merge into one query with several relevant documents, and the pool is every distinct document of the file
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.eval.data import DataError, Row
-from pipeline.eval.metrics import ndcg_at_k
+from pipeline.eval.metrics import mrr_at_k, ndcg_at_k
 
 QUERY, DOCUMENT = ("query", "question", "anchor"), ("document", "positive", "passage", "text")
 
@@ -46,10 +46,22 @@ def ranking_pool(rows: Sequence[Row], where: str) -> Pool:
     return Pool(list(queries), list(documents), relevance, first)
 
 
-def ndcg(query_emb: np.ndarray, document_emb: np.ndarray, relevance: Sequence[dict[int, float]], k: int) -> float:
-    """Mean NDCG@k x100 of ranking every document by cosine similarity to each query (ties: the pool's order)."""
+def cosine_ranking(query_emb: np.ndarray, document_emb: np.ndarray) -> np.ndarray:
+    """[queries, documents] document indices of each query, best first by cosine similarity (ties: the pool's
+    order)."""
     def unit(x: np.ndarray) -> np.ndarray:
         return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
-    ranked = np.argsort(-(unit(query_emb) @ unit(document_emb).T), axis=1, kind="stable")
+    return np.argsort(-(unit(query_emb) @ unit(document_emb).T), axis=1, kind="stable")
+
+
+def ndcg(query_emb: np.ndarray, document_emb: np.ndarray, relevance: Sequence[dict[int, float]], k: int) -> float:
+    """Mean NDCG@k x100 of ranking every document by cosine similarity to each query (ties: the pool's order)."""
+    ranked = cosine_ranking(query_emb, document_emb)
     return 100.0 * float(np.mean([ndcg_at_k(ranked[i].tolist(), rel, k) for i, rel in enumerate(relevance)]))
+
+
+def mrr(query_emb: np.ndarray, document_emb: np.ndarray, relevance: Sequence[dict[int, float]], k: int) -> float:
+    """Mean MRR@k x100 of the same ranking as :func:`ndcg`."""
+    ranked = cosine_ranking(query_emb, document_emb)
+    return 100.0 * float(np.mean([mrr_at_k(ranked[i].tolist(), rel, k) for i, rel in enumerate(relevance)]))

@@ -40,6 +40,12 @@ def init_from_env(device: str = "cpu") -> str:
     return device
 
 
+def lockstep(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s weights are ZeRO-3 partitions (an evaluator during training): each forward gathers them
+    from every rank, so every rank must run every forward, as many as the busiest rank."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
 @functools.cache
 def _host_group():
     """A gloo group for host tensors: the default group when it is gloo, else one made beside it (every rank

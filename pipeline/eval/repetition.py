@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from pipeline.data.prep.units import split_units
+from pipeline.data.format.units import split_units
 from pipeline.eval.data import DataError, dataset_name, read_rows
 from pipeline.eval.forward import pad_id
 from pipeline.eval.metrics import rep_n, rep_sen
@@ -88,8 +88,8 @@ def repetition_scores(continuations: list[str]) -> dict:
             "mean_words": float(np.mean([len(w) for w in words])) if words else 0.0}
 
 
-def evaluate_file(ctx: EvalContext, source: str, opts: RepetitionOptions) -> dict:
-    rows = read_rows(source)
+def evaluate_file(ctx: EvalContext, dataset: str, opts: RepetitionOptions) -> dict:
+    rows = read_rows(dataset)
     rows = rows[: opts.max_examples] if opts.max_examples else rows
     prefixes = [prefix_of(row.get(("text", "story", "document"), "text"), opts) for row in rows]
     empty = [row.where for row, p in zip(rows, prefixes) if not p]
@@ -101,8 +101,8 @@ def evaluate_file(ctx: EvalContext, source: str, opts: RepetitionOptions) -> dic
 
 
 def run(ctx: EvalContext, opts: RepetitionOptions) -> dict:
-    sources = ctx.sources("repetition", opts.datasets, (".jsonl", ".json", ".tsv"))
-    return {"datasets": {dataset_name(s): evaluate_file(ctx, s, opts) for s in sources},
+    datasets = ctx.datasets("repetition", opts.datasets, (".jsonl", ".json", ".tsv"))
+    return {"datasets": {dataset_name(s): evaluate_file(ctx, s, opts) for s in datasets},
             "decoding": asdict(opts.decoding), "prefix": opts.prefix}
 
 

@@ -4,40 +4,61 @@ headline numbers per task, failed tasks, seconds per task) and on what (environm
 another results file of the same model (``reused``, only when some were).
 
 The JSON is the dataclass's fields as a mapping (``reused`` left out when empty), written with sorted keys, so a
-file read and written again is the same bytes."""
+file read and written again is the same bytes: the fields of the config and the model's record that an older
+version wrote none of (``config.max_tokens``, ``config.step``, ``model.record.instruction_format``) are read as
+their defaults and left out again (``unwritten``). Paths are relative to the results root
+(:mod:`pipeline.eval.description`); files written before that may name absolute ones, read all the same."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from pipeline.eval.config import EvalConfig
+from pipeline.eval.description import ModelDescription
+from pipeline.export.record import EncoderRecord
 from pipeline.io import read_json, write_json_atomic
 
 
 @dataclass
 class EvalResults:
-    config: dict  # the EvalConfig that ran, as a mapping
-    model: dict  # EvalModel.describe()
-    environment: dict  # python, torch, transformers, cpu, argv
+    config: EvalConfig  # what ran, its paths relative to the results root
+    model: ModelDescription  # EvalModel.describe()
+    environment: dict  # python, torch, transformers, cpu, argv, lock (pipeline.constraints.lock_identity)
     options: dict[str, dict] = field(default_factory=dict)  # task -> its options
     results: dict[str, dict] = field(default_factory=dict)  # task -> its results
     headline: dict[str, float] = field(default_factory=dict)  # the few numbers the report shows, over all tasks
     failed: dict[str, dict] = field(default_factory=dict)  # task -> {"error", "where"}
     seconds: dict[str, float] = field(default_factory=dict)  # task -> wall seconds
     reused: dict[str, str] = field(default_factory=dict)  # task -> the results file (name) it was copied from
+    # "config.KEY" / "model.record.KEY" an older version's file lacks: left out when written back
+    unwritten: tuple[str, ...] = ()
 
     # the fields kept per task: what merge combines, the older file's under the newer one's
     PER_TASK = ("options", "results", "headline", "seconds", "reused")
+    # the fields written as they are held
+    MAPPINGS = ("environment", "options", "results", "headline", "failed", "seconds", "reused")
 
     def to_json(self) -> dict:
-        data = asdict(self)
+        data = {"config": asdict(self.config), "model": self.model.to_json(),
+                **{key: getattr(self, key) for key in self.MAPPINGS}}
         if not self.reused:
             del data["reused"]
+        for key in self.unwritten:
+            *parents, name = key.split(".")
+            where = data
+            for parent in parents:
+                where = where[parent]
+            del where[name]
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> EvalResults:
-        return cls(**{f.name: data.get(f.name, {}) for f in fields(cls)})
+        config, model = data["config"], data["model"]
+        unwritten = tuple([f"config.{f.name}" for f in fields(EvalConfig) if f.name not in config]
+                          + [f"model.record.{f.name}" for f in fields(EncoderRecord) if f.name not in model["record"]])
+        return cls(EvalConfig(**config), ModelDescription.from_json(model),
+                   **{key: data.get(key, {}) for key in cls.MAPPINGS}, unwritten=unwritten)
 
     @classmethod
     def read(cls, path: str) -> EvalResults:
@@ -56,20 +77,19 @@ class EvalResults:
         """One line per failed task."""
         return [f"task {name} failed: {why['error']} (raised at {why['where']})" for name, why in self.failed.items()]
 
-    def with_task_of(self, other: EvalResults, task: str, source: str, headline: dict[str, float]) -> None:
-        """Take ``task`` from ``other`` (the results file ``source``, by name): its options, results and seconds, and
+    def with_task_of(self, other: EvalResults, task: str, results_file: str, headline: dict[str, float]) -> None:
+        """Take ``task`` from ``other`` (the results file ``results_file``, by name): its options, results and seconds, and
         ``headline`` (the task's headline numbers of those results)."""
         self.options[task] = other.options[task]
         self.results[task] = other.results[task]
         self.seconds[task] = other.seconds[task]
         self.headline.update(headline)
-        self.reused[task] = source
+        self.reused[task] = results_file
 
-    def merge(self, older: EvalResults, order: list[str]) -> EvalResults:
-        """These results over ``older``'s (same model): each per-task field holds both, this one's where both have a
-        task; config, model, environment and failures are this one's, the config's tasks those with results in
-        ``order``."""
-        merged = replace(self, config={**self.config, "tasks": []},
-                         **{key: {**getattr(older, key), **getattr(self, key)} for key in self.PER_TASK})
-        merged.config["tasks"] = [t for t in order if t in merged.results]
-        return merged
+    def merge(self, older: EvalResults | None, order: list[str]) -> EvalResults:
+        """These results over ``older``'s (same model; None: no older file): each per-task field holds both, this
+        one's where both have a task; config, model, environment and failures are this one's, the config's tasks
+        those with results in ``order``."""
+        per_task = {key: {**(getattr(older, key) if older else {}), **getattr(self, key)} for key in self.PER_TASK}
+        return replace(self, config=replace(self.config, tasks=[t for t in order if t in per_task["results"]]),
+                       **per_task)

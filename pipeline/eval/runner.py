@@ -10,12 +10,14 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 import transformers
 
 from pipeline.config import ConfigError
+from pipeline.constraints import lock_identity
+from pipeline.eval.config import EvalConfig
 from pipeline.eval.data import DataError
 from pipeline.eval.encode import MAX_TOKENS
 from pipeline.eval.load import ModelError, load_model
@@ -23,26 +25,10 @@ from pipeline.eval.ranks import init_from_env, world
 from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.results import EvalResults
 from pipeline.eval.task import EvalContext
-from pipeline.experiment import repo_relative
+from pipeline.experiment import REPO, repo_relative
+from pipeline.export.model_index import refresh_card
 from pipeline.model.build import DTYPES
 from pipeline.run_dir import RunDir
-
-
-@dataclass
-class EvalConfig:
-    model: str
-    tasks: list[str]
-    data_dir: str
-    overrides: list[str] = field(default_factory=list)  # TASK.KEY=VALUE
-    attention: str = "auto"
-    tokenizer: str | None = None
-    device: str = "cpu"
-    dtype: str = "fp32"
-    batch_size: int = 16  # rows per batch of generation and intrinsic tasks
-    seed: int = 0
-    progress: bool = True
-    step: int | None = None  # a kept checkpoint of the run directory ``model`` (None: its export or newest)
-    max_tokens: int = MAX_TOKENS  # padded tokens per batch of encode() and the probes' features
 
 
 def failure(error: Exception) -> dict:
@@ -75,15 +61,16 @@ def no_library_bars():
             datasets.enable_progress_bars()
 
 
-def evaluate(config: EvalConfig) -> EvalResults:
+def evaluate(config: EvalConfig, root: str = REPO) -> EvalResults:
     """Bad options or model stop the run before any task; a task that fails is recorded in ``failed``
-    (``failure``) and the others run."""
+    (``failure``) and the others run. The results name paths relative to ``root``, the results root
+    (:mod:`pipeline.eval.description`)."""
     options = task_options(config.tasks, config.overrides)  # before loading the model: bad options fail fast
     with nullcontext() if config.progress else no_library_bars():  # progress False: no bar at all
-        return _evaluate(config, options)
+        return _evaluate(config, options, root)
 
 
-def _evaluate(config: EvalConfig, options: dict) -> EvalResults:
+def _evaluate(config: EvalConfig, options: dict, root: str) -> EvalResults:
     model = load_model(config.model, attention=config.attention, tokenizer=config.tokenizer, device=config.device,
                        dtype=config.dtype, step=config.step)
     ctx = EvalContext(model, config.data_dir, config.batch_size, config.progress, config.seed, config.max_tokens)
@@ -100,12 +87,13 @@ def _evaluate(config: EvalConfig, options: dict) -> EvalResults:
             results.pop(name, None)
             failed[name] = failure(e)
         seconds[name] = round(time.time() - start, 2)
-    return EvalResults(config=asdict(config), model=model.describe(),
+    return EvalResults(config=config.recorded(root), model=model.describe(root),
                        options={name: asdict(opts) for name, opts in options.items()},
                        results=results, headline=headline, failed=failed, seconds=seconds,
                        environment={"python": platform.python_version(), "torch": torch.__version__,
                                     "transformers": transformers.__version__, "cpu": cpu(),
-                                    "argv": [repo_relative(a) if os.path.isabs(a) else a for a in sys.argv]})
+                                    "argv": [repo_relative(a) if os.path.isabs(a) else a for a in sys.argv],
+                                    "lock": lock_identity()})
 
 
 def cpu() -> str:
@@ -118,13 +106,26 @@ def cpu() -> str:
     return f"{name or 'unknown'} ({torch.backends.cpu.get_cpu_capability()})"
 
 
+def _refresh_card(results: EvalResults) -> None:
+    """The evaluated export of a run's step shows the run's results of that step in its model card: those read as
+    its record says (an evaluation with another --attention is left out). The results' paths are the repository's
+    (``evaluate``'s default root)."""
+    model = results.model
+    if model.run_dir and model.step is not None:
+        hf_dir = os.path.join(REPO, model.hf_dir)
+        n = refresh_card(RunDir(os.path.join(REPO, model.run_dir)), hf_dir, model.step, model.record.attention)
+        if n:
+            print(f"model card: {n} results in the model-index of {os.path.join(model.hf_dir, 'README.md')}")
+
+
 USAGE = """Evaluate a run or an HF model on any of the evaluation tasks and write the results as JSON:
 
     python launch/evaluate.py --model RUN_DIR|HF_DIR --tasks sts,repetition --data-dir DIR [--out results.json]
         [--set TASK.KEY=VALUE ...] [--attention auto|causal|bidirectional] [--device cpu|cuda] [--dtype auto|fp32|bf16]
         [--max-tokens N] [--batch-size N]
 
-Without --out, a run directory's results go to RUN_DIR/eval/results.json, where launch/report.py reads them;
+Without --out, a run directory's results go to RUN_DIR/eval/results.json, where launch/report.py reads them, and
+the model card of the run's export they evaluated gets them as its model-index (docs/export.md);
 ``--step N`` evaluates the run's complete checkpoint of step N instead (RUN_DIR/eval/stepNNNNNNNN/results.json).
 Under ``torchrun --nproc-per-node N`` every rank runs every task, encode() splits its texts over the ranks (each on
 its own GPU), every rank gets all embeddings, and rank 0 writes the results (docs/evaluation.md).
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if not results.write(out):
         print(f"error: no task finished; {out} was not written", file=sys.stderr)
         return 2
+    _refresh_card(results)
     for key, value in results.headline.items():
         print(f"{key:32} {value:.4g}")
     finished = ", ".join(results.results)

@@ -25,7 +25,7 @@ class EvalContext:
     seed: int = 0
     max_tokens: int = 16384  # padded tokens per batch of encode() and the probes' features
 
-    def sources(self, family: str, given: Sequence[str], exts: Sequence[str]) -> list[str]:
+    def datasets(self, family: str, given: Sequence[str], exts: Sequence[str]) -> list[str]:
         """The data of one task: ``given`` entries (a file under --data-dir, any file path, or an HF dataset name),
         or else every matching file in ``DATA_DIR/family``."""
         if not given:

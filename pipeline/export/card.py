@@ -1,15 +1,20 @@
-"""The model card (``README.md``) of every HF export, as sentence-transformers' own ``save`` writes one: the YAML
-front matter the Hub reads (``base_model``, ``library_name``, ``pipeline_tag``, ``tags``) and a body that says how
-the run trained the model and how to load and embed with it exactly as ``pipeline.eval.encode`` does."""
+"""The model card (``README.md``) of every HF export, written with huggingface_hub's own ``ModelCard`` as
+sentence-transformers' ``save`` writes one: the YAML front matter the Hub reads (``base_model`` and ``datasets`` as
+Hub ids only, ``license``, ``library_name``, ``pipeline_tag``, ``tags``, ``model-index`` from the step's evaluations)
+and a body that says in words how the run trained the model, and how to load and embed with it exactly as
+``pipeline.eval.encode`` does, from the directory the card sits in. No local absolute path: the card travels."""
 
 from __future__ import annotations
 
 import os
 
-import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from pipeline.data.format.instructions import special_tokens
 from pipeline.experiment import ExperimentConfig
+from pipeline.export.hub import base_model, license_fields, local_name, start_card
 from pipeline.export.record import EncoderRecord
+from pipeline.export.summary import optimiser, phases
 from pipeline.model.presets import PRESETS
 from pipeline.tokenizer import Tokenizer
 
@@ -31,20 +36,29 @@ def is_encoder(record: EncoderRecord, sentence_transformers: bool) -> bool:
     return record.attention == "bidirectional" or sentence_transformers
 
 
-def metadata(record: EncoderRecord, exp: ExperimentConfig, sentence_transformers: bool) -> dict:
-    """The card's YAML front matter."""
+def tags(record: EncoderRecord, exp: ExperimentConfig, sentence_transformers: bool) -> list[str]:
+    """The project, the method (LLM2Vec, MAGNET), each objective, and the library and LoRA when they apply."""
     names = sorted({name for phase in record.objectives for name in phase.split("+")})
-    tags = ["decoder-encoders", *sorted({METHODS[n] for n in names if n in METHODS}), *names]
-    if sentence_transformers:
-        tags.append("sentence-transformers")
-    if exp.model.lora.r:
-        tags.append("lora")
-    meta = {"library_name": "sentence-transformers" if sentence_transformers else "transformers",
-            "pipeline_tag": "feature-extraction" if is_encoder(record, sentence_transformers) else "text-generation",
-            "tags": tags}
-    if exp.model.init not in PRESETS:
-        meta = {"base_model": exp.model.init, **meta}
-    return meta
+    out = ["decoder-encoders", *sorted({METHODS[n] for n in names if n in METHODS}), *names]
+    return out + ["sentence-transformers"] * sentence_transformers + ["lora"] * bool(exp.model.lora.r)
+
+
+def model_name(exp: ExperimentConfig) -> str:
+    """The model's name on the Hub (the repo's, when ``export.repo_id`` names it) and in the card's title."""
+    return exp.export.repo_id.split("/")[-1] if exp.export.repo_id else exp.name or "decoder-encoders export"
+
+
+def metadata(record: EncoderRecord, exp: ExperimentConfig, sentence_transformers: bool,
+             results: list[EvalResult] = ()) -> ModelCardData:
+    """The card's YAML front matter, as huggingface_hub writes it: Hub ids only (``pipeline.export.hub``), the
+    evaluation ``results`` as its ``model-index``."""
+    start = start_card(exp)
+    return ModelCardData(base_model=base_model(exp, start), datasets=list(exp.export.datasets) or None,
+                         library_name="sentence-transformers" if sentence_transformers else "transformers",
+                         pipeline_tag="feature-extraction" if is_encoder(record, sentence_transformers)
+                         else "text-generation", tags=tags(record, exp, sentence_transformers),
+                         model_name=model_name(exp) if results else None, eval_results=list(results) or None,
+                         **license_fields(exp, start))
 
 
 def embed_snippet(path: str, record: EncoderRecord, special: tuple[list[int], list[int]]) -> str:
@@ -76,7 +90,8 @@ def _usage(path: str, record: EncoderRecord, sentence_transformers: bool, specia
     if not is_encoder(record, False):
         return ("```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
                 f'model, tok = AutoModelForCausalLM.from_pretrained("{path}"), AutoTokenizer.from_pretrained("{path}")\n'
-                'print(tok.decode(model.generate(**tok("Once upon a time", return_tensors="pt"))[0]))\n```\n')
+                'print(tok.decode(model.generate(**tok("Once upon a time", return_tensors="pt"), max_new_tokens=20)[0]))\n'
+                '```\n')
     if record.pooling not in POOL:
         return f"Pool the last hidden states with {record.pooling!r} pooling (`pipeline.eval.encode`).\n"
     note = (f"\nWith its instruction {record.instruction!r} (format {record.instruction_format!r}), "
@@ -85,41 +100,56 @@ def _usage(path: str, record: EncoderRecord, sentence_transformers: bool, specia
     return f"```python\n{embed_snippet(path, record, special)}```\n{note}"
 
 
-def body(out: str, record: EncoderRecord, exp: ExperimentConfig, step: int, tokens: int | None,
-         sentence_transformers: bool, special: tuple[list[int], list[int]]) -> str:
-    """The card's text: the run (start, objectives per phase, data, steps, tokens) and how to use the export."""
-    phases = "\n".join(f"- {p.name or f'phase {i}'} ({p.share:g} of the steps): "
-                       + ", ".join(o.name for o in p.objectives) + _context(exp, i) for i, p in enumerate(exp.phases))
-    lora = (f" as LoRA adapters (r {exp.model.lora.r}, alpha {exp.model.lora.alpha:g}) merged into the weights; "
+def _start(exp: ExperimentConfig, base: str | list[str] | None) -> str:
+    """Where the run started, without a local path."""
+    if exp.model.init in PRESETS:
+        return f"from scratch (the randomly initialised `{exp.model.init}` preset)"
+    hub = f" ([{base}](https://huggingface.co/{base}))" if isinstance(base, str) else ""
+    return f"from the checkpoint `{local_name(exp.model.init)}`{hub}"
+
+
+def _data(exp: ExperimentConfig) -> str:
+    """The training data: Hub datasets when ``export.datasets`` names them, and the local files by name."""
+    hub = (f"the Hub datasets {', '.join(f'[{d}](https://huggingface.co/datasets/{d})' for d in exp.export.datasets)}"
+           if exp.export.datasets else "local files, not on the Hub (`export.datasets` names Hub datasets)")
+    inputs = sorted({local_name(path) for data in exp.phases_data for path in data.build_inputs})
+    built = f"; the shards were built from {', '.join(f'`{i}`' for i in inputs)}" if inputs else ""
+    return f"Data: {hub}{built}."
+
+
+def _usage_note(exp: ExperimentConfig) -> str:
+    if exp.export.repo_id:
+        return (f"The snippet loads `{exp.export.repo_id}` from the Hub (`export.repo_id`); a local copy loads "
+                f"with its directory in place of the id.\n\n")
+    return ("Run it from the directory this card is in (the export, or a clone or download of its Hub repository); "
+            "from elsewhere, put that directory's path in place of `\".\"`.\n\n")
+
+
+def body(record: EncoderRecord, exp: ExperimentConfig, step: int, tokens: int | None, sentence_transformers: bool,
+         special: tuple[list[int], list[int]], base: str | list[str] | None) -> str:
+    """The card's text: the run (start, each phase's objectives in words, data, steps, tokens), how the model
+    reads text and how to use it (its evaluations are the metadata's ``model-index``, which the Hub shows)."""
+    lora = (f", as LoRA adapters (r {exp.model.lora.r}, alpha {exp.model.lora.alpha:g}) merged into the weights; "
             "the adapter alone is in `adapter/`" if exp.model.lora.r else "")
     reading = (f"{record.attention} attention, {record.pooling} pooling, layout `{record.layout}`"
                + (f", instruction {record.instruction!r}" if record.instruction else ""))
-    seen = f", {tokens:,} tokens" if tokens else ""
-    return (f"# {exp.name or 'decoder-encoders export'}\n\n"
-            f"Trained with decoder-encoders from `{exp.model.init}`{lora}.\n\n"
+    seen = f" ({tokens:,} tokens)" if tokens else ""
+    where = exp.export.repo_id or "."
+    return (f"# {model_name(exp)}\n\n"
+            f"Trained with decoder-encoders {_start(exp, base)}{lora}.\n\n"
+            f"## Training\n\n"
             f"Objectives so far (the start checkpoint's first): {', then '.join(record.objectives) or 'none'}. "
-            f"This run's phases:\n\n{phases}\n\n"
-            f"Data: the shards in `{exp.data.shards}` (sequence length {exp.data.seq_len}); {step} steps{seen}.\n\n"
+            f"This export is step {step} of {exp.train.steps}{seen}, in {len(exp.phases)} phase(s):\n\n"
+            f"{phases(exp)}\n\n{optimiser(exp)}\n\n{_data(exp)}\n\n"
             f"Read as trained ({reading}; `config.json` → `decoder_encoders`, `is_causal`).\n\n"
-            f"## Usage\n\n{_usage(out, record, sentence_transformers, special)}")
-
-
-def _context(exp: ExperimentConfig, i: int) -> str:
-    """A context-extension phase's shards, sequence length and RoPE theta ("" for a phase at the run's)."""
-    data, theta = exp.phase_data(i), exp.phases[i].rope_theta
-    if data.loader == "packed" and theta is None:
-        return ""
-    return f"; the shards in `{data.shards}` (sequence length {data.seq_len})" + (
-        f", RoPE θ {theta:g}" if theta is not None else "")
+            f"## Usage\n\n{_usage_note(exp)}{_usage(where, record, sentence_transformers, special)}")
 
 
 def write_card(out: str, record: EncoderRecord, exp: ExperimentConfig, step: int, tokens: int | None,
-               sentence_transformers: bool, tokenizer: Tokenizer) -> None:
-    """Write ``out/README.md``; its snippets load ``out``."""
-    from pipeline.eval.encode import special_tokens  # pipeline.eval imports the exports
-
+               sentence_transformers: bool, tokenizer: Tokenizer, results: list[EvalResult] = ()) -> None:
+    """Write ``out/README.md`` through huggingface_hub's ``ModelCard``; its snippets load the directory the card
+    sits in (or ``export.repo_id``)."""
     special = special_tokens(tokenizer, "special") if record.layout == "special" else ([], [])
-    front = yaml.safe_dump(metadata(record, exp, sentence_transformers), sort_keys=False)
-    text = body(out, record, exp, step, tokens, sentence_transformers, special)
-    with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(f"---\n{front}---\n\n{text}")
+    data = metadata(record, exp, sentence_transformers, results)
+    text = body(record, exp, step, tokens, sentence_transformers, special, data.base_model)
+    ModelCard(f"---\n{data.to_yaml()}\n---\n\n{text}").save(os.path.join(out, "README.md"))

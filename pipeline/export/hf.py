@@ -17,10 +17,12 @@ import sys
 from dataclasses import replace
 
 import torch
+from huggingface_hub import EvalResult
 from transformers import PreTrainedModel
 
 from pipeline.experiment import ExperimentConfig
 from pipeline.export.card import is_encoder, write_card
+from pipeline.export.model_index import results_at
 from pipeline.export.record import EncoderRecord, from_experiment, write_record
 from pipeline.export.sentence_transformers import st_record, write_sentence_transformers
 from pipeline.export.weights import save_weights
@@ -28,6 +30,7 @@ from pipeline.model.build import DTYPES
 from pipeline.model.lora import ADAPTER_DIR, merge_lora, save_adapter
 from pipeline.model.rope import configure_rope
 from pipeline.run_dir import RunDir, tag
+from pipeline.safe_load import check_directory, load_weights_only
 
 PREFIX = "lm."  # the HF model's parameter names inside the engine's module (pipeline.train.module.TrainModule.lm)
 STAGE0_MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's file of the whole module without ZeRO
@@ -38,10 +41,11 @@ class ExportError(ValueError):
 
 
 def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: EncoderRecord,
-            exp: ExperimentConfig, step: int, tokens: int | None = None, sentence_transformers: bool = False) -> str:
+            exp: ExperimentConfig, step: int, tokens: int | None = None, sentence_transformers: bool = False,
+            results: list[EvalResult] = ()) -> str:
     """Write an HF ``save_pretrained`` directory from an engine-module state dict of ``exp``'s run at ``step``:
     weights in the form of the class the config names (``pipeline.export.weights``), the training ``record`` in
-    the config, the tokenizer, the model card, and with ``sentence_transformers`` that library's files (``record``
+    the config, the tokenizer, the model card (with the step's evaluation ``results``), and with ``sentence_transformers`` that library's files (``record``
     must be one it expresses: ``st_record``). A LoRA run's adapter is merged into the weights and also written
     alone into ``adapter/``."""
     sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in state_dict.items()}
@@ -57,7 +61,7 @@ def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: 
     tokenizer.save(out)
     if sentence_transformers:
         write_sentence_transformers(out, record)
-    write_card(out, record, exp, step, tokens, sentence_transformers, tokenizer)
+    write_card(out, record, exp, step, tokens, sentence_transformers, tokenizer, results)
     return out
 
 
@@ -68,9 +72,10 @@ def checkpoint_state_dict(run: RunDir, step: int) -> dict[str, torch.Tensor]:
         if not os.path.isfile(path):
             raise ExportError(f"{path}: missing from a ZeRO stage 0 checkpoint; export another step "
                               f"(complete steps: {run.complete_steps()})")
-        return torch.load(path, map_location="cpu", weights_only=False)["module"]
+        return load_weights_only(path, map_location="cpu")["module"]
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    check_directory(run.checkpoint(step))  # zero_to_fp32 unpickles with weights_only=False
     return get_fp32_state_dict_from_zero_checkpoint(run.checkpoints, tag=tag(step))
 
 
@@ -88,7 +93,8 @@ def export_checkpoint(run: RunDir, out: str, step: int | None = None, dtype: str
                       layout: str | None = None) -> int:
     """Export the checkpoint of ``step`` (default: the newest complete one) with the run's model config and
     tokenizer; ``pooling`` / ``layout`` override the recorded defaults; ``sentence_transformers`` also writes that
-    library's files, with the run's pooling and the layout it expresses (``st_record``). Returns the step."""
+    library's files, with the run's pooling and the layout it expresses (``st_record``); the card's model-index
+    holds the run's evaluations of that step (``launch/evaluate.py``). Returns the step."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.tokenizer import load_tokenizer
@@ -115,7 +121,7 @@ def export_checkpoint(run: RunDir, out: str, step: int | None = None, dtype: str
     configure_rope(config, phase.rope_theta, phase.context)
     lm = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     save_hf(lm, {k: v.to(DTYPES[dtype]) for k, v in sd.items()}, tokenizer, out, record, exp, step,
-            tokens_at(run, step), sentence_transformers)
+            tokens_at(run, step), sentence_transformers, results_at(run, step, record.attention))
     return step
 
 
@@ -124,7 +130,8 @@ USAGE = """Export a training checkpoint as an HF ``save_pretrained`` directory, 
 [--sentence-transformers [--pooling P] [--layout L]]``.
 
 The weights come from the checkpoint of any ZeRO stage, the model config and the tokenizer from the run directory,
-and the training record goes into config.json, a model card into README.md (docs/export.md). An encoder keeps its
+and the training record goes into config.json, a model card into README.md (docs/export.md; with the results of
+launch/evaluate.py for that step of the run, when there are some, as its model-index). An encoder keeps its
 LM head apart (``AutoModelForCausalLM.from_pretrained(DIR, variant="lm")`` loads it); a LoRA run's adapter is also
 written alone into DIR/adapter. ``--sentence-transformers`` also makes DIR a sentence-transformers model
 (``SentenceTransformer(DIR)``) with the run's pooling and the layout that library reproduces (the text alone for

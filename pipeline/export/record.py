@@ -9,7 +9,7 @@ Two entries are written next to the architecture's own fields:
   pooling, layout, instruction, objectives), which ``pipeline.eval.load_model`` reads instead of the run directory.
 
 The project itself passes every attention mask explicitly and gives a loaded config HF's causal default back
-(``pipeline.model.build.project_masks``).
+(``pipeline.model.load_hf.project_masks``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 
 from transformers import PretrainedConfig
 
+from pipeline.data.format.instructions import LAYOUTS
 from pipeline.experiment import ExperimentConfig
 from pipeline.objectives import OBJECTIVES, SSCLConfig, SupervisedConfig
 from pipeline.tokenizer import Tokenizer
@@ -27,9 +28,6 @@ from pipeline.tokenizer import Tokenizer
 KEY = "decoder_encoders"
 ATTENTIONS = ("causal", "bidirectional")
 POOLINGS = ("mean", "last", "weighted_mean")
-# how encode() lays a text out: data prep's BOS text EOS; the tokenizer's own special tokens (what
-# ``tokenizer(text)`` adds: LLM2Vec's and sentence-transformers' layout); the text tokens alone
-LAYOUTS = ("bos_eos", "special", "text")
 
 
 @dataclass(frozen=True)

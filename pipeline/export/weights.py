@@ -6,7 +6,8 @@ only the base model's weights in ``model.safetensors``: a causal-LM checkpoint r
 ``lm_head.weight`` as UNEXPECTED. The LM head, which MNTP/MLM evaluation and infilling need, lies beside them in
 ``lm_head.safetensors``; the index ``model.safetensors.index.lm.json`` lists both files, so
 ``AutoModelForCausalLM.from_pretrained(DIR, variant="lm")`` loads the whole causal LM (transformers' own variant
-lookup). The project's loaders pass that variant where the index exists (:func:`causal_lm_kwargs`).
+lookup). The project's loader passes that variant where the index exists
+(:func:`pipeline.model.load_hf.causal_lm_kwargs`).
 """
 
 from __future__ import annotations
@@ -19,16 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
+from pipeline.model.load_hf import LM_INDEX
+
 HEAD = "lm_head."
 HEAD_FILE = "lm_head.safetensors"
-LM_VARIANT = "lm"
-LM_INDEX = f"model.safetensors.index.{LM_VARIANT}.json"
 BASE_INDEX = "model.safetensors.index.json"  # save_pretrained's, when it shards the weights
-
-
-def causal_lm_kwargs(hf_dir: str) -> dict:
-    """``from_pretrained`` keywords that load ``hf_dir`` as a whole causal LM (LM head included)."""
-    return {"variant": LM_VARIANT} if os.path.isfile(os.path.join(hf_dir, LM_INDEX)) else {}
 
 
 def _base_weight_map(out: str) -> dict[str, str]:

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
@@ -162,38 +163,53 @@ def skipped_blocks(block_mask: BlockMask) -> float:
     return 1.0 - float(computed) / (batch * q_blocks * block_mask.kv_indices.shape[-1])
 
 
-def _needs_mask(mode: str, doc_ids: torch.Tensor, document_masking: bool) -> bool:
+def _needs_mask(mode: str, doc_ids: torch.Tensor, document_masking: bool,
+                host_doc_ids: np.ndarray | None = None) -> bool:
+    """Whether the batch needs a mask (padding, or, with document masking, a row of several documents), decided on
+    ``host_doc_ids`` (the host's copy, ``Batch.host``) when given: reading the device's ids waits for its queue."""
     if mode not in _PLAIN_IS_CAUSAL:
         return True
-    needs = doc_ids < 0  # padding; and with document masking, a row of several documents
-    if document_masking:
-        needs = needs | (doc_ids != doc_ids[:, :1])
-    return bool(needs.any())  # one host sync: whether the batch runs is_causal without a mask
+    ids = host_doc_ids if host_doc_ids is not None else doc_ids.cpu().numpy()  # no host copy: one read
+    return bool((ids < 0).any() or (document_masking and (ids != ids[:, :1]).any()))
+
+
+def no_mask(device: torch.device) -> torch.Tensor:
+    """An empty 4D mask: FLEX and VARLEN's "attend as ``is_causal`` says". transformers' mask preprocessing returns
+    a 4D mask as it is, so a forward given one skips ``find_packed_sequence_indices``, which reads the device back
+    (``bool`` of its position-id check) on every forward that has no mask; the attention functions below read it
+    as no mask."""
+    return torch.empty((0, 0, 0, 0), dtype=torch.bool, device=device)
+
+
+def is_no_mask(attention_mask) -> bool:
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.numel() == 0
 
 
 def attention_inputs(mode: str, doc_ids: torch.Tensor, span_ids: torch.Tensor | None = None, *,
                      document_masking: bool = True, attn_implementation: str = "sdpa",
-                     dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+                     dtype: torch.dtype = torch.float32, host_doc_ids: np.ndarray | None = None) -> dict[str, Any]:
     """Keyword arguments for ``model(...)`` / ``model.model(...)`` that realise ``mode`` on this batch.
 
     ``attn_implementation`` is the model's (``model.config._attn_implementation``); ``dtype`` is the model's
-    dtype, used for the eager float mask.
+    dtype, used for the eager float mask; ``host_doc_ids``: the same ids on the host (the loader's copy), from
+    which the plain-or-masked decision and the varlen segments are made without reading the device.
     """
     if mode not in RULES:
         raise ValueError(f"unknown attention mode {mode!r}; known modes: {', '.join(RULES)}")
     if attn_implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {attn_implementation!r} cannot express custom masks; "
                          f"use one of {', '.join(IMPLEMENTATIONS)}")
+    ours = attn_implementation in (FLEX, VARLEN)
+    plain = {"is_causal": _PLAIN_IS_CAUSAL.get(mode)} | ({"attention_mask": no_mask(doc_ids.device)} if ours else {})
     if attn_implementation == VARLEN and mode in _PLAIN_IS_CAUSAL:
-        segments = packed_segments(doc_ids, document_masking)  # its one host sync stands for _needs_mask's
+        segments = packed_segments(doc_ids, document_masking, host_doc_ids)  # stands for _needs_mask's decision
         if segments is None:
-            return {"is_causal": _PLAIN_IS_CAUSAL[mode]}
-        return {"is_causal": _PLAIN_IS_CAUSAL[mode], "cu_seq_lens_q": segments.cu_seqlens,
-                "cu_seq_lens_k": segments.cu_seqlens, "max_length_q": segments.max_seqlen,
-                "max_length_k": segments.max_seqlen}
-    if not _needs_mask(mode, doc_ids, document_masking):
-        return {"is_causal": _PLAIN_IS_CAUSAL[mode]}
-    if attn_implementation in (FLEX, VARLEN):
+            return plain
+        return plain | {"cu_seq_lens_q": segments.cu_seqlens, "cu_seq_lens_k": segments.cu_seqlens,
+                        "max_length_q": segments.max_seqlen, "max_length_k": segments.max_seqlen}
+    if not _needs_mask(mode, doc_ids, document_masking, host_doc_ids):
+        return plain
+    if ours:
         return {"attention_mask": flex_block_mask(mode, doc_ids, span_ids, document_masking)}
     ok = dense_allowed(mode, doc_ids, span_ids, document_masking)
     if attn_implementation == "sdpa":
@@ -202,17 +218,24 @@ def attention_inputs(mode: str, doc_ids: torch.Tensor, span_ids: torch.Tensor | 
         ~ok, torch.finfo(dtype).min)}
 
 
-def resolve_implementation(setting: str, cuda: bool) -> str:
-    """The HF attention implementation for ``model.attn_implementation``: ``auto`` is VARLEN on CUDA (flash varlen
-    for causal / bidirectional batches that need a mask, FlexAttention block masks for MAGNET, SDPA's flash path
-    for batches that need no mask; FLEX where this torch has no varlen) and SDPA on CPU."""
+HALF = (torch.bfloat16, torch.float16)  # the flash varlen kernel's dtypes
+
+
+def resolve_implementation(setting: str, cuda: bool, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The HF attention implementation for ``model.attn_implementation`` on a model of ``dtype``: ``auto`` is VARLEN
+    on CUDA in half precision (flash varlen for causal / bidirectional batches that need a mask, FlexAttention
+    block masks for MAGNET, SDPA's flash path for batches that need no mask), FLEX on CUDA in fp32 (the flash
+    varlen kernel takes bf16 / fp16 only) or where this torch has no varlen, and SDPA on CPU."""
     if setting not in SETTINGS:
         raise ValueError(f"model.attn_implementation: {setting!r} is not one of {', '.join(SETTINGS)}")
     if setting == "varlen" and not varlen_available():
         raise ValueError(f"model.attn_implementation: varlen needs torch.nn.attention.varlen (torch >= 2.10), which "
                          f"torch {torch.__version__} lacks; use auto, flex or sdpa")
+    if setting == "varlen" and cuda and dtype not in HALF:
+        raise ValueError(f"model.attn_implementation: varlen runs flash attention, which takes bf16 or fp16, but the "
+                         f"model is {str(dtype).removeprefix('torch.')}; set model.dtype: bf16, or use auto or flex")
     if setting == "auto":
-        return (VARLEN if varlen_available() else FLEX) if cuda else "sdpa"
+        return (VARLEN if varlen_available() and dtype in HALF else FLEX) if cuda else "sdpa"
     return {"flex": FLEX, "varlen": VARLEN}.get(setting, setting)
 
 
@@ -245,14 +268,23 @@ def _is_sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def flex_kernel_options(query: torch.Tensor) -> dict[str, int] | None:
-    """FlexAttention ``kernel_options`` for ``query`` [B, H, L, head_dim]: the forward tiles above on an sm90 GPU
-    in half precision (``fwd_``: the backward keeps its own), None (torch's choice) elsewhere."""
-    tiles = _SM90_FORWARD_TILES.get(query.shape[-1])
-    if (tiles is None or not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16)
-            or not _is_sm90(query.device)):
+def forward_tiles(head_dim: int, query_length: int, dtype: torch.dtype) -> dict[str, int] | None:
+    """The forward ``kernel_options`` of :data:`_SM90_FORWARD_TILES` for a half-precision query of ``head_dim`` and
+    ``query_length`` rows on an sm90 GPU, or None (torch's choice). Queries shorter than a tile's ``BLOCK_M`` (128)
+    get None: torch runs them with its flex-decoding kernel, which sizes its boundary checks from its own block
+    size, not the override (short unit rows, MAGNET evaluation, Gemma 2's softcap on short inputs)."""
+    tiles = _SM90_FORWARD_TILES.get(head_dim)
+    if tiles is None or dtype not in HALF or query_length < tiles[0]:
         return None
     return dict(zip(("fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_stages", "fwd_num_warps"), tiles, strict=True))
+
+
+def flex_kernel_options(query: torch.Tensor) -> dict[str, int] | None:
+    """FlexAttention ``kernel_options`` for ``query`` [B, H, L, head_dim]: :func:`forward_tiles` on an sm90 GPU
+    (``fwd_``: the backward keeps its own), None (torch's choice) elsewhere."""
+    if not query.is_cuda or not _is_sm90(query.device):
+        return None
+    return forward_tiles(query.shape[-1], query.shape[-2], query.dtype)
 
 
 def _softcapped(softcap: float):
@@ -286,7 +318,10 @@ def flex_or_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
                          attention_mask, dropout: float = 0.0, scaling: float | None = None,
                          softcap: float | None = None, is_causal: bool | None = None, **kwargs):
     """HF attention function: FlexAttention for a ``BlockMask``, HF's SDPA for anything else, except that a
-    softcapped model (Gemma 2) always runs FlexAttention with the softcap as its ``score_mod``: SDPA has none."""
+    softcapped model (Gemma 2) always runs FlexAttention with the softcap as its ``score_mod``: SDPA has none.
+    :func:`no_mask` is no mask."""
+    if is_no_mask(attention_mask):
+        attention_mask = None
     if not isinstance(attention_mask, BlockMask):
         if softcap is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

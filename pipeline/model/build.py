@@ -1,5 +1,10 @@
 """Build the model: a preset trained from scratch, or a local HF decoder checkpoint for continued pretraining.
 
+:func:`build_model` is the one builder: it takes a :class:`ModelSpec` (what preflight decided: the config, the
+weights, dtype and attention, LoRA, attention dropout, the chunked head, checkpointing and compile) and returns the
+finished module; the trainer's engine (``pipeline.train.module.build_engine``) adds only what training needs
+around it (ZeRO-3's construction context, the objectives' heads, leaf layers, the optimizer).
+
 Checkpoint families (``ARCHITECTURES``): Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2 and Gemma 3 (text), and the
 mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (their router loss: ``pipeline.model.moe``). Each runs
 the project's attention masks through its HF ``model.model(...)`` forward unchanged (tests/unit/model/test_families.py,
@@ -14,12 +19,18 @@ A bare ``deepspeed.zero.Init`` around the model class would silently skip that i
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from pipeline.export.weights import causal_lm_kwargs
+from pipeline.model.checkpointing import enable_checkpointing
+from pipeline.model.lm_head import chunk_lm_head
+from pipeline.model.load_hf import load_hf, project_masks
+from pipeline.model.lora import add_lora
 from pipeline.model.moe import num_experts
 from pipeline.model.presets import PRESETS, get_preset
 
@@ -30,24 +41,73 @@ MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 
 
-def build_model(spec: str, vocab_size: int, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa",
-                pad_token_id: int | None = None, bos_token_id: int | None = None,
-                eos_token_id: int | None = None, config: PretrainedConfig | None = None) -> PreTrainedModel:
-    """A causal-LM model from a preset name or a local HF checkpoint directory.
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the model is built from, decided once (the trainer's preflight,
+    ``pipeline.train.preflight.model_spec``): :func:`build_model` reads it and checks nothing. ``config`` is lent:
+    the builder works on a copy, so the spec stays as it was decided."""
 
-    ``vocab_size`` and the special ids come from the data's tokenizer: a preset takes them, a checkpoint must agree
-    with them (a model trained on another tokenizer would read the shards' ids as different tokens). ``config``: the
-    checkpoint's :func:`start_checkpoint_config`, already read and checked (the trainer's, from preflight).
-    """
-    if spec in PRESETS:
-        config = get_preset(spec).to_config(vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
-                                            eos_token_id=eos_token_id)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    config = config or start_checkpoint_config(spec, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    config.use_cache = False
-    return AutoModelForCausalLM.from_pretrained(Path(spec), config=config, dtype=dtype,
-                                                attn_implementation=attn_implementation, local_files_only=True,
-                                                **causal_lm_kwargs(spec))
+    config: PretrainedConfig  # a preset's (:func:`preset_config`) or a checkpoint's (:func:`start_checkpoint_config`)
+    checkpoint: str | None = None  # the HF directory whose weights are loaded (None: a preset's fresh weights)
+    dtype: torch.dtype = torch.float32
+    attn_implementation: str = "sdpa"
+    lora_r: int = 0  # model.lora: rank (0: no adapter), alpha, dropout, target modules
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    attention_dropout: float | None = None  # set on every attention layer (None: the config's)
+    lm_head_chunk: int = 0  # model.lm_head_chunk (0: the plain head)
+    activation_checkpointing: bool | str | int = False  # model.activation_checkpointing
+    compile: bool = False  # each decoder layer's forward compiled (:func:`compile_body`)
+
+
+def preset_config(name: str, vocab_size: int, *, pad_token_id: int | None = None, bos_token_id: int | None = None,
+                  eos_token_id: int | None = None) -> PretrainedConfig:
+    """The preset ``name``'s HF config with the data tokenizer's vocabulary size and special ids."""
+    return get_preset(name).to_config(vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+                                      eos_token_id=eos_token_id)
+
+
+def model_spec(init: str, vocab_size: int, *, pad_token_id: int | None = None, bos_token_id: int | None = None,
+               eos_token_id: int | None = None, dtype: torch.dtype = torch.float32,
+               attn_implementation: str = "sdpa") -> ModelSpec:
+    """The spec of a bare model (no adapter, checkpointing or compile) of a preset or a local checkpoint directory
+    ``init``, whose config is read and checked here (:func:`start_checkpoint_config`): the tools' and tests' model.
+    The trainer's spec comes from its preflight, which reads the config once."""
+    if init in PRESETS:
+        return ModelSpec(preset_config(init, vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+                                       eos_token_id=eos_token_id), dtype=dtype, attn_implementation=attn_implementation)
+    config = start_checkpoint_config(init, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    return ModelSpec(config, init, dtype, attn_implementation)
+
+
+def build_model(spec: ModelSpec, device: torch.device | None = None) -> PreTrainedModel:
+    """The finished model of ``spec``: created (a preset) or loaded (a checkpoint, in eval mode as HF loads it), on
+    ``device`` when given, the LoRA adapter injected, the attention dropout set, the LM head chunked, the layers
+    checkpointed and compiled."""
+    config = copy.deepcopy(spec.config)  # lent: HF and the steps below set fields on the model's config
+    with device or contextlib.nullcontext():
+        if spec.checkpoint is None:
+            lm = AutoModelForCausalLM.from_config(config, dtype=spec.dtype,
+                                                  attn_implementation=spec.attn_implementation)
+        else:
+            config.use_cache = False
+            lm = load_hf(Path(spec.checkpoint), dtype=spec.dtype, attn_implementation=spec.attn_implementation,
+                         config=config)
+    if spec.lora_r:
+        add_lora(lm, spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.lora_targets)
+    lm.config.use_cache = False
+    if spec.attention_dropout is not None:
+        lm.config.attention_dropout = spec.attention_dropout
+        for module in lm.modules():  # each attention layer copied the value from the config when it was built
+            if hasattr(module, "attention_dropout"):
+                module.attention_dropout = spec.attention_dropout
+    if spec.lm_head_chunk:
+        chunk_lm_head(lm, spec.lm_head_chunk)
+    enable_checkpointing(lm, spec.activation_checkpointing)
+    if spec.compile:
+        compile_body(lm)
+    return lm
 
 
 def start_checkpoint_config(spec: str, vocab_size: int, *, bos_token_id: int | None = None,
@@ -67,14 +127,6 @@ def start_checkpoint_config(spec: str, vocab_size: int, *, bos_token_id: int | N
     return config
 
 
-def project_masks(config: PretrainedConfig) -> PretrainedConfig:
-    """HF's causal default back on a loaded config. A bidirectional export says ``is_causal: false`` (so plain
-    transformers runs it bidirectionally), which would also turn the project's causal requests (``is_causal=True``
-    and no mask, ``pipeline.model.attention``) bidirectional; in the project its own masks decide."""
-    config.is_causal = True
-    return config
-
-
 def compiles(setting: bool | str, cuda: bool) -> bool:
     """``model.compile``: ``auto`` compiles on CUDA (per-layer compile is torchtitan's and OLMo-core's default
     there) and not on CPU, where it costs minutes of compile on few cores for little gain."""
@@ -84,10 +136,12 @@ def compiles(setting: bool | str, cuda: bool) -> bool:
 def compile_body(model: PreTrainedModel) -> None:
     """``torch.compile`` each decoder layer's forward in place (regional compilation: the layers share one compiled
     graph, so compile time does not grow with depth). The layers' own hooks (ZeRO-3's gathers) stay outside the
-    compiled code; the embedding, final norm and LM head stay eager. A checkpointed layer (HF checkpoints inside
-    ``forward``) compiles with its checkpoint, and its recompute replays no Python side effect: the one dynamo
-    finds there is transformers' output-capturing context variable, which a recompute must not replay anyway
-    (without the flag the whole layer falls back to eager at that graph break)."""
+    compiled code; the embedding, final norm and LM head stay eager. A checkpointed layer compiles with its
+    checkpoint (transformers 5.25, this venv's, wraps ``forward`` in it) or runs its compiled forward inside it (5.17: the
+    checkpoint is in ``GradientCheckpointingLayer.__call__``), and its recompute replays no Python side effect: the one dynamo finds there is transformers' output-capturing
+    context variable, which a recompute must not replay anyway (without the flag the whole layer falls back to eager
+    at that graph break). Selective checkpointing's policy cannot see inside the compiled forward, so the trainer
+    does not compile it (``pipeline.train.module.body_compiles``)."""
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in model.model.layers:
         layer.forward = torch.compile(layer.forward)
@@ -129,18 +183,17 @@ def start_dir(spec: str) -> Path:
     return path
 
 
-def check_checkpoint_shape(spec: str, preset: str, config: PretrainedConfig | None = None) -> None:
-    """Continued pretraining names the size it continues (``model.shape``): the checkpoint in ``spec`` must have
-    that preset's shape, so a run never silently continues the wrong start model. ``config``: the checkpoint's,
-    when the caller read it already (:func:`start_checkpoint_config`), else read here."""
+def check_checkpoint_shape(spec: str, preset: str, config: PretrainedConfig) -> None:
+    """Continued pretraining names the size it continues (``model.shape``): the checkpoint in ``spec`` (its
+    ``config``, as :func:`start_checkpoint_config` read it) must have that preset's shape, so a run never silently
+    continues the wrong start model; a preset ``spec`` must be that preset."""
     want = get_preset(preset)
     if spec in PRESETS:
         if spec != preset:
-            raise ValueError(f"model.init is the preset {spec!r} but model.shape is {preset!r}; make them agree")
+            raise ValueError(f"model.shape: {preset!r}, but model.init is the preset {spec!r}; set model.shape={spec} "
+                             f"(or \"\": unchecked), or model.init to a checkpoint of {preset}'s shape")
         return
     path = Path(spec)
-    if config is None:
-        config = load_checkpoint_config(start_dir(spec))
     got = (config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.num_attention_heads,
            config.num_key_value_heads, num_experts(config))
     expected = (want.num_layers, want.hidden_size, want.ffn_size, want.num_heads, want.num_kv_heads, want.experts)

@@ -5,7 +5,7 @@ directory, and the command line (``pipeline-import-gguf`` runs the same):
     python launch/import_gguf.py --output runs/models/smollm2-135m [--gguf FILE.gguf]
 
 The output (``model.safetensors``, ``config.json``, the tokenizer's files) loads with
-``AutoModelForCausalLM.from_pretrained(DIR)``, ``pipeline.model.build.build_model(DIR, ...)`` and
+``AutoModelForCausalLM.from_pretrained(DIR)``, ``pipeline.model.build.build_model(model_spec(DIR, ...))`` and
 ``pipeline.tokenizer.load_tokenizer(DIR)``, so it can start continued pretraining (``model.init=DIR``) with shards
 tokenized by ``data.tokenizer=DIR``.
 

@@ -28,10 +28,17 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (hidden @ weight.T).float()
 
 
+def _out_dtype_gemm(t: torch.Tensor) -> bool:
+    """Whether the GEMMs take ``out_dtype``: on CUDA, in eager only. Traced (DeepCompile compiles the whole module,
+    this head included), inductor has no lowering of ``addmm(..., out_dtype=)`` (pytorch#163880: "tuned_addmm() takes
+    3 positional arguments"), and it fuses the cast of the product into the GEMM's epilogue itself."""
+    return t.is_cuda and not torch.compiler.is_compiling()
+
+
 def _fp32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``hidden @ weight.T`` in fp32: on CUDA the GEMM writes its fp32 accumulator directly (``out_dtype``), with no
     bf16 product to round and cast in a second pass; elsewhere the product cast, as ``_chunk_logits``."""
-    if hidden.is_cuda and hidden.dtype != torch.float32:
+    if _out_dtype_gemm(hidden) and hidden.dtype != torch.float32:
         return torch.mm(hidden, weight.T, out_dtype=torch.float32)
     return _chunk_logits(hidden, weight)
 
@@ -41,7 +48,7 @@ def _accumulate(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     read and write of ``into``), elsewhere through a product in ``a``'s dtype and a cast."""
     if a.dtype == into.dtype:
         into.addmm_(a, b)
-    elif into.is_cuda:
+    elif _out_dtype_gemm(into):
         torch.addmm(into, a, b, out_dtype=into.dtype, out=into)
     else:
         into += (a @ b).float()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 try:
@@ -41,26 +42,40 @@ class Segments:
     """The attention segments of a micro-batch, as ``varlen_attn`` reads them."""
 
     cu_seqlens: torch.Tensor  # int32 [N + 1] on the batch's device: each segment's first token in [B * L], then B * L
-    max_seqlen: int  # the longest segment, which sizes the kernel's grid
+    max_seqlen: int  # the kernel's bound on a segment's length: the row length L (see ``packed_segments``)
 
 
-def packed_segments(doc_ids: torch.Tensor, document_masking: bool) -> Segments | None:
+def segment_starts(host_ids: np.ndarray, document_masking: bool) -> np.ndarray | None:
+    """int32 ``cu_seqlens`` of host rows ``host_ids`` [B, L] (document index, -1 = padding), or None when every row
+    is one segment without padding."""
+    key = host_ids if document_masking else np.minimum(host_ids, 0)  # without document masking: -1 padding, 0 tokens
+    batch, length = key.shape
+    starts = np.ones((batch, length), dtype=bool)
+    starts[:, 1:] = key[:, 1:] != key[:, :-1]
+    first = np.flatnonzero(starts)
+    if len(first) == batch and not (key < 0).any():
+        return None
+    return np.append(first, batch * length).astype(np.int32)
+
+
+def packed_segments(doc_ids: torch.Tensor, document_masking: bool,
+                    host_doc_ids: np.ndarray | None = None) -> Segments | None:
     """The segments of rows ``doc_ids`` [B, L] (document index, -1 = padding), or None when every row is one
     segment without padding (plain causal / bidirectional attention: no segments needed).
 
-    One host sync: the ids are read back once, since the segment count and the longest segment are host values of
-    the kernel's launch. Build it once per micro-batch; every layer reads the same one through the HF kwargs."""
-    key = doc_ids if document_masking else doc_ids.clamp(max=0)  # without document masking: -1 padding, 0 tokens
-    host = key.cpu()
-    batch, length = host.shape
-    starts = torch.ones(batch, length, dtype=torch.bool)
-    starts[:, 1:] = host[:, 1:] != host[:, :-1]
-    first = starts.flatten().nonzero().flatten()
-    if len(first) == batch and not bool((host < 0).any()):
+    Built from ``host_doc_ids``, the same ids on the host (the loader's copy, ``Batch.host``): the segment count is
+    a host value of the kernel's launch, and reading the device's ids back would wait for everything queued there
+    (the previous step's backward and optimizer). Without a host copy the device's ids are read once. The boundaries
+    go to the device in one non-blocking copy, their length marked dynamic so a compiled layer compiles once for
+    every segment count; ``max_seqlen`` is the row length, an upper bound the kernel accepts (its extra query tiles
+    exit at once), so it is the same int on every micro-batch and never recompiles the layer either."""
+    host = host_doc_ids if host_doc_ids is not None else doc_ids.cpu().numpy()
+    cu_seqlens = segment_starts(host, document_masking)
+    if cu_seqlens is None:
         return None
-    cu_seqlens = torch.cat([first, torch.tensor([batch * length])]).to(torch.int32)
-    return Segments(cu_seqlens=cu_seqlens.to(doc_ids.device, non_blocking=True),
-                    max_seqlen=int(cu_seqlens.diff().max()))
+    on_device = torch.from_numpy(cu_seqlens).to(doc_ids.device, non_blocking=True)
+    torch._dynamo.maybe_mark_dynamic(on_device, 0)
+    return Segments(cu_seqlens=on_device, max_seqlen=int(host.shape[-1]))
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,

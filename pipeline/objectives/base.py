@@ -15,6 +15,7 @@ from abc import ABC
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -230,6 +231,12 @@ class Masking:
                                self.mask_id, self._pools[device])
 
 
+def host_doc_ids(batch: Batch) -> np.ndarray | None:
+    """The batch's document ids on the host, or None when the batch has no host copy."""
+    host = batch.on_host()
+    return None if host is None else host.doc_ids.numpy()
+
+
 def next_token_targets(input_ids: torch.Tensor, labels_from: torch.Tensor, doc_ids: torch.Tensor,
                        is_target: torch.Tensor) -> Targets:
     """Targets where position i-1 predicts token i of ``labels_from`` (CLM and MNTP).
@@ -349,15 +356,17 @@ class Objective(ABC):
         """``counts``: each loss's targets in ``batch`` as the host counted them (``num_targets`` of its host copy),
         so the step waits for the device nowhere (token objectives only)."""
         targets = self.targets(batch)
-        hidden = self.hidden_states(model, targets.input_ids, batch.doc_ids, batch.span_ids)
+        hidden = self.hidden_states(model, targets.input_ids, batch.doc_ids, batch.span_ids, host_doc_ids(batch))
         return {self.name: target_loss(model.lm_head, hidden, targets, rows=batch.source_ids is not None,
                                        count=None if counts is None else counts[self.name])}
 
     def hidden_states(self, model: PreTrainedModel, input_ids: torch.Tensor, doc_ids: torch.Tensor,
-                      span_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder body's last hidden states under this objective's attention mode (no LM head)."""
+                      span_ids: torch.Tensor | None = None, host_doc_ids: np.ndarray | None = None) -> torch.Tensor:
+        """The decoder body's last hidden states under this objective's attention mode (no LM head);
+        ``host_doc_ids``: ``doc_ids`` on the host (``Batch.on_host``), for the attention's decisions."""
         attention = attention_inputs(self.attention_mode, doc_ids, span_ids, document_masking=self.document_masking,
-                                     attn_implementation=model.config._attn_implementation, dtype=model.dtype)
+                                     attn_implementation=model.config._attn_implementation, dtype=model.dtype,
+                                     host_doc_ids=host_doc_ids)
         if not routing(model.config):
             return model.model(input_ids=input_ids, **attention).last_hidden_state
         out = model.model(input_ids=input_ids, **attention, output_router_logits=True)  # an MoE model in training

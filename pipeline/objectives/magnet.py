@@ -30,6 +30,7 @@ from pipeline.objectives.base import (
     MaskedObjective,
     ObjectiveOutput,
     Targets,
+    host_doc_ids,
     next_token_targets,
     target_loss,
 )
@@ -121,7 +122,7 @@ class Magnet(MaskedObjective):
         """``counts`` as the base class's; given, they came from ``num_targets`` of the host copy, which checked
         the spans."""
         view = self.view(batch, check=counts is None)
-        hidden = self.hidden_states(model, view.input_ids, batch.doc_ids, view.span_ids)
+        hidden = self.hidden_states(model, view.input_ids, batch.doc_ids, view.span_ids, host_doc_ids(batch))
         return {name: target_loss(model.lm_head, hidden, t, rows=batch.source_ids is not None,
                                   count=None if counts is None else counts[name])
                 for name, t in view.targets.items()}

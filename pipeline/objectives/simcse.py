@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -32,12 +33,19 @@ from pipeline.tokenizer import Tokenizer
 
 
 def check_units(batch: Batch, objective: str) -> None:
-    """Refuse packed samples: a sentence-unit objective needs one unit (one segment) per sample."""
-    packed = (batch.doc_ids > 0).any(-1)
+    """Refuse packed samples: a sentence-unit objective needs one unit (one segment) per sample. Checked on the
+    batch's host values (no read of the device where the loader's copy is there)."""
+    packed = (batch.host_values().doc_ids.numpy() > 0).any(-1)
     if packed.any():
-        keys = [k for k, bad in zip(batch.keys, packed.tolist()) if bad][:3]
+        keys = [k for k, bad in zip(batch.keys, packed) if bad][:3]
         raise ValueError(f"{objective} reads sentence units (one per sample), but samples {keys} hold several "
                          "documents: point data.unit_shards at shards built with data_prep/build_shards.py --units")
+
+
+def rows_index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """int64 indices of the True entries of host bools ``rows``, on ``device`` in a non-blocking copy: an index that
+    selects them without the device read of a boolean index (``nonzero``)."""
+    return torch.from_numpy(np.flatnonzero(rows)).to(device, non_blocking=True)
 
 
 def mean_pool(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -70,11 +78,15 @@ class SimCSE(Objective):
         super().__init__(config, document_masking)
         self.scale = config.scale
         self.special_ids = torch.tensor(tokenizer.special_ids, dtype=torch.long)
+        self.host_special_ids = np.array(tokenizer.special_ids, dtype=np.int64)
+        self._special_on: dict[torch.device, torch.Tensor] = {}  # copied to each device once (a copy waits)
 
     def text_tokens(self, batch: Batch) -> torch.Tensor:
         """Bool [B, L]: the units' text tokens, the positions that are pooled."""
-        special = torch.isin(batch.input_ids, self.special_ids.to(batch.input_ids.device))
-        return (batch.doc_ids >= 0) & ~special
+        device = batch.input_ids.device
+        if device not in self._special_on:
+            self._special_on[device] = self.special_ids.to(device)
+        return (batch.doc_ids >= 0) & ~torch.isin(batch.input_ids, self._special_on[device])
 
     def num_targets(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One query per unit; padding rows (no text) have none."""
@@ -86,10 +98,14 @@ class SimCSE(Objective):
 
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         check_units(batch, self.name)
+        host = batch.host_values()
+        host_ids = host.doc_ids.numpy()
         keep = self.text_tokens(batch)
         hidden = self.hidden_states(model, torch.cat([batch.input_ids, batch.input_ids]),
-                                    torch.cat([batch.doc_ids, batch.doc_ids]))
+                                    torch.cat([batch.doc_ids, batch.doc_ids]),
+                                    host_doc_ids=np.concatenate([host_ids, host_ids]))
         pooled = mean_pool(hidden, torch.cat([keep, keep]))
-        valid = keep.any(-1)
-        n = len(valid)
-        return {self.name: info_nce(pooled[:n][valid], pooled[n:][valid], self.scale)}
+        with_text = (host_ids >= 0) & ~np.isin(host.input_ids.numpy(), self.host_special_ids)
+        units = rows_index(with_text.any(-1), pooled.device)
+        n = len(keep)
+        return {self.name: info_nce(pooled[:n].index_select(0, units), pooled[n:].index_select(0, units), self.scale)}

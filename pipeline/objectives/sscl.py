@@ -40,7 +40,7 @@ from pipeline.model.flops import body_work
 from pipeline.objectives.augment import edit_tokens
 from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
 from pipeline.objectives.infonce import info_nce
-from pipeline.objectives.simcse import check_units
+from pipeline.objectives.simcse import check_units, rows_index
 from pipeline.tokenizer import Tokenizer
 
 INSTRUCTION = "Given the sentence, find its representation:"
@@ -75,6 +75,8 @@ class SentenceViews:
     doc_ids: torch.Tensor  # [2n, W] 0 on tokens, -1 on padding (a row without a unit is all padding)
     last: torch.Tensor  # int64 [2n] position of each row's last token: its hidden state is the embedding
     valid: torch.Tensor  # bool [n] rows that hold a unit (the loader may fill a batch with empty rows)
+    rows: torch.Tensor  # int64 the indices of ``valid`` (an index_select needs no read of the device)
+    host_doc_ids: np.ndarray  # ``doc_ids`` on the host, where the views were built
 
 
 class SSCL(Objective):
@@ -116,7 +118,7 @@ class SSCL(Objective):
                 raise ValueError("sscl: augment is 'paraphrase' but the unit shards carry no paraphrases; "
                                  "build them with data_prep/build_shards.py --units record --paraphrase-field FIELD "
                                  "from records that hold a paraphrase, or pick augment dropout, delete, crop or swap")
-            paraphrase = batch.paraphrase_ids[row].cpu().numpy()
+            paraphrase = batch.paraphrase_ids.numpy()[row]
             paraphrase = self._wrap(paraphrase[paraphrase != self.pad])[1]
             if not len(paraphrase):
                 raise ValueError(f"sample {batch.keys[row]}: its paraphrase is empty; fix the input record's "
@@ -127,7 +129,8 @@ class SSCL(Objective):
     def views(self, batch: Batch) -> SentenceViews:
         """The instruction-prefixed anchors and positives of the batch's units, right-padded into one tensor."""
         check_units(batch, self.name)
-        ids, docs = batch.input_ids.cpu().numpy(), batch.doc_ids.cpu().numpy()
+        device, batch = batch.input_ids.device, batch.host_values()  # built on the host, copied over non-blocking
+        ids, docs = batch.input_ids.numpy(), batch.doc_ids.numpy()
         anchors: list[np.ndarray] = []
         positives: list[np.ndarray] = []
         for row in range(len(ids)):
@@ -140,15 +143,17 @@ class SSCL(Objective):
             positives.append(np.concatenate([head, self.prefix, self._positive(text, batch, row), tail]))
         rows = anchors + positives
         width = max(1, *(len(r) for r in rows))
-        input_ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
-        doc_ids = torch.full((len(rows), width), -1, dtype=torch.int32)
+        input_ids = np.full((len(rows), width), self.pad, dtype=np.int64)
+        doc_ids = np.full((len(rows), width), -1, dtype=np.int32)
         for i, r in enumerate(rows):
-            input_ids[i, : len(r)] = torch.from_numpy(r)
+            input_ids[i, : len(r)] = r
             doc_ids[i, : len(r)] = 0
-        device = batch.input_ids.device
-        return SentenceViews(input_ids=input_ids.to(device), doc_ids=doc_ids.to(device),
-                             last=torch.tensor([max(len(r) - 1, 0) for r in rows], device=device),
-                             valid=torch.tensor([len(r) > 0 for r in anchors], device=device))
+        valid = np.array([len(r) > 0 for r in anchors], dtype=bool)
+        return SentenceViews(input_ids=torch.from_numpy(input_ids).to(device, non_blocking=True),
+                             doc_ids=torch.from_numpy(doc_ids).to(device, non_blocking=True), host_doc_ids=doc_ids,
+                             last=torch.tensor([max(len(r) - 1, 0) for r in rows]).to(device, non_blocking=True),
+                             valid=torch.from_numpy(valid).to(device, non_blocking=True),
+                             rows=rows_index(valid, device))
 
     def num_targets(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One query per unit."""
@@ -162,7 +167,8 @@ class SSCL(Objective):
 
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         views = self.views(batch)
-        hidden = self.hidden_states(model, views.input_ids, views.doc_ids)
+        hidden = self.hidden_states(model, views.input_ids, views.doc_ids, host_doc_ids=views.host_doc_ids)
         embeddings = getattr(model, HEAD)(hidden[torch.arange(len(views.last), device=hidden.device), views.last])
         n = len(views.valid)
-        return {self.name: info_nce(embeddings[:n][views.valid], embeddings[n:][views.valid], self.scale)}
+        return {self.name: info_nce(embeddings[:n].index_select(0, views.rows),
+                                    embeddings[n:].index_select(0, views.rows), self.scale)}

@@ -6,18 +6,23 @@
 
 Prints the ZeRO stage and shipped DeepSpeed JSON to train with (the least sharding that fits, unless --zero says),
 the memory per GPU (model states as DeepSpeed's estimators count them, activations, a runtime reserve) with the
-verdict whether it fits, the step time and tokens per day at a stated MFU, the days for the whole run or a grid
-of runs, the tokens of each source of a mixture (against a shard directory's), and the data prep's core-hours,
-shard count and disk for a corpus. How each number is made:
+verdict whether it fits ("try it" under 10 % headroom; the changes that fit when it does not), the CPU memory per
+node and what it holds, the step time and tokens per day at a stated MFU, the days for the whole run or a grid
+of runs, the tokens of each source of a mixture (against a shard directory's), the data prep's core-hours,
+shard count and disk for a corpus, and the ``--set`` flags and command that train the run priced; the settings left
+at the MLM-vs-CLM study's defaults are marked. How each number is made:
 pipeline/planner/estimates.py and docs/planning.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from transformers import PretrainedConfig
 
 from pipeline.data.format.index import load_index
 from pipeline.data.loading.mixture import MixturePlan
@@ -104,27 +109,169 @@ def least_sharding(fits, offload: bool) -> int:
     return next((zero for zero in (1, 2) if not offload and fits(zero)), 3)
 
 
-def report(plan: PlannerInput) -> str:
-    """The planner's report: memory per GPU with its verdict, throughput, and the grid and data prep when asked."""
-    config = get_preset(plan.model).to_config(plan.vocab)
+THIN_HEADROOM = 0.10  # docs/planning.md: treat "fits" with less headroom as "try it"
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Memory per GPU of a plan at its ZeRO stage (``zero``: the one asked, else :func:`least_sharding`'s)."""
+
+    zero: int
+    states: ModelStates
+    acts: dict[str, float]
+    total: float  # bytes per GPU
+    capacity: float  # the GPU's bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    @property
+    def headroom(self) -> float:
+        return 1 - self.total / self.capacity
+
+    def verdict(self) -> str:
+        """fits, "try it" under :data:`THIN_HEADROOM` of headroom, or DOES NOT FIT."""
+        if not self.fits:
+            return "DOES NOT FIT"
+        if self.headroom < THIN_HEADROOM:
+            return f"try it: fits with only {self.headroom:.0%} headroom (under ~10 % the unknowns can eat it)"
+        return f"fits ({self.headroom:.0%} headroom)"
+
+
+@functools.lru_cache(maxsize=8)
+def model_counts(model: str, vocab: int, lora_r: int) -> tuple[PretrainedConfig, int, int, int]:
+    """(config, parameters, largest layer's parameters, trainable parameters) of a preset: asked once per report,
+    however many plans :func:`fixes` tries."""
+    config = get_preset(model).to_config(vocab)
+    params = param_counts(config).total
+    return (config, params, largest_layer_params(config),
+            lora_params(config, lora_r, LLM2VEC_TARGETS) if lora_r else params)
+
+
+def memory(plan: PlannerInput) -> Memory:
+    """The plan's memory per GPU: model states as DeepSpeed's estimators count them, activations, the reserve."""
+    config, params, largest, trainable = model_counts(plan.model, plan.vocab, plan.lora_r)
     cluster = Cluster(plan.nodes, plan.gpus_per_node, GPUS[plan.gpu])
-    n, params, largest = cluster.gpus, param_counts(config).total, largest_layer_params(config)
-    trainable = lora_params(config, plan.lora_r, LLM2VEC_TARGETS) if plan.lora_r else params
-    tokens = plan.micro_batch * plan.seq_len
-    acts = activation_bytes(config, tokens, plan.targets, plan.checkpointing, plan.lm_head_chunk)
+    acts = activation_bytes(config, plan.micro_batch * plan.seq_len, plan.targets, plan.checkpointing,
+                            plan.lm_head_chunk)
+    capacity = cluster.gpu.memory_gib * GIB
 
-    def states_of(zero: int) -> ModelStates:
-        return model_states(params, largest, zero, plan.offload, plan.nodes, plan.gpus_per_node, trainable=trainable)
+    def of(zero: int) -> Memory:
+        states = model_states(params, largest, zero, plan.offload, plan.nodes, plan.gpus_per_node,
+                              trainable=trainable)
+        return Memory(zero, states, acts, states.gpu + sum(acts.values()) + plan.reserve_gib * GIB, capacity)
 
-    def total_of(zero: int) -> float:
-        return states_of(zero).gpu + sum(acts.values()) + plan.reserve_gib * GIB
+    return of(plan.zero or least_sharding(lambda z: of(z).fits, plan.offload))
 
-    zero = plan.zero or least_sharding(lambda z: total_of(z) <= cluster.gpu.memory_gib * GIB, plan.offload)
-    states, total = states_of(zero), total_of(zero)
-    accum = math.ceil(plan.tokens_per_step / (tokens * n))
+
+def fixes(plan: PlannerInput) -> list[tuple[str, PlannerInput, Memory]]:
+    """The changes of the planner's options that make a plan that does not fit fit (each alone, else the largest
+    micro-batch that fits with checkpointing): the flags, the changed plan and its memory."""
+    tried = []
+    if plan.checkpointing != "full":
+        tried.append(("--checkpointing", replace(plan, checkpointing="full")))
+    if plan.checkpointing == "none":
+        tried.append(("--checkpointing selective", replace(plan, checkpointing="selective")))
+    smaller = [m for m in range(plan.micro_batch - 1, 0, -1) if memory(replace(plan, micro_batch=m)).fits]
+    if smaller:
+        tried.append((f"--micro-batch {smaller[0]}", replace(plan, micro_batch=smaller[0])))
+    elif plan.checkpointing != "full":
+        both = [m for m in range(plan.micro_batch - 1, 0, -1)
+                if memory(replace(plan, micro_batch=m, checkpointing="full")).fits]
+        if both:
+            tried.append((f"--checkpointing --micro-batch {both[0]}",
+                          replace(plan, micro_batch=both[0], checkpointing="full")))
+    if plan.zero and plan.zero < 3:
+        tried.append(("--zero 3", replace(plan, zero=3)))
+    if not plan.offload:
+        tried.append(("--offload", replace(plan, offload=True, zero=None)))
+    nodes = next((n for n in range(plan.nodes + 1, 64 * plan.nodes + 1)
+                  if memory(replace(plan, nodes=n)).fits), None)
+    if nodes:
+        tried.append((f"--nodes {nodes} (more GPUs)", replace(plan, nodes=nodes)))
+    return [(flag, p, m) for flag, p, m in ((flag, p, memory(p)) for flag, p in tried) if m.fits]
+
+
+def cpu_memory_counted(zero: int, offload: bool, gpus_per_node: int) -> str:
+    """What DeepSpeed's estimator counts in a node's CPU memory (``estimates.model_states``), in words."""
+    if offload and zero == 3:
+        return "the offloaded states: 2 B per parameter weights + 16 B per trainable one, over the nodes, x 1.5"
+    if offload:
+        return "the offloaded optimizer: max(4 x GPUs, 16) B per trainable parameter, x 1.5"
+    if zero == 3:
+        return (f"building under zero.Init: the largest layer in fp32 for each of the node's {gpus_per_node} GPUs, "
+                f"x 1.5")
+    return f"building under zero.Init: every parameter in fp32 for each of the node's {gpus_per_node} GPUs, x 1.5"
+
+
+DEFAULT = PlannerInput(model="", nodes=1, gpus_per_node=1, gpu="h100")
+
+
+def _defaults_of(plan: PlannerInput, names: tuple[str, ...]) -> str:
+    """" (the default, the MLM-vs-CLM study's; --flag for yours)" naming those of ``names`` at their defaults."""
+    flags = [f"--{name.replace('_', '-')}" for name in names if getattr(plan, name) == getattr(DEFAULT, name)]
+    if not flags:
+        return ""
+    return f" ({'the default' if len(flags) == 1 else 'the defaults'}, the MLM-vs-CLM study's; {', '.join(flags)} " \
+           f"for yours)"
+
+
+def accumulation(plan: PlannerInput) -> int:
+    """Micro-steps per optimizer step that reach ``plan.tokens_per_step`` (rounded up)."""
+    return math.ceil(plan.tokens_per_step / (plan.micro_batch * plan.seq_len * plan.nodes * plan.gpus_per_node))
+
+
+def run_command(plan: PlannerInput, zero: int, why: str = "") -> list[str]:
+    """The ``--set`` flags and the launch that train what the plan prices (``why``: the change it makes)."""
+    accum = accumulation(plan)
+    ds_config = DS_CONFIGS.get((zero, plan.offload))
+    if ds_config is None:
+        return [f"to train it: no shipped DeepSpeed JSON for ZeRO-{zero} with offload; write one from "
+                f"ds_configs/zero{zero}.json with offload_optimizer"]
+    sets = [f"model.init={plan.model}", f"data.seq_len={plan.seq_len}", f"train.micro_batch={plan.micro_batch}",
+            f"train.grad_accum={accum}", f"train.steps={plan.steps}"]
+    if plan.checkpointing != "none":
+        sets.append(f"model.activation_checkpointing={'true' if plan.checkpointing == 'full' else 'selective'}")
+    if plan.lm_head_chunk != DEFAULT.lm_head_chunk:
+        sets.append(f"model.lm_head_chunk={plan.lm_head_chunk}")
+    if plan.lora_r:
+        sets.append(f"model.lora.r={plan.lora_r}")
+    flags = " ".join(f"--set {s}" for s in sets)
+    launch = (f"deepspeed --num_gpus {plan.gpus_per_node} launch/train.py" if plan.nodes == 1 else
+              f"sbatch --nodes={plan.nodes} --gpus-per-node={plan.gpus_per_node} launch/slurm/train.sbatch")
+    return [f"to train it{why} (add your data, --set data.shards=DIR, and objectives, phases; docs/training.md):",
+            f"  --set flags: {flags}",
+            f"  {launch} --config {ds_config} {flags}"]
+
+
+def verdict_lines(plan: PlannerInput, mem: Memory, found: list[tuple[str, PlannerInput, Memory]]) -> list[str]:
+    """The verdict in words: fits, try it, or what to change (``found``, :func:`fixes`) when it does not fit."""
+    gib = mem.capacity / GIB
+    if mem.fits:
+        return [f"verdict: ZeRO-{mem.zero}{', offload' if plan.offload else ''}, {mem.total / GIB:.2f} of {gib:g} "
+                f"GiB per GPU: {mem.verdict()}"]
+    if not found:
+        return [f"verdict: DOES NOT FIT in {gib:g} GiB per GPU, and none of the changes the planner tries fits; "
+                f"try a shorter --seq-len or a GPU with more memory"]
+    return [f"verdict: DOES NOT FIT in {gib:g} GiB per GPU at ZeRO-{mem.zero}; each of these fits:",
+            *(f"  {flag:<40}{m.total / GIB:9.2f} GiB at ZeRO-{m.zero}: {m.verdict()}" for flag, _, m in found)]
+
+
+def report(plan: PlannerInput) -> str:
+    """The planner's report: memory per GPU with its verdict (and what to change when it does not fit),
+    throughput, the command that trains it, and the grid and data prep when asked."""
+    config, params, largest, trainable = model_counts(plan.model, plan.vocab, plan.lora_r)
+    cluster = Cluster(plan.nodes, plan.gpus_per_node, GPUS[plan.gpu])
+    n, tokens = cluster.gpus, plan.micro_batch * plan.seq_len
+    mem = memory(plan)
+    zero, states, acts, total = mem.zero, mem.states, mem.acts, mem.total
+    found = [] if mem.fits else fixes(plan)
+    accum = accumulation(plan)
     step_tokens = accum * tokens * n
     ds_config = DS_CONFIGS.get((zero, plan.offload))
-    chosen = "" if plan.zero else " (the least sharding that fits; --zero to choose)"
+    chosen = "" if plan.zero else (" (the least sharding that fits; --zero to choose)" if mem.fits else
+                                   " (the most sharding; nothing fits: see the verdict)")
     gib = cluster.gpu.memory_gib
     shard = f"a 1/{n} shard" if zero == 3 else "all"
     head = "all tokens" if plan.targets == 1 else f"{plan.targets:g} of the tokens"
@@ -138,7 +285,8 @@ def report(plan: PlannerInput) -> str:
         + (f" ({ds_config})" if ds_config else "") + chosen,
         "",
         f"memory per GPU, micro-batch {plan.micro_batch} x {plan.seq_len} tokens" +
-        ("" if plan.checkpointing == "none" else f", {plan.checkpointing} activation checkpointing") + ":",
+        ("" if plan.checkpointing == "none" else f", {plan.checkpointing} activation checkpointing")
+        + _defaults_of(plan, ("micro_batch", "seq_len")) + ":",
         *(f"  {label:<58}{value / GIB:9.2f} GiB" for label, value in (
             (f"16-bit weights ({shard})", states.params16),
             (f"16-bit gradients ({'all' if zero == 1 else f'a 1/{n} partition'})", states.grads16),
@@ -150,22 +298,28 @@ def report(plan: PlannerInput) -> str:
         f"  {f'activations: {config.num_hidden_layers} layers':<58}{acts['layers'] / GIB:9.2f} GiB",
         f"  {f'activations: LM head ({head})':<58}{acts['lm_head'] / GIB:9.2f} GiB",
         f"  {'runtime reserve (CUDA context, NCCL, DeepSpeed buckets)':<58}{plan.reserve_gib:9.2f} GiB",
-        f"  {'= total':<58}{total / GIB:9.2f} GiB of {gib:g}: " + (
-            "fits" if total <= gib * GIB else
-            "DOES NOT FIT: try --checkpointing [selective], a smaller --micro-batch, more GPUs or --offload"),
-        f"  CPU memory per node (DeepSpeed estimator): {states.cpu_per_node / GIB:.1f} GiB",
+        f"  {'= total':<58}{total / GIB:9.2f} GiB of {gib:g}: {mem.verdict()}",
+        f"  CPU memory per node: {states.cpu_per_node / GIB:.1f} GiB (DeepSpeed's estimator: "
+        f"{cpu_memory_counted(zero, plan.offload, plan.gpus_per_node)})",
+        "",
+        *verdict_lines(plan, mem, found),
         "",
     ]
     speed = throughput(config, plan.seq_len, plan.targets, step_tokens, cluster, plan.mfu)
     days = plan.steps * speed.step_s / 86400
     lines += [
-        f"throughput at {plan.mfu:.0%} MFU:",
+        f"throughput at {plan.mfu:.0%} MFU" + (" (the default, an assumption; --mfu)" if plan.mfu == DEFAULT.mfu
+                                               else "") + ":",
         f"  {speed.flops_per_token / 1e9:.2f} GFLOP per token (6 N + attention, LM head on {head})",
         f"  {step_tokens:,} tokens per step = {n} GPUs x {plan.micro_batch} x {plan.seq_len} x {accum} accumulation"
-        + ("" if step_tokens == plan.tokens_per_step else f" (asked {plan.tokens_per_step:,}, rounded up)"),
+        + ("" if step_tokens == plan.tokens_per_step else f" (asked {plan.tokens_per_step:,}, rounded up)")
+        + _defaults_of(plan, ("tokens_per_step",)),
         f"  step {speed.step_s:.2f} s, {speed.tokens_per_day / 1e9:.2f} B tokens/day",
-        f"  {plan.steps:,} steps ({plan.steps * step_tokens / 1e9:.1f} B tokens): {days:.2f} days, "
-        f"{days * 24 * n:,.0f} GPU-hours",
+        f"  {plan.steps:,} steps{_defaults_of(plan, ('steps',))} ({plan.steps * step_tokens / 1e9:.1f} B tokens): "
+        f"{days:.2f} days, {days * 24 * n:,.0f} GPU-hours",
+        "",
+        *(run_command(plan, zero) if mem.fits else
+          next((run_command(p, m.zero, f" with {flag}, the first change that fits") for flag, p, m in found), [])),
     ]
     if plan.mixture:
         lines += ["", *mixture_report(plan, plan.steps * step_tokens // plan.seq_len)]
@@ -264,7 +418,7 @@ def visible_gpu(parser: argparse.ArgumentParser) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    d = PlannerInput(model="", nodes=1, gpus_per_node=1, gpu="h100")
+    d = DEFAULT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="preset: tiny, 210m, 610m, 1b, 7b, 8b")
     p.add_argument("--nodes", type=int, required=True)

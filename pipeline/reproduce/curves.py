@@ -24,7 +24,7 @@ Curve = dict[int, dict[str, float]]  # steps of the chain -> headline numbers th
 
 def chain_offset(run: RunDir) -> int:
     """Steps trained before this run's first step: those of the run it started from, and of that run's start."""
-    start = continued_from(run.experiment())
+    start = continued_from(run)
     return 0 if start is None else start.experiment().train.steps + chain_offset(start)
 
 
@@ -33,14 +33,22 @@ def kept_steps(run: RunDir) -> list[int]:
     return [s for s in run.complete_steps() if s < run.experiment().train.steps]
 
 
+def evaluated_steps(run: RunDir, study: str) -> list[int]:
+    """The steps before the run's last whose checkpoint has results for ``study`` (``eval/stepN/``): the kept
+    checkpoints evaluated, which a run's records keep without the checkpoints."""
+    steps = {int(os.path.basename(os.path.dirname(p)).removeprefix("step")) for p in run.step_eval_results()
+             if os.path.basename(p) == f"{study}.json"}
+    return sorted(s for s in steps if s < run.experiment().train.steps)
+
+
 def run_curve(run: RunDir, study: str) -> Curve:
     """The run's numbers for ``study`` at each evaluated kept checkpoint and at its end, on the chain's steps; a
     continued run starts at its start's end (the export it trained from)."""
-    offset, curve, start = chain_offset(run), {}, continued_from(run.experiment())
+    offset, curve, start = chain_offset(run), {}, continued_from(run)
     if start is not None and os.path.isfile(start.eval_results(study)):
         curve[offset] = EvalResults.read(start.eval_results(study)).headline
     last = run.experiment().train.steps
-    for step in [*kept_steps(run), None]:
+    for step in [*evaluated_steps(run, study), None]:
         path = run.eval_results(study, step)
         if os.path.isfile(path):
             curve[offset + (last if step is None else step)] = EvalResults.read(path).headline

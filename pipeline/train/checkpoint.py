@@ -15,8 +15,10 @@ every rank loads its new partition from there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import functools
+import math
 import os
 import random
 import shutil
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from pipeline.experiment import CheckpointConfig
 from pipeline.io import write_json_atomic
 from pipeline.run_dir import MARKER, RunDir, tag
+from pipeline.safe_load import check_directory, load_weights_only
 from pipeline.train.async_checkpoint import (
     AsyncCheckpointEngine,
     BackgroundWriter,
@@ -36,6 +39,7 @@ from pipeline.train.async_checkpoint import (
     wait_for_ranks,
     written_marker,
 )
+from pipeline.train.run_setup import ResumePoint
 from pipeline.train.state import TrainState
 
 UNIVERSAL = "universal"  # sub-directory of a step with its universal-format copy
@@ -55,8 +59,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(engine, run: RunDir, step: int, client_state: dict, extra_files: dict[str, dict], keep_last: int,
-         keep_every: int, writer: BackgroundWriter | None = None, completer: BackgroundWriter | None = None) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory. With ``writer`` (the engine's
+         keep_every: int, writer: BackgroundWriter | None = None, completer: BackgroundWriter | None = None,
+         keep: tuple[int, ...] = ()) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory; ``keep``: steps pruning spares besides
+    ``keep_last`` and ``keep_every`` (the best one, ``checkpoint.keep_best``). With ``writer`` (the engine's
     :class:`~pipeline.train.async_checkpoint.AsyncCheckpointEngine` queues its files there) it returns once the
     state is copied: the files and each rank's ``written-rank<r>`` follow in the background, and rank 0's
     ``completer`` writes ``COMPLETE`` once every rank's marker is there."""
@@ -74,7 +80,7 @@ def save(engine, run: RunDir, step: int, client_state: dict, extra_files: dict[s
         if _disk_full(e, root):
             raise _disk_full_error(run, step) from e
         raise
-    complete = functools.partial(_complete, run, step, extra_files, world, keep_last, keep_every)
+    complete = functools.partial(_complete, run, step, extra_files, world, keep_last, keep_every, keep)
     if writer is not None:
         writer.submit(lambda: write_json_atomic(written_marker(path, rank), {"step": step}))
         if completer is not None:
@@ -90,14 +96,14 @@ def save(engine, run: RunDir, step: int, client_state: dict, extra_files: dict[s
 
 
 def _complete(run: RunDir, step: int, extra_files: dict[str, dict], world: int, keep_last: int,
-              keep_every: int) -> None:
+              keep_every: int, keep: tuple[int, ...] = ()) -> None:
     """Rank 0, once every rank's files of ``step`` are written: the run files, ``COMPLETE``, then pruning."""
     path = run.checkpoint(step)
     inject_fault("kill-before-marker", tag(step))
     for name, obj in extra_files.items():
         write_json_atomic(os.path.join(path, name), obj)
     write_json_atomic(os.path.join(path, MARKER), {"step": step, "time": time.time(), "world_size": world})
-    prune(run, keep_last, keep_every)
+    prune(run, keep_last, keep_every, keep)
 
 
 def _disk_full_error(run: RunDir, step: int) -> OSError:
@@ -116,11 +122,12 @@ def _disk_full(e: BaseException, root: str) -> bool:
     return shutil.disk_usage(root).free < 1 << 20
 
 
-def prune(run: RunDir, keep_last: int, keep_every: int) -> None:
-    """Keep the newest ``keep_last`` complete checkpoints and every ``keep_every``-th step; drop the rest and any
-    incomplete directory older than the newest complete one."""
+def prune(run: RunDir, keep_last: int, keep_every: int, spare: tuple[int, ...] = ()) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints, every ``keep_every``-th step and the steps ``spare``;
+    drop the rest and any incomplete directory older than the newest complete one."""
     steps = run.complete_steps()
     keep = set(steps[-keep_last:]) if keep_last > 0 else set()
+    keep |= set(spare)
     if keep_every:
         keep |= {s for s in steps if s % keep_every == 0}
     newest = steps[-1] if steps else -1
@@ -144,7 +151,7 @@ def to_universal(path: str) -> str:
                                             num_merge_workers=1, keep_temp_folder=False, strict=True,
                                             inject_missing_state=False))
     os.remove(os.path.join(path, "latest_universal"))  # written beside the output; we name the tag ourselves
-    write_json_atomic(os.path.join(tmp, MARKER), {"source": os.path.basename(path), "time": time.time()})
+    write_json_atomic(os.path.join(tmp, MARKER), {"converted_from": os.path.basename(path), "time": time.time()})
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
@@ -162,6 +169,7 @@ def _load_universal(engine, path: str):
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
+        check_directory(path)  # the conversion and DeepSpeed's universal load unpickle with weights_only=False
         to_universal(path)
     if dist.is_initialized():
         dist.barrier()
@@ -170,7 +178,7 @@ def _load_universal(engine, path: str):
         load_path, client = engine.load_checkpoint(path, tag=UNIVERSAL, load_module_strict=True)
     finally:
         engine._config.load_universal_checkpoint = False
-    saved = torch.load(os.path.join(path, UNIVERSAL, "zero", "optimizer_state.pt"), weights_only=False)["param_groups"]
+    saved = load_weights_only(os.path.join(path, UNIVERSAL, "zero", "optimizer_state.pt"))["param_groups"]
     optimizer = engine.optimizer.optimizer
     if len(saved) != len(optimizer.param_groups):
         raise RuntimeError(f"{path}: the checkpoint has {len(saved)} optimizer param groups, the model "
@@ -183,56 +191,98 @@ def _load_universal(engine, path: str):
     return load_path, client
 
 
-def load(engine, run: RunDir, step: int) -> dict:
-    """Collective. Restores the engine (weights, optimizer, lr scheduler) and this rank's RNG; returns client state.
-    A checkpoint written by another number of ranks goes through the universal format (see the module doc)."""
+def load(engine, run: RunDir, step: int, saved_world: int) -> dict:
+    """Collective. Restores the engine (weights, optimizer, lr scheduler) from the complete checkpoint of ``step``,
+    written by ``saved_world`` ranks, and this rank's RNG; returns client state. A checkpoint written by another
+    number of ranks goes through the universal format (see the module doc)."""
     path = run.checkpoint(step)
-    if not os.path.exists(os.path.join(path, MARKER)):
-        raise FileNotFoundError(f"{path}: no complete checkpoint at step {step}; complete ones: {run.complete_steps()}")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if run.checkpoint_world_size(step) == world:
+    if saved_world == world:
         load_path, client = engine.load_checkpoint(run.checkpoints, tag=tag(step), load_module_strict=True)
     else:
         load_path, client = _load_universal(engine, path)
     if load_path is None:
         raise RuntimeError(f"{path}: DeepSpeed could not load this checkpoint (files missing?)")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    restore_rng(path, dist.get_rank() if dist.is_initialized() else 0)
+    return client
+
+
+def restore_rng(path: str, rank: int) -> None:
+    """This rank's RNG states from the checkpoint directory ``path`` (without running code from the file)."""
     rng_file = os.path.join(path, f"rng-rank{rank}.pt")
     if os.path.exists(rng_file):  # absent for a rank the saved run did not have: its RNG keeps the seeded start
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return client
+        set_rng_state(load_weights_only(rng_file))
+
+
+@dataclasses.dataclass(frozen=True)
+class Best:
+    """The step whose ``checkpoint.keep_best`` metric is the best so far, and that value."""
+
+    step: int
+    value: float
 
 
 class Checkpointer:
     """The trainer's checkpoints: resume from the newest complete one, save at a step, and remember the last step
     saved. ``run_files`` (the run's description) are written into every checkpoint. With ``checkpoint.async_save``
     the engine's files are written in the background (:mod:`pipeline.train.async_checkpoint`): a save waits only for
-    the previous one's writes, and :meth:`wait` for the last."""
+    the previous one's writes, and :meth:`wait` for the last. With ``checkpoint.keep_best`` it follows the best
+    step (:meth:`observe`, which way is better: ``best_mode``), spares its checkpoint from pruning and carries it in
+    the client state, so a resumed run knows it."""
 
-    def __init__(self, engine, run: RunDir, cfg: CheckpointConfig, run_files: dict[str, dict]):
+    def __init__(self, engine, run: RunDir, cfg: CheckpointConfig, run_files: dict[str, dict], best_mode: str = "max"):
         self.engine, self.run, self.cfg, self.run_files = engine, run, cfg, run_files
         self.last_saved = 0
+        self.best_mode, self.best = best_mode, None
         self.writer = self.completer = None
         if cfg.async_save:
             self.writer = BackgroundWriter()  # this rank's files, then its written-rank<r>
             self.completer = BackgroundWriter() if not dist.is_initialized() or dist.get_rank() == 0 else None
             engine.checkpoint_engine = AsyncCheckpointEngine(engine.checkpoint_engine, self.writer)
 
-    def resume(self, state: TrainState) -> bool:
-        """Collective. Load the newest complete checkpoint into the engine and ``state``; False for a fresh start
-        (or ``checkpoint.resume: false``)."""
-        step = self.run.latest_complete() if self.cfg.resume else None
-        if step is None:
+    def resume(self, state: TrainState, point: ResumePoint | None, half_written: tuple[int, ...] = ()) -> bool:
+        """Collective. Drop the ``half_written`` checkpoint directories, then load the checkpoint ``point`` into the
+        engine and ``state`` (both as preflight found them); False for a fresh start (``point`` None)."""
+        self._drop_half_written(half_written)
+        if point is None:
             return False
-        state.load_state_dict(load(self.engine, self.run, step))
+        client = load(self.engine, self.run, point.step, point.world_size)
+        state.load_state_dict(client)
+        self.best = Best(**client["best"]) if client.get("best") else None
         self.last_saved = state.step
         return True
+
+    def observe(self, step: int, scalars: dict[str, float]) -> None:
+        """A healthy step's validation scalars: the step becomes the best when its ``checkpoint.keep_best`` metric
+        beats the best so far (a tie keeps the earlier step; a value that is not finite never wins)."""
+        metric = self.cfg.keep_best
+        if not metric:
+            return
+        if metric not in scalars:
+            raise ValueError(f"checkpoint.keep_best: {metric} was not logged at step {step}; the validation logs "
+                             f"{sorted(k for k in scalars if k.startswith('eval/'))}")
+        value = float(scalars[metric])
+        if not math.isfinite(value):
+            return
+        if self.best is None or (value > self.best.value if self.best_mode == "max" else value < self.best.value):
+            self.best = Best(step, value)
+
+    def _drop_half_written(self, steps: tuple[int, ...]) -> None:
+        """Collective: rank 0 removes the checkpoint directories without ``COMPLETE`` (``steps``) that a killed run
+        left. This run writes those steps again, and a ``written-rank<r>`` left in one would count as that rank's
+        new files written: rank 0 would mark the new checkpoint complete while its files were still being written."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for step in steps:
+                shutil.rmtree(self.run.checkpoint(step), ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()
 
     def save(self, state: TrainState) -> None:
         """Collective: the engine and ``state`` at its step."""
         self._written()  # one state in host memory at a time, and the previous save's errors surface here
-        save(self.engine, self.run, state.step, state.state_dict(), self.run_files, self.cfg.keep_last,
-             self.cfg.keep_every, self.writer, self.completer)
+        best = {"best": dataclasses.asdict(self.best)} if self.best else {}
+        save(self.engine, self.run, state.step, state.state_dict() | best, self.run_files, self.cfg.keep_last,
+             self.cfg.keep_every, self.writer, self.completer, (self.best.step,) if self.best else ())
         self.last_saved = state.step
 
     def wait(self) -> None:

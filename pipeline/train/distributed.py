@@ -5,9 +5,10 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import re
 import sys
 import time
+
+from pipeline.train.deepspeed_ops import arch_list_for_deepspeed, use_install_ops_dir
 
 # The trainer's own collectives (target counts, logged sums, the stop flag) use small tensors on the training
 # device, since NCCL refuses CPU tensors.
@@ -37,20 +38,12 @@ def _device():
     return torch.device("cpu")
 
 
-def _extensions_root() -> str:
-    """Where torch's extension builder puts DeepSpeed's JIT-built ops."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-
-
 def stale_build_locks(min_age_s: float = STALE_BUILD_LOCK_S) -> list[tuple[str, float]]:
     """(path, age in seconds) of each torch-extension build lock older than ``min_age_s``. DeepSpeed builds its ops
     (the CPU ranks' shared-memory collectives, the fused optimizers) with torch's extension builder, whose lock
     file a killed build leaves behind; every later process that needs the op then waits on it forever, silently."""
-    root = _extensions_root()
     now, found = time.time(), []
-    for path in sorted(glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))):
+    for path in sorted(glob.glob(os.path.join(use_install_ops_dir(), "*", "lock"))):
         try:
             age = now - os.path.getmtime(path)
         except OSError:  # released meanwhile
@@ -63,10 +56,10 @@ def stale_build_locks(min_age_s: float = STALE_BUILD_LOCK_S) -> list[tuple[str, 
 def say_if_building_cpu_op() -> None:
     """DeepSpeed compiles its CPU collectives op on a machine's first start, about a minute of silence on 2 cores
     that looked like a hang: say so first."""
-    built = os.path.join(CPU_COMM_OP, f"{CPU_COMM_OP}.so")  # in the root, or its py311_cpu-like folder
-    if not glob.glob(os.path.join(_extensions_root(), built)) + glob.glob(os.path.join(_extensions_root(), "*", built)):
+    root = use_install_ops_dir()
+    if not os.path.isfile(os.path.join(root, CPU_COMM_OP, f"{CPU_COMM_OP}.so")):  # where torch's builder leaves it
         print(f"building DeepSpeed's CPU collectives op ({CPU_COMM_OP}) once, about a minute on 2 cores; later starts "
-              f"load it from {_extensions_root()}", file=sys.stderr, flush=True)
+              f"load it from {root}", file=sys.stderr, flush=True)
 
 
 def warn_stale_build_locks() -> None:
@@ -75,42 +68,6 @@ def warn_stale_build_locks() -> None:
               f"'{os.path.basename(os.path.dirname(path))}' holds it, or a killed build left it behind, and every "
               f"process that needs the op waits on it without a word. If no compiler is running (pgrep -a "
               f"'ninja|cc1plus'), remove it: rm {path}", file=sys.stderr, flush=True)
-
-
-# One entry of TORCH_CUDA_ARCH_LIST: torch reads "9.0a" (Hopper's arch-specific features) or "10.0f" (a family),
-# but DeepSpeed's op builder int()s each part of MAJOR.MINOR[+PTX] and stops on the suffix (issue 32: FusedAdam on an
-# H200 image that sets 9.0a). Its ops use none of those features, so the plain MAJOR.MINOR builds the same code.
-ARCH_ENTRY = re.compile(r"(\d+)\.(\d+)[af]?(\+PTX)?")
-
-
-def deepspeed_arch_list(value: str) -> str:
-    """``value`` (a TORCH_CUDA_ARCH_LIST, ``;`` or space separated) as DeepSpeed's JIT op builder can read it: each
-    entry's ``a``/``f`` suffix dropped, duplicates once. An entry it cannot read is a ConfigError naming the fix."""
-    from pipeline.config import ConfigError
-
-    entries = []
-    for entry in value.replace(" ", ";").split(";"):
-        if not entry.strip():
-            continue
-        m = ARCH_ENTRY.fullmatch(entry.strip())
-        if m is None:
-            raise ConfigError(f"TORCH_CUDA_ARCH_LIST={value!r}: DeepSpeed's op builder reads each entry as "
-                              f"MAJOR.MINOR[+PTX] and cannot read {entry.strip()!r}; set it to the GPU's compute "
-                              f"capability, e.g. TORCH_CUDA_ARCH_LIST=9.0, or unset it")
-        plain = f"{m[1]}.{m[2]}{m[3] or ''}"
-        if plain not in entries:
-            entries.append(plain)
-    return ";".join(entries)
-
-
-def arch_list_for_deepspeed(env=os.environ) -> None:
-    """Rewrite ``env``'s TORCH_CUDA_ARCH_LIST (when set) to :func:`deepspeed_arch_list`'s form before DeepSpeed
-    JIT-builds an op (FusedAdam, the ops the engine loads), saying so once when it changed."""
-    value = env.get("TORCH_CUDA_ARCH_LIST", "")
-    if value.strip() and (plain := deepspeed_arch_list(value)) != value:
-        env["TORCH_CUDA_ARCH_LIST"] = plain
-        print(f"TORCH_CUDA_ARCH_LIST={value!r} -> {plain!r} for DeepSpeed's op builds (it cannot read arch "
-              f"suffixes)", file=sys.stderr, flush=True)
 
 
 class PortTaken(RuntimeError):
@@ -124,13 +81,14 @@ def port_taken_message(port: str) -> str:
 
 def start_distributed():
     """(device, rank, world size) once torch.distributed runs: the rendezvous only, no engine yet. The first local
-    rank warns first of build locks that would hang it (DeepSpeed builds ops from here on, with
-    :func:`arch_list_for_deepspeed`'s TORCH_CUDA_ARCH_LIST). A taken port is a
-    :class:`PortTaken` on rank 0 (the other ranks wait for it until the launcher stops them)."""
+    rank warns first of build locks that would hang it (DeepSpeed builds ops from here on, into
+    :func:`use_install_ops_dir`'s folder, with :func:`arch_list_for_deepspeed`'s TORCH_CUDA_ARCH_LIST). A taken
+    port is a :class:`PortTaken` on rank 0 (the other ranks wait for it until the launcher stops them)."""
     import deepspeed
     import torch.distributed as dist
 
     device = _device()
+    use_install_ops_dir()
     arch_list_for_deepspeed()
     if os.environ.get("LOCAL_RANK", "0") == "0":
         warn_stale_build_locks()

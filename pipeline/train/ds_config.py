@@ -14,7 +14,9 @@ def load_ds_config(path: str) -> dict:
                      missing=ConfigError)
 
 
-def _fill(cfg: dict, path: str, value, source: str, where: str) -> None:
+def _fill(cfg: dict, path: str, value, key: str, where: str) -> None:
+    """Set the DeepSpeed field ``path`` to the experiment's ``value`` (its config ``key``, e.g. train.micro_batch)
+    where the JSON says "auto" or nothing; a different value there is an error naming both."""
     *parents, leaf = path.split(".")
     node = cfg
     for p in parents:
@@ -24,8 +26,8 @@ def _fill(cfg: dict, path: str, value, source: str, where: str) -> None:
         node[leaf] = value
     elif current != value and not (isinstance(value, float) and isinstance(current, (int, float))
                                    and abs(current - value) <= 1e-12 * max(1.0, abs(value))):
-        raise ConfigError(f"{where}: {path} = {current!r} contradicts the experiment's {source} = {value!r}; "
-                          f"set it to \"auto\" (or remove it) so the experiment decides, or change {source}")
+        raise ConfigError(f"{where}: {path} = {current!r} contradicts the experiment's {key} = {value!r}; "
+                          f"set it to \"auto\" (or remove it) so the experiment decides, or change {key}")
 
 
 def _fp32_gradients(cfg: dict, stage: int, world_size: int) -> None:

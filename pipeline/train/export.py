@@ -1,15 +1,19 @@
-"""The HF export at the end of training, from the running engine (the directory's writer and the offline export of
-a checkpoint: :mod:`pipeline.export.hf`)."""
+"""The HF exports at the end of training: the running engine's, and the best checkpoint's (``checkpoint.keep_best``)
+(the directory's writer and the offline export of a checkpoint: :mod:`pipeline.export.hf`)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.distributed as dist
 from transformers import PreTrainedModel
+from transformers.integrations import deepspeed as hf_deepspeed
 
 from pipeline.experiment import ExperimentConfig
-from pipeline.export.hf import save_hf
+from pipeline.export.hf import export_checkpoint, save_hf
 from pipeline.export.record import EncoderRecord
 from pipeline.export.sentence_transformers import st_record
+from pipeline.run_dir import RunDir
 
 
 def export_engine(engine, lm: PreTrainedModel, tokenizer, out: str, record: EncoderRecord, exp: ExperimentConfig,
@@ -24,3 +28,27 @@ def export_engine(engine, lm: PreTrainedModel, tokenizer, out: str, record: Enco
         print(f"exported HF model to {out}", flush=True)
     dist.barrier()
     return out
+
+
+@contextlib.contextmanager
+def without_zero_init():
+    """transformers builds every model under ``deepspeed.zero.Init`` while the trainer's ``HfDeepSpeedConfig`` lives
+    (``pipeline.train.module``), a collective: rank 0 alone building a model would wait for the others forever.
+    Inside, it builds whole models as in a process of its own."""
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def export_best(run: RunDir, step: int) -> str:
+    """Collective: rank 0 exports the complete checkpoint of ``step`` (the best, which pruning spared) into
+    ``RUN/hf-best`` as ``launch/export_hf.py --step`` would; the others wait for it."""
+    if dist.get_rank() == 0:
+        with without_zero_init():
+            export_checkpoint(run, run.hf_best, step)
+        print(f"exported the best checkpoint (step {step}) to {run.hf_best}", flush=True)
+    dist.barrier()
+    return run.hf_best

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -12,9 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import to_dict
-from pipeline.experiment import ExperimentConfig
+from pipeline.experiment import EVALUATOR_METRICS, ExperimentConfig
 from pipeline.run_dir import RunDir
+from pipeline.train.fit_summary import FitSummary
 from pipeline.train.trackers import Trackers
+
+EVALUATOR_SCALARS = tuple(f"eval/{key}" for keys in EVALUATOR_METRICS.values() for key in keys)  # on the eval line
 
 
 def memory_gib() -> float:
@@ -67,20 +71,24 @@ class MetricsLogger:
             losses = " ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in scalars.items() if k.startswith("loss/"))
             mfu = f" mfu={scalars['perf/mfu']:.1%}" if scalars.get("perf/mfu") else ""
             skipped = f" skipped={scalars['optim/skipped_steps']}" if scalars.get("optim/skipped_steps") else ""
-            print(f"step {step:>6} [{phase}] {losses} lr={scalars['optim/lr']:.2e} "
+            ratios = "".join(f" {k}={v:.3f}" for k, v in scalars.items() if k.startswith("mask_ratio/"))
+            print(f"step {step:>6} [{phase}] {losses}{ratios} lr={scalars['optim/lr']:.2e} "
                   f"gnorm={scalars['optim/grad_norm']:.3f}{skipped} tok/s={scalars['perf/tokens_per_s']:,.0f}{mfu} "
                   f"data_wait={scalars['perf/data_wait']:.1%} mem={scalars['perf/mem_gib']:.2f}GiB", flush=True)
         if "eval/seconds" in scalars:
             shown = " ".join(f"{k.split('/', 1)[1]}={v:.4f}" for k, v in scalars.items()
-                             if k.startswith(("eval/loss/", "eval/probe/", "eval/probe_ppl/")))
+                             if k.startswith(("eval/loss/", "eval/probe/", "eval/probe_ppl/", *EVALUATOR_SCALARS)))
             print(f"eval {step:>6} [{phase}] {shown} ({scalars['eval/seconds']:.1f}s)", flush=True)
 
-    def close(self, summary: dict) -> None:
+    def close(self, summary: FitSummary) -> FitSummary:
+        """Close the trackers, draw loss.png and print the summary line (rank 0); returns ``summary`` with the
+        plot's path."""
         if not self.enabled:
-            return
+            return summary
         self.trackers.close()
-        summary["loss_plot"] = plot_losses(self.history_path, self.run.loss_plot)
-        print("summary: " + " ".join(f"{k}={v}" for k, v in summary.items()), flush=True)
+        summary = dataclasses.replace(summary, loss_plot=plot_losses(self.history_path, self.run.loss_plot))
+        print(summary.line(), flush=True)
+        return summary
 
 
 def _drop_after(path: str, step: int) -> int:

@@ -1,30 +1,28 @@
-"""The model as the DeepSpeed engine sees it, its optimizer, and the engine (the HF export: :mod:`pipeline.train.export`)."""
+"""The engine around the model: the model as the DeepSpeed engine sees it (:class:`TrainModule`), its optimizer,
+and the engine itself (:func:`build_engine`). The model is preflight's spec built by
+:func:`pipeline.model.build.build_model`; this module adds what training needs around it and checks nothing (the
+HF export: :mod:`pipeline.train.export`)."""
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 
 import deepspeed
 import torch
-import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.compile.util import is_deepcompile_supported
 from deepspeed.utils import set_z3_leaf_modules
 from torch import nn
-from transformers import PretrainedConfig
 from transformers.integrations import HfDeepSpeedConfig
 
-from pipeline.config import ConfigError
-from pipeline.experiment import ExperimentConfig, ModelConfig, OptimConfig
-from pipeline.model.attention import FLEX, VARLEN, resolve_implementation
-from pipeline.model.build import build_model, compile_body, compiles
-from pipeline.model.checkpointing import enable_checkpointing
-from pipeline.model.lm_head import chunk_lm_head
-from pipeline.model.lora import add_lora
-from pipeline.model.moe import ROUTER_AUX, router_aux_coef, router_aux_scope
+from pipeline.experiment import ExperimentConfig, OptimConfig
+from pipeline.model.build import ModelSpec, build_model
+from pipeline.model.moe import ROUTER_AUX, router_aux_scope
 from pipeline.model.weight_decay import param_groups
-from pipeline.train.distributed import arch_list_for_deepspeed
-from pipeline.train.gloo_gathers import wait_for_every_gather
+from pipeline.train.async_checkpoint import WeightsOnlyLoads
+from pipeline.train.compiling import deepcompile, leaf_layers
+from pipeline.train.deepspeed_ops import arch_list_for_deepspeed
 from pipeline.train.schedule import lr_scheduler
 
 
@@ -56,65 +54,25 @@ class TrainModule(nn.Module):
         return outputs
 
 
-def attn_implementation(config: ModelConfig, cuda: bool) -> str:
-    """The HF attention implementation to train with; FlexAttention and varlen need CUDA (no FlexAttention backward,
-    no varlen kernel on CPU) and have no attention dropout, so ``auto`` then falls back to SDPA and an explicit
-    ``flex`` / ``varlen`` is an error."""
-    setting = config.attn_implementation
-    try:
-        impl = resolve_implementation(setting, cuda)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if impl not in (FLEX, VARLEN):
-        return impl
-    if not cuda:
-        raise ConfigError(f"model.attn_implementation: {setting} trains on CUDA only (torch has no FlexAttention "
-                          "backward and no varlen kernel on CPU); use auto or sdpa")
-    if config.attention_dropout > 0:
-        if setting != "auto":
-            raise ConfigError(f"model.attn_implementation: {setting} has no attention dropout, but "
-                              f"model.attention_dropout is {config.attention_dropout}; use auto or sdpa")
-        return "sdpa"
-    return impl
-
-
-def fused_kind(o: OptimConfig, cuda: bool) -> str:
-    """The AdamW kernel of ``optim.fused``: auto is torch's fused AdamW on CUDA, the default foreach AdamW on CPU."""
-    kind = o.fused if o.fused != "auto" else ("torch" if cuda else "none")
-    if kind != "none" and not cuda:
-        raise ConfigError(f"optim.fused: {kind} needs CUDA; use auto or none on CPU")
-    return kind
+BUILD_ERRORS = (RuntimeError, ImportError, OSError, subprocess.CalledProcessError)  # a failed JIT build of an op
 
 
 def build_optimizer(groups: list[dict], o: OptimConfig, kind: str) -> torch.optim.Optimizer:
-    """AdamW for the DeepSpeed engine with the kernel ``kind`` (:func:`fused_kind`)."""
+    """AdamW for the DeepSpeed engine with the kernel ``kind`` (:func:`fused_kind`). DeepSpeed's FusedAdam is built
+    on first use; where that build fails (a CUDA toolkit whose headers DeepSpeed's op builder cannot compile against)
+    the run trains with torch's fused AdamW, the same update, and says so."""
     if kind == "deepspeed":
-        from deepspeed.ops.adam import FusedAdam
-
         arch_list_for_deepspeed()  # its JIT build reads TORCH_CUDA_ARCH_LIST
+        try:
+            from deepspeed.ops.adam import FusedAdam
 
-        return FusedAdam(groups, lr=o.lr, betas=o.betas, eps=o.eps, adam_w_mode=True)
+            return FusedAdam(groups, lr=o.lr, betas=o.betas, eps=o.eps, adam_w_mode=True)
+        except BUILD_ERRORS as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+            print(f"warning: optim.fused: deepspeed: DeepSpeed's FusedAdam could not be built ({reason}); training "
+                  "with torch's fused AdamW instead (optim.fused: torch)", file=sys.stderr, flush=True)
+            kind = "torch"
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True if kind == "torch" else None)
-
-
-def deepcompile(ds: dict) -> bool:
-    """Whether the DeepSpeed config asks for DeepCompile (``"compile": {"deepcompile": true}``), DeepSpeed's
-    compiler path: its own graph passes schedule ZeRO's gathers and reductions, and the engine compiles the
-    whole module (:func:`build_engine`), so the per-layer ``model.compile`` stays off."""
-    return bool(ds.get("compile", {}).get("deepcompile"))
-
-
-def check_compile(exp: ExperimentConfig, ds: dict) -> None:
-    """DeepCompile needs CUDA (DeepSpeed 0.19.7's ``is_deepcompile_supported``: its passes and native ops are
-    CUDA-only) and compiles the whole module itself, so an explicit ``model.compile: true`` contradicts it."""
-    if not deepcompile(ds):
-        return
-    if not is_deepcompile_supported():
-        raise ConfigError("DeepSpeed config: compile.deepcompile needs CUDA (DeepSpeed's DeepCompile has no CPU "
-                          "path); remove the \"compile\" section or use ds_configs/zero1.json here")
-    if exp.model.compile is True:
-        raise ConfigError("model.compile: true compiles each decoder layer, but the DeepSpeed config's "
-                          "compile.deepcompile compiles the whole module; set model.compile=auto (or false)")
 
 
 def build_device(ds: dict) -> torch.device | None:
@@ -125,69 +83,33 @@ def build_device(ds: dict) -> torch.device | None:
     return None if stage3 else torch.device(get_accelerator().current_device_name())
 
 
-def leaf_layers(exp: ExperimentConfig) -> bool:
-    """Whether the decoder layers may be ZeRO-3 leaf modules. DeepSpeed reduces a leaf module's gradients in its
-    backward hook, which runs once per forward call, so each micro-step must run a layer once before its backward:
-    a phase of several objectives sums their losses into one backward after one body forward each (DeepSpeed 0.19
-    then asserts on a parameter reduced twice: MAGNET + SSCL, tests/e2e/test_magnet_train.py). And a LoRA layer, whose
-    frozen weights take no gradient, reaches its backward with them still partitioned (a size-0 weight in the
-    input's gradient: tests/unit/model/test_lora.py). Those runs keep the per-module hooks. Every objective runs the body once
-    a call (SimCSE its two views in one batch)."""
-    return all(len(phase.objectives) == 1 for phase in exp.phases) and not exp.model.lora.r
-
-
-def build_train_model(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=(), *,
-                      attn_implementation: str, fused: str, start_config: PretrainedConfig | None = None):
-    """(HF model, engine module, the optimizer arguments of ``deepspeed.initialize``), with the implementation and
-    kernel preflight chose (:func:`attn_implementation`, :func:`fused_kind`), and a checkpoint's ``start_config`` as
-    preflight read and checked it. Objectives attach their trainable
-    heads to the model first, so the engine partitions and optimises them too. The optimizer arguments are the
-    client optimizer, or, when the DeepSpeed config builds its own (CPU Adam for offload), the parameter groups it
-    optimises: either way weight decay skips the norms."""
+def build_train_model(exp: ExperimentConfig, ds: dict, model: ModelSpec, objectives=(), *, fused: str,
+                      router_aux_coef: float | None = None):
+    """(HF model, engine module, the optimizer arguments of ``deepspeed.initialize``): the model preflight
+    specified (``model``, :func:`~pipeline.model.build.build_model`), built where the engine wants it (under ZeRO-3
+    partitioned as it is constructed), the objectives' trainable heads attached (so the engine partitions and
+    optimises them too), the layers made ZeRO-3 leaf modules where they may be, and the router loss weighted by
+    ``router_aux_coef`` (an MoE model's, preflight's). The optimizer arguments are the client optimizer, or, when
+    the DeepSpeed config builds its own (CPU Adam for offload), the parameter groups it optimises: either way
+    weight decay skips the norms."""
     stage3 = ds.get("zero_optimization", {}).get("stage") == 3
-    if stage3 and dist.is_initialized() and dist.get_backend() == "gloo":
-        wait_for_every_gather()  # before zero.Init builds the model: its weight init gathers parameters
     # Alive during construction, HfDeepSpeedConfig makes from_config/from_pretrained build the model partitioned
     # under zero.Init while keeping HF's weight init; kept on the module so the weak reference stays valid.
     hf_ds = HfDeepSpeedConfig(ds) if stage3 else None
-    info = tokenizer.info
-    with build_device(ds) or contextlib.nullcontext():
-        lm = build_model(exp.model.init, info.vocab_size, dtype=torch.bfloat16 if bf16 else torch.float32,
-                         attn_implementation=attn_implementation, pad_token_id=info.pad_id,
-                         bos_token_id=info.bos_id, eos_token_id=info.eos_id, config=start_config)
-    lora = exp.model.lora
-    if lora.r:
-        add_lora(lm, lora.r, lora.alpha, lora.dropout, tuple(lora.targets))
+    lm = build_model(model, build_device(ds))
     lm.train()  # from_pretrained returns the model in eval mode: dropout (SimCSE's positives) would be off
-    lm.config.use_cache = False
-    lm.config.attention_dropout = exp.model.attention_dropout
-    for module in lm.modules():  # each attention layer copied the value from the config when it was built
-        if hasattr(module, "attention_dropout"):
-            module.attention_dropout = exp.model.attention_dropout
     for objective in objectives:
         objective.attach(lm)
-    if exp.model.lm_head_chunk:
-        chunk_lm_head(lm, exp.model.lm_head_chunk)
-    enable_checkpointing(lm, exp.model.activation_checkpointing)
     if stage3 and leaf_layers(exp):  # gather each layer whole in its own hook: one hook per layer instead of one per
         # Linear, norm and rotary module inside it, and, ZeRO-3's hooks being compiler-disabled, no graph break in a
         # compiled layer
         set_z3_leaf_modules(lm, list({type(layer) for layer in lm.model.layers}))
-    cuda = get_accelerator().device_name() == "cuda"
-    if compiles(exp.model.compile, cuda) and not deepcompile(ds):
-        compile_body(lm)
-    coef = router_aux_coef(lm.config, exp.model.router_aux_coef)
-    cached = [o.name for o in objectives if getattr(o, "grad_cache", False)]
-    if coef is not None and cached:
-        raise ConfigError(f"model.init {exp.model.init!r} is a mixture-of-experts model, whose router loss needs "
-                          f"each micro-batch's forward graph, which grad_cache (objective {cached[0]}) drops; set "
-                          "its grad_cache=false (and train.grad_accum=1)")
-    model = TrainModule(lm, coef)
-    model._hf_ds_config = hf_ds
-    groups = param_groups(model, exp.optim.weight_decay)
+    module = TrainModule(lm, router_aux_coef)
+    module._hf_ds_config = hf_ds
+    groups = param_groups(module, exp.optim.weight_decay)
     optimizer = {"model_parameters": groups} if "optimizer" in ds else {
         "optimizer": build_optimizer(groups, exp.optim, fused)}
-    return lm, model, optimizer
+    return lm, module, optimizer
 
 
 def parameter_line(model: nn.Module) -> str:
@@ -201,16 +123,14 @@ def parameter_line(model: nn.Module) -> str:
     return f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
 
 
-def build_engine(exp: ExperimentConfig, ds: dict, tokenizer, bf16: bool, objectives=(), *, attn_implementation: str,
-                 fused: str, start_config: PretrainedConfig | None = None) -> tuple[nn.Module, deepspeed.DeepSpeedEngine]:
-    """(HF model, the DeepSpeed engine that trains it with the experiment's LR schedule), compiled by DeepCompile
-    when the DeepSpeed config asks for it (:func:`deepcompile`)."""
-    check_compile(exp, ds)
-    lm, model, optimizer = build_train_model(exp, ds, tokenizer, bf16, objectives,
-                                             attn_implementation=attn_implementation, fused=fused,
-                                             start_config=start_config)
-    engine, *_ = deepspeed.initialize(model=model, **optimizer, lr_scheduler=lr_scheduler(exp.train.steps, exp.optim),
+def build_engine(exp: ExperimentConfig, ds: dict, model: ModelSpec, objectives=(), *, fused: str,
+                 router_aux_coef: float | None = None) -> tuple[nn.Module, deepspeed.DeepSpeedEngine]:
+    """(HF model, the DeepSpeed engine that trains it with the experiment's LR schedule): :func:`build_train_model`
+    initialised, compiled by DeepCompile when the DeepSpeed config asks for it (preflight checked that it can)."""
+    lm, module, optimizer = build_train_model(exp, ds, model, objectives, fused=fused, router_aux_coef=router_aux_coef)
+    engine, *_ = deepspeed.initialize(model=module, **optimizer, lr_scheduler=lr_scheduler(exp.train.steps, exp.optim),
                                       config=ds)
+    engine.checkpoint_engine = WeightsOnlyLoads(engine.checkpoint_engine)  # a resume runs no code from the files
     if deepcompile(ds):
         engine.compile()
     return lm, engine

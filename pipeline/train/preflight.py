@@ -1,158 +1,184 @@
-"""Everything about an experiment that can be checked before DeepSpeed builds an engine, each thing once: the run
-directory (writable, locked for the run), the trackers' packages and login, the tokenizer, objectives against it, the start model and how it will run, the
-shards (built when missing, then present, compatible, sizes, enough samples), and a resume's global batch.
+"""Everything about an experiment that can be checked or decided before DeepSpeed builds an engine, each thing once:
+the run directory (writable, locked for the run), the trackers' packages and login, the tokenizer, objectives
+against it, the DeepSpeed JSON against the experiment, the model (the start checkpoint, how it runs and compiles,
+an MoE model's router loss against grad_cache), the evaluators' data files, the shards (built when missing, then
+present, compatible, sizes, enough samples) and each loader over them, and the resume point with its global batch.
+Every config error of a run is raised here: nothing below it raises ``ConfigError``.
 
-:func:`agreed_preflight` runs it on every rank in three agreed stages (checks, rank 0 builds missing shards, the
-shards' checks); the first failure of any rank is reported once, by rank 0. What it returns, :class:`Prepared`, is
-what it built (objectives, probes, the start model's config, the shards' indexes, the held-out split), frozen: the
-trainer builds the run from it and neither checks nor derives any of it again. Rank 0 takes the run directory's lock
-onto the caller's ``ExitStack`` (the entry's ``with``), which releases it once, however the run ends.
+:func:`local_preflight` is what one rank checks alone, before any process group (and all that ``launch/train.py
+--check`` runs): it takes and writes nothing, so a refusal costs no rendezvous and leaves nothing behind.
+:func:`agreed_preflight` then runs the rest on every rank in agreed stages (the same run and code, each rank's local
+result, rank 0's lock, rank 0's build of missing shards, their checks); the first failure of any rank is reported
+once, by rank 0. What it returns, :class:`Prepared`, is what it built and decided (objectives, probes, the
+resolved DeepSpeed config, the model's spec, the resume point, the shards' indexes, the held-out split, each
+loader's spec), frozen: the trainer builds the run from it and neither checks nor derives any of it again. Rank 0
+takes the run directory's lock onto the caller's ``ExitStack`` (the entry's ``with``), which releases it once,
+however the run ends.
+
+This module composes the checks and holds what is the model's and the setup's; its parts by job:
+:mod:`pipeline.train.run_setup` the run directory and the resume point, :mod:`pipeline.train.shard_checks` the
+shards, held-out samples, mixture and loaders, :mod:`pipeline.train.agreement` the cross-rank agreement.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
-import socket
-import sys
-import tempfile
-from collections.abc import Callable, Iterator
+import copy
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
+import torch
 from transformers import PretrainedConfig
 
-from pipeline.config import ConfigError, to_dict
-from pipeline.data.format.index import UNNAMED_SOURCE, DatasetIndex, load_index
-from pipeline.data.loading.holdout import Holdout, ValidationSamples, split
-from pipeline.data.loading.loader import (
-    check_compatible,
-    check_enough_samples,
-    check_shard_kind,
-    check_shard_sizes,
-)
-from pipeline.data.loading.mixture import Budget, MixtureError, MixturePlan, check_budget
+from pipeline.config import ConfigError
+from pipeline.data.format.index import UNNAMED_SOURCE, DatasetIndex
+from pipeline.data.loading.holdout import Holdout, ValidationSamples
 from pipeline.data.loading.order import BatchWarmup
-from pipeline.data.prep.build import run_job
-from pipeline.data.prep.build_config import BuildConfig
-from pipeline.experiment import DataConfig, ExperimentConfig, PhaseData, ValidationConfig
+from pipeline.experiment import ExperimentConfig, ValidationConfig
 from pipeline.export.record import EncoderRecord, from_experiment
-from pipeline.inputs import check_buildable, has_shards, shard_store
-from pipeline.lock import DirLock, describe
-from pipeline.model.build import check_checkpoint_shape, check_sliding_window, start_checkpoint_config
+from pipeline.inputs import check_buildable
+from pipeline.model.build import (
+    ModelSpec,
+    check_checkpoint_shape,
+    check_sliding_window,
+    preset_config,
+    start_checkpoint_config,
+)
+from pipeline.model.moe import router_aux_coef
 from pipeline.model.presets import PRESETS
 from pipeline.objectives.base import MaskTokenError
-from pipeline.run_dir import RunDir
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 from pipeline.train import errors
+from pipeline.train.agreement import PreflightFailed, agreed, check_same_run
 from pipeline.train.batch_warmup import batch_warmup
-from pipeline.train.module import attn_implementation, fused_kind
+from pipeline.train.compiling import body_compiles, check_compile
+from pipeline.train.ds_config import resolve_ds_config
+from pipeline.train.kernels import attn_implementation, fused_kind, model_dtype
 from pipeline.train.phases import WeightedObjective, build_objectives, shard_kind_readers
+from pipeline.train.run_setup import (
+    ResumePoint,
+    check_run_dir,
+    check_run_dir_free,
+    half_written,
+    lock_run_dir,
+    resume_point,
+)
+from pipeline.train.shard_checks import (
+    LoaderSpec,
+    build_input_files,
+    build_missing_shards,
+    check_shards,
+    own_phase_data,
+)
 from pipeline.train.trackers import check_trackers
 from pipeline.train.validation import probes
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """What preflight built and checked; :func:`check_setup` fills the first part, :func:`check_shards` the
-    shards' part (a new ``Prepared``)."""
+    """What preflight built, checked and decided, the trainer's whole hand-over: it builds the run from it and
+    neither checks nor derives any of it again. :func:`check_setup` fills the first part, the shards' checks
+    (:func:`~pipeline.train.shard_checks.check_shards`) the shards' part (a new ``Prepared``). Its containers are immutable; what it lends that others change is copied
+    (:meth:`ds_config`; the model's config by :func:`~pipeline.model.build.build_model`)."""
 
     tokenizer: Tokenizer
-    objectives: list[list[WeightedObjective]]  # per phase
+    objectives: tuple[tuple[WeightedObjective, ...], ...]  # per phase
     record: EncoderRecord  # what the run's HF export says of how to read the model
-    attn_implementation: str  # the HF attention implementation to train with
-    bf16: bool
-    fused: str  # the AdamW kernel (module.fused_kind)
-    start_config: PretrainedConfig | None = None  # model.init's config, checked against the tokenizer (None: a preset)
-    probes: list[WeightedObjective] = field(default_factory=list)  # validation's probes (eval.every and eval.probes)
+    model: ModelSpec  # the model to build: config, weights, dtype, attention, LoRA, checkpointing, compile
+    fused: str  # the AdamW kernel (kernels.fused_kind)
+    resolved_ds: dict  # the DeepSpeed config resolved against the experiment: read it through :meth:`ds_config`
+    router_aux_coef: float | None = None  # an MoE model's weight of its routers' loss (None: a dense model)
+    resume: ResumePoint | None = None  # where the run resumes (None: it starts at step 0)
+    half_written: tuple[int, ...] = ()  # steps of checkpoint directories without COMPLETE, which a killed run left
+    probes: tuple[WeightedObjective, ...] = ()  # validation's probes (eval.every and eval.probes)
     warmup: BatchWarmup | None = None  # train.batch_warmup on this world size (None: none)
     notes: tuple[str, ...] = ()  # for rank 0 to print
     # per shard kind ("packed", "units", "pairs"), and per phase with shards of its own (PhaseData.loader)
-    indexes: dict[str, DatasetIndex] = field(default_factory=dict)
+    indexes: Mapping[str, DatasetIndex] = field(default_factory=lambda: MappingProxyType({}))
+    loaders: Mapping[str, LoaderSpec] = field(default_factory=lambda: MappingProxyType({}))  # one per index
     validation: ValidationSamples | None = None  # the samples validation scores (eval.every > 0)
     holdout: Holdout | None = None  # eval.holdout's split of data.shards: which packed samples training reads
-    mixture: MixturePlan | None = None  # data.mixture's plan over those samples (None: no mixture)
 
     @property
     def train_samples(self) -> int | None:
         """How many packed samples training reads (None: not yet known, before :func:`check_shards`)."""
         return None if self.holdout is None else self.holdout.train_count
 
-
-class PreflightFailed(Exception):
-    """A rank's preflight failed; rank 0 has printed why."""
-
-
-def check_run_dir(run_dir: str) -> None:
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=run_dir):
-            pass
-    except OSError as e:
-        raise ConfigError(f"run_dir: {run_dir} is not writable ({e.strerror}); set run_dir to a directory this "
-                          f"user can write (--set run_dir=...)") from None
+    def ds_config(self) -> dict:
+        """The resolved DeepSpeed config, a copy: DeepSpeed and the run files take it."""
+        return copy.deepcopy(self.resolved_ds)
 
 
-def lock_run_dir(run_dir: str, held: contextlib.ExitStack) -> list[str]:
-    """Lock ``run_dir`` until ``held`` closes (the entry's ``with``: one release, however the run ends); the note
-    of a lock taken over from a run that died holding it."""
-    lock = held.enter_context(DirLock(RunDir(run_dir).lock, f"run directory {run_dir}"))
-    return [f"note: took over the lock of {run_dir} from a run that ended without releasing it: "
-            f"{describe(lock.stale)}"] if lock.stale else []
+def check_lora_start(exp: ExperimentConfig) -> None:
+    """LoRA adapts a trained model: an adapter over a preset's random weights names a base (the preset) that no
+    loader can find, and its merged export is a random model with a small trained part."""
+    if exp.model.lora.r and exp.model.init in PRESETS:
+        raise ConfigError(f"model.lora.r: {exp.model.lora.r}, but model.init {exp.model.init!r} is a preset with "
+                          f"random weights, and LoRA adapts a trained model; set model.init to a checkpoint "
+                          f"directory (e.g. a run's hf/ export) or model.lora.r=0 for full-parameter training")
 
 
-def _start_config(exp: ExperimentConfig, tokenizer: Tokenizer) -> PretrainedConfig | None:
-    """The start model: a preset (None), or a checkpoint directory that fits ``model.shape``, the tokenizer and the
-    sequence length (its config, read once: the model builder takes it)."""
-    try:
-        if exp.model.init in PRESETS:
-            if exp.model.shape:
-                check_checkpoint_shape(exp.model.init, exp.model.shape)
-            return None
-        info = tokenizer.info
-        config = start_checkpoint_config(exp.model.init, info.vocab_size, bos_token_id=info.bos_id,
-                                         eos_token_id=info.eos_id, shape=exp.model.shape)
-        check_sliding_window(config, exp.model.init, exp.phases_data[-1].context)
-        return config
-    except ValueError as e:
-        raise ConfigError(f"model.init: {e}") from None
+def check_model(exp: ExperimentConfig, tokenizer: Tokenizer, ds: dict, cuda: bool) -> ModelSpec:
+    """The model the run trains, checked: a preset, or a checkpoint directory that fits ``model.shape``, the
+    tokenizer and the sequence length (its config read once, here); how it runs (dtype, the attention
+    implementation, LoRA, dropout, the chunked head, checkpointing) and whether its layers compile (against the
+    resolved DeepSpeed config ``ds``)."""
+    check_lora_start(exp)
+    m, info = exp.model, tokenizer.info
+    if m.init in PRESETS:
+        config = preset_config(m.init, info.vocab_size, pad_token_id=info.pad_id, bos_token_id=info.bos_id,
+                               eos_token_id=info.eos_id)
+        try:
+            if m.shape:
+                check_checkpoint_shape(m.init, m.shape, config)
+        except ValueError as e:  # names model.shape and model.init itself
+            raise ConfigError(str(e)) from None
+    else:
+        try:
+            config = start_checkpoint_config(m.init, info.vocab_size, bos_token_id=info.bos_id,
+                                             eos_token_id=info.eos_id, shape=m.shape)
+            check_sliding_window(config, m.init, exp.phases_data[-1].context)
+        except ValueError as e:
+            raise ConfigError(f"model.init: {e}") from None
+    check_compile(exp, ds)
+    return ModelSpec(config, None if m.init in PRESETS else m.init, model_dtype(m, cuda), attn_implementation(m, cuda),
+                     m.lora.r, m.lora.alpha, m.lora.dropout, tuple(m.lora.targets), m.attention_dropout,
+                     m.lm_head_chunk, m.activation_checkpointing, body_compiles(exp, ds, cuda))
 
 
-def check_resume_batch(exp: ExperimentConfig, world: int) -> None:
-    """A resume that changes the global batch changes the optimisation: refused unless asked for."""
-    run = RunDir(exp.run_dir)
-    step = run.latest_complete() if exp.checkpoint.resume else None
-    if step is None or exp.checkpoint.allow_global_batch_change:
-        return
-    path = run.checkpoint(step)
-    saved_train = run.checkpoint_experiment(step).train
-    saved_world = run.checkpoint_world_size(step)
-    saved = saved_train.global_batch(saved_world)
-    t = exp.train
-    now = t.global_batch(world)
-    if saved != now:
-        keep = saved // (t.micro_batch * world) if saved % (t.micro_batch * world) == 0 else None
-        fix = f"set train.grad_accum={keep} to keep it, or " if keep else ""
-        raise ConfigError(f"checkpoint.allow_global_batch_change: {path} was trained with a global batch of {saved} "
-                          f"(micro_batch {saved_train.micro_batch} x grad_accum {saved_train.grad_accum} x "
-                          f"{saved_world} ranks), this run has {now} (micro_batch {t.micro_batch} x grad_accum "
-                          f"{t.grad_accum} x {world} ranks); {fix}set checkpoint.allow_global_batch_change=true "
-                          f"to resume with the new batch")
+def router_loss_coef(exp: ExperimentConfig, config: PretrainedConfig,
+                     objectives: tuple[tuple[WeightedObjective, ...], ...]) -> float | None:
+    """The weight of an MoE model's router loss (None: a dense model), which needs each micro-batch's forward
+    graph: refused with an objective whose grad_cache drops it."""
+    coef = router_aux_coef(config, exp.model.router_aux_coef)
+    cached = [o.objective.name for phase in objectives for o in phase if getattr(o.objective, "grad_cache", False)]
+    if coef is not None and cached:
+        raise ConfigError(f"model.init {exp.model.init!r} is a mixture-of-experts model, whose router loss needs "
+                          f"each micro-batch's forward graph, which grad_cache (objective {cached[0]}) drops; set "
+                          "its grad_cache=false (and train.grad_accum=1)")
+    return coef
 
 
-def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, held: contextlib.ExitStack) -> Prepared:
-    """Everything but the shards' contents (they may not be built yet); rank 0 takes the run directory's lock
-    until ``held`` closes."""
+def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, ds: dict | None = None) -> Prepared:
+    """Everything but the shards' contents (they may not be built yet), with ``ds`` the user's DeepSpeed JSON (None:
+    none, DeepSpeed's defaults) resolved against the experiment; takes and writes nothing."""
     check_run_dir(exp.run_dir)
-    notes = lock_run_dir(exp.run_dir, held) if rank == 0 else []
-    if rank == 0:  # rank 0 alone logs
+    if rank == 0:  # rank 0 alone takes the lock and logs
+        check_run_dir_free(exp.run_dir)
         check_trackers(exp.train)
-    tokenizer = load_tokenizer(exp.data.tokenizer)
-    objectives = [build_objectives(p, tokenizer, f"phases[{i}]") for i, p in enumerate(exp.phases)]
-    start_config = _start_config(exp, tokenizer)
+    try:
+        tokenizer = load_tokenizer(exp.data.tokenizer)
+    except (OSError, ValueError, RuntimeError) as e:  # missing, or not a tokenizer (sentencepiece raises these)
+        raise ConfigError(f"data.tokenizer: {errors.one_line(e)}") from None
+    objectives = tuple(tuple(build_objectives(p, tokenizer, f"phases[{i}]")) for i, p in enumerate(exp.phases))
+    bf16 = model_dtype(exp.model, cuda) == torch.bfloat16
+    resolved = resolve_ds_config(ds or {}, exp, world, bf16)
+    model = check_model(exp, tokenizer, resolved, cuda)
+    coef = router_loss_coef(exp, model.config, objectives)
     d = exp.data
     has_shards = check_buildable(d.shards, "data.shards", "data.build_inputs", d.build_inputs, d.seq_len, d)
-    for i, data in _own_phase_data(exp):
+    for i, data in own_phase_data(exp):
         check_buildable(data.shards, f"phases[{i}].shards", f"data.build_inputs (for phases[{i}])",
                         list(data.build_inputs), data.seq_len, d)
     if not has_shards and set(d.source_mixture.names) - {UNNAMED_SOURCE} and not (d.build_source_field or
@@ -171,15 +197,30 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, held: 
                           "data.pair_shards is empty; build them with data_prep/build_shards.py --pairs and set "
                           "data.pair_shards")
     validation_probes = _probes(exp.eval, tokenizer) if exp.eval.every and exp.eval.probes else []
-    check_resume_batch(exp, world)
-    return Prepared(tokenizer, objectives, from_experiment(exp, tokenizer), attn_implementation(exp.model, cuda),
-                    exp.model.dtype == "bf16" or (exp.model.dtype == "auto" and cuda), fused_kind(exp.optim, cuda),
-                    start_config, validation_probes, batch_warmup(exp.train, world), tuple(notes))
+    for i, evaluator in enumerate(exp.eval.evaluators):
+        evaluator.check_files(f"eval.evaluators[{i}]")
+    return Prepared(tokenizer, objectives, from_experiment(exp, tokenizer), model, fused_kind(exp.optim, cuda),
+                    resolved, coef, resume_point(exp, world), half_written(exp.run_dir), tuple(validation_probes),
+                    batch_warmup(exp.train, world))
 
 
-def _own_phase_data(exp: ExperimentConfig) -> list[tuple[int, PhaseData]]:
-    """(phase index, its data) of the first phase reading each shard directory other than data.shards."""
-    return [(i, pd) for i, pd in enumerate(exp.phases_data) if pd.loader == f"phases[{i}]"]
+def local_preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool, ds: dict | None = None) -> Prepared:
+    """What a rank checks alone, before any process group: :func:`check_setup` (with the DeepSpeed JSON ``ds``),
+    and :func:`check_shards` when every shard directory the run reads is there (else they wait for rank 0's build).
+    Takes and writes nothing, so a refusal here costs no rendezvous and leaves nothing behind."""
+    prepared = check_setup(exp, rank, world, cuda, ds)
+    missing = build_input_files(exp)
+    return prepared if missing else _with_shards(exp, prepared, world, rank)
+
+
+def _with_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: int) -> Prepared:
+    """``prepared`` with its shards checked (:func:`~pipeline.train.shard_checks.check_shards`, by
+    :func:`local_preflight`, or now that they are built) and each loader's spec."""
+    if prepared.holdout is not None:
+        return prepared
+    shards = check_shards(exp, prepared.tokenizer, prepared.objectives, prepared.warmup, world)
+    return replace(prepared, indexes=shards.indexes, loaders=shards.loaders, validation=shards.validation,
+                   holdout=shards.holdout, notes=prepared.notes + (shards.notes if rank == 0 else ()))
 
 
 def _probes(v: ValidationConfig, tokenizer: Tokenizer) -> list[WeightedObjective]:
@@ -191,227 +232,38 @@ def _probes(v: ValidationConfig, tokenizer: Tokenizer) -> list[WeightedObjective
                           f"token of its vocabulary, or eval.probes=false") from None
 
 
-def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
-    """Rank 0's job: the packed shards from ``data.build_inputs`` when ``data.shards`` has none, and each phase's
-    own shards (at its sequence length) when they are missing."""
-    d = exp.data
-    sources = f", sources from {d.build_source_field or d.build_source_default!r}" if d.build_source_field or \
-        d.build_source_default else ""
-    for directory, seq_len, inputs in [(d.shards, d.seq_len, tuple(d.build_inputs)),
-                                       *((pd.shards, pd.seq_len, pd.build_inputs) for _, pd in _own_phase_data(exp))]:
-        if has_shards(directory, d):
-            continue
-        print(f"building shards of {list(inputs)} into {directory} (seq_len {seq_len}{sources})", flush=True)
-        run_job(BuildConfig(inputs=inputs, tokenizer=tokenizer.path, output=directory, seq_len=seq_len,
-                            workers=1, progress=False, source_field=d.build_source_field,
-                            source_default=d.build_source_default))
-
-
-def _load_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
-                kind: str, readers: list[str]) -> DatasetIndex:
-    """The index of ``directory``: present, built with the tokenizer and sequence length, of the kind its
-    ``readers`` read, every shard of its recorded size."""
-    if not has_shards(directory, d):
-        raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with data_prep/build_shards.py"
-                          + {"units": " --units", "pairs": " --pairs"}.get(kind, ""))
-    index = load_index(directory, shard_store(d))
-    check_compatible(index, tokenizer.info.fingerprint, index.seq_len if seq_len is None else seq_len)
-    if readers:
-        check_shard_kind(index, kind, setting, readers)
-    check_shard_sizes(index)
-    return index
-
-
-def _check_enough(setting: str, index: DatasetIndex, global_batch: int, holdout: Holdout | None = None) -> None:
-    """The one check that the samples training reads of ``index`` (short of ``holdout``'s) fill a global batch:
-    the loaders built from it do not repeat it."""
-    try:
-        check_enough_samples(index, global_batch, None if holdout is None else holdout.train_count)
-    except ValueError as e:
-        raise ConfigError(f"{setting}: {e}") from None
-
-
-def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
-                 kind: str, readers: list[str], global_batch: int) -> DatasetIndex:
-    """:func:`_load_index`, all of whose samples are read in batches of ``global_batch``."""
-    index = _load_index(directory, setting, d, tokenizer, seq_len, kind, readers)
-    _check_enough(setting, index, global_batch)
-    return index
-
-
-def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int | dict[str, int],
-                  world: int) -> tuple[MixturePlan, list[str]]:
-    """``data.mixture`` against the sources of ``index`` and the run's budget (the steps of the phases reading
-    data.shards x global batch):
-    every source named exists and can supply its share within its maximum repetition. Returns the plan (the packed
-    loader's) and its lines for rank 0 to print."""
-    d, t = exp.data, exp.train
-    mixture = d.source_mixture
-    steps = sum(n for n, pd in zip(exp.phase_lengths(), exp.phases_data) if pd.loader == "packed")
-    budget = Budget(steps, t.global_batch(world), d.seq_len)
-    try:
-        plan = MixturePlan.build(index, mixture.ratios, t.seed, train_samples)
-        lines = check_budget(plan, budget, mixture.max_repetition)
-    except MixtureError as e:
-        raise ConfigError(str(e)) from None
-    left_out = [name for name in index.sources if name not in mixture.names]
-    return plan, ([f"mixture of {len(mixture.names)} sources over {budget.describe()}:", *(f"  {line}" for line in lines)]
-            + ([f"note: data.mixture leaves out {', '.join(left_out)} of {index.directory}: not trained on"]
-               if left_out else []))
-
-
-def check_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: int = 0) -> Prepared:
-    """``prepared`` with the index of each shard kind the run reads, checked against the tokenizer, the
-    objectives, the batch and the mixture, the held-out split and validation samples (and the mixture's plan in its
-    notes, on rank 0)."""
-    readers = shard_kind_readers(prepared.objectives)
-    t, d, tok = exp.train, exp.data, prepared.tokenizer
-    indexes = {"packed": _load_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"])}
-    holdout = split(indexes["packed"], exp.eval.holdout)  # once: training, validation and the mixture take it
-    _check_enough("data.shards", indexes["packed"], t.global_batch(world), holdout)
-    for i, pd in _own_phase_data(exp):
-        phase_readers = sorted({o.name for o in prepared.objectives[i] if o.objective.shard_kind == "packed"})
-        indexes[pd.loader] = _check_index(pd.shards, f"phases[{i}].shards", d, tok, pd.seq_len, "packed",
-                                          phase_readers, t.global_batch(world, pd.micro_batch))
-    validation = check_held_out(exp, tok, indexes["packed"], holdout)
-    plan, notes = check_mixture(exp, indexes["packed"], holdout.limit, world) if d.source_mixture else (None, [])
-    if readers["units"]:
-        indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
-                                        t.global_batch(world, d.unit_micro_batch))
-    if readers["pairs"]:
-        indexes["pairs"] = _check_index(d.pair_shards, "data.pair_shards", d, tok, None, "pairs", readers["pairs"],
-                                        t.global_batch(world))
-        check_instruction_format(exp, indexes["pairs"])
-    return replace(prepared, indexes=indexes, validation=validation, holdout=holdout, mixture=plan,
-                   notes=prepared.notes + (tuple(notes) if rank == 0 else ()))
-
-
-def check_instruction_format(exp: ExperimentConfig, index: DatasetIndex) -> None:
-    """The supervised objective records the instruction format its export applies to queries: it must be the one
-    data prep joined the shards' instructions with."""
-    built = index.pairs["instruction_format"]
-    for i, phase in enumerate(exp.phases):
-        for j, o in enumerate(phase.objectives):
-            if getattr(o, "instruction_format", built) != built:
-                raise ConfigError(f"phases[{i}].objectives[{j}].instruction_format: {o.instruction_format!r}, but "
-                                  f"data.pair_shards {index.directory} joined its instructions with {built!r}; set "
-                                  f"it to {built!r} (or rebuild the shards with --instruction-format)")
-
-
-def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer, packed: DatasetIndex,
-                   holdout: Holdout) -> ValidationSamples | None:
-    """The validation samples: the first ``eval.samples`` of ``eval.shards``, or of ``holdout``, the last
-    ``eval.holdout`` of each source of ``data.shards`` (``pipeline.data.loading.holdout``). Training stops short of a holdout
-    even while ``eval.every`` is 0, so turning validation on at a resume does not change the training order."""
-    v = exp.eval
-    if not v.every:
-        return None
-    if v.shards:
-        index = _check_index(v.shards, "eval.shards", exp.data, tokenizer, exp.data.seq_len, "packed",
-                             ["validation"], 1)
-        if index.fingerprint == packed.fingerprint:
-            raise ConfigError(f"eval.shards: {v.shards} holds the samples of data.shards, all of which training "
-                              f"reads; point it at held-out shards, or hold samples out with eval.holdout")
-        available = index.num_samples
-    else:
-        index, available = packed, holdout.held_count
-    if v.samples > available:
-        raise ConfigError(f"eval.samples: {v.samples} samples to score, but {index.directory} holds out only "
-                          f"{available}; set eval.samples={available} (or 0: all of them), or hold out more")
-    count = v.samples or available
-    if v.shards:
-        return ValidationSamples(index, 0, count)
-    ids = holdout.scored(count)
-    if ids[-1] - ids[0] + 1 == count:  # one range: one source (its last samples), or all held out ones adjacent
-        return ValidationSamples(index, int(ids[0]), count)
-    return ValidationSamples(index, int(ids[0]), count, ids)
-
-
 @contextlib.contextmanager
-def preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool = False) -> Iterator[Prepared]:
+def preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool = False,
+              ds: dict | None = None) -> Iterator[Prepared]:
     """``with preflight(...) as prepared:`` the whole preflight in one process (rank 0 also builds missing shards),
     the run directory locked (on rank 0) until the block ends; raises the first failure."""
     with contextlib.ExitStack() as held:
-        prepared = check_setup(exp, rank, world, cuda, held)
+        prepared = local_preflight(exp, rank, world, cuda, ds)
         if rank == 0:
+            lock_run_dir(exp.run_dir, held)
             build_missing_shards(exp, prepared.tokenizer)
-        yield check_shards(exp, prepared, world, rank)
+        yield _with_shards(exp, prepared, world, rank)
 
 
-def code_digest() -> str:
-    """sha256 of the pipeline package's Python sources, in path order: what each rank runs."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    digest = hashlib.sha256()
-    for folder, dirs, files in sorted(os.walk(root)):
-        dirs.sort()
-        for name in sorted(f for f in files if f.endswith(".py")):
-            path = os.path.join(folder, name)
-            digest.update(os.path.relpath(path, root).encode())
-            with open(path, "rb") as f:
-                digest.update(f.read())
-    return digest.hexdigest()
-
-
-def _first_difference(a, b, key: str = "") -> str:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if a.get(k) != b.get(k):
-                return _first_difference(a.get(k), b.get(k), f"{key}.{k}" if key else k)
-    return f"{key or 'the experiment'}: {b!r} there, {a!r} on rank 0"
-
-
-def check_same_run(exp: ExperimentConfig, world: int) -> None:
-    """Every rank trains what rank 0 trains, with the same code: nodes that read other files (another checkout, a
-    stale copy of the experiment, other --set options) would otherwise train together on mismatched settings."""
-    import torch.distributed as dist
-
-    mine = (socket.gethostname(), code_digest(), to_dict(exp))
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
-    host0, code0, exp0 = everyone[0]
-    for r, (host, code, exp_r) in enumerate(everyone[1:], 1):
-        where = f"rank {r} on {host} runs"
-        if code != code0:
-            raise ConfigError(f"{where} other code than rank 0 on {host0} (pipeline/ differs); launch every node "
-                              f"from the same checkout")
-        if exp_r != exp0:
-            raise ConfigError(f"{where} another experiment than rank 0 on {host0}, "
-                              f"{_first_difference(exp0, exp_r)}; launch every node with the same --experiment file "
-                              f"and --set options")
-
-
-def _agreed(rank: int, world: int, stage: Callable[[], object], on_failure: Callable[[], None]):
-    """``stage()`` on every rank; when any rank fails, rank 0 prints the first failure once, no rank leaves before
-    it has (a rank's exit makes the launcher signal the others), and every rank raises :class:`PreflightFailed`."""
-    import torch.distributed as dist
-
-    result, failure = None, None
-    try:
-        result = stage()
-    except Exception as e:  # noqa: BLE001 - reported below, once
-        failure = ("config error" if isinstance(e, ConfigError) else "error", errors.one_line(e))
-    failures: list = [None] * world
-    dist.all_gather_object(failures, failure)
-    first = next((f for f in failures if f is not None), None)
-    if first is None:
-        return result
-    on_failure()
-    if rank == 0:
-        print(f"{first[0]}: {first[1]}", file=sys.stderr, flush=True)
-    dist.barrier()
-    raise PreflightFailed(first[1])
+def _given(local: Prepared | Exception) -> Prepared:
+    if isinstance(local, Exception):
+        raise local
+    return local
 
 
 def agreed_preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool, held: contextlib.ExitStack,
-                     on_failure: Callable[[], None] = lambda: None) -> Prepared | None:
-    """The stages of :func:`preflight` on every rank, agreed; None when any rank failed (rank 0 said why). Rank 0
-    holds the run directory's lock until ``held`` closes. ``on_failure`` runs on every rank before the report (the
+                     local: Prepared | Exception, on_failure: Callable[[], None] = lambda: None) -> Prepared | None:
+    """The rest of :func:`preflight` once the process group runs, each stage agreed by every rank: the same run
+    and code, each rank's :func:`local_preflight` (``local``: its result, or its failure, which rank 0 reports),
+    rank 0's lock of the run directory (until ``held`` closes), its build of missing shards, and their checks.
+    None when any rank failed (rank 0 said why). ``on_failure`` runs on every rank before the report (the
     trainer's stop request then holds signals)."""
     try:
-        _agreed(rank, world, lambda: check_same_run(exp, world), on_failure)
-        prepared = _agreed(rank, world, lambda: check_setup(exp, rank, world, cuda, held), on_failure)
-        _agreed(rank, world, lambda: build_missing_shards(exp, prepared.tokenizer) if rank == 0 else None,
-                on_failure)
-        return _agreed(rank, world, lambda: check_shards(exp, prepared, world, rank), on_failure)
+        agreed(rank, world, lambda: check_same_run(exp, world), on_failure)
+        prepared = agreed(rank, world, lambda: _given(local), on_failure)
+        notes = agreed(rank, world, lambda: lock_run_dir(exp.run_dir, held) if rank == 0 else [], on_failure)
+        agreed(rank, world, lambda: build_missing_shards(exp, prepared.tokenizer) if rank == 0 else None, on_failure)
+        prepared = agreed(rank, world, lambda: _with_shards(exp, prepared, world, rank), on_failure)
+        return replace(prepared, notes=(*notes, *prepared.notes))
     except PreflightFailed:
         return None

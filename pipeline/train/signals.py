@@ -65,6 +65,7 @@ class StopRequest:
         self._run_dir: str | None = None
         self._started = time.time()
         self._group = None  # the process group the ranks agree over (:meth:`agreed`)
+        self._closed = threading.Event()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         self._see_signals_in_c_calls()
@@ -88,19 +89,19 @@ class StopRequest:
         wakeup fd tells a thread of each signal at once; in start-up it exits the rank as the handler would."""
         read, write = os.pipe()
         os.set_blocking(write, False)
-        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._wakeup = (signal.set_wakeup_fd(write, warn_on_full_buffer=False), write)  # (the one before, ours)
         threading.Thread(target=self._wake, args=(read,), daemon=True, name="signal-wake").start()
 
     def _wake(self, fd: int) -> None:
         stops = {int(s) for s in STOP_SIGNALS}
-        while True:
-            for signum in os.read(fd, 64):
+        while data := os.read(fd, 64):  # b"": :meth:`close` closed the write end
+            for signum in data:
                 if signum in stops and self._stage == "start-up":
                     self._stop(signal.Signals(signum).name)
+        os.close(fd)
 
     def _watch(self, chain: list[tuple[int, int]], poll_s: float) -> None:
-        while True:
-            time.sleep(poll_s)
+        while not self._closed.wait(poll_s):
             for pid, parent in chain:
                 if _parent_of(pid) != parent:
                     self._stop(f"the launcher's exit (pid {parent})")
@@ -131,6 +132,15 @@ class StopRequest:
         )
 
         return first_other_failure(self._run_dir, self._started, wait_s=0.0)
+
+    def close(self) -> None:
+        """End the watching threads and give the wakeup fd back: the entry's ``main`` calls it as it returns, so it
+        can run in one process again and again (the tests' in-process checks) without a thread left per call. The
+        signal handlers stay: a signal until the exit is still this request's."""
+        self._closed.set()
+        before, ours = self._wakeup
+        if signal.set_wakeup_fd(before) == ours:
+            os.close(ours)
 
     def config_checked(self, run_dir: str) -> None:
         """The config is valid: a held signal stops the rank now, and later ones at once."""

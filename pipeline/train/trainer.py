@@ -1,18 +1,22 @@
 """The trainer: one run's state and the loop over its optimizer steps.
 
-:meth:`Trainer.build` sets a run up (shards, DeepSpeed engine with the LR schedule, run files, loaders, resume);
+:meth:`Trainer.build` sets a run up from preflight's hand-over (:class:`~pipeline.train.preflight.Prepared`: the
+model spec, the DeepSpeed config, each loader's spec, the resume point): the DeepSpeed engine with the LR schedule,
+run files, loaders, resume;
 :meth:`Trainer.fit` is the loop. Each collaborator has one job: :func:`~pipeline.train.step.train_step` the
 optimizer step, :class:`~pipeline.train.checkpoint.Checkpointer` resume and save of the engine and the
 :class:`~pipeline.train.state.TrainState` (steps, tokens, loader positions),
 :class:`~pipeline.train.metrics.MetricsLogger` metrics.jsonl, the trackers and the console line,
 :class:`~pipeline.train.guard.DivergenceGuard` bad steps, :class:`~pipeline.train.signals.StopRequest` the stop
-signal, :class:`~pipeline.train.validation.Validator` the held-out evaluation when due,
+signal, :class:`~pipeline.train.validation.Validator` the held-out evaluation when due and
+:class:`~pipeline.train.evaluators.TrainingEvaluators` the evaluation tasks beside it,
 :func:`~pipeline.train.export.export_engine` the HF export at the end.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import deepspeed
@@ -23,11 +27,13 @@ from pipeline.data.loading.loader import ShardLoader
 from pipeline.experiment import ExperimentConfig
 from pipeline.export.record import EncoderRecord
 from pipeline.model.flops import device_peak_tflops, work_flops
-from pipeline.model.rope import set_rope
+from pipeline.model.rope import rope_parameter_sets, set_rope
 from pipeline.run_dir import DataRecord, RunDir, tag
 from pipeline.train.checkpoint import Checkpointer
-from pipeline.train.ds_config import resolve_ds_config, sharding_note
-from pipeline.train.export import export_engine
+from pipeline.train.ds_config import sharding_note
+from pipeline.train.evaluators import TrainingEvaluators
+from pipeline.train.export import export_best, export_engine
+from pipeline.train.fit_summary import BestExport, FitSummary
 from pipeline.train.guard import DivergenceGuard
 from pipeline.train.metrics import MetricsLogger, Throughput
 from pipeline.train.module import build_engine, parameter_line
@@ -61,7 +67,7 @@ class Trainer:
     engine: deepspeed.DeepSpeedEngine
     lm: torch.nn.Module  # the HF model inside the engine
     tokenizer: object
-    objectives: list[list[WeightedObjective]]  # per phase
+    objectives: Sequence[Sequence[WeightedObjective]]  # per phase
     record: EncoderRecord  # what the HF export says of how to read the model
     state: TrainState  # what a checkpoint carries besides the engine: steps, tokens, the loaders
     checkpoints: Checkpointer
@@ -71,20 +77,19 @@ class Trainer:
     stop: StopRequest
     device: torch.device
     validator: Validator | None = None  # None without eval.every
+    evaluators: TrainingEvaluators | None = None  # None without eval.evaluators
     rope_phase: int = field(init=False, default=-1)  # the phase whose RoPE settings the model holds (-1: the start's)
 
     @classmethod
-    def build(cls, exp: ExperimentConfig, ds_raw: dict, prepared: Prepared, stop: StopRequest,
-              device: torch.device) -> Trainer:
-        """Set the run up from what :func:`pipeline.train.preflight.agreed_preflight` checked (it checks nothing
-        again) and resume it when it has a checkpoint."""
+    def build(cls, exp: ExperimentConfig, prepared: Prepared, stop: StopRequest, device: torch.device) -> Trainer:
+        """Set the run up from what :func:`pipeline.train.preflight.agreed_preflight` checked and decided (it checks
+        nothing again) and resume it from the checkpoint preflight found."""
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(exp.train.seed)
         tokenizer, objectives, index = prepared.tokenizer, prepared.objectives, prepared.indexes["packed"]
-        ds = resolve_ds_config(ds_raw, exp, world, prepared.bf16)
-        lm, engine = build_engine(exp, ds, tokenizer, prepared.bf16, [o.objective for p in objectives for o in p],
-                                  attn_implementation=prepared.attn_implementation, fused=prepared.fused,
-                                  start_config=prepared.start_config)
+        ds = prepared.ds_config()
+        lm, engine = build_engine(exp, ds, prepared.model, [o.objective for p in objectives for o in p],
+                                  fused=prepared.fused, router_aux_coef=prepared.router_aux_coef)
         if rank == 0:
             print(f"model {exp.model.init}: {parameter_line(engine.module)}", flush=True)
             note = sharding_note(ds, world, device.type == "cuda")
@@ -95,21 +100,28 @@ class Trainer:
                                                                        index.num_samples, index.num_tokens))
         if rank == 0:
             run.write_run_files(files)
-        loaders = _open_loaders(exp, prepared, rank, world, device.type == "cuda")
+        t, pin = exp.train, device.type == "cuda"
+        loaders = {name: ShardLoader(s.index, s.micro_batch, t.grad_accum, rank, world, t.seed, exp.data.num_workers,
+                                     pin_memory=pin, verify=exp.data.verify_shards, mixture=s.mixture, plan=s.plan,
+                                     holdout=s.holdout, warmup=s.warmup)
+                   for name, s in prepared.loaders.items()}
         v = exp.eval
-        validator = Validator(v, prepared.validation, prepared.probes,
+        validator = Validator(v, prepared.validation, list(prepared.probes),
                               v.micro_batch or exp.train.micro_batch, exp.data.verify_shards) if v.every else None
-        checkpoints = Checkpointer(engine, run, exp.checkpoint, files)
+        evaluators = (TrainingEvaluators.build(v.evaluators, tokenizer, prepared.record, exp.run_dir)
+                      if v.evaluators else None)
+        checkpoints = Checkpointer(engine, run, exp.checkpoint, files,
+                                   exp.keep_best_mode() if exp.checkpoint.keep_best else "max")
         state = TrainState(loaders, source_tokens=dict.fromkeys(index.sources if len(index.sources) > 1 else (), 0))
-        if checkpoints.resume(state) and rank == 0:
+        if checkpoints.resume(state, prepared.resume, prepared.half_written) and rank == 0:
             print(f"resumed from {tag(state.step)} ({state.tokens_seen:,} tokens seen)")
         return cls(exp, engine, lm, tokenizer, objectives, prepared.record, state, checkpoints,
                    MetricsLogger(run, rank == 0, exp.train.log_every, start_step=state.step, exp=exp),
                    Throughput(device_peak_tflops(exp.train.peak_tflops), world),
                    DivergenceGuard(exp.train.max_bad_steps, skipped_before=engine.skipped_steps), stop, device,
-                   validator)
+                   validator, evaluators)
 
-    def fit(self) -> dict:
+    def fit(self) -> FitSummary:
         """Train to ``train.steps``, or until a stop; returns the summary."""
         self.stop.training_started()
         started = time.time()
@@ -130,7 +142,8 @@ class Trainer:
             state.advance(tokens)
             host = (mask_ratios | {"batch/tokens": tokens}  # the step's numbers the host already has
                     | {f"batch/samples/{kind}": world * sum(len(b.keys) for b in bs) for kind, bs in batches.items()}
-                    | ({"progress/seq_len": batches["packed"][0].input_ids.shape[1]} if "packed" in batches else {}))
+                    | ({"progress/seq_len": batches["packed"][0].input_ids.shape[1]} if "packed" in batches else {})
+                    | {"model/rope_theta": rope_parameter_sets(self.lm.config)[0]["rope_theta"]})
             if unread is not None:  # the previous step, read while this one runs; its time: from start to start
                 self._log(unread, self._scalars(unread, t0 - unread.started))
             unread = _Unread(state.step, phase_idx, phase.name, result, tokens, t0, t_data,
@@ -141,8 +154,12 @@ class Trainer:
                 scalars = self._scalars(unread)  # and a validation's numbers join its record
                 if validating:
                     scalars |= self.validator.run(self.engine, self.objectives[phase_idx], self.device)
+                    if self.evaluators is not None:
+                        scalars |= self.evaluators.run(self.engine, self.lm, state.step, self.device)
                 self._log(unread, scalars)
                 unread = None
+                if validating and self.guard.healthy:  # before the step's checkpoint, which spares the best
+                    self.checkpoints.observe(state.step, scalars)
             if self._checkpoint_or_stop(signalled, stopping, due):
                 break
         return self._finish(started)
@@ -217,38 +234,26 @@ class Trainer:
                   flush=True)
         return stopping
 
-    def _finish(self, started: float) -> dict:
+    def _finish(self, started: float) -> FitSummary:
         """The last checkpoint, the HF export of a finished healthy run, the summary; the loaders closed."""
         state = self.state
         if self.checkpoints.last_saved != state.step and self.guard.healthy:
             self.checkpoints.save(state)
         self.checkpoints.wait()
-        summary = {"steps": state.step, "tokens_seen": state.tokens_seen,
-                   "elapsed_s": round(time.time() - started, 1), "run_dir": self.exp.run_dir}
-        if state.step == self.exp.train.steps and self.exp.train.export_hf and self.guard.healthy:
-            summary["hf_export"] = export_engine(self.engine, self.lm, self.tokenizer, RunDir(self.exp.run_dir).hf,
-                                                 self.record, self.exp, state.step, state.tokens_seen)
-        self.metrics.close(summary)
+        elapsed_s = round(time.time() - started, 1)  # the loop's time, without the exports
+        finished = state.step == self.exp.train.steps and self.guard.healthy
+        hf_export = None
+        if finished and self.exp.train.export_hf:
+            hf_export = export_engine(self.engine, self.lm, self.tokenizer, RunDir(self.exp.run_dir).hf, self.record,
+                                      self.exp, state.step, state.tokens_seen)
+        best = self.checkpoints.best
+        best_export = None
+        if finished and best is not None:
+            best_export = BestExport(self.exp.checkpoint.keep_best, best.step, best.value,
+                                     export_best(RunDir(self.exp.run_dir), best.step))
+        summary = self.metrics.close(FitSummary(state.step, state.tokens_seen, elapsed_s, self.exp.run_dir, hf_export,
+                                                best_export))
         for loader in state.loaders.values():
             loader.close()
         return summary
 
-
-def _open_loaders(exp: ExperimentConfig, prepared: Prepared, rank: int, world: int,
-                  pin: bool) -> dict[str, ShardLoader]:
-    """A loader per shard kind: the packed shards (short of the held-out samples, in ``data.mixture`` when set),
-    the sentence units or pairs when an objective reads them, and each phase's own shards (all of them, one
-    permutation).
-    The batch warmup lies in the first phase (the config says so), so it warms up the loaders that phase reads,
-    which count its steps as the optimizer does."""
-    t, d = exp.train, exp.data
-    micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch, "pairs": t.micro_batch}
-    micro |= {pd.loader: pd.micro_batch for pd in exp.phases_data}
-    holdout, plan = {"packed": prepared.holdout}, {"packed": prepared.mixture}
-    mixture = {"packed": d.source_mixture.ratios}
-    first = exp.phases_data[0].loader
-    warmed = {first if o.objective.shard_kind == "packed" else o.objective.shard_kind for o in prepared.objectives[0]}
-    return {name: ShardLoader(index, micro[name], t.grad_accum, rank, world, t.seed, d.num_workers, pin_memory=pin,
-                              verify=d.verify_shards, mixture=mixture.get(name), plan=plan.get(name),
-                              holdout=holdout.get(name), warmup=prepared.warmup if name in warmed else None)
-            for name, index in prepared.indexes.items()}

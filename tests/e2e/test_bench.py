@@ -195,8 +195,8 @@ def test_gpu_ablation_dry_run_and_the_training_log_agree_on_flops(tmp_path):
 
 def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path, capsys):
     """Levers come from other branches: an unknown override or DeepSpeed JSON is that row's config error, found
-    before a process starts; the best row combines the fastest measured settings; the planner's 7b row on an
-    H200 is launch/plan.py's, its estimate beside it."""
+    before a process starts; the best row combines the fastest measured settings; the planner's 7b row for the GPU
+    present (here none: an H100's 80 GiB) is launch/plan.py's, its estimate beside it."""
     data = attribute.Data(str(tmp_path / "shards"), str(tmp_path / "tokenizer"))
     base = ablate.DRY.base
     assert ablate.config_error(base, data) == ""
@@ -205,9 +205,10 @@ def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path, 
     assert "ds_configs/zero9.json does not exist" in ablate.config_error(
         dataclasses.replace(base, ds_config="ds_configs/zero9.json"), data)
 
-    rows = ablate.lever_rows(ablate.FULL)
-    assert {r.group for r in rows} == {"baseline", "engine", "attention", "compile", "checkpointing", "batch",
-                                       "deepcompile"}
+    first, rest = ablate.lever_rows(ablate.FULL)
+    rows = first + rest
+    assert [r.group for r in first] == ["baseline", "attention", "compile", "engine", "batch"]  # by value
+    assert {r.group for r in rest} == {"engine", "attention", "checkpointing", "batch", "deepcompile"}
     batch = [r.config for r in rows if r.group == "batch"]
     assert all(c.micro_batch * c.grad_accum * c.seq_len >= 65536 for c in batch)
     speed = {"baseline": 1.0, "ds_configs/zero3.json": 0.8, "ds_configs/zero1.json": 1.3, "varlen": 1.5,
@@ -221,11 +222,77 @@ def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path, 
     assert best.config.grad_accum == batch[0].grad_accum
 
     planner = ablate.planner_row(ablate.FULL)  # what launch/plan.py says for the same GPU, model and batch
-    assert planner.config.preset == "7b" and planner.config.overrides == ("model.activation_checkpointing=true",)
-    assert 0 < planner.estimate_gib <= 141
-    assert plan_cli.main(["--model", "7b", "--nodes", "1", "--gpus-per-node", "1", "--gpu", "h200", "--micro-batch",
-                          "1", "--seq-len", str(ablate.FULL.base.seq_len), "--checkpointing", "full"]) == 0
+    assert planner.config.preset == "7b" and planner.setting.startswith("planner (h100)")
+    assert 0 < planner.estimate_gib <= 80
+    assert plan_cli.main(["--model", "7b", "--nodes", "1", "--gpus-per-node", "1", "--gpu", "h100", "--micro-batch",
+                          "1", "--seq-len", str(ablate.FULL.base.seq_len), "--checkpointing", "full"]
+                         + (["--offload"] if "offload" in planner.config.ds_config else [])) == 0
     assert f"({planner.config.ds_config})" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_gpu_run_dry_run_smokes_then_plans_and_ablates(tmp_path):
+    """bench/gpu/run.sh OUT --dry-run on the CPU: the smoke test's CPU form first (each check a line; the CUDA ones
+    skip), then the ablation's: the GPU plan with each row's expected seconds against the budget, and its best row
+    run; nothing of the user's command. ~80 s on a quiet machine."""
+    out = tmp_path / "out"
+    proc = subprocess.run([os.path.join(REPO, "bench", "gpu", "run.sh"), str(out), "--dry-run", "--rows", "best",
+                           "--data", str(tmp_path / "data")], capture_output=True, text=True, timeout=900, cwd=REPO,
+                          env={**os.environ, "PYTHON": sys.executable, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    smoke = [line for line in proc.stdout.splitlines() if line.startswith("smoke ")]
+    assert [line.split(":")[0] for line in smoke] == [f"smoke {name}" for name, *_ in smoke_checks()]
+    assert all(": pass," in line or ": skip," in line for line in smoke), smoke
+    assert "smoke varlen-causal: skip" in proc.stdout and "smoke zero3: pass" in proc.stdout
+    assert proc.stdout.index("smoke: ") < proc.stdout.index("plan (expected seconds")
+    plan = proc.stdout[proc.stdout.index("plan (expected seconds"):].splitlines()
+    assert any(line.startswith("  best ") for line in plan) and any(line.startswith("  7b ") for line in plan)
+    assert "| best | the baseline | tiny |" in proc.stdout and not (out / "user-run.log").exists()
+    log = (out / "smoke.log").read_text()
+    assert all(line in log for line in smoke) and f"smoke: {len(smoke)} of {len(smoke)} passed or skipped" in log
+
+
+def test_the_bench_processes_rewrite_the_arch_list(monkeypatch):
+    """The bench's processes (``_single_process_env``: attribute.py, ablate.py's rows, smoke.py) give DeepSpeed's
+    op builds (DeepCompile's, FusedAdam's) the arch list they can read, as the trainer's start does: ``9.0a`` -> ``9.0``."""
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # recorded, so undone after the test, unlike delenv of an absent key
+        monkeypatch.delenv(key)
+    _bench_module("bench_gpu")._single_process_env()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
+
+
+def smoke_checks():
+    sys.path.insert(0, os.path.dirname(BENCH_GPU))
+    return importlib.import_module("smoke").CHECKS
+
+
+def test_ablation_rows_are_what_they_say_on_cuda(tmp_path):
+    """Each row's real overrides, resolved as the trainer would on a bf16 CUDA run: the baseline is eager and SDPA
+    (``model.compile`` auto would compile it), the compile row alone compiles among the first rows, the varlen row
+    runs varlen; the plan's first rows and ``best`` fit the default budget (the rest run when it grows)."""
+    from pipeline.experiment import load_experiment
+    from pipeline.train.compiling import body_compiles
+    from pipeline.train.ds_config import load_ds_config, resolve_ds_config
+    from pipeline.train.kernels import attn_implementation
+
+    data = attribute.Data(str(tmp_path / "shards"), str(tmp_path / "tokenizer"))
+    first, rest = ablate.lever_rows(ablate.FULL)
+    resolved = {}
+    for r in first + rest:
+        exp = load_experiment(None, attribute.experiment_overrides(r.config, data, str(tmp_path / "run")))
+        ds = resolve_ds_config(load_ds_config(os.path.join(REPO, r.config.ds_config)), exp, 1, True)
+        resolved[(r.group, r.setting)] = (body_compiles(exp, ds, cuda=True), attn_implementation(exp.model, True))
+    assert resolved[("baseline", first[0].setting)] == (False, "sdpa")
+    assert resolved[("attention", "varlen")] == (False, "pipeline_varlen")
+    assert resolved[("compile", "true")] == (True, "sdpa")
+    assert [compiled for compiled, _ in (resolved[(r.group, r.setting)] for r in first)] == [
+        False, False, True, False, False]
+    planned = [(r, False) for r in first] + [(ablate.best_row([], ablate.FULL.base), True)]
+    lines = ablate.plan_lines(planned, ablate.FULL)
+    assert len(lines) == 1 + len(planned) and not any("past the budget" in line for line in lines)
+    assert "compile 70" in next(line for line in lines if line.startswith("  compile true"))
 
 
 def test_attribution_of_a_cuda_trace():

@@ -17,6 +17,8 @@ from PIL import Image
 from test_eval_tasks import make_data_dir
 from test_train_e2e import launch
 
+from pipeline.constraints import lock_identity
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
 SMOKE = ["train.steps=6", "optim.warmup_steps=1", "optim.decay_steps=2", "checkpoint.every=6", "train.log_every=2"]
 GRID = {  # name -> phases: the MLM-vs-CLM axes (CLM share, masking ratio)
@@ -88,6 +90,7 @@ def test_evaluate_then_report_on_a_smoke_run(tmp_path):
     assert set(results["headline"]) >= {"ppl", "mlm_acc", "sts_avg", "sts/stsb"}
     assert results["results"]["repetition"]["datasets"]["roc"]["continuations"] == 4
     assert results["environment"]["cpu"].endswith(f"({torch.backends.cpu.get_cpu_capability()})")  # which kernels
+    assert results["environment"]["lock"] == lock_identity()  # which versions: the lock, and where they departed
 
     text = report([run_dir], str(tmp_path / "report"))
     assert "| clm50-mlm40 | clm -> mlm | tiny | 6 | 0.50 | 0.4 |" in text

@@ -43,28 +43,31 @@ from pipeline.config import ConfigError
 from pipeline.data.format.index import (
     MANIFEST,
     ShardInfo,
+    check_shard_sizes,
     job_manifest_name,
     load_index,
     settings_fingerprint,
+    verify_shard_hash,
 )
-from pipeline.data.loading.loader import ShardCorrupt, ShardLoader, check_shard_sizes, verify_shard_hash
+from pipeline.data.format.tar_shard import ShardCorrupt
+from pipeline.data.loading.loader import ShardLoader
 from pipeline.data.loading.order import TrainOrder
 from pipeline.data.prep.manifest import write_json_atomic
 from pipeline.experiment import SAMPLE_DIR, ExperimentConfig, load_experiment
 from pipeline.lock import DirLock
 from pipeline.run_dir import RunDir
-from pipeline.train import preflight as preflight_module
+from pipeline.train import agreement
+from pipeline.train.agreement import check_same_run
+from pipeline.train.deepspeed_ops import arch_list_for_deepspeed, deepspeed_arch_list
 from pipeline.train.distributed import (
     CPU_COMM_OP,
-    arch_list_for_deepspeed,
-    deepspeed_arch_list,
     say_if_building_cpu_op,
     stale_build_locks,
     warn_stale_build_locks,
 )
 from pipeline.train.guard import Diverged, DivergenceGuard
 from pipeline.train.metrics import MetricsLogger
-from pipeline.train.preflight import check_same_run, preflight
+from pipeline.train.preflight import preflight
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 INPUT = os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")
@@ -178,7 +181,7 @@ def test_a_checkpoint_of_every_zero_stage_exports_the_trained_weights(shards, tm
         assert torch.equal(offline[name], weight), name
     for d in (out, os.path.join(run, "hf")):  # the model card of a CLM run (an encoder's: tests/unit/export/test_export.py)
         meta = yaml.safe_load(open(os.path.join(d, "README.md")).read().split("---\n")[1])
-        assert meta == {"library_name": "transformers", "pipeline_tag": "text-generation",
+        assert meta == {"library_name": "transformers", "license": "apache-2.0", "pipeline_tag": "text-generation",
                         "tags": ["decoder-encoders", "clm"]}, d
 
 
@@ -227,7 +230,7 @@ def _same_run_rank(rank: int, rdzv: dict, out_dir: str) -> None:
     for case in ("same", "lr", "code"):
         exp = load_experiment(None, ["optim.lr=0.01"] if case == "lr" and rank == 1 else [])
         if case == "code" and rank == 1:  # as if this node ran another checkout
-            preflight_module.code_digest = lambda: "another checkout"
+            agreement.code_digest = lambda: "another checkout"
         try:
             check_same_run(exp, world)
             results.append("ok")
@@ -619,7 +622,7 @@ def test_signal_to_the_deepspeed_command_checkpoints_every_rank(shards, tmp_path
     if sig == signal.SIGTERM:
         refused = run_train(run_dir, shards, "train.steps=400", "checkpoint.every=1000", nproc=1)
         line = one_error(refused, "config error")
-        assert "checkpoint.allow_global_batch_change: " in line and "set train.grad_accum=2 to keep it" in line
+        assert "checkpoint.allow_global_batch_change: " in line and "train.grad_accum=2 to keep it" in line
 
 
 def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:

@@ -2,7 +2,7 @@
 for this Python, and run.sh installs exactly them (install.sh: no index, no pip configuration) into an environment
 that lacks them as the lent GPU's image does, checks the imports, prints the versions and starts ablate.py (its
 --help: tests/e2e/test_bench.py runs the benchmark itself). prepare.sh's default, the GPU's cp312 set, is fetched too.
-Needs PyPI; ~1 min."""
+Needs PyPI; ~1 min. And, at once, that the pins are the lock's versions (constraints.txt)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import urllib.request
 import pytest
 from helpers import canonical, venv_without
 
+from pipeline.constraints import GPU_PINS, LOCK, read_pins
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
 GPU = os.path.join(REPO, "bench", "gpu")
 # The lent GPU's image as this test models it: this venv less what the image lacks (the device tool's KINDS.md,
@@ -27,11 +29,13 @@ LACKING = ("deepspeed", "hjson", "pydantic", "pydantic-core", "annotated-types",
 NOT_NEEDED = ("decoder-encoders", "datasets", "mteb", "webdataset", "wids")
 
 
-def pins() -> dict[str, str]:
-    """bench/gpu/requirements.txt as {canonical name: version}."""
-    with open(os.path.join(GPU, "requirements.txt")) as f:
-        lines = [line.split("#")[0].strip() for line in f]
-    return {canonical(name): version for name, version in (line.split("==") for line in lines if line)}
+def test_the_gpus_pins_are_the_locks_versions():
+    """The GPU installs what the suite passed with: wherever the lock and requirements.txt both name a package
+    (DeepSpeed among them), one version; `make lock` rewrites both."""
+    pinned, locked = read_pins(GPU_PINS), read_pins(LOCK)
+    assert "deepspeed" in pinned.keys() & locked.keys()
+    assert {name: (version, locked[name]) for name, version in pinned.items()
+            if name in locked and locked[name] != version} == {}
 
 
 def pypi_reachable() -> bool:
@@ -64,7 +68,7 @@ def prepare(out, *args) -> dict[str, tuple[str, str]]:
 def test_prepared_wheels_install_offline_and_import_the_pipeline(tmp_path):
     if not pypi_reachable():
         pytest.skip("prepare.sh needs PyPI (https://pypi.org unreachable)")
-    pinned = pins()
+    pinned = read_pins(GPU_PINS)
     # the GPU's set (prepare.sh's default): one wheel a pin, for CPython 3.12 on x86-64 or pure Python
     gpu = prepare(tmp_path / "gpu-wheels")
     assert {name: version for name, (version, _) in gpu.items()} == pinned

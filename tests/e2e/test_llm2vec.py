@@ -26,8 +26,7 @@ from pipeline.experiment import load_experiment
 from pipeline.export.record import EncoderRecord, read_record
 from pipeline.objectives import SimCSE, make_objective
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train.module import build_train_model
-from pipeline.train.preflight import preflight
+from pipeline.train.preflight import check_model, preflight
 
 EXPERIMENTS = os.path.join(REPO, "experiments", "llm2vec")
 GPUS = 8  # the full experiments' batch sizes are per GPU for 8 GPUs
@@ -156,7 +155,7 @@ def check_mntp_export(run: str, tmp_path) -> None:
 
 def test_bad_input_is_refused_by_the_trainer(data, tmp_path):
     """The trainer's own steps, in process: checking the data sources before start-up (SimCSE pointed at packed
-    shards) and building the model (an MNTP export that does not exist, or a checkpoint of another architecture)."""
+    shards) and the model (an MNTP export that does not exist, or a checkpoint of another architecture), both in preflight."""
     packed, units = data
     exp = experiment("simcse-smoke.yaml", f"data.shards={units}", f"data.unit_shards={packed}",
                      f"run_dir={tmp_path / 'run'}", "model.init=tiny")
@@ -168,11 +167,9 @@ def test_bad_input_is_refused_by_the_trainer(data, tmp_path):
     no_zero = {"zero_optimization": {"stage": 0}}
     missing = str(tmp_path / "no-such-mntp-run" / "hf")
     with pytest.raises(ValueError, match=rf"no such directory {missing!r}; the model must be one of the presets"):
-        build_train_model(experiment("simcse-smoke.yaml", f"model.init={missing}"), no_zero, tokenizer, False,
-                          attn_implementation="sdpa", fused="none")
+        check_model(experiment("simcse-smoke.yaml", f"model.init={missing}"), tokenizer, no_zero, cuda=False)
     other = tmp_path / "gpt2"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": tokenizer.info.vocab_size}))
     with pytest.raises(ValueError, match="config.json: model_type 'gpt2' is not supported; supported architectures"):
-        build_train_model(experiment("simcse-smoke.yaml", f"model.init={other}"), no_zero, tokenizer, False,
-                          attn_implementation="sdpa", fused="none")
+        check_model(experiment("simcse-smoke.yaml", f"model.init={other}"), tokenizer, no_zero, cuda=False)

@@ -21,7 +21,7 @@ from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import load_experiment
 from pipeline.model.attention import VARLEN
 from pipeline.tokenizer import load_tokenizer
-from pipeline.train.module import attn_implementation
+from pipeline.train.kernels import attn_implementation
 from pipeline.train.phases import build_objectives
 
 EXPERIMENTS = os.path.join(REPO, "experiments", "magnet")

@@ -20,7 +20,7 @@ from pipeline.data.format.index import load_index
 from pipeline.data.loading.loader import iter_eval
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.objectives import ObjectiveConfig, make_objective
 from pipeline.tokenizer import load_tokenizer
 
@@ -67,7 +67,7 @@ def assert_generates(text: str) -> None:
 def heldout_loss(model_dir: str, shards: str, objective: str, **masking) -> float:
     """Mean loss of ``objective`` on every held-out sample (no dropout)."""
     tok = load_tokenizer(model_dir)
-    model = build_model(model_dir, tok.info.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id).eval()
+    model = build_model(model_spec(model_dir, tok.info.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)).eval()
     obj = make_objective(from_tagged(ObjectiveConfig, {"name": objective, **masking}), tok)
     total = count = 0.0
     with torch.no_grad():
@@ -91,7 +91,7 @@ def test_import_writes_a_plain_hf_directory(smollm2, tmp_path):
     tok = load_tokenizer(smollm2)
     assert (tok.info.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (49152, 1, 2, 2)
     assert tok.hf.get_vocab()["_"] == 79  # LLM2Vec's mask token is an ordinary token here
-    model = build_model(smollm2, tok.info.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+    model = build_model(model_spec(smollm2, tok.info.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id))
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
     assert greedy(smollm2, tokens=4).lstrip().startswith("Paris")  # a real model, not random weights
     for args, message in ((["--gguf", str(tmp_path / "none.gguf")], "none.gguf: no such file"),

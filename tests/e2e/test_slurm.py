@@ -205,3 +205,17 @@ def test_train_sbatch_refuses_a_job_without_a_gpu_count_or_cpus(env, message):
     proc = subprocess.run(["bash", TRAIN], env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.e2e
+def test_train_sbatch_checks_the_run_before_srun(tmp_path):
+    """launch/train.py --check runs first on the batch node: a bad job ends with its one line and exit 2 before
+    the script asks SLURM for anything (no scontrol, no srun here, so the check is the only thing that can run)."""
+    env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "DS_ACCELERATOR": "cpu", "GPUS_PER_NODE": "2",
+           "SLURM_CPUS_ON_NODE": "4", "SLURM_NNODES": "1", "SLURM_SUBMIT_DIR": REPO, "SLURM_JOB_ID": "1"}
+    proc = subprocess.run(["bash", TRAIN, "--set", f"run_dir={tmp_path / 'run'}", "--set", "train.steps=0"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
+        "config error: train.steps: 0 is out of range; it must be >= 1"], proc.stderr[-3000:]
+    assert "scontrol" not in proc.stderr and not (tmp_path / "run").exists()

@@ -22,7 +22,7 @@ from helpers import ZERO3, launch_training, logged_steps
 from pipeline.data.format.index import load_index
 from pipeline.data.loading.loader import ShardLoader
 from pipeline.experiment import SAMPLE_DIR, load_experiment
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.model.weight_decay import param_groups
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
@@ -71,8 +71,8 @@ def reference_losses(shards: str, init_dir: str, run_dir: str, *overrides: str) 
     unchunked LM head; ``overrides`` (a batch warmup) on top of this module's settings."""
     exp = load_experiment(None, [*COMMON, f"model.init={init_dir}", f"data.shards={shards}", *overrides])
     tok = load_tokenizer(TOKENIZER)
-    lm = build_model(init_dir, tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
-                     eos_token_id=tok.info.eos_id)
+    lm = build_model(model_spec(init_dir, tok.info.vocab_size, pad_token_id=tok.info.pad_id, bos_token_id=tok.info.bos_id,
+                     eos_token_id=tok.info.eos_id))
     model = TrainModule(lm)
     opt = torch.optim.AdamW(param_groups(model, exp.optim.weight_decay), lr=exp.optim.lr, betas=exp.optim.betas,
                             eps=exp.optim.eps)

@@ -1,5 +1,6 @@
-"""The house's import rule (docs/architecture.md): imports go down, so nothing outside pipeline/train/ imports
-pipeline.train, and the launch/ scripts only call a library ``main``."""
+"""The house's import rules (docs/architecture.md): imports go down the layer table below, pipeline's modules import
+one another in no cycle, and the launch/ scripts only call a library ``main``. Every import counts, function-local
+and ``TYPE_CHECKING`` ones too: each is an arrow between the modules."""
 
 from __future__ import annotations
 
@@ -11,25 +12,112 @@ import pytest
 from helpers import REPO, venv_without
 
 
-def imported_modules(path: str) -> set[str]:
-    tree = ast.parse(open(path).read(), path)
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-    return found
-
-
 def python_files(top: str) -> list[str]:
     return [os.path.join(d, f) for d, _, files in os.walk(os.path.join(REPO, top)) for f in files if f.endswith(".py")]
 
 
-def test_nothing_outside_the_trainer_imports_it():
-    climbing = {os.path.relpath(p, REPO): sorted(m for m in imported_modules(p) if m.startswith("pipeline.train"))
-                for p in python_files("pipeline") if "/pipeline/train/" not in p}
-    assert {p: m for p, m in climbing.items() if m} == {}
+def module_name(path: str) -> str:
+    return os.path.relpath(path, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+
+
+MODULES = {module_name(p): os.path.relpath(p, REPO) for p in python_files("pipeline")}  # dotted name -> file
+
+
+def imported_modules(path: str) -> set[str]:
+    """Every module ``path`` imports anywhere in it; ``from P import m`` of a pipeline module ``P.m`` is that
+    module, and a relative import is read from the importing module's package."""
+    name = module_name(path)
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[:len(package.split(".")) + 1 - node.level]) if node.level else ""
+            module = ".".join(p for p in (base, node.module) if p)
+            found |= {f"{module}.{a.name}" if f"{module}.{a.name}" in MODULES else module for a in node.names}
+    return found
+
+
+# The house, bottom row first. A module imports its own package and the packages of the rows below; never a row
+# above, nor a package beside its own on the same row (those two stand apart). A module lies in the longest package
+# here that holds it (pipeline.eval.report is pipeline.eval's); every module of pipeline/ lies in one.
+LAYERS = (
+    ("pipeline.io", "pipeline.lock", "pipeline.safe_load", "pipeline.constraints", "pipeline.tokenizer"),
+    ("pipeline.config", "pipeline.data.format"),  # the typed configs; the shard contract prep and training share
+    ("pipeline.data.loading", "pipeline.model"),  # what training reads shards with; the plain-PyTorch/HF model
+    ("pipeline.objectives", "pipeline.data.prep"),  # the losses; offline data prep (format/ and loading/ below it)
+    ("pipeline.experiment",),  # the experiment config everything above reads
+    ("pipeline.run_dir", "pipeline.inputs", "pipeline.grid"),
+    ("pipeline.export",),  # the HF directory
+    ("pipeline.eval", "pipeline.planner"),  # evaluation reads exports; the cluster planner
+    ("pipeline.sweep",),
+    ("pipeline.reproduce",),
+    ("pipeline.train",),  # the trainer, on top: nothing outside pipeline/train/ imports it
+)
+# arrows that climb the table and stay, each with why: (importing module, the package it imports) -> reason.
+# Neither test counts them.
+CLIMBING = {
+    ("pipeline.experiment", "pipeline.eval"):
+        "EvaluatorConfig.check parses eval.evaluators' options into each task's own options type (eval.registry's "
+        "TASKS) when an experiment loads; those types live beside their tasks",
+    ("pipeline.export.model_index", "pipeline.eval"):
+        "the card's model-index reads the run's results files (eval.results) through each task's headline "
+        "(eval.registry's TASKS), which an offline export of a checkpoint puts in its card",
+}
+ROW = {package: i for i, row in enumerate(LAYERS) for package in row}
+
+
+def package_of(module: str) -> str | None:
+    return max((p for p in ROW if module == p or module.startswith(p + ".")), key=len, default=None)
+
+
+def arrows() -> set[tuple[str, str]]:
+    """(importing module, imported pipeline module) of every import in pipeline/."""
+    return {(m, i) for m, path in MODULES.items() for i in imported_modules(os.path.join(REPO, path))
+            if i.split(".")[0] == "pipeline"}
+
+
+def test_imports_go_down_the_layer_table():
+    unplaced = [path for m, path in MODULES.items()
+                if package_of(m) is None and os.path.getsize(os.path.join(REPO, path))]  # not the empty parents
+    assert not unplaced, f"{unplaced}: place each module's package in LAYERS (tests/unit/test_imports.py)"
+    wrong = []
+    for m, i in sorted(arrows()):
+        mine, theirs = package_of(m), package_of(i)
+        if mine == theirs or (m, theirs) in CLIMBING or ROW[theirs] < ROW[mine]:
+            continue
+        rule = (f"{mine} (row {ROW[mine]}) imports no row above its own, and {theirs} is row {ROW[theirs]}"
+                if ROW[theirs] > ROW[mine] else f"{mine} and {theirs} stand apart on row {ROW[mine]}")
+        wrong.append(f"{MODULES[m]} imports {i}: {rule} (tests/unit/test_imports.py LAYERS)")
+    assert not wrong, "\n".join(wrong)
+    assert set(CLIMBING) <= {(m, package_of(i)) for m, i in arrows()}, "CLIMBING names an arrow that is gone"
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of ``graph`` (its modules, the first again at the end), or [] when it has none."""
+    done, path = set(), []
+
+    def visit(m: str) -> list[str]:
+        path.append(m)
+        for n in sorted(graph[m]):
+            if n in path:
+                return path[path.index(n):] + [n]
+            if n not in done and (cycle := visit(n)):
+                return cycle
+        done.add(path.pop())
+        return []
+
+    return next((cycle for m in sorted(graph) if m not in done and (cycle := visit(m))), [])
+
+
+def test_pipeline_modules_import_no_cycle():
+    graph = {m: set() for m in MODULES}
+    for m, i in arrows():
+        if i in MODULES and (m, package_of(i)) not in CLIMBING:
+            graph[m].add(i)
+    cycle = import_cycle(graph)
+    assert not cycle, "an import cycle: " + ", ".join(f"{MODULES[a]} imports {b}" for a, b in zip(cycle, cycle[1:]))
 
 
 def test_launch_scripts_parse_no_options_themselves():
@@ -104,13 +192,10 @@ def test_deepspeed_train_script_runs_from_a_checkout_that_is_not_installed(tmp_p
     assert proc.returncode == 0 and "deepspeed launch/train.py --config" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_training_reads_shards_without_data_prep():
-    """pipeline/data/ says by its folders what training reaches: format/ (the shard contract) and loading/ stand on
-    their own, and the trainer reaches prep/ only through preflight's build of missing shards."""
-    def prep_imports(top: str) -> dict[str, list[str]]:
-        found = {os.path.relpath(p, REPO): sorted(m for m in imported_modules(p) if m.startswith("pipeline.data.prep"))
-                 for p in python_files(top)}
-        return {p: m for p, m in found.items() if m}
-    assert prep_imports("pipeline/data/format") == prep_imports("pipeline/data/loading") == {}
-    assert set(prep_imports("pipeline/train")) <= {"pipeline/train/preflight.py"}
-    assert prep_imports("pipeline/objectives") == prep_imports("pipeline/model") == {}
+def test_training_reaches_data_prep_only_through_preflight_and_evaluation_not_at_all():
+    """The trainer builds missing shards in preflight (its shard checks) and reads them with format/ and loading/ alone (which the
+    layer table puts below prep/); evaluation reads no shards, and what it shares with prep (how a text is cut into
+    sentences) is format/."""
+    reaching = {MODULES[m] for m, i in arrows() if package_of(m) in ("pipeline.train", "pipeline.eval")
+                and package_of(i) == "pipeline.data.prep"}
+    assert reaching <= {"pipeline/train/shard_checks.py"}

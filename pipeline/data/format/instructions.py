@@ -1,15 +1,24 @@
 """The instructed text layout that data prep, supervised training, evaluation and the export share:
 an instruction joined to a text by ``--instruction-format`` (``"{instruction}: "``), tokenized as one
 string, pooled over the text alone (:func:`instructed_rows`), so training pools exactly what inference
-pools. The pairs samples themselves are built by ``prep/pairs.py``."""
+pools; and the special tokens around it (``LAYOUTS``, :func:`special_tokens`), which ``encode()`` reads with and
+the export's record and model card write down. The pairs samples themselves are built by ``prep/pairs.py``."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.tokenizer import Tokenizer
 
 DEFAULT_FORMAT = "{instruction}: "  # LLM2Vec's evaluation join ("...: text"); training and use share it here
+# the special tokens around a text: data prep's BOS text EOS; the tokenizer's own special tokens (what
+# ``tokenizer(text)`` adds: LLM2Vec's and sentence-transformers' layout); the text tokens alone
+LAYOUTS = ("bos_eos", "special", "text")
+PROBE = "probe text"  # what ``special`` tokenizes to find the tokenizer's own special tokens
 
 
 def check_format(fmt: str) -> None:
@@ -83,3 +92,22 @@ def instructed_rows(tok, texts: Sequence[str], prefixes: Sequence[str], max_leng
         raise ValueError(f"the instruction takes {len(head) + longest} of the {max_length} tokens allowed; shorten "
                          f"it or raise max_length")
     return [r[:3] for r in rows]
+
+
+def special_tokens(tokenizer: Tokenizer, layout: str) -> tuple[list[int], list[int]]:
+    """(ids before, ids after) the instruction and text under ``layout``; ``special`` asks the tokenizer what its
+    own call adds around a text (e.g. Llama: BOS; Qwen2: nothing)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if layout == "text":
+        return [], []
+    if layout == "bos_eos":
+        return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []), (
+            [tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    bare = tokenizer.hf(PROBE, add_special_tokens=False)["input_ids"]
+    full = tokenizer.hf(PROBE)["input_ids"]
+    start = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+    if start is None:
+        raise ValueError(f"tokenizer {tokenizer.path}: its own special tokens change the text's tokens, so layout "
+                         f"'special' cannot find the text in them; use layout 'bos_eos' or 'text'")
+    return full[:start], full[start + len(bare):]

@@ -79,7 +79,7 @@ class Sample:
         return {name: dtype for name, dtype in (FIELDS | OPTIONAL_FIELDS).items() if getattr(self, name) is not None}
 
     def validate(self, seq_len: int) -> None:
-        """Raise ValueError when arrays are out of bounds: checked by inspect_shards and the loader's first read."""
+        """Raise ValueError when arrays are out of bounds: checked by inspect_shards and the loader for every sample."""
         fields = self.fields()
         missing = [n for n in PLAN_FIELDS if n not in fields and self.pool_spans is None]
         if missing:
@@ -99,10 +99,11 @@ class Sample:
                 raise ValueError(f"sample {self.key}: {name} has an empty or out-of-bounds interval: {arr.tolist()}")
             if len(arr) > 1 and (arr[1:, 0] < arr[:-1, 1]).any():
                 raise ValueError(f"sample {self.key}: {name} intervals overlap or are unsorted: {arr.tolist()}")
-        seg = self.segments
-        for s, e in self.spans:
-            if not ((seg[:, 0] <= s) & (e <= seg[:, 1])).any():
-                raise ValueError(f"sample {self.key}: span [{s}, {e}) crosses a document boundary or padding")
+        seg, spans = self.segments, self.spans
+        inside = ((seg[None, :, 0] <= spans[:, None, 0]) & (spans[:, None, 1] <= seg[None, :, 1])).any(axis=1)
+        if not inside.all():
+            s, e = spans[int(np.argmin(inside))]
+            raise ValueError(f"sample {self.key}: span [{s}, {e}) crosses a document boundary or padding")
         if self.pool_spans is not None:
             self._validate_pairs()
 
@@ -176,19 +177,45 @@ def tar_end(size: int) -> bytes:
     return bytes(2 * tarfile.BLOCKSIZE + -size % tarfile.RECORDSIZE)
 
 
+def _load_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> np.ndarray:
+    """The array of one ``.npy`` member, of the dtype the format gives its field, with no byte left over."""
+    field = member.name.split(".")[1]
+    dtype = np.dtype((FIELDS | OPTIONAL_FIELDS)[field])
+    f = tar.extractfile(member)
+    if f is None:
+        raise ValueError(f"tar member {member.name!r} is not a regular file")
+    buf = io.BytesIO(f.read())
+    try:  # np.load's header parser raises SyntaxError and others on damaged text, not only ValueError
+        arr = np.load(buf, allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 - every way a damaged .npy fails is the same finding: this member
+        raise ValueError(f"tar member {member.name!r} is no readable .npy array ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())})") from None
+    if arr.dtype != dtype:
+        raise ValueError(f"tar member {member.name!r} has dtype {arr.dtype}, the format's is {dtype}")
+    if buf.tell() != len(buf.getbuffer()):
+        raise ValueError(f"tar member {member.name!r} holds {len(buf.getbuffer()) - buf.tell()} bytes after its array")
+    return arr
+
+
 def decode_members(blob: bytes) -> Sample:
-    """Decode the tar bytes of one sample (as located by the ``.idx.npy`` sidecar)."""
+    """Decode the tar bytes of one sample (as located by the ``.idx.npy`` sidecar): each member once, of a known
+    field and of its dtype; raises ValueError naming what is wrong."""
     arrays: dict[str, np.ndarray] = {}
     key = None
     with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
         for member in tar:
-            stem, field, ext = member.name.split(".")
-            if ext != "npy" or (field not in FIELDS and field not in OPTIONAL_FIELDS):
+            parts = member.name.split(".")
+            if len(parts) != 3 or parts[2] != "npy" or (parts[1] not in FIELDS and parts[1] not in OPTIONAL_FIELDS):
                 raise ValueError(f"unexpected tar member {member.name!r}")
+            stem, field, _ = parts
             key = stem if key is None else key
             if stem != key:
                 raise ValueError(f"members of two samples ({key}, {stem}) in one index entry")
-            arrays[field] = np.load(io.BytesIO(tar.extractfile(member).read()), allow_pickle=False)
+            if field in arrays:
+                raise ValueError(f"sample {key}: member {field} twice")
+            arrays[field] = _load_member(tar, member)
+    if key is None:
+        raise ValueError("no tar member at this index entry")
     missing = set(FIELDS) - set(arrays) - (set(PLAN_FIELDS) if "pool_spans" in arrays else set())
     if missing:
         raise ValueError(f"sample {key}: missing members {sorted(missing)}")

@@ -94,16 +94,37 @@ class ShardWriter:
                 os.remove(p)
 
 
+def load_sidecar(path: str) -> np.ndarray:
+    """The ``.idx.npy`` of the shard ``path``, checked against the tar (the manifest's sha256 covers only the
+    tar): an integer [n, 2] array of (offset, length) rows that tile the tar from byte 0, as the writer lays samples
+    back to back, and end before its two closing zero blocks. So every row locates the sample it was written for."""
+    sidecar = index_path(path)
+    try:
+        index = np.load(sidecar, allow_pickle=False)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{sidecar} is missing: the shard {path} has no index; "
+                                f"rebuild it with data_prep/build_shards.py") from e
+    except Exception as e:  # noqa: BLE001 - a damaged .npy fails in many ways (ValueError, EOFError, SyntaxError)
+        raise ShardCorrupt(f"{sidecar}: not a readable sample index ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())}); {SHARD_FIX}") from None
+    if index.dtype.kind not in "iu" or index.ndim != 2 or index.shape[1] != 2:
+        raise ShardCorrupt(f"{sidecar}: a sample index is an integer [n, 2] array, this is {index.dtype} "
+                           f"{list(index.shape)}; {SHARD_FIX}")
+    index = index.astype(np.int64)
+    ends = np.cumsum(index[:, 1])
+    if len(index) and ((index[:, 1] <= 0).any() or (index[:, 0] != ends - index[:, 1]).any()
+                       or ends[-1] > os.path.getsize(path) - 2 * tarfile.BLOCKSIZE):
+        raise ShardCorrupt(f"{sidecar}: its (offset, length) rows do not tile the samples of {path} (damaged, or "
+                           f"the sidecar of another shard); {SHARD_FIX}")
+    return index
+
+
 class ShardReader:
     """Random access to the samples of one shard through its index sidecar."""
 
     def __init__(self, path: str):
         self.path = path
-        try:
-            self.index = np.load(index_path(path), allow_pickle=False)
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"{index_path(path)} is missing: the shard {path} has no index; "
-                                    f"rebuild it with data_prep/build_shards.py") from e
+        self.index = load_sidecar(path)
         self._f = None
 
     def __len__(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -28,13 +28,27 @@ class Batch:
     # int64 [B] each row's source (its position in the shard directory's sorted sources), -1 on padding rows; None
     # when the directory has one source
     source_ids: torch.Tensor | None = None
+    # the batch this one was copied from on the host (``to``): what the objectives and the attention decide on
+    # without reading the device back (a read waits for everything queued there)
+    host: Batch | None = field(default=None, repr=False, compare=False)
 
     def _map(self, fn) -> Batch:
         return Batch(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
-                        for f in fields(self) if f.name != "keys"}, keys=self.keys)
+                        for f in fields(self) if f.name not in ("keys", "host")}, keys=self.keys)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        moved = self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        moved.host = self.on_host()
+        return moved
+
+    def on_host(self) -> Batch | None:
+        """The batch's values on the host: itself when it is there, else the copy it was moved from, else None."""
+        return self if self.doc_ids.device.type == "cpu" else self.host
+
+    def host_values(self) -> Batch:
+        """:meth:`on_host`, or, for a batch made on the device, its values read back (one read of the device)."""
+        host = self.on_host()
+        return host if host is not None else self.to("cpu")
 
     def pin_memory(self) -> Batch:
         """Called by DataLoader(pin_memory=True) so host-to-GPU copies can be asynchronous."""

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.data.format.index import DatasetIndex, ShardInfo
+from pipeline.data.format.index import DatasetIndex, verify_shard_hash
 from pipeline.data.format.sample import UNMASKABLE, Sample
-from pipeline.data.format.tar_shard import SHARD_FIX, ShardCorrupt, ShardReader, sha256_file, sha256_mismatch
+from pipeline.data.format.tar_shard import ShardCorrupt, ShardReader
 from pipeline.data.loading.batch import Batch, collate
 from pipeline.data.loading.holdout import Holdout
 from pipeline.data.loading.mixture import MixturePlan
@@ -29,83 +27,13 @@ from pipeline.data.loading.order import BatchWarmup, EvalOrder, MixtureOrder, Tr
 STATE_KEYS = ("fingerprint", "seed", "epoch", "samples_in_epoch", "samples_consumed", "global_batch")
 
 
-def check_compatible(index: DatasetIndex, tokenizer_fingerprint: str, seq_len: int) -> None:
-    """Refuse shards built with another tokenizer or sequence length than the experiment's."""
-    fix = ("rebuild the shards with data_prep/build_shards.py using the experiment's tokenizer and seq-len, "
-           "or point the experiment at a shard directory built with them")
-    built_with = index.tokenizer.get("fingerprint")
-    if built_with != tokenizer_fingerprint:
-        where = f" ({index.tokenizer_path})" if index.tokenizer_path else ""
-        raise ValueError(f"{index.directory}: shards were built with tokenizer{where} fingerprint {built_with!r}, the "
-                         f"experiment's tokenizer has {tokenizer_fingerprint!r}; {fix}")
-    if index.seq_len != seq_len:
-        raise ValueError(f"{index.directory}: shards have seq_len {index.seq_len}, the experiment uses {seq_len}; {fix}")
-
-
-def check_shard_kind(index: DatasetIndex, kind: str, setting: str, readers: list[str]) -> None:
-    """Refuse shards of another kind than the objectives ``readers`` read (``Objective.shard_kind``: "packed",
-    "units", "pairs"): ``setting`` names the config key that chose the directory."""
-    if kind == "pairs" and index.pairs is None:
-        raise ValueError(f"{setting} {index.directory} holds {'units' if index.units else 'packed samples'}, but "
-                         f"{', '.join(readers)} reads (query, positive, negatives) rows; build pairs shards with "
-                         f"data_prep/build_shards.py --pairs and set {setting} to them")
-    if kind != "pairs" and index.pairs is not None:
-        raise ValueError(f"{setting} {index.directory} holds (query, positive, negatives) rows (built with --pairs), "
-                         f"but {', '.join(readers)} reads {kind}; point {setting} at shards built without --pairs")
-    if kind == "units" and index.units is None:
-        raise ValueError(f"{setting} {index.directory} holds packed samples (several documents a sample), but "
-                         f"{', '.join(readers)} reads sentence units, one a sample; build unit shards with "
-                         f"data_prep/build_shards.py --units sentence and set {setting} to them")
-    if kind == "packed" and index.units is not None:
-        raise ValueError(f"{setting} {index.directory} holds {index.units} units (built with --units), but "
-                         f"{', '.join(readers)} reads packed samples; point {setting} at shards built without --units")
-
-
-def check_enough_samples(index: DatasetIndex, global_batch: int, num_samples: int | None = None) -> None:
-    """A loader yields whole global batches: a directory with fewer samples than one would yield nothing. Checked
-    once, before any loader is built (the trainer's preflight); :class:`ShardLoader` does not repeat it.
-    ``num_samples``: the samples training reads, when some are held out (default: all)."""
-    n = index.num_samples if num_samples is None else num_samples
-    if n < global_batch:
-        held = f", {n} of them for training ({index.num_samples - n} held out)" if n != index.num_samples else ""
-        raise ValueError(f"{index.directory} holds {index.num_samples} samples{held}, fewer than one global batch of "
-                         f"{global_batch}; use a smaller batch or build more data")
-
-
-def _shard_size(index: DatasetIndex, info: ShardInfo) -> int:
-    try:
-        return os.path.getsize(info.path) if index.store is None else index.store.size(info.path)
-    except FileNotFoundError:
-        raise ShardCorrupt(f"{info.path}: listed in the manifests of {index.directory} but missing; "
-                           f"{SHARD_FIX}") from None
-
-
-def check_shard_sizes(index: DatasetIndex) -> None:
-    """Every shard of ``index`` exists with the size its manifest records: one stat each (a HEAD request each at a
-    URL, 16 at a time), so it runs at start-up (a truncated copy or a missing file stops the run before training,
-    not hours into it)."""
-    with ThreadPoolExecutor(16 if index.store else 1) as pool:
-        sizes = list(pool.map(lambda info: _shard_size(index, info), index.shards))
-    for info, size in zip(index.shards, sizes):
-        if size != info.bytes:
-            raise ShardCorrupt(f"{info.path}: {size} bytes, the manifest records {info.bytes} (truncated or "
-                               f"overwritten); {SHARD_FIX}")
-
-
-def verify_shard_hash(info: ShardInfo) -> None:
-    """The shard's sha256 against its manifest: a flipped byte would otherwise train on changed data."""
-    found = sha256_file(info.path)
-    if found != info.sha256:
-        raise ShardCorrupt(sha256_mismatch(info.path, info.sha256, found))
-
-
 class _SampleReader:
     """Global sample id -> Sample. Keeps at most ``max_open`` shard readers (index + file handle), least recently
     used first out, so a corpus of many thousand shards stays within file-descriptor limits. With ``verify`` each
     shard's sha256 is checked when this process first opens it, and every sample's token ids against the
-    tokenizer's vocabulary. A shard of a directory at a URL is read from the local cache its ``index.store``
-    downloads it into, where it was hashed on the way in. Batches of a directory with several sources carry each
-    row's source id (its position in ``index.sources``)."""
+    tokenizer's vocabulary; every sample is validated whatever ``verify`` says. A shard of a directory at a URL is
+    read from the local cache its ``index.store`` downloads it into, where it was hashed on the way in. Batches of a
+    directory with several sources carry each row's source id (its position in ``index.sources``)."""
 
     def __init__(self, index: DatasetIndex, max_open: int, verify: bool = True):
         self.index = index
@@ -117,7 +45,6 @@ class _SampleReader:
         self.verify = verify
         self.vocab_size = index.tokenizer.get("vocab_size")
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
-        self._validated: set[int] = set()
         self._hashed: set[int] = set()
 
     def _reader(self, shard: int) -> ShardReader:
@@ -143,13 +70,11 @@ class _SampleReader:
         shard = int(np.searchsorted(self.starts, sample_id, side="right")) - 1
         reader = self._reader(shard)
         sample = reader[sample_id - int(self.starts[shard])]
-        if shard not in self._validated:  # one check per shard and process catches a wrong or mixed directory
-            try:
-                sample.validate(self.index.seq_len)
-            except ValueError as e:
-                raise ValueError(f"{reader.path}: {e}; check it with data_prep/inspect_shards.py and rebuild "
-                                 f"the shard") from e
-            self._validated.add(shard)
+        try:  # every sample (~5 % of its decoding): a shard's sha256 proves its bytes, not that they are samples
+            sample.validate(self.index.seq_len)
+        except ValueError as e:
+            raise ValueError(f"{reader.path}: {e}; check it with data_prep/inspect_shards.py and rebuild "
+                             f"the shard") from e
         if self.verify and self.vocab_size:
             self._check_ids(sample, reader.path, sample_id - int(self.starts[shard]))
         return sample
@@ -234,8 +159,8 @@ class ShardLoader:
     ``num_samples``): ``eval.holdout``'s split (``pipeline.data.loading.holdout``), training on its training samples only:
     the first ones of a directory of one source (as ``num_samples``), each source's first ones of several; the
     state then records each source's held-out count, and a resume with another split is refused. The directory
-    must hold one global batch of training samples: the caller checks that once (:func:`check_enough_samples`,
-    the trainer's preflight).
+    must hold one global batch of training samples: the caller checks that once
+    (:func:`~pipeline.data.format.index.check_enough_samples`, the trainer's preflight).
     """
 
     def __init__(self, index: DatasetIndex, micro_batch: int, grad_accum: int = 1, dp_rank: int = 0,

@@ -24,10 +24,10 @@ import errno
 import os
 import sys
 
+from pipeline.data.format.units import UNIT_MODES
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig, BuildError
 from pipeline.data.prep.sources import InputError
-from pipeline.data.prep.units import UNIT_MODES
 
 DEFAULT_UNIT_TOKENS = 128  # LLM2Vec's SimCSE max_seq_length
 DEFAULT_TEXT_TOKENS = 512  # LLM2Vec's supervised max_seq_length

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 from pipeline.data.format.instructions import DEFAULT_FORMAT, check_format, load_instructions
 from pipeline.data.format.sample import MAX_SEQ_LEN
+from pipeline.data.format.units import UNIT_MODES
 from pipeline.data.prep.packing import REMAINDER_POLICIES
 from pipeline.data.prep.pairs import PairsSettings
 from pipeline.data.prep.sources import SourceField, input_size
-from pipeline.data.prep.units import UNIT_MODES
 
 
 class BuildError(RuntimeError):

@@ -22,11 +22,12 @@ import numpy as np
 
 from pipeline.data.format.sample import Sample
 from pipeline.data.format.tar_shard import ShardWriter
+from pipeline.data.format.units import split_units
 from pipeline.data.prep.build_sample import PlanSettings, make_sample
 from pipeline.data.prep.packing import Packer
 from pipeline.data.prep.pairs import PairsSettings, default_task, pair_samples, parse_row
 from pipeline.data.prep.sources import RecordStats, SourceField, read_objects, read_records
-from pipeline.data.prep.units import split_units, unit_sample
+from pipeline.data.prep.units import unit_sample
 from pipeline.tokenizer import load_tokenizer
 
 ENCODE_BATCH_DOCS = 512

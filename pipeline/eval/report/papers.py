@@ -1,5 +1,6 @@
 """The papers' tables: which of our headline numbers fill each column, and the papers' own numbers (from the
-research notes, ``methods.md`` §1.6, §2.5, §3.6) for the variants and model scales they report.
+research notes, ``methods.md`` §1.6, §2.5, §3.6; LLM2Vec's Table 1 for its comparison with Echo) for the variants and
+model scales they report.
 
 A paper row is shown beside one of ours only where the scale matches: the same preset shape (210m / 610m / 1b for
 MLM-vs-CLM, whose numbers are after 42K steps of 2.4M tokens; 7b, i.e. Llama-2-7B, for LLM2Vec and MAGNET) and the
@@ -67,6 +68,20 @@ LLAMA2 = {
     "llm2vec": {**_row(STS_KEYS, (78.32, 71.77, 75.92)), **_row(REP_KEYS, (0.2044, 0.4747, 0.2945, 0.5243))},
     "magnet": {**_row(PROBE_KEYS, (92.64, 98.31, 93.34)), **_row(STS_KEYS, (82.88, 78.77, 79.36)),
                **_row(INFILL_KEYS, (9.52, 15.46)), **_row(REP_KEYS, (0.0151, 0.2047, 0.0737, 0.2573))},
+}
+
+
+# LLM2Vec's unsupervised MTEB table (BehnamGhader et al., arXiv 2404.05961v3 / COLM 2024, Table 1 "Unsupervised
+# results on MTEB", p. 6), its LLaMA-2-7B rows: category averages over MTEB's 15 retrieval, 11 clustering and 10 STS
+# sets. "uni" is its causal baseline "Uni + w. Mean" (weighted mean pooling), "echo" Echo embeddings run by LLM2Vec's
+# authors with the same model and instructions (its Appendix E.1).
+LLM2VEC_MTEB_CITATION = "LLM2Vec (arXiv 2404.05961v3), Table 1, p. 6"
+LLM2VEC_MTEB_CATEGORIES = {"retrieval": "MTEB retrieval, 15 sets", "clustering": "MTEB clustering, 11 sets",
+                           "sts": "MTEB STS, 10 sets"}
+LLM2VEC_MTEB = {
+    "uni": {"retrieval": 15.16, "clustering": 36.85, "sts": 63.42},
+    "llm2vec": {"retrieval": 36.75, "clustering": 40.83, "sts": 76.41},
+    "echo": {"retrieval": 16.16, "clustering": 34.25, "sts": 67.95},
 }
 
 

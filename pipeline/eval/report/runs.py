@@ -40,6 +40,8 @@ class RunSummary:
 def model_scale(run: RunDir, exp: ExperimentConfig) -> str:
     if exp.model.init in PRESETS:
         return exp.model.init
+    if exp.model.shape in PRESETS:  # a continued run names its start's preset, which the trainer checked
+        return exp.model.shape
     if os.path.isfile(run.model_config_json):
         config = run.model_config()
         shape = (config.num_hidden_layers, config.hidden_size, config.intermediate_size)
@@ -49,30 +51,35 @@ def model_scale(run: RunDir, exp: ExperimentConfig) -> str:
     return "custom"
 
 
-def continued_from(exp: ExperimentConfig) -> RunDir | None:
+def continued_from(run: RunDir) -> RunDir | None:
     """The run whose HF export this run started from (``model.init: RUN/hf``, as a grid's ``${run:NAME}/hf``), when
-    that run directory is still there."""
-    init = exp.model.init and os.path.normpath(exp.model.init)
-    if not init or os.path.basename(init) != "hf":
+    that run directory is still there, or a run of its name beside this one (records of runs, copied together)."""
+    init = run.experiment().model.init
+    if not init or os.path.basename(os.path.normpath(init)) != "hf":
         return None
-    start = RunDir(os.path.dirname(init))
-    return start if start.exists() else None
+    name = os.path.dirname(os.path.normpath(init))
+    for start in RunDir(name), RunDir(os.path.join(os.path.dirname(os.path.normpath(run.path)),
+                                                    os.path.basename(name))):
+        if start.exists():
+            return start
+    return None
 
 
-def clm_steps(exp: ExperimentConfig) -> tuple[float, int]:
+def clm_steps(run: RunDir) -> tuple[float, int]:
     """(steps trained with CLM, steps) over the whole budget: a continued run adds the run it started from, so CLM
     then MLM continued sits at the same CLM share as a switch within one run."""
+    exp = run.experiment()
     clm = sum(p.share for p in exp.phases if any(o.name == "clm" for o in p.objectives)) * exp.train.steps
-    start = continued_from(exp)
+    start = continued_from(run)
     if start is None:
         return clm, exp.train.steps
-    before, steps = clm_steps(start.experiment())
+    before, steps = clm_steps(start)
     return clm + before, exp.train.steps + steps
 
 
 def recipe_of(run: RunDir, exp: ExperimentConfig) -> Recipe:
     names = [[o.name for o in p.objectives] for p in exp.phases]
-    ratio, (clm, steps) = None, clm_steps(exp)
+    ratio, (clm, steps) = None, clm_steps(run)
     for phase in exp.phases:
         for spec in phase.objectives:
             if OBJECTIVES[spec.name].masks:

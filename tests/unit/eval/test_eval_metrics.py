@@ -13,6 +13,7 @@ from pipeline.eval.metrics import (
     entities,
     entity_f1,
     mean_ci,
+    mrr_at_k,
     ndcg_at_k,
     rep_n,
     rep_sen,
@@ -38,6 +39,13 @@ def test_v_measure():
     h = 2 / 3
     c = 1 - (-(2 / 3) * math.log(2 / 3) - (1 / 3) * math.log(1 / 3)) / math.log(3)
     assert v_measure([0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 2, 2]) == pytest.approx(2 * h * c / (h + c))
+
+
+def test_mrr_at_10():
+    assert mrr_at_k(["a", "b", "c"], {"b": 1, "c": 1}) == 0.5  # the first relevant one counts
+    assert mrr_at_k(["a", "b"], {"a": 0, "b": 2}) == 0.5  # a gain of 0 is not relevant
+    ranked = [f"d{i}" for i in range(1, 12)]
+    assert mrr_at_k(ranked, {"d10": 1}) == 0.1 and mrr_at_k(ranked, {"d11": 1}) == 0.0  # beyond the cut-off
 
 
 def test_ndcg_at_10():

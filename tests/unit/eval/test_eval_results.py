@@ -1,5 +1,6 @@
-"""EvalResults: the committed records read and written again are the same bytes; merge keeps the older file's tasks
-under the newer ones."""
+"""EvalResults: the committed records read and written again are the same bytes, and those naming absolute paths
+(written before records named them relative to the results root) read all the same; merge keeps the older file's
+tasks under the newer ones."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import glob
 import json
 import os
 
+from pipeline.eval.config import EvalConfig
+from pipeline.eval.description import ModelDescription, recorded_path
+from pipeline.eval.report.runs import load_run
 from pipeline.eval.results import EvalResults
+from pipeline.export.record import EncoderRecord
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../../.."))
 
@@ -27,19 +32,48 @@ def test_every_committed_record_is_written_back_byte_for_byte(tmp_path):
         assert open(out, "rb").read() == open(path, "rb").read(), path
 
 
+def test_a_committed_record_with_absolute_paths_and_older_fields_reads_typed():
+    """The quick records were written from a run directory under /tmp, before config.max_tokens existed: they read
+    as typed results all the same (the absent field its default, left out again when written)."""
+    path = os.path.join(REPO, "docs", "results", "quick", "runs", "llm2vec-supervised-smoke", "eval", "llm2vec.json")
+    read = EvalResults.read(path)
+    assert read.model.run_dir.startswith("/tmp/") and read.config.model == read.model.run_dir
+    assert read.model.record.objectives == ("mntp", "supervised") and read.model.step == 1
+    assert read.config.tasks == ["sts", "clustering", "zero_shot_retrieval", "probing"] and read.config.batch_size == 8
+    assert read.unwritten == ("config.max_tokens",) and "max_tokens" not in read.to_json()["config"]
+    assert read.headline == json.load(open(path))["headline"] and read.headline["clustering_avg"] > 0
+    assert load_run(os.path.dirname(os.path.dirname(path))).headline == read.headline  # the report's reading
+
+
+def test_paths_are_recorded_relative_to_the_results_root(tmp_path):
+    """Under the root: relative to it; elsewhere in the repository: relative to the repository; outside both: as
+    they are."""
+    root = str(tmp_path / "runs")
+    assert recorded_path(os.path.join(root, "a", "hf"), root) == os.path.join("a", "hf")
+    assert recorded_path(os.path.join(REPO, "runs", "real"), root) == os.path.join("runs", "real")
+    assert recorded_path(str(tmp_path / "elsewhere"), root) == str(tmp_path / "elsewhere")
+    config = EvalConfig(model=os.path.join(root, "a"), tasks=["sts"], data_dir=os.path.join(REPO, "data", "eval"))
+    assert config.recorded(root) == EvalConfig(model="a", tasks=["sts"], data_dir=os.path.join("data", "eval"))
+
+
+def results(tasks: list[str], **fields) -> EvalResults:
+    model = ModelDescription(hf_dir="a/hf", run_dir="a", step=2, attention="causal", reads_previous=False,
+                             record=EncoderRecord(), tokenizer="a/hf", parameters=10)
+    return EvalResults(EvalConfig(model="a", tasks=tasks, data_dir="runs/real"), model, **fields)
+
+
 def test_merge_keeps_the_older_tasks_under_the_newer_and_orders_the_config_tasks():
-    older = EvalResults({"tasks": ["sts"], "seed": 0}, {"run_dir": "runs/a"}, {"torch": "old"},
-                        options={"sts": {"max_length": 32}}, results={"sts": {"score": 1.0}},
-                        headline={"sts_avg": 1.0}, failed={"sts": {"error": "gone"}}, seconds={"sts": 2.0})
-    newer = EvalResults({"tasks": ["clustering"], "seed": 0}, {"run_dir": "runs/a"}, {"torch": "new"},
-                        options={"clustering": {}}, results={"clustering": {"v": 0.5}},
-                        headline={"clustering_avg": 0.5}, seconds={"clustering": 3.0})
+    older = results(["sts"], environment={"torch": "old"}, options={"sts": {"max_length": 32}},
+                    results={"sts": {"score": 1.0}}, headline={"sts_avg": 1.0}, failed={"sts": {"error": "gone"}},
+                    seconds={"sts": 2.0})
+    newer = results(["clustering"], environment={"torch": "new"}, options={"clustering": {}},
+                    results={"clustering": {"v": 0.5}}, headline={"clustering_avg": 0.5}, seconds={"clustering": 3.0})
     merged = newer.merge(older, ["clustering", "probing", "sts"])
-    assert merged.config == {"tasks": ["clustering", "sts"], "seed": 0} and newer.config["tasks"] == ["clustering"]
+    assert merged.config.tasks == ["clustering", "sts"] and newer.config.tasks == ["clustering"]
     assert merged.results == {"sts": {"score": 1.0}, "clustering": {"v": 0.5}}
     assert merged.headline == {"sts_avg": 1.0, "clustering_avg": 0.5} and merged.seconds == {"sts": 2.0, "clustering": 3.0}
     assert merged.failed == {} and merged.environment == {"torch": "new"} and "reused" not in merged.to_json()
     newer.with_task_of(older, "sts", "other.json", {"sts_avg": 1.0})
-    again = newer.merge(EvalResults({}, {}, {}), ["sts", "clustering"])
-    assert again.reused == {"sts": "other.json"} and again.config["tasks"] == ["sts", "clustering"]
-    assert EvalResults.from_json(again.to_json()) == again and not EvalResults({}, {}, {}).write("unwritten.json")
+    again = newer.merge(None, ["sts", "clustering"])
+    assert again.reused == {"sts": "other.json"} and again.config.tasks == ["sts", "clustering"]
+    assert EvalResults.from_json(again.to_json()) == again and not results([], environment={}).write("unwritten.json")

@@ -241,6 +241,9 @@ def test_zero_shot_retrieval_ranks_the_pool_with_instructed_queries(model, tmp_p
     unit = lambda x: x / np.linalg.norm(x, axis=1, keepdims=True)  # noqa: E731
     expected = 100 * ndcg_score(np.eye(24), unit(queries) @ unit(documents).T, k=10)
     assert got["ndcg"] == pytest.approx(expected, abs=1e-6) and result["average"] == got["ndcg"]
+    first = [1 / (1 + int(np.argmax(order == i))) for i, order in
+             enumerate(np.argsort(-(unit(queries) @ unit(documents).T), axis=1, kind="stable"))]
+    assert got["mrr"] == pytest.approx(100 * np.mean([f if f >= 0.1 else 0.0 for f in first]), abs=1e-9)
     supervised = dataclasses.replace(model, record=dataclasses.replace(model.record,
                                                                        instruction_format="{instruction}: "))
     assert run_task("zero_shot_retrieval", supervised, str(tmp_path))["average"] == pytest.approx(got["ndcg"])

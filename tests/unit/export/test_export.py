@@ -16,18 +16,22 @@ import pytest
 import torch
 import yaml
 from helpers import ONE_RANK, REPO, launch_training, plain_transformers_hidden, tiny_llama
+from huggingface_hub.repocard_data import model_index_to_eval_results
 from transformers import LlamaForCausalLM
 
 from pipeline.config import from_dict
+from pipeline.data.format.instructions import special_tokens
 from pipeline.eval import encode, load_model
-from pipeline.eval.encode import special_tokens
 from pipeline.eval.forward import hidden_states, pad_id, pad_rows
+from pipeline.eval.results import EvalResults
+from pipeline.eval.runner import main as evaluate_main
 from pipeline.experiment import ExperimentConfig, load_experiment
 from pipeline.export.card import embed_snippet
 from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
 from pipeline.export.sentence_transformers import check_expressible, st_record
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
+from pipeline.run_dir import RunDir
 
 TEXTS = ["The river rises in the hills.", "A much longer sentence about the hills, the river and the sea beyond.",
          "Short."]
@@ -244,7 +248,7 @@ def test_exports_load_silently_with_the_classes_they_name(tokenizer, tmp_path):
     # model.init and transformers' variant read it
     head = tiny_llama(tokenizer, seed=3).lm_head.weight
     torch.testing.assert_close(load_model(encoder).lm.lm_head.weight, head, rtol=0, atol=0)
-    torch.testing.assert_close(build_model(encoder, tokenizer.info.vocab_size).lm_head.weight, head, rtol=0, atol=0)
+    torch.testing.assert_close(build_model(model_spec(encoder, tokenizer.info.vocab_size)).lm_head.weight, head, rtol=0, atol=0)
     from transformers import AutoModelForCausalLM
 
     torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(encoder, variant="lm").lm_head.weight, head,
@@ -274,7 +278,8 @@ def test_the_documented_transformers_snippet_embeds_as_encode(tokenizer, tmp_pat
     hf = export(tokenizer, str(tmp_path / "hf"), record)
     code = embed_snippet(hf, record, special_tokens(tokenizer, "special"))
     meta, body = card_of(hf)
-    assert code in body and meta["pipeline_tag"] == "feature-extraction"
+    assert embed_snippet(".", record, special_tokens(tokenizer, "special")) in body
+    assert meta["pipeline_tag"] == "feature-extraction"
     if record == MNTP:  # the README and docs/export.md show this very code
         for markdown in ("README.md", "docs/export.md"):
             assert snippet_in(markdown, DOC_PATH) == embed_snippet(DOC_PATH, record, ([], [])), markdown
@@ -299,16 +304,24 @@ def test_a_lora_mntp_run_exports_a_card_a_sentence_transformer_and_its_adapter(s
     launch_training(run, os.path.join(REPO, "experiments", "llm2vec", "mntp-smoke.yaml"), f"data.shards={shards}",
                     f"model.init={init_dir}", "model.lora.r=4", "model.lora.targets=[q_proj, v_proj]",
                     "train.steps=2", "checkpoint.every=2", "train.export_sentence_transformers=true", **ONE_RANK)
+    # the run's hf/ at step 2: evaluate.py puts the results in its card, the offline export of step 2 in its own
+    assert evaluate_main(["--model", run, "--tasks", "sts", "--data-dir", os.path.join(REPO, "tests", "fixtures", "eval"),
+                          "--no-progress"]) == 0
+    evaluated = EvalResults.read(RunDir(run).eval_results())
     offline = str(tmp_path / "offline")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", run, "--output",
                            offline, "--sentence-transformers"], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for hf in (os.path.join(run, "hf"), offline):
         meta, body = card_of(hf)
-        assert meta == {"base_model": init_dir, "library_name": "sentence-transformers",
+        _, parsed = model_index_to_eval_results(meta.pop("model-index"))
+        assert {(r.dataset_type, r.metric_type): r.metric_value for r in parsed} == {
+            (name, "cos_sim_spearman"): r["spearman"] for name, r in evaluated.results["sts"]["datasets"].items()}, hf
+        assert meta == {"library_name": "sentence-transformers",  # a local start: no base_model, no license known
                         "pipeline_tag": "feature-extraction",
                         "tags": ["decoder-encoders", "llm2vec", "mntp", "sentence-transformers", "lora"]}, hf
-        assert f"`{shards}`" in body and "2 steps, " in body and " tokens." in body, body
+        assert f"`{os.path.basename(shards)}`" in body and "step 2 of 2 (" in body and " tokens)" in body, body
+        assert shards not in body and init_dir not in body
         model = load_model(hf)
         assert (model.record.pooling, model.record.layout) == ("mean", "text")  # what sentence-transformers reads
         np.testing.assert_allclose(SentenceTransformer(hf, device="cpu").encode(TEXTS), encode(model, TEXTS),

@@ -20,10 +20,12 @@ from pipeline.model.attention import (
     dense_allowed,
     flex_block_mask,
     flex_kernel_options,
+    forward_tiles,
+    is_no_mask,
     resolve_implementation,
     skipped_blocks,
 )
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.model.presets import get_preset
 
 VOCAB = 64
@@ -34,7 +36,7 @@ IMPLEMENTATIONS = ("eager", "sdpa")
 def models() -> dict[str, torch.nn.Module]:
     """The same random tiny model under each attention implementation."""
     torch.manual_seed(0)
-    built = {impl: build_model("tiny", VOCAB, attn_implementation=impl).eval() for impl in IMPLEMENTATIONS}
+    built = {impl: build_model(model_spec("tiny", VOCAB, attn_implementation=impl)).eval() for impl in IMPLEMENTATIONS}
     for model in built.values():
         model.load_state_dict(built["eager"].state_dict())
     return built
@@ -334,8 +336,19 @@ def test_flex_attention_inputs():
     kwargs = attention_inputs("magnet", doc_ids, span_ids, attn_implementation=FLEX)
     assert isinstance(kwargs["attention_mask"], BlockMask) and kwargs["attention_mask"].shape == (2, 1, 300, 300)
     single = torch.zeros(2, 16, dtype=torch.int32)  # no mask needed: SDPA's flash path, not a dense block mask
-    assert attention_inputs("causal", single, attn_implementation=FLEX) == {"is_causal": True}
-    assert attention_inputs("bidirectional", single, attn_implementation=FLEX) == {"is_causal": False}
+    for mode, causal in (("causal", True), ("bidirectional", False)):
+        plain = attention_inputs(mode, single, attn_implementation=FLEX)  # an empty 4D mask: transformers' mask
+        assert plain["is_causal"] is causal and is_no_mask(plain["attention_mask"])  # code reads nothing back
+
+
+def test_the_host_copy_decides_the_mask():
+    """With the host's copy of the ids, the plain-or-masked decision is made on it (the device's ids are not read:
+    here they say the opposite)."""
+    one_doc = torch.zeros(2, 16, dtype=torch.int32)
+    padded = one_doc.clone()
+    padded[:, 12:] = -1
+    assert "attention_mask" not in attention_inputs("causal", padded, host_doc_ids=one_doc.numpy())
+    assert attention_inputs("causal", one_doc, host_doc_ids=padded.numpy())["attention_mask"].shape == (2, 1, 16, 16)
 
 
 def test_resolve_implementation():
@@ -344,6 +357,26 @@ def test_resolve_implementation():
     assert resolve_implementation("flex", cuda=False) == FLEX
     assert resolve_implementation("varlen", cuda=True) == VARLEN
     assert [resolve_implementation(s, cuda=True) for s in ("sdpa", "eager")] == ["sdpa", "eager"]
+
+
+def test_fp32_on_cuda_never_resolves_to_varlen():
+    """The flash varlen kernel takes bf16 / fp16 only: auto picks FlexAttention for an fp32 model on CUDA, and an
+    explicit varlen there is refused with the fix."""
+    assert resolve_implementation("auto", cuda=True, dtype=torch.float32) == FLEX
+    assert resolve_implementation("auto", cuda=True, dtype=torch.float16) == VARLEN
+    with pytest.raises(ValueError, match="varlen runs flash attention, which takes bf16 or fp16, but the model is "
+                                         "float32; set model.dtype: bf16"):
+        resolve_implementation("varlen", cuda=True, dtype=torch.float32)
+
+
+def test_flex_tiles_only_for_queries_of_a_whole_tile():
+    """The sm90 forward tiles are passed only for queries of at least BLOCK_M rows: shorter ones run torch's
+    flex-decoding kernel, which sizes its bounds from its own block, not the override."""
+    assert forward_tiles(96, 2048, torch.bfloat16) == {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3,
+                                                       "fwd_num_warps": 8}
+    assert forward_tiles(96, 128, torch.bfloat16) is not None
+    assert forward_tiles(96, 64, torch.bfloat16) is None and forward_tiles(64, 127, torch.float16) is None
+    assert forward_tiles(96, 2048, torch.float32) is None and forward_tiles(80, 2048, torch.bfloat16) is None
 
 
 def test_flex_model_without_block_mask_is_sdpa(flex_models):

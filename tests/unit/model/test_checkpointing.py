@@ -9,14 +9,14 @@ import torch.utils._pytree as pytree
 
 from pipeline.config import ConfigError
 from pipeline.experiment import load_experiment
-from pipeline.model.build import build_model, compiles
+from pipeline.model.build import build_model, compiles, model_spec
 from pipeline.model.checkpointing import enable_checkpointing, selective_contexts, selective_layer_bytes
 
 
 def loss_and_gradients(setting) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One CLM forward and backward of the seeded tiny preset on a fixed batch, checkpointed as ``setting`` says."""
     torch.manual_seed(0)
-    model = build_model("tiny", 64)
+    model = build_model(model_spec("tiny", 64))
     enable_checkpointing(model, setting)
     ids = torch.randint(4, 64, (2, 32), generator=torch.Generator().manual_seed(1))
     loss = model(input_ids=ids, labels=ids).loss
@@ -35,7 +35,7 @@ def test_checkpointing_modes_give_the_plain_gradients():
 
 
 def test_every_kth_layer_is_checkpointed():
-    model = build_model("tiny", 64)
+    model = build_model(model_spec("tiny", 64))
     enable_checkpointing(model, 2)
     assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
 
@@ -44,7 +44,7 @@ def test_selective_checkpointing_keeps_what_the_planner_counts():
     """The bytes the selective policy stores per token and layer (bf16: the kept matmul outputs, attention's output
     and log-sum-exp), plus the layer input the checkpoint keeps, are the planner's ``selective_layer_bytes``."""
     torch.manual_seed(0)
-    model = build_model("tiny", 64, dtype=torch.bfloat16)
+    model = build_model(model_spec("tiny", 64, dtype=torch.bfloat16))
     caching = []
 
     def contexts():
@@ -55,8 +55,10 @@ def test_selective_checkpointing_keeps_what_the_planner_counts():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": contexts})
     ids = torch.randint(4, 64, (2, 32))
     model.model(input_ids=ids)
-    # each op's outputs, by call: a tree of _VersionWrapper(tensor) when kept, a sentinel when recomputed
-    kept = [w.val for mode in caching for outputs in mode.storage.values() for out in outputs.values()
+    # each op's outputs, by call: a tree of _VersionWrapper(tensor) when kept, a sentinel when recomputed (torch
+    # 2.13 keys each op's calls by their index, 2.11 lists them)
+    kept = [w.val for mode in caching for outputs in mode.storage.values()
+            for out in (outputs.values() if isinstance(outputs, dict) else outputs)
             for w in pytree.tree_leaves(out, is_leaf=lambda x: hasattr(x, "val")) if hasattr(w, "val")]
     per_token = sum(t.numel() * t.element_size() for t in kept if isinstance(t, torch.Tensor)) / ids.numel()
     assert len(caching) == model.config.num_hidden_layers

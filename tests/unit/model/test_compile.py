@@ -7,7 +7,7 @@ import torch
 import torch._dynamo.utils
 
 from pipeline.data.loading.batch import Batch
-from pipeline.model.build import build_model, compile_body
+from pipeline.model.build import build_model, compile_body, model_spec
 from pipeline.model.checkpointing import enable_checkpointing
 from pipeline.objectives import CLM, MLM, CLMConfig, Masking, MLMConfig
 
@@ -19,8 +19,8 @@ def test_compiled_body_gives_the_eager_losses_and_gradients():
     bit for bit: losses within 1e-4 relative and gradients within 1e-4 relative plus 1e-6 absolute at every step
     (observed: within 3e-5 absolute, on gradients of loss sums over ~60 targets)."""
     torch.manual_seed(0)
-    eager = build_model("tiny", 64)
-    compiled, checkpointed = build_model("tiny", 64), build_model("tiny", 64)
+    eager = build_model(model_spec("tiny", 64))
+    compiled, checkpointed = build_model(model_spec("tiny", 64)), build_model(model_spec("tiny", 64))
     for model in (compiled, checkpointed):
         model.load_state_dict(eager.state_dict())
     enable_checkpointing(checkpointed, "selective")

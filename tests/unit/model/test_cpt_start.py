@@ -10,12 +10,18 @@ import torch
 
 from pipeline.config import ConfigError
 from pipeline.experiment import load_experiment
-from pipeline.model.build import build_model, check_checkpoint_shape, start_checkpoint_config
+from pipeline.model.build import (
+    build_model,
+    check_checkpoint_shape,
+    model_spec,
+    preset_config,
+    start_checkpoint_config,
+)
 
 
 def _save_tiny(path, **changes) -> str:
     torch.manual_seed(0)
-    lm = build_model("tiny", 100)
+    lm = build_model(model_spec("tiny", 100))
     for key, value in changes.items():
         setattr(lm.config, key, value)
     lm.save_pretrained(path)
@@ -23,23 +29,23 @@ def _save_tiny(path, **changes) -> str:
 
 
 def test_matching_start_checkpoint_passes(tmp_path):
-    check_checkpoint_shape(_save_tiny(tmp_path / "tiny"), "tiny")
-    check_checkpoint_shape("610m", "610m")
+    start_checkpoint_config(_save_tiny(tmp_path / "tiny"), 100, shape="tiny")
+    check_checkpoint_shape("610m", "610m", preset_config("610m", 100))
 
 
 def test_missing_start_checkpoint_names_path_and_fix(tmp_path):
     missing = str(tmp_path / "scratch-610m-clm" / "hf")
     with pytest.raises(ValueError, match=r"scratch-610m-clm/hf.*start checkpoint does not exist.*launch/export_hf.py"):
-        check_checkpoint_shape(missing, "610m")
+        start_checkpoint_config(missing, 100, shape="610m")
 
 
 def test_start_checkpoint_of_another_size_is_refused(tmp_path):
     path = _save_tiny(tmp_path / "tiny")
     with pytest.raises(ValueError, match=r"config.json: the start checkpoint has 2 layers, hidden 64, FFN 128, 4/2 "
                                          r"heads, but model.shape '610m' has 26 layers, hidden 1152"):
-        check_checkpoint_shape(path, "610m")
-    with pytest.raises(ValueError, match="model.init is the preset '210m' but model.shape is '610m'"):
-        check_checkpoint_shape("210m", "610m")
+        start_checkpoint_config(path, 100, shape="610m")
+    with pytest.raises(ValueError, match="model.shape: '610m', but model.init is the preset '210m'; set model.shape=210m"):
+        check_checkpoint_shape("210m", "610m", preset_config("210m", 100))
 
 
 def test_start_checkpoint_of_another_architecture_is_refused(tmp_path):
@@ -47,7 +53,7 @@ def test_start_checkpoint_of_another_architecture_is_refused(tmp_path):
     config = json.loads((tmp_path / "other" / "config.json").read_text())
     (tmp_path / "other" / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; supported architectures: llama"):
-        check_checkpoint_shape(path, "tiny")
+        start_checkpoint_config(path, 100, shape="tiny")
 
 
 def test_start_config_checks_the_shape_it_read_before_the_tokenizer(tmp_path):

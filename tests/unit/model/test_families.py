@@ -23,7 +23,7 @@ from pipeline.experiment import ExperimentConfig
 from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord
 from pipeline.model.attention import attention_inputs
-from pipeline.model.build import ARCHITECTURES, build_model, check_sliding_window
+from pipeline.model.build import ARCHITECTURES, build_model, check_sliding_window, model_spec
 
 FAMILIES = [a for a in ARCHITECTURES if a != "llama"]  # llama: every other test
 IMPLEMENTATION = {"gemma2": "eager"}  # transformers has no SDPA path for Gemma 2
@@ -69,8 +69,8 @@ def batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_bidirectional_causal_and_plain_export(family, checkpoints, tokenizer, tmp_path):
     impl = IMPLEMENTATION.get(family, "sdpa")
-    model = build_model(checkpoints[family], tokenizer.info.vocab_size, attn_implementation=impl,
-                        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id).eval()
+    model = build_model(model_spec(checkpoints[family], tokenizer.info.vocab_size, attn_implementation=impl,
+                        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)).eval()
     ids, doc_ids = batch(tokenizer)
     valid = doc_ids >= 0
     changed = ids.clone()
@@ -88,7 +88,7 @@ def test_family_bidirectional_causal_and_plain_export(family, checkpoints, token
     bidirectional = hidden("bidirectional")
     assert (hidden("bidirectional", changed)[0, 0] - bidirectional[0, 0]).abs().max() > 1e-4
     if impl != "eager":  # eager attention reads the float form of the same mask
-        eager = build_model(checkpoints[family], tokenizer.info.vocab_size, attn_implementation="eager").eval()
+        eager = build_model(model_spec(checkpoints[family], tokenizer.info.vocab_size, attn_implementation="eager")).eval()
         with torch.no_grad():
             got = eager.model(input_ids=ids, **attention_inputs("bidirectional", doc_ids, attn_implementation="eager",
                                                                 dtype=eager.dtype)).last_hidden_state
@@ -124,6 +124,7 @@ from pipeline.tokenizer import load_tokenizer
 from pipeline.experiment import ExperimentConfig
 from pipeline.train.module import build_train_model
 from pipeline.train.phases import build_objectives
+from pipeline.train.preflight import check_model, router_loss_coef
 from pipeline.experiment import PhaseSpec
 deepspeed.init_distributed(dist_backend="gloo")
 rank = torch.distributed.get_rank()
@@ -142,8 +143,9 @@ for family, path in json.loads(sys.argv[3]).items():
     impl = "eager" if family == "gemma2" else "sdpa"
     exp = from_dict(ExperimentConfig, {"model": {"init": path, "attention_dropout": 0.1, "attn_implementation": impl},
                                        "data": {"tokenizer": sys.argv[2], "seq_len": 32}})
-    lm, module, _ = build_train_model(exp, ds, tok, False, [o.objective for o in objectives],
-                                      attn_implementation=impl, fused="none")
+    model = check_model(exp, tok, ds, cuda=False)
+    lm, module, _ = build_train_model(exp, ds, model, [o.objective for o in objectives], fused="none",
+                                      router_aux_coef=router_loss_coef(exp, model.config, (tuple(objectives),)))
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=ds)
     embed = lm.get_input_embeddings().weight
     experts = [p for n, p in lm.named_parameters() if ".experts." in n]  # an MoE model's routed experts

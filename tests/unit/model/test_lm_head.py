@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.data.loading.batch import Batch
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.model.lm_head import ChunkedLMHead, chunk_lm_head, linear_cross_entropy
 from pipeline.objectives import CLM, CLMConfig
 from pipeline.objectives.base import next_token_targets
@@ -75,7 +75,7 @@ def test_objective_with_the_chunked_head_equals_the_plain_head():
     """A real tiny Llama and CLM on packed rows with padding: the model's lm_head turned chunked in place gives the
     loss, count and every parameter gradient the plain head gives; without labels it is still the linear layer."""
     torch.manual_seed(0)
-    model = build_model("tiny", 64)
+    model = build_model(model_spec("tiny", 64))
     input_ids = torch.randint(4, 64, (2, 40), generator=torch.Generator().manual_seed(1))
     doc_ids = torch.zeros(2, 40, dtype=torch.int32)
     doc_ids[0, 15:] = 1
@@ -102,7 +102,7 @@ def test_objective_with_the_chunked_head_equals_the_plain_head():
 
 
 def test_bad_heads():
-    model = build_model("tiny", 64)
+    model = build_model(model_spec("tiny", 64))
     with pytest.raises(ValueError, match="model.lm_head_chunk must be >= 1"):
         chunk_lm_head(model, 0)
     model.lm_head = nn.Linear(model.config.hidden_size, 64, bias=True)

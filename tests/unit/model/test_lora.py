@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from pipeline.experiment import SAMPLE_DIR, load_experiment
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.model.lora import LLM2VEC_TARGETS, add_lora, lora_params, merge_lora
 from pipeline.planner.estimates import model_states
 from pipeline.train.module import parameter_line
@@ -27,7 +27,7 @@ RUN = ["train.steps=6", "train.micro_batch=2", "train.log_every=1", "optim.warmu
 
 def test_only_the_adapter_trains_and_the_merge_computes_what_the_adapted_model_computes():
     torch.manual_seed(0)
-    model = build_model("tiny", 64)
+    model = build_model(model_spec("tiny", 64))
     add_lora(model, 4, 8.0, 0.0, LLM2VEC_TARGETS)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)
@@ -43,10 +43,10 @@ def test_only_the_adapter_trains_and_the_merge_computes_what_the_adapted_model_c
     ids = torch.randint(4, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         adapted = model.eval()(input_ids=ids).logits
-        plain = build_model("tiny", 64)
+        plain = build_model(model_spec("tiny", 64))
         plain.load_state_dict(merge_lora(model.state_dict(), 8.0 / 4), strict=True)
         merged = plain.eval()(input_ids=ids).logits
-        unmerged = build_model("tiny", 64)
+        unmerged = build_model(model_spec("tiny", 64))
         unmerged.load_state_dict(merge_lora(model.state_dict(), 0.0), strict=True)
         assert not torch.allclose(unmerged.eval()(input_ids=ids).logits, adapted, atol=1e-3)
     torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=0)
@@ -72,7 +72,7 @@ def test_a_zero3_lora_run_exports_merged_weights_and_resumes_exactly(shards, ini
 
     straight, out = run("straight")
     config = AutoConfig.from_pretrained(init_dir)
-    adapter, base = lora_params(config, 4, ("q_proj", "v_proj")), build_model(init_dir, config.vocab_size)
+    adapter, base = lora_params(config, 4, ("q_proj", "v_proj")), build_model(model_spec(init_dir, config.vocab_size))
     everything = adapter + sum(p.numel() for p in base.parameters())  # ZeRO-3 ranks hold parts: full sizes count
     assert (f"trainable params: {adapter:,} || all params: {everything:,} || "
             f"trainable%: {100 * adapter / everything:.4f}") in out

@@ -14,7 +14,7 @@ from helpers import one_rank_env, rendezvous
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import BertConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.model.flops import body_work, flops_per_token, param_counts, segment_lengths
 from pipeline.model.presets import PRESETS, get_preset
 
@@ -22,7 +22,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../../.."))
 
 
 def test_tiny_architecture():
-    model = build_model("tiny", 64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = build_model(model_spec("tiny", 64, pad_token_id=0, bos_token_id=1, eos_token_id=2))
     assert isinstance(model, LlamaForCausalLM)
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (2, 64, 128)
@@ -45,7 +45,7 @@ def test_tiny_architecture():
 ])
 def test_preset_parameter_counts_on_meta(name, vocab, expected):
     with torch.device("meta"):
-        model = build_model(name, vocab)
+        model = build_model(model_spec(name, vocab))
     preset = get_preset(name)
     assert model.model.layers[-1].mlp.up_proj.weight.shape == (preset.ffn_size, preset.hidden_size)
     assert len(model.model.layers) == preset.num_layers
@@ -62,7 +62,7 @@ def test_preset_parameter_counts_on_meta(name, vocab, expected):
 
 def test_flops_per_token_matches_torch_flop_counter():
     torch.manual_seed(0)
-    model = build_model("tiny", 64, attn_implementation="eager")
+    model = build_model(model_spec("tiny", 64, attn_implementation="eager"))
     batch, seq_len = 2, 32
     input_ids = torch.randint(0, 64, (batch, seq_len))
     with FlopCounterMode(display=False) as counter:
@@ -84,42 +84,42 @@ def test_body_work_squares_each_attention_segment():
 
 def test_unknown_preset_lists_known_ones():
     with pytest.raises(ValueError, match="unknown preset 'huge'.*tiny, 20m, 210m, 610m, 1b, 7b, 8b"):
-        build_model("huge", 64)
+        build_model(model_spec("huge", 64))
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         get_preset("huge")
 
 
 def test_bad_checkpoint_directories(tmp_path):
     with pytest.raises(ValueError, match="no such directory"):
-        build_model(str(tmp_path / "missing"), 64)
+        build_model(model_spec(str(tmp_path / "missing"), 64))
     with pytest.raises(ValueError, match="no config.json"):
-        build_model(str(tmp_path), 64)
+        build_model(model_spec(str(tmp_path), 64))
     BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                intermediate_size=64).save_pretrained(tmp_path / "bert")
     with pytest.raises(ValueError, match="model_type 'bert' is not supported; supported architectures: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text"):
-        build_model(str(tmp_path / "bert"), 64)
+        build_model(model_spec(str(tmp_path / "bert"), 64))
 
 
 def test_checkpoint_round_trip_and_tokenizer_checks(tmp_path):
     torch.manual_seed(0)
-    model = build_model("tiny", 64, bos_token_id=1, eos_token_id=2).eval()
+    model = build_model(model_spec("tiny", 64, bos_token_id=1, eos_token_id=2)).eval()
     model.save_pretrained(tmp_path)
-    loaded = build_model(str(tmp_path), 64, attn_implementation="eager", bos_token_id=1, eos_token_id=2).eval()
+    loaded = build_model(model_spec(str(tmp_path), 64, attn_implementation="eager", bos_token_id=1, eos_token_id=2)).eval()
     assert loaded.config._attn_implementation == "eager"
     input_ids = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits)
     with pytest.raises(ValueError, match=r"config.json: vocab_size 64 does not match the data tokenizer's 65"):
-        build_model(str(tmp_path), 65)
+        build_model(model_spec(str(tmp_path), 65))
     with pytest.raises(ValueError, match=r"eos_token_id 2 differs from the data tokenizer's 3"):
-        build_model(str(tmp_path), 64, eos_token_id=3)
+        build_model(model_spec(str(tmp_path), 64, eos_token_id=3))
 
 
 def test_mistral_checkpoint_loads(tmp_path):
     config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=4, num_key_value_heads=2, eos_token_id=[2, 5])
     MistralForCausalLM(config).save_pretrained(tmp_path)
-    model = build_model(str(tmp_path), 64, eos_token_id=5)
+    model = build_model(model_spec(str(tmp_path), 64, eos_token_id=5))
     assert isinstance(model, MistralForCausalLM) and model.config.use_cache is False
 
 
@@ -130,10 +130,10 @@ def test_zero3_build_is_partitioned_and_keeps_hf_init():
     script = textwrap.dedent("""
         import json, deepspeed
         from transformers.integrations import HfDeepSpeedConfig
-        from pipeline.model.build import build_model
+        from pipeline.model.build import build_model, model_spec
         deepspeed.init_distributed(dist_backend="gloo")
         keep = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
-        model = build_model("tiny", 64)
+        model = build_model(model_spec("tiny", 64))
         up, embed = model.model.layers[0].mlp.up_proj.weight, model.model.embed_tokens.weight
         with deepspeed.zero.GatheredParameters([up, embed]):
             full = [list(up.shape), up.std().item(), embed.std().item()]

@@ -26,11 +26,12 @@ from transformers import AutoConfig, AutoModel
 from pipeline.config import ConfigError, from_dict
 from pipeline.experiment import ExperimentConfig, PhaseSpec
 from pipeline.model.attention import attention_inputs
-from pipeline.model.build import MOE_ARCHITECTURES, build_model, check_checkpoint_shape
+from pipeline.model.build import MOE_ARCHITECTURES, build_model, model_spec, start_checkpoint_config
 from pipeline.model.flops import flops_per_token, param_counts
 from pipeline.model.moe import ROUTER_AUX, load_balancing_loss, num_experts, router_aux_scope
 from pipeline.train.module import build_train_model
 from pipeline.train.phases import build_objectives
+from pipeline.train.preflight import check_model, router_loss_coef
 from pipeline.train.step import train_step
 
 TEXTS = ["The river rises in the hills and flows south to the sea.", "A king, a queen, and a knight.",
@@ -56,7 +57,7 @@ def test_every_moe_family_has_a_tiny_config():
 
 @pytest.mark.parametrize("family", MOE_ARCHITECTURES)
 def test_router_loss_is_transformers_over_the_real_tokens(family, moe, tokenizer):
-    lm = build_model(moe[family], tokenizer.info.vocab_size).eval()
+    lm = build_model(model_spec(moe[family], tokenizer.info.vocab_size)).eval()
     ids, doc_ids = batch(tokenizer)
     valid = doc_ids >= 0
     kwargs = attention_inputs("bidirectional", doc_ids)
@@ -89,9 +90,10 @@ def engine_of(path: str, tokenizer, steps_done: dict | None = None, coef: float 
     exp = from_dict(ExperimentConfig, {"model": {"init": path, "router_aux_coef": coef},
                                        "data": {"tokenizer": TOKENIZER, "seq_len": 32}})
     objectives = build_objectives(from_dict(PhaseSpec, {"objectives": [{"name": "mntp", "ratio": 0.3}]}), tokenizer)
+    model = check_model(exp, tokenizer, {}, cuda=False)  # the trainer's preflight: the spec and the router loss
     torch.manual_seed(0)
-    _, module, _ = build_train_model(exp, {}, tokenizer, False, [o.objective for o in objectives],
-                                     attn_implementation="sdpa", fused="none")
+    _, module, _ = build_train_model(exp, {}, model, [o.objective for o in objectives], fused="none",
+                                     router_aux_coef=router_loss_coef(exp, model.config, (tuple(objectives),)))
     engine = RecordingEngine(module)
     if steps_done is not None:
         module.load_state_dict(steps_done["module"])
@@ -131,16 +133,15 @@ def test_router_loss_refuses_grad_cache(moe, tokenizer):
     objectives = build_objectives(exp.phases[0], tokenizer)
     with pytest.raises(ConfigError, match=r"mixtral' is a mixture-of-experts model, whose router loss needs each "
                                           r"micro-batch's forward graph, which grad_cache \(objective supervised\)"):
-        build_train_model(exp, {}, tokenizer, False, [o.objective for o in objectives], attn_implementation="sdpa",
-                          fused="none")
+        router_loss_coef(exp, check_model(exp, tokenizer, {}, cuda=False).config, (tuple(objectives),))
     with router_aux_scope() as losses:  # a dense model in a scope records nothing
-        build_model("tiny", 64)(input_ids=torch.ones(1, 4, dtype=torch.long))
+        build_model(model_spec("tiny", 64))(input_ids=torch.ones(1, 4, dtype=torch.long))
     assert losses == []
 
 
 @pytest.mark.parametrize("family", MOE_ARCHITECTURES)
 def test_flops_count_the_routed_experts_only(family, moe, tokenizer):
-    lm = build_model(moe[family], tokenizer.info.vocab_size)
+    lm = build_model(model_spec(moe[family], tokenizer.info.vocab_size))
     counts = param_counts(lm.config)
     assert counts.total == sum(p.numel() for p in lm.parameters())
     experts = sum(p.numel() for n, p in lm.named_parameters() if ".experts." in n)
@@ -154,7 +155,7 @@ def test_tiny_moe_preset_flops_match_torch_flop_counter():
     """What a step of the tiny-moe preset computes (eager experts: a matmul per expert on its tokens) is the
     routed experts' FLOPs, not all of them."""
     torch.manual_seed(0)
-    lm = build_model("tiny-moe", 64, attn_implementation="eager")
+    lm = build_model(model_spec("tiny-moe", 64, attn_implementation="eager"))
     lm.set_experts_implementation("eager")
     ids = torch.randint(0, 64, (2, 32))
     with FlopCounterMode(display=False) as counter:
@@ -167,12 +168,12 @@ def test_tiny_moe_preset_flops_match_torch_flop_counter():
 
 
 def test_continued_pretraining_checks_the_experts_of_the_start(tmp_path):
-    build_model("tiny", 64).save_pretrained(tmp_path / "dense")
+    build_model(model_spec("tiny", 64)).save_pretrained(tmp_path / "dense")
     with pytest.raises(ValueError, match=r"has 2 layers, hidden 64, FFN 128, 4/2 heads, but model.shape 'tiny-moe' "
                                          r"has 2 layers, hidden 64, FFN 128, 4/2 heads, 4 experts; point model.init"):
-        check_checkpoint_shape(str(tmp_path / "dense"), "tiny-moe")
-    build_model("tiny-moe", 64).save_pretrained(tmp_path / "moe")
-    check_checkpoint_shape(str(tmp_path / "moe"), "tiny-moe")
+        start_checkpoint_config(str(tmp_path / "dense"), 64, shape="tiny-moe")
+    build_model(model_spec("tiny-moe", 64)).save_pretrained(tmp_path / "moe")
+    start_checkpoint_config(str(tmp_path / "moe"), 64, shape="tiny-moe")
 
 
 RUN = ["train.steps=4", "train.micro_batch=2", "train.log_every=1", "optim.warmup_steps=0", "optim.decay_steps=0",

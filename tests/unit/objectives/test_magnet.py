@@ -13,7 +13,7 @@ from shard_corpus import documents
 from pipeline.config import from_dict
 from pipeline.data.format.sample import UNMASKABLE
 from pipeline.model.attention import attention_inputs, dense_allowed
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.objectives import CLM, CLMConfig, Magnet, MagnetConfig, MNTPConfig, make_objective
 from pipeline.objectives.magnet import context_ranks
 
@@ -34,8 +34,8 @@ def models(tokenizer) -> dict[str, torch.nn.Module]:
     built = {}
     for impl in IMPLEMENTATIONS:
         torch.manual_seed(0)
-        built[impl] = build_model("tiny", tokenizer.info.vocab_size, attn_implementation=impl,
-                                  pad_token_id=tokenizer.pad_id).eval()
+        built[impl] = build_model(model_spec("tiny", tokenizer.info.vocab_size, attn_implementation=impl,
+                                  pad_token_id=tokenizer.pad_id)).eval()
     return built
 
 
@@ -255,7 +255,7 @@ def test_bad_input_is_named(tokenizer, texts):
 
 def test_gradients_reach_every_weight_and_stay_finite(tokenizer, texts):
     torch.manual_seed(0)
-    model = build_model("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id)
+    model = build_model(model_spec("tiny", tokenizer.info.vocab_size, pad_token_id=tokenizer.pad_id))
     out = magnet(tokenizer)(model, packed_text_batch(tokenizer, texts))
     (out["mntp"].loss_sum + out["msg"].loss_sum).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -22,7 +22,7 @@ from pipeline.data.prep.build_sample import PlanSettings, make_sample
 from pipeline.data.prep.packing import Packer
 from pipeline.experiment import load_experiment
 from pipeline.model.attention import attention_inputs
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.model.flops import Work, work_flops
 from pipeline.objectives import (
     CLM,
@@ -79,8 +79,8 @@ def make_batch(tokenizer: Tokenizer, seed: int = 0) -> Batch:
 @pytest.fixture(scope="module")
 def model(tokenizer):
     torch.manual_seed(0)
-    return build_model("tiny", tokenizer.info.vocab_size, attn_implementation="sdpa", pad_token_id=tokenizer.pad_id,
-                       bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    return build_model(model_spec("tiny", tokenizer.info.vocab_size, attn_implementation="sdpa", pad_token_id=tokenizer.pad_id,
+                       bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id))
 
 
 def mlm(tokenizer, **masking) -> MLM:

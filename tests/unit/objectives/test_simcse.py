@@ -23,7 +23,7 @@ from helpers import (
 from shard_corpus import TOKENIZER, documents
 
 from pipeline.config import ConfigError, from_tagged
-from pipeline.data.prep.units import split_units
+from pipeline.data.format.units import split_units
 from pipeline.experiment import load_experiment
 from pipeline.objectives import ObjectiveConfig, SimCSE, SimCSEConfig, make_objective
 from pipeline.objectives.simcse import mean_pool

@@ -163,7 +163,7 @@ def test_cli_memory_throughput_and_data_prep(capsys):
     assert "2,359,296 tokens per step = 32 GPUs x 12 x 2048 x 3 accumulation" in out
     config = get_preset("7b").to_config(128256)
     step = float(out.split("  step ")[1].split(" s,")[0])
-    flops = float(out.split("throughput at 40% MFU:\n  ")[1].split(" GFLOP")[0]) * 1e9
+    flops = float(out.split("throughput at 40% MFU (the default, an assumption; --mfu):\n  ")[1].split(" GFLOP")[0]) * 1e9
     assert step == pytest.approx(flops * 2359296 / (32 * 989e12 * 0.4), rel=0.01)
     assert param_counts(config).total / 1e9 == pytest.approx(float(out.split("vocab 128256: ")[1].split(" B")[0]),
                                                              abs=0.01)
@@ -225,3 +225,64 @@ def test_selective_checkpointing_keeps_between_full_and_none():
     config = get_preset("1b").to_config(128256)
     body = {mode: activation_bytes(config, 2048, 1.0, mode)["layers"] for mode in CHECKPOINTING}
     assert body["full"] < body["selective"] < body["none"]
+
+
+def _total(out: str) -> str:
+    """The "= total" line's figure and verdict: "151.41 GiB of 80: DOES NOT FIT"."""
+    return out.split("  = total")[1].splitlines()[0].strip()
+
+
+def test_the_verdict_agrees_with_the_numbers_and_names_changes_that_fit(capsys):
+    """7b at the study's micro-batch 12 on 32 H100s: it printed "the least sharding that fits" beside "DOES NOT
+    FIT"; now the cluster line and the verdict say nothing fits and list changes, each of which fits when asked."""
+    cluster = ("--model", "7b", "--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100")
+    out = _report(capsys, *cluster)
+    assert "the least sharding that fits" not in out and "(the most sharding; nothing fits: see the verdict)" in out
+    assert _total(out).endswith("of 80: DOES NOT FIT")
+    listed = out.split("verdict: DOES NOT FIT in 80 GiB per GPU at ZeRO-3; each of these fits:\n")[1].split("\n\n")[0]
+    changes = [line.split("  ")[1].strip() for line in listed.splitlines()]
+    assert {"--checkpointing", "--micro-batch 5"} <= set(changes)
+    for change, line in zip(changes, listed.splitlines()):
+        flags = change.split(" (")[0].split()
+        again = _report(capsys, *cluster, *flags)  # the change as printed, on the command line
+        figure, verdict = line.split(change)[1].strip().split(" at ZeRO-")[0], line.split(": ", 1)[1]
+        assert _total(again) == f"{figure} of 80: {verdict}" and "DOES NOT FIT" not in again
+    assert not _report(capsys, *cluster, "--micro-batch", "6").count("GiB of 80: fits")  # 5 is the largest
+
+
+def test_thin_headroom_is_try_it_and_every_figure_and_default_is_explained(capsys):
+    out = _report(capsys, "--model", "7b", "--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100",
+                  "--checkpointing", "selective")
+    total = float(_total(out).split()[0])
+    headroom = 1 - total / 80
+    assert headroom < 0.10 and _total(out).endswith(
+        f"of 80: try it: fits with only {headroom:.0%} headroom (under ~10 % the unknowns can eat it)")
+    assert f"verdict: ZeRO-2, {total:.2f} of 80 GiB per GPU: try it" in out
+    params = param_counts(get_preset("7b").to_config(128256)).total
+    assert f"CPU memory per node: {params * 4 * 8 * 1.5 / 2**30:.1f} GiB (DeepSpeed's estimator: building under " \
+           f"zero.Init: every parameter in fp32 for each of the node's 8 GPUs, x 1.5)" in out
+    assert "memory per GPU, micro-batch 12 x 2048 tokens, selective activation checkpointing (the defaults, the " \
+           "MLM-vs-CLM study's; --micro-batch, --seq-len for yours):" in out
+    assert "42,000 steps (the default, the MLM-vs-CLM study's; --steps for yours) (99.1 B tokens): " in out
+    assert "throughput at 40% MFU (the default, an assumption; --mfu):" in out
+    own = _report(capsys, "--model", "7b", "--nodes", "4", "--gpus-per-node", "8", "--gpu", "h100",
+                  "--checkpointing", "--steps", "10000", "--micro-batch", "2", "--tokens-per-step", "4M")
+    assert "--steps for yours" not in own and "--tokens-per-step for yours" not in own
+    assert "selective activation checkpointing" not in own and \
+        "full activation checkpointing (the default, the MLM-vs-CLM study's; --seq-len for yours):" in own
+
+
+@pytest.mark.parametrize("nodes,launch", [(1, "deepspeed --num_gpus 8 launch/train.py"),
+                                          (4, "sbatch --nodes=4 --gpus-per-node=8 launch/slurm/train.sbatch")])
+def test_the_report_prints_the_set_flags_and_command_of_the_run_it_prices(capsys, nodes, launch):
+    out = _report(capsys, "--model", "1b", "--nodes", str(nodes), "--gpus-per-node", "8", "--gpu", "h100",
+                  "--micro-batch", "6", "--checkpointing", "selective", "--lora-r", "16", "--steps", "500")
+    flags = out.split("  --set flags: ")[1].splitlines()[0]
+    stage = out.split("; ZeRO-")[1].split(" (ds_configs/")[1].split(")")[0]
+    assert f"  {launch} --config ds_configs/{stage} {flags}" in out
+    sets = flags.split("--set ")[1:]
+    exp = load_experiment(None, [s.strip() for s in sets])  # the flags are a valid experiment
+    per_step = int(out.split(" tokens per step = ")[0].rsplit("  ", 1)[1].replace(",", ""))
+    assert exp.train.global_batch(nodes * 8) * exp.data.seq_len == per_step
+    assert (exp.model.init, exp.train.steps, exp.model.activation_checkpointing, exp.model.lora.r) == \
+        ("1b", 500, "selective", 16)

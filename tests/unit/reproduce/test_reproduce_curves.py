@@ -33,9 +33,11 @@ def _checkpoint(run: RunDir, step: int, complete: bool = True) -> None:
 
 
 def _results(run: RunDir, step: int | None, stsb: float) -> None:
+    """The full reproduction's results of the run, with this headline."""
     path = run.eval_results("llm2vec", step)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    open(path, "w").write(json.dumps({"headline": {"sts/stsb": stsb}}))
+    results = json.load(open(os.path.join(RECORDS, os.path.basename(run.path), "eval", "llm2vec.json")))
+    open(path, "w").write(json.dumps({**results, "headline": {"sts/stsb": stsb}}))
 
 
 def test_a_continued_runs_curve_continues_after_the_steps_of_the_run_it_started_from(tmp_path):

@@ -6,7 +6,6 @@ transformers reloads with it) and a resume at the start of the extension phase t
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -80,8 +79,8 @@ def test_preflight_refuses_a_phases_missing_shards_it_may_not_build_in_one_line(
     exp = load_experiment(None, [f"run_dir={tmp_path / 'run'}", "data.seq_len=32", "train.micro_batch=4",
                                  f"data.shards={make_shard_dir(tmp_path, seq_len=32)}", "data.build_if_missing=false",
                                  phases("seq_len: 128", f"shards: {missing}")])
-    with pytest.raises(ConfigError) as e, contextlib.ExitStack() as held:
-        check_setup(exp, 0, 1, False, held)
+    with pytest.raises(ConfigError) as e:
+        check_setup(exp, 0, 1, False)
     assert str(e.value) == (f"phases[1].shards: {missing} is not a shard directory; build it with "
                             f"data_prep/build_shards.py or set data.build_if_missing=true with data.build_inputs")
     assert not missing.exists()
@@ -190,8 +189,8 @@ def test_the_ettin_smoke_twin_switches_context_exports_the_theta_and_resumes_exa
         config = json.load(f)
     assert config["rope_parameters"]["rope_theta"] == 40000.0 and config["max_position_embeddings"] == 256
     with open(os.path.join(hf, "README.md")) as f:
-        assert (f"- context-extension (0.25 of the steps): mlm; the shards in `{ext_shards}` (sequence length 128), "
-                "RoPE θ 40000") in f.read()
+        assert (f"- **context-extension** (2 steps, 25% of the run; bidirectional attention; data: "
+                f"`{os.path.basename(ext_shards)}` at sequence length 128, RoPE θ 40000):\n  - MLM: ") in f.read()
     offline = str(tmp_path / "offline")  # from the checkpoint: the theta of the phase that trained step 8
     assert export_checkpoint(RunDir(straight), offline) == 8
     ids = torch.randint(4, 1000, (2, 128), generator=torch.Generator().manual_seed(0))

@@ -14,7 +14,7 @@ from helpers import REPO, one_rank_env, rendezvous
 
 from pipeline.config import ConfigError
 from pipeline.experiment import load_experiment
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.train.ds_config import resolve_ds_config, sharding_note
 
 
@@ -68,10 +68,11 @@ from pipeline.tokenizer import load_tokenizer
 from pipeline.train.ds_config import load_ds_config, resolve_ds_config
 from pipeline.experiment import load_experiment
 from pipeline.train.module import build_engine
+from pipeline.train.preflight import check_model
 deepspeed.init_distributed(dist_backend="gloo")
 exp = load_experiment(None, ["optim.weight_decay=0.1"])
-_, engine = build_engine(exp, resolve_ds_config(load_ds_config(sys.argv[1]), exp, 1, False),
-                         load_tokenizer(exp.data.tokenizer), False, attn_implementation="sdpa", fused="none")
+ds = resolve_ds_config(load_ds_config(sys.argv[1]), exp, 1, False)
+_, engine = build_engine(exp, ds, check_model(exp, load_tokenizer(exp.data.tokenizer), ds, cuda=False), fused="none")
 zero = engine.optimizer  # ZeRO-3 keeps each group's (partitioned) parameters in fp16_groups
 print(json.dumps({"optimizer": type(zero.optimizer).__name__,
                   "groups": [[g["weight_decay"], sum(p.ds_numel for p in params)]
@@ -91,7 +92,7 @@ def test_ds_config_optimizer_skips_weight_decay_on_norms(tokenizer):
                               env=one_rank_env(rdzv), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    lm = build_model("tiny", tokenizer.info.vocab_size)
+    lm = build_model(model_spec("tiny", tokenizer.info.vocab_size))
     norms = sum(p.numel() for p in lm.parameters() if p.ndim == 1)
     assert result["optimizer"] == "DeepSpeedCPUAdam"
     decayed = {wd: sum(n for w, n in result["groups"] if w == wd) for wd, _ in result["groups"]}

@@ -16,10 +16,11 @@ from helpers import REPO, ZERO1, ZERO3, one_rank_env, rendezvous
 
 from pipeline.config import ConfigError
 from pipeline.experiment import load_experiment
-from pipeline.model.build import build_model
+from pipeline.model.build import build_model, model_spec
 from pipeline.planner.estimates import model_states
+from pipeline.train.compiling import check_compile
 from pipeline.train.ds_config import load_ds_config
-from pipeline.train.module import build_device, check_compile
+from pipeline.train.module import build_device
 
 ZERO1_DEEPCOMPILE = os.path.join(REPO, "ds_configs", "zero1_deepcompile.json")
 
@@ -36,18 +37,18 @@ from pipeline.tokenizer import load_tokenizer
 from pipeline.train.ds_config import load_ds_config, resolve_ds_config
 from pipeline.train.module import build_engine
 from pipeline.train.phases import build_objectives
+from pipeline.train.preflight import check_model
 from pipeline.train.step import train_step
 from deepspeed.utils import z3_leaf_module
 cuda = os.environ.get("DS_ACCELERATOR") != "cpu"
 deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-exp = load_experiment(None, json.loads(sys.argv[1]))
+exp = load_experiment(None, [*json.loads(sys.argv[1]), f"model.dtype={sys.argv[2]}", "model.attn_implementation=sdpa"])
 bf16 = sys.argv[2] == "bf16"
 tok = load_tokenizer(exp.data.tokenizer)
 objectives = build_objectives(exp.phases[0], tok)
 ds = resolve_ds_config(load_ds_config(sys.argv[3]), exp, 1, bf16)
 torch.manual_seed(0)
-lm, engine = build_engine(exp, ds, tok, bf16, [o.objective for o in objectives], attn_implementation="sdpa",
-                         fused="none")
+lm, engine = build_engine(exp, ds, check_model(exp, tok, ds, cuda), [o.objective for o in objectives], fused="none")
 g = torch.Generator().manual_seed(1)
 ids = torch.randint(10, tok.info.vocab_size, (2, 48), generator=g)
 doc_ids = torch.zeros(2, 48, dtype=torch.int32)
@@ -89,12 +90,12 @@ def engine_steps(overrides: list[str], dtype: str = "fp32", ds_config: str = ZER
 @pytest.mark.e2e
 def test_compiled_checkpointed_layers_under_zero3_have_no_graph_breaks_and_train_like_eager():
     """A ZeRO-3 engine of one objective a phase makes the decoder layer a leaf module, so its hooks gather the
-    whole layer outside the compiled forward: dynamo compiles each layer, selective activation checkpointing
-    included, without a break (one per Linear otherwise), and the losses equal eager ones (observed within 1e-7
-    relative; inductor reorders fp32 sums)."""
+    whole layer outside the compiled forward: dynamo compiles each layer, activation checkpointing included (full:
+    selective with compile is refused, ``check_compile``), without a break (one per Linear otherwise), and the
+    losses equal eager ones (observed within 1e-7 relative; inductor reorders fp32 sums)."""
     eager = engine_steps(["model.compile=false"])
     assert eager["leaf_layers"] == [True, True] and eager["compiled_graphs"] == 0
-    compiled = engine_steps(["model.compile=true", "model.activation_checkpointing=selective"])
+    compiled = engine_steps(["model.compile=true", "model.activation_checkpointing=true"])
     assert compiled["compiled_graphs"] > 0 and compiled["graph_breaks"] == 0
     for ours, theirs in zip(compiled["losses"], eager["losses"], strict=True):
         assert abs(ours - theirs) <= 1e-4 * abs(theirs), (compiled["losses"], eager["losses"])
@@ -125,7 +126,7 @@ def test_models_below_zero3_are_built_on_the_engines_device():
     assert build_device({"zero_optimization": {"stage": 3}}) is None
     assert build_device({"zero_optimization": {"stage": 1}}) == torch.device(get_accelerator().current_device_name())
     with torch.device("meta"):
-        model = build_model("tiny", 64)
+        model = build_model(model_spec("tiny", 64))
     assert {p.device.type for p in model.parameters()} == {"meta"}
 
 
@@ -139,7 +140,7 @@ def test_deepcompile_without_cuda_is_a_config_error():
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepCompile runs on CUDA only (DeepSpeed 0.19.7)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepCompile runs on CUDA only (DeepSpeed 0.19.8)")
 def test_deepcompile_engine_trains_like_the_plain_one():
     """ds_configs/zero1_deepcompile.json: the engine compiles the whole module with DeepSpeed's passes, and its
     bf16 losses over 3 steps stay within 1e-2 relative of the plain ZeRO-1 engine's (inductor reorders bf16 sums)."""

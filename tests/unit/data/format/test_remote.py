@@ -14,10 +14,11 @@ import pytest
 from helpers import http_server, launch_training, logged_steps, make_shard_dir, one_error
 
 from pipeline.config import ConfigError
-from pipeline.data.format.index import load_index
+from pipeline.data.format.index import check_shard_sizes, load_index
 from pipeline.data.format.remote import RemoteError, ShardStore
+from pipeline.data.format.tar_shard import ShardCorrupt
 from pipeline.data.loading.batch import Batch
-from pipeline.data.loading.loader import ShardCorrupt, ShardLoader, check_shard_sizes, iter_eval
+from pipeline.data.loading.loader import ShardLoader, iter_eval
 from pipeline.data.prep import inspection
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
@@ -175,9 +176,9 @@ def test_url_without_shards_is_a_config_error_and_nothing_is_built(tmp_path, mon
     with http_server(str(tmp_path / "empty")) as server:
         exp = load_experiment(None, [f"run_dir={tmp_path / 'run'}", f"data.shards={server.url}/s"])
         with pytest.raises(ConfigError, match=rf"^data.shards: {server.url}/s has no manifest.json, and shards are "
-                                              r"never built at a URL"), contextlib.ExitStack() as held:
-            check_setup(exp, 0, 1, False, held)
-    assert sorted(os.listdir(tmp_path)) == ["empty", "run"]  # no "http:" directory
+                                              r"never built at a URL"):
+            check_setup(exp, 0, 1, False)
+    assert sorted(os.listdir(tmp_path)) == ["empty"]  # no "http:" directory, and no run directory
 
 
 @pytest.mark.e2e

@@ -15,7 +15,7 @@ from pipeline.data.format.index import job_manifest_name, load_index
 from pipeline.data.format.sample import UNMASKABLE, Sample
 from pipeline.data.format.tar_shard import ShardReader
 from pipeline.data.loading.batch import collate
-from pipeline.data.loading.loader import ShardLoader, check_compatible, check_enough_samples, iter_eval
+from pipeline.data.loading.loader import ShardLoader, iter_eval
 from pipeline.data.loading.order import BatchWarmup
 from pipeline.data.loading.permutation import permute
 
@@ -128,21 +128,7 @@ def test_load_state_errors(index, tmp_path):
         ShardLoader(index, 4).load_state_dict({"epoch": 0})
 
 
-def test_check_compatible(index):
-    check_compatible(index, "test-tokenizer", 32)
-    with pytest.raises(ValueError, match="'test-tokenizer', the experiment's tokenizer has 'llama'.*rebuild"):
-        check_compatible(index, "llama", 32)
-    with pytest.raises(ValueError, match="seq_len 32, the experiment uses 64.*point the experiment"):
-        check_compatible(index, "test-tokenizer", 64)
-
-
-def test_too_small_or_inconsistent_directory(index, tmp_path):
-    with pytest.raises(ValueError, match="37 samples, fewer than one global batch of 40"):
-        check_enough_samples(index, 10 * 2 * 2)  # micro_batch 10 x grad_accum 2 x dp_world 2: preflight's check
-    check_enough_samples(index, 37)
-    with pytest.raises(ValueError, match=r"37 samples, 33 of them for training \(4 held out\), fewer than one global "
-                                         r"batch of 36"):
-        check_enough_samples(index, 36, num_samples=33)
+def test_a_shard_holding_other_samples_than_its_manifest_says_is_refused(tmp_path):
     directory = make_shard_dir(tmp_path, num_samples=8, samples_per_shard=8)
     path = os.path.join(directory, job_manifest_name(0))
     with open(path) as f:

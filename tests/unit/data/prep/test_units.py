@@ -1,4 +1,4 @@
-"""Sentence/paragraph units: splitting, the unit sample layout, the optional paraphrase member through shards,
+"""Sentence/paragraph units: the unit sample layout, the optional paraphrase member through shards,
 Sample.validate and collate, and build_shards' unit mode on the sample corpus."""
 
 from __future__ import annotations
@@ -10,48 +10,17 @@ import pytest
 from helpers import make_shard_dir
 from shard_corpus import TOKENIZER, documents, write_jsonl_zst
 
-from pipeline.data.format.index import load_index
+from pipeline.data.format.index import check_shard_kind, load_index
 from pipeline.data.format.sample import Sample
 from pipeline.data.format.tar_shard import ShardReader, ShardWriter
+from pipeline.data.format.units import split_units
 from pipeline.data.loading.batch import collate
-from pipeline.data.loading.loader import ShardLoader, check_shard_kind
+from pipeline.data.loading.loader import ShardLoader
 from pipeline.data.prep import build_cli
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig, BuildError
 from pipeline.data.prep.build_sample import PlanSettings, make_sample
-from pipeline.data.prep.units import split_units, unit_sample
-
-DOC = """SCENE II. A Camp near Forres.
-
-[Alarum within.]
-  \t
-DUNCAN.
-What bloody man is that? He can report,
-As seemeth by his plight, of the revolt
-The newest state.
-
-MALCOLM.
-"Hail, brave friend!" Say to the king the knowledge (of the broil.) As thou didst leave it"""
-
-
-def test_paragraphs_are_blocks_between_blank_lines():
-    assert split_units(DOC, "paragraph") == [
-        "SCENE II. A Camp near Forres.",
-        "[Alarum within.]",
-        "DUNCAN.\nWhat bloody man is that? He can report,\nAs seemeth by his plight, of the revolt\nThe newest state.",
-        'MALCOLM.\n"Hail, brave friend!" Say to the king the knowledge (of the broil.) As thou didst leave it',
-    ]
-
-
-def test_sentences_end_at_punctuation_and_flatten_line_breaks():
-    assert split_units(DOC, "sentence") == [
-        "SCENE II.", "A Camp near Forres.", "[Alarum within.]", "DUNCAN.", "What bloody man is that?",
-        "He can report, As seemeth by his plight, of the revolt The newest state.", "MALCOLM.",
-        '"Hail, brave friend!"', "Say to the king the knowledge (of the broil.)", "As thou didst leave it"]
-    assert split_units("  \n\n ", "sentence") == [] and split_units("no end", "sentence") == ["no end"]
-    assert split_units(" A. B.\n\nC ", "record") == ["A. B.\n\nC"] and split_units(" ", "record") == []
-    with pytest.raises(ValueError, match="unit mode must be one of sentence, paragraph, record, got 'line'"):
-        split_units(DOC, "line")
+from pipeline.data.prep.units import unit_sample
 
 
 def test_unit_sample_wraps_pads_and_truncates():

@@ -1,0 +1,93 @@
+"""The model card's account of training in words: what each phase's objectives did (masking ratio and policy,
+contrastive views, loss weights), on which data, for how many steps, and the optimiser around them."""
+
+from __future__ import annotations
+
+from pipeline.experiment import ExperimentConfig
+from pipeline.export.hub import local_name
+from pipeline.objectives import (
+    OBJECTIVES,
+    MagnetConfig,
+    MaskedConfig,
+    ObjectiveConfig,
+    SimCSEConfig,
+    SSCLConfig,
+    SupervisedConfig,
+)
+
+POLICIES = {"80-10-10": "80% replaced by the mask token, 10% by a random token, 10% kept",
+            "mask": "all replaced by the mask token"}
+PREDICTS = {"mlm": "each predicted at its own position (BERT)",
+            "mntp": "each predicted from the position before it (LLM2Vec's masked next-token prediction)"}
+
+
+def _masking(o: MaskedConfig) -> str:
+    """The masked share of tokens, across the phase when a schedule changes it, and the replacement policy."""
+    s = o.ratio_schedule
+    if s.shape in ("linear", "cosine"):
+        start, end = s.window
+        span = "over the phase" if (start, end) == (0.0, 1.0) else f"between {start:.0%} and {end:.0%} of the phase"
+        change = f" (going to {s.final:.0%}, {s.shape}, {span})"
+    elif s.shape == "step":
+        change = " (then " + ", ".join(f"{r:.0%} from {f:.0%} of the phase" for f, r in s.steps) + ")"
+    else:
+        change = ""
+    token = f" (mask token {o.mask_token!r})" if o.mask_token else ""
+    return f"{o.ratio:.0%} of the tokens masked{change}, {POLICIES[o.policy]}{token}"
+
+
+def objective_words(o: ObjectiveConfig) -> str:
+    """One objective as a sentence fragment."""
+    if o.name == "clm":
+        text = "causal language modelling: every token predicted from the ones before it"
+    elif isinstance(o, MagnetConfig):
+        text = (f"MAGNET: masked next-token prediction on the context ({_masking(o)}; weight {o.mntp_weight:g}) and "
+                f"generation of the missing spans from the context (weight {o.msg_weight:g}) in one pass")
+    elif isinstance(o, MaskedConfig):
+        text = f"{o.name.upper()}: {_masking(o)}, {PREDICTS[o.name]}"
+    elif isinstance(o, SimCSEConfig):
+        text = (f"unsupervised SimCSE: each sentence against its own copy under other dropout, the batch's other "
+                f"sentences the negatives (InfoNCE on mean-pooled states, scale {o.scale:g})")
+    elif isinstance(o, SSCLConfig):
+        text = (f"MAGNET's self-supervised contrastive learning: each sentence against its {o.augment} view, "
+                f"both after the instruction {o.instruction!r} (InfoNCE on the last token, scale {o.scale:g})")
+    elif isinstance(o, SupervisedConfig):
+        negatives = "its hard negatives and the batch's other positives" if o.hard_negatives else \
+            "the batch's other positives"
+        text = (f"supervised contrastive learning: each query against its positive, {negatives} the negatives "
+                f"(InfoNCE, scale {o.scale:g})")
+    else:  # an objective added without words here still gets a line
+        text = o.name
+    return text + (f"; loss weight {o.weight:g}" if o.weight != 1 else "")
+
+
+def _data(exp: ExperimentConfig, i: int, o: ObjectiveConfig) -> str:
+    kind = OBJECTIVES[o.name].shard_kind
+    if kind == "units":
+        return f"sentence units of `{local_name(exp.data.unit_shards)}`"
+    if kind == "pairs":
+        return f"training pairs of `{local_name(exp.data.pair_shards)}`"
+    data = exp.phase_data(i)
+    theta = f", RoPE θ {data.rope_theta:g}" if data.rope_theta is not None else ""
+    return f"`{local_name(data.shards)}` at sequence length {data.seq_len}{theta}"
+
+
+def phases(exp: ExperimentConfig) -> str:
+    """A Markdown list: each phase's steps, attention, objectives and data."""
+    lines = []
+    for i, (p, steps) in enumerate(zip(exp.phases, exp.phase_lengths())):
+        causal = all(OBJECTIVES[o.name].causal for o in p.objectives)
+        data = sorted({_data(exp, i, o) for o in p.objectives})
+        lines.append(f"- **{p.name}** ({steps} steps, {p.share:.0%} of the run; "
+                     f"{'causal' if causal else 'bidirectional'} attention; data: {', '.join(data)}):\n"
+                     + "\n".join(f"  - {objective_words(o)}" for o in p.objectives))
+    return "\n".join(lines)
+
+
+def optimiser(exp: ExperimentConfig) -> str:
+    """The optimiser and learning-rate schedule in one sentence."""
+    o, steps = exp.optim, exp.train.steps
+    decay = f", {o.decay(steps)} decay steps" if o.schedule == "wsd" else ""
+    return (f"AdamW (peak learning rate {o.lr:g}, weight decay {o.weight_decay:g}), {o.schedule} schedule with "
+            f"{o.warmup(steps)} warmup steps{decay}; {exp.train.micro_batch} samples per rank per micro-step, "
+            f"{exp.train.grad_accum} micro-step(s) per step; seed {exp.train.seed}.")

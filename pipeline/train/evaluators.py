@@ -1,0 +1,65 @@
+"""Evaluators during training (``eval.evaluators``), as sentence-transformers' ``evaluator=``: tasks of
+``launch/evaluate.py`` (STS, zero-shot retrieval, clustering, infilling, repetition) run on the model being trained
+at every validation, beside the loss probes, and logged to every tracker as ``eval/<headline key>``.
+
+Each task runs through the evaluation code itself (:data:`pipeline.eval.registry.TASKS`) on an
+:class:`~pipeline.eval.load.EvalModel` that wraps the engine's model with the run's record (the attention, pooling
+and layout its export records) and ``launch/evaluate.py``'s defaults (seed, batch sizes), so a score equals that
+command's on the step's checkpoint (``--step N``). Every rank runs every task: ``encode()`` splits its batches over
+the ranks and keeps them in step under ZeRO-3 (:func:`pipeline.eval.ranks.lockstep`), the generation tasks run the
+same forwards on every rank, and every rank gets the same scores. The RNG state of training is put back after, so
+evaluating does not change what the run trains on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeline.eval.encode import MAX_TOKENS
+from pipeline.eval.load import EvalModel
+from pipeline.eval.registry import TASKS
+from pipeline.eval.task import EvalContext
+from pipeline.experiment import EvaluatorConfig
+from pipeline.export.record import EncoderRecord
+from pipeline.tokenizer import Tokenizer
+
+BATCH_SIZE, SEED = 16, 0  # launch/evaluate.py's --batch-size and --seed defaults
+
+
+@dataclass
+class TrainingEvaluators:
+    configs: list[EvaluatorConfig]
+    options: list[Any]  # each task's typed options
+    tokenizer: Tokenizer
+    record: EncoderRecord  # how the run's export reads the model (pipeline.export.record.from_experiment)
+    run_dir: str
+
+    @classmethod
+    def build(cls, configs: list[EvaluatorConfig], tokenizer: Tokenizer, record: EncoderRecord,
+              run_dir: str) -> TrainingEvaluators:
+        return cls(configs, [c.task_options(f"eval.evaluators[{i}]") for i, c in enumerate(configs)], tokenizer,
+                   record, run_dir)
+
+    @torch.no_grad()
+    def run(self, engine, lm: torch.nn.Module, step: int, device: torch.device) -> dict[str, float]:
+        """Collective: every rank calls it at the same step. The tasks' headline scores as ``eval/<key>`` and
+        ``eval/evaluators_seconds``; dropout is off while they run and the engine is back in train mode after."""
+        started = time.time()
+        model = EvalModel(lm=lm, tokenizer=self.tokenizer, hf_dir="", run_dir=self.run_dir, step=step,
+                          record=self.record, attention=self.record.attention)
+        ctx = EvalContext(model, "", BATCH_SIZE, progress=False, seed=SEED, max_tokens=MAX_TOKENS)
+        scalars: dict[str, float] = {}
+        engine.eval()
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                for config, options in zip(self.configs, self.options):
+                    torch.manual_seed(SEED)  # as launch/evaluate.py seeds each task
+                    task = TASKS[config.task]
+                    scalars |= {f"eval/{k}": float(v) for k, v in task.headline(task.run(ctx, options)).items()}
+        finally:
+            engine.train()
+        return scalars | {"eval/evaluators_seconds": time.time() - started}

