@@ -49,6 +49,7 @@ def main() -> None:
     from pipeline.train.checkpoint import Checkpointer
     from pipeline.train.distributed import single_process_env
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
+    from pipeline.train.engine_spec import engine_spec
     from pipeline.train.module import build_engine
     from pipeline.train.phases import build_objectives
     from pipeline.train.preflight import check_model
@@ -61,7 +62,7 @@ def main() -> None:
                                  f"train.micro_batch={args.micro_batch}", "checkpoint.keep_last=1"])
     tokenizer = load_tokenizer(exp.data.tokenizer)
     ds = resolve_ds_config(load_ds_config(args.ds_config), exp, 1, bf16=False)
-    _, engine = build_engine(exp, ds, check_model(exp, tokenizer, ds, cuda=False), fused="none")
+    _, engine = build_engine(ds, check_model(exp, tokenizer, ds, cuda=False), engine_spec(exp, cuda=False))
     objectives = build_objectives(exp.phases[0], tokenizer)
     shape = (args.micro_batch, args.seq_len)
     generator = torch.Generator().manual_seed(0)

@@ -225,8 +225,8 @@ def run(args: argparse.Namespace) -> None:
 
     # (a): the same model, optimizer and LR schedule as the trainer's engine, HF's model as the engine's module
     ds = prepared.ds_config()
-    lm, _bare_module, optimizer = build_train_model(exp, ds, prepared.model, [clm.objective],
-                                                    fused=prepared.fused)  # the module holds HfDeepSpeedConfig
+    lm, _bare_module, optimizer = build_train_model(ds, prepared.model, prepared.engine,
+                                                    [clm.objective])  # the module holds HfDeepSpeedConfig
     bare_engine, *_ = deepspeed.initialize(model=lm, **optimizer, lr_scheduler=lr_scheduler(steps, exp.optim),
                                            config=ds)
     bare = TimedEngine(bare_engine)

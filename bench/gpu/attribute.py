@@ -162,7 +162,7 @@ def opened_engine(cfg: RunConfig, data: Data, work: str, device):
     from pipeline.experiment import load_experiment
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
-    from pipeline.train.kernels import fused_kind
+    from pipeline.train.engine_spec import engine_spec
     from pipeline.train.module import build_engine
     from pipeline.train.phases import build_objectives
     from pipeline.train.preflight import check_model
@@ -173,8 +173,8 @@ def opened_engine(cfg: RunConfig, data: Data, work: str, device):
     objectives = build_objectives(exp.phases[0], tokenizer)
     ds = resolve_ds_config(load_ds_config(os.path.join(REPO, cfg.ds_config)), exp, 1, cfg.bf16)
     # the trainer's own engine: built on the GPU below ZeRO-3, DeepCompile'd where the JSON asks for it
-    lm, engine = build_engine(exp, ds, check_model(exp, tokenizer, ds, cuda), [o.objective for o in objectives],
-                              fused=fused_kind(exp.optim, cuda))
+    lm, engine = build_engine(ds, check_model(exp, tokenizer, ds, cuda), engine_spec(exp, cuda),
+                              [o.objective for o in objectives])
     loader = ShardLoader(load_index(data.shards), cfg.micro_batch, cfg.grad_accum, 0, 1, exp.train.seed, cfg.workers,
                          pin_memory=cuda)
     try:

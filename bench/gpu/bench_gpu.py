@@ -334,7 +334,7 @@ def measure_presets(settings: Settings, device, work: str, ds_raw: dict, peak: f
     from pipeline.experiment import load_experiment
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import resolve_ds_config
-    from pipeline.train.kernels import fused_kind
+    from pipeline.train.engine_spec import engine_spec
     from pipeline.train.module import build_train_model
     from pipeline.train.phases import build_objectives
     from pipeline.train.preflight import check_model
@@ -366,9 +366,8 @@ def measure_presets(settings: Settings, device, work: str, ds_raw: dict, peak: f
         engine = loader = None
         try:
             t0 = time.time()
-            lm, module, optimizer = build_train_model(exp, ds, check_model(exp, tokenizer, ds, cuda),
-                                                      [o.objective for o in built.values()],
-                                                      fused=fused_kind(exp.optim, cuda))
+            lm, module, optimizer = build_train_model(ds, check_model(exp, tokenizer, ds, cuda),
+                                                      engine_spec(exp, cuda), [o.objective for o in built.values()])
             engine, *_ = deepspeed.initialize(model=module, **optimizer, config=ds)
             print(f"{preset}: engine built in {time.time() - t0:.0f} s", flush=True)
             loader = ShardLoader(index, micro, 1, 0, 1, exp.train.seed, settings.workers, pin_memory=cuda)

@@ -195,7 +195,7 @@ def _engine(stage: int):
     from pipeline.experiment import SAMPLE_DIR, PhaseSpec, load_experiment
     from pipeline.tokenizer import load_tokenizer
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
-    from pipeline.train.kernels import fused_kind
+    from pipeline.train.engine_spec import engine_spec
     from pipeline.train.module import build_engine
     from pipeline.train.phases import build_objectives
     from pipeline.train.preflight import check_model
@@ -206,8 +206,8 @@ def _engine(stage: int):
     tokenizer = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
     objectives = build_objectives(from_dict(PhaseSpec, {"objectives": [{"name": "clm"}]}), tokenizer)
     ds = resolve_ds_config(load_ds_config(os.path.join(REPO, "ds_configs", f"zero{stage}.json")), exp, 1, cuda)
-    lm, engine = build_engine(exp, ds, check_model(exp, tokenizer, ds, cuda), [o.objective for o in objectives],
-                              fused=fused_kind(exp.optim, cuda))
+    lm, engine = build_engine(ds, check_model(exp, tokenizer, ds, cuda), engine_spec(exp, cuda),
+                              [o.objective for o in objectives])
     return engine, objectives, tokenizer
 
 

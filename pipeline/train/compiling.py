@@ -1,7 +1,7 @@
 """How the model compiles, decided in preflight (:func:`check_compile`, :func:`body_compiles`) from the experiment
 and the resolved DeepSpeed config: DeepCompile (the engine compiles the whole module) or each decoder layer
 (``model.compile``), and whether the decoder layers may be ZeRO-3 leaf modules (:func:`leaf_layers`), which the
-engine (``pipeline.train.module.build_engine``) also reads. DeepSpeed is imported only where DeepCompile is asked
+engine's spec carries (``pipeline.train.engine_spec``). DeepSpeed is imported only where DeepCompile is asked
 for, so preflight stays light."""
 
 from __future__ import annotations

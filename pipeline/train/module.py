@@ -1,7 +1,7 @@
 """The engine around the model: the model as the DeepSpeed engine sees it (:class:`TrainModule`), its optimizer,
 and the engine itself (:func:`build_engine`). The model is preflight's spec built by
-:func:`pipeline.model.build.build_model`; this module adds what training needs around it and checks nothing (the
-HF export: :mod:`pipeline.train.export`)."""
+:func:`pipeline.model.build.build_model`, the engine preflight's :class:`~pipeline.train.engine_spec.EngineSpec`; this module adds what training
+needs around the model and checks nothing (the HF export: :mod:`pipeline.train.export`)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from deepspeed.utils import set_z3_leaf_modules
 from torch import nn
 from transformers.integrations import HfDeepSpeedConfig
 
-from pipeline.experiment import ExperimentConfig, OptimConfig
+from pipeline.experiment import OptimConfig
 from pipeline.model.build import ModelSpec, build_model
 from pipeline.model.moe import ROUTER_AUX, router_aux_scope
 from pipeline.model.weight_decay import param_groups
 from pipeline.train.async_checkpoint import WeightsOnlyLoads
-from pipeline.train.compiling import deepcompile, leaf_layers
+from pipeline.train.compiling import deepcompile
 from pipeline.train.deepspeed_ops import arch_list_for_deepspeed
+from pipeline.train.engine_spec import EngineSpec
 from pipeline.train.schedule import lr_scheduler
 
 
@@ -83,15 +84,13 @@ def build_device(ds: dict) -> torch.device | None:
     return None if stage3 else torch.device(get_accelerator().current_device_name())
 
 
-def build_train_model(exp: ExperimentConfig, ds: dict, model: ModelSpec, objectives=(), *, fused: str,
-                      router_aux_coef: float | None = None):
+def build_train_model(ds: dict, model: ModelSpec, engine: EngineSpec, objectives=()):
     """(HF model, engine module, the optimizer arguments of ``deepspeed.initialize``): the model preflight
     specified (``model``, :func:`~pipeline.model.build.build_model`), built where the engine wants it (under ZeRO-3
     partitioned as it is constructed), the objectives' trainable heads attached (so the engine partitions and
-    optimises them too), the layers made ZeRO-3 leaf modules where they may be, and the router loss weighted by
-    ``router_aux_coef`` (an MoE model's, preflight's). The optimizer arguments are the client optimizer, or, when
-    the DeepSpeed config builds its own (CPU Adam for offload), the parameter groups it optimises: either way
-    weight decay skips the norms."""
+    optimises them too), the layers made ZeRO-3 leaf modules where ``engine`` says they may be, and an MoE model's
+    router loss weighted. The optimizer arguments are the client optimizer, or, when the DeepSpeed config builds
+    its own (CPU Adam for offload), the parameter groups it optimises: either way weight decay skips the norms."""
     stage3 = ds.get("zero_optimization", {}).get("stage") == 3
     # Alive during construction, HfDeepSpeedConfig makes from_config/from_pretrained build the model partitioned
     # under zero.Init while keeping HF's weight init; kept on the module so the weak reference stays valid.
@@ -100,15 +99,15 @@ def build_train_model(exp: ExperimentConfig, ds: dict, model: ModelSpec, objecti
     lm.train()  # from_pretrained returns the model in eval mode: dropout (SimCSE's positives) would be off
     for objective in objectives:
         objective.attach(lm)
-    if stage3 and leaf_layers(exp):  # gather each layer whole in its own hook: one hook per layer instead of one per
-        # Linear, norm and rotary module inside it, and, ZeRO-3's hooks being compiler-disabled, no graph break in a
-        # compiled layer
+    if stage3 and engine.leaf_layers:  # gather each layer whole in its own hook: one hook per layer instead of one
+        # per Linear, norm and rotary module inside it, and, ZeRO-3's hooks being compiler-disabled, no graph break
+        # in a compiled layer
         set_z3_leaf_modules(lm, list({type(layer) for layer in lm.model.layers}))
-    module = TrainModule(lm, router_aux_coef)
+    module = TrainModule(lm, engine.router_aux_coef)
     module._hf_ds_config = hf_ds
-    groups = param_groups(module, exp.optim.weight_decay)
+    groups = param_groups(module, engine.optim.weight_decay)
     optimizer = {"model_parameters": groups} if "optimizer" in ds else {
-        "optimizer": build_optimizer(groups, exp.optim, fused)}
+        "optimizer": build_optimizer(groups, engine.optim, engine.fused)}
     return lm, module, optimizer
 
 
@@ -123,14 +122,14 @@ def parameter_line(model: nn.Module) -> str:
     return f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}"
 
 
-def build_engine(exp: ExperimentConfig, ds: dict, model: ModelSpec, objectives=(), *, fused: str,
-                 router_aux_coef: float | None = None) -> tuple[nn.Module, deepspeed.DeepSpeedEngine]:
-    """(HF model, the DeepSpeed engine that trains it with the experiment's LR schedule): :func:`build_train_model`
-    initialised, compiled by DeepCompile when the DeepSpeed config asks for it (preflight checked that it can)."""
-    lm, module, optimizer = build_train_model(exp, ds, model, objectives, fused=fused, router_aux_coef=router_aux_coef)
-    engine, *_ = deepspeed.initialize(model=module, **optimizer, lr_scheduler=lr_scheduler(exp.train.steps, exp.optim),
-                                      config=ds)
-    engine.checkpoint_engine = WeightsOnlyLoads(engine.checkpoint_engine)  # a resume runs no code from the files
+def build_engine(ds: dict, model: ModelSpec, engine: EngineSpec,
+                 objectives=()) -> tuple[nn.Module, deepspeed.DeepSpeedEngine]:
+    """(HF model, the DeepSpeed engine that trains it with the LR schedule): :func:`build_train_model` initialised,
+    compiled by DeepCompile when the DeepSpeed config asks for it (preflight checked that it can)."""
+    lm, module, optimizer = build_train_model(ds, model, engine, objectives)
+    initialized, *_ = deepspeed.initialize(model=module, **optimizer, config=ds,
+                                           lr_scheduler=lr_scheduler(engine.steps, engine.optim))
+    initialized.checkpoint_engine = WeightsOnlyLoads(initialized.checkpoint_engine)  # a resume runs no code from files
     if deepcompile(ds):
-        engine.compile()
-    return lm, engine
+        initialized.compile()
+    return lm, initialized

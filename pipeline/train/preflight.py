@@ -54,7 +54,8 @@ from pipeline.train.agreement import PreflightFailed, agreed, check_same_run
 from pipeline.train.batch_warmup import batch_warmup
 from pipeline.train.compiling import body_compiles, check_compile
 from pipeline.train.ds_config import resolve_ds_config
-from pipeline.train.kernels import attn_implementation, fused_kind, model_dtype
+from pipeline.train.engine_spec import EngineSpec, engine_spec
+from pipeline.train.kernels import attn_implementation, model_dtype
 from pipeline.train.phases import WeightedObjective, build_objectives, shard_kind_readers
 from pipeline.train.run_setup import (
     ResumePoint,
@@ -86,9 +87,8 @@ class Prepared:
     objectives: tuple[tuple[WeightedObjective, ...], ...]  # per phase
     record: EncoderRecord  # what the run's HF export says of how to read the model
     model: ModelSpec  # the model to build: config, weights, dtype, attention, LoRA, checkpointing, compile
-    fused: str  # the AdamW kernel (kernels.fused_kind)
+    engine: EngineSpec  # the engine around it: optimizer, LR schedule, AdamW kernel, leaf layers, router loss
     resolved_ds: dict  # the DeepSpeed config resolved against the experiment: read it through :meth:`ds_config`
-    router_aux_coef: float | None = None  # an MoE model's weight of its routers' loss (None: a dense model)
     resume: ResumePoint | None = None  # where the run resumes (None: it starts at step 0)
     half_written: tuple[int, ...] = ()  # steps of checkpoint directories without COMPLETE, which a killed run left
     probes: tuple[WeightedObjective, ...] = ()  # validation's probes (eval.every and eval.probes)
@@ -199,8 +199,8 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, ds: di
     validation_probes = _probes(exp.eval, tokenizer) if exp.eval.every and exp.eval.probes else []
     for i, evaluator in enumerate(exp.eval.evaluators):
         evaluator.check_files(f"eval.evaluators[{i}]")
-    return Prepared(tokenizer, objectives, from_experiment(exp, tokenizer), model, fused_kind(exp.optim, cuda),
-                    resolved, coef, resume_point(exp, world), half_written(exp.run_dir), tuple(validation_probes),
+    return Prepared(tokenizer, objectives, from_experiment(exp, tokenizer), model, engine_spec(exp, cuda, coef),
+                    resolved, resume_point(exp, world), half_written(exp.run_dir), tuple(validation_probes),
                     batch_warmup(exp.train, world))
 
 

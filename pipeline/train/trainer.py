@@ -88,8 +88,7 @@ class Trainer:
         torch.manual_seed(exp.train.seed)
         tokenizer, objectives, index = prepared.tokenizer, prepared.objectives, prepared.indexes["packed"]
         ds = prepared.ds_config()
-        lm, engine = build_engine(exp, ds, prepared.model, [o.objective for p in objectives for o in p],
-                                  fused=prepared.fused, router_aux_coef=prepared.router_aux_coef)
+        lm, engine = build_engine(ds, prepared.model, prepared.engine, [o.objective for p in objectives for o in p])
         if rank == 0:
             print(f"model {exp.model.init}: {parameter_line(engine.module)}", flush=True)
             note = sharding_note(ds, world, device.type == "cuda")

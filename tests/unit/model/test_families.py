@@ -122,6 +122,7 @@ from helpers import packed_text_batch, unit_text_batch
 from pipeline.config import from_dict
 from pipeline.tokenizer import load_tokenizer
 from pipeline.experiment import ExperimentConfig
+from pipeline.train.engine_spec import engine_spec
 from pipeline.train.module import build_train_model
 from pipeline.train.phases import build_objectives
 from pipeline.train.preflight import check_model, router_loss_coef
@@ -144,8 +145,8 @@ for family, path in json.loads(sys.argv[3]).items():
     exp = from_dict(ExperimentConfig, {"model": {"init": path, "attention_dropout": 0.1, "attn_implementation": impl},
                                        "data": {"tokenizer": sys.argv[2], "seq_len": 32}})
     model = check_model(exp, tok, ds, cuda=False)
-    lm, module, _ = build_train_model(exp, ds, model, [o.objective for o in objectives], fused="none",
-                                      router_aux_coef=router_loss_coef(exp, model.config, (tuple(objectives),)))
+    coef = router_loss_coef(exp, model.config, (tuple(objectives),))
+    lm, module, _ = build_train_model(ds, model, engine_spec(exp, False, coef), [o.objective for o in objectives])
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=ds)
     embed = lm.get_input_embeddings().weight
     experts = [p for n, p in lm.named_parameters() if ".experts." in n]  # an MoE model's routed experts

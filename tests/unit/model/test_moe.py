@@ -29,6 +29,7 @@ from pipeline.model.attention import attention_inputs
 from pipeline.model.build import MOE_ARCHITECTURES, build_model, model_spec, start_checkpoint_config
 from pipeline.model.flops import flops_per_token, param_counts
 from pipeline.model.moe import ROUTER_AUX, load_balancing_loss, num_experts, router_aux_scope
+from pipeline.train.engine_spec import engine_spec
 from pipeline.train.module import build_train_model
 from pipeline.train.phases import build_objectives
 from pipeline.train.preflight import check_model, router_loss_coef
@@ -92,8 +93,8 @@ def engine_of(path: str, tokenizer, steps_done: dict | None = None, coef: float 
     objectives = build_objectives(from_dict(PhaseSpec, {"objectives": [{"name": "mntp", "ratio": 0.3}]}), tokenizer)
     model = check_model(exp, tokenizer, {}, cuda=False)  # the trainer's preflight: the spec and the router loss
     torch.manual_seed(0)
-    _, module, _ = build_train_model(exp, {}, model, [o.objective for o in objectives], fused="none",
-                                     router_aux_coef=router_loss_coef(exp, model.config, (tuple(objectives),)))
+    coef = router_loss_coef(exp, model.config, (tuple(objectives),))
+    _, module, _ = build_train_model({}, model, engine_spec(exp, False, coef), [o.objective for o in objectives])
     engine = RecordingEngine(module)
     if steps_done is not None:
         module.load_state_dict(steps_done["module"])

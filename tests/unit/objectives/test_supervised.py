@@ -265,6 +265,7 @@ from test_supervised import real_batch
 from pipeline.experiment import load_experiment
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.ds_config import load_ds_config, resolve_ds_config
+from pipeline.train.engine_spec import engine_spec
 from pipeline.train.module import build_engine
 from pipeline.train.phases import build_objectives
 from pipeline.train.preflight import check_model
@@ -275,8 +276,8 @@ exp = load_experiment(None, json.loads(sys.argv[1]))
 tok = load_tokenizer(exp.data.tokenizer)
 objectives = build_objectives(exp.phases[0], tok)
 ds = resolve_ds_config(load_ds_config(sys.argv[3]), exp, 2, False)
-_, engine = build_engine(exp, ds, check_model(exp, tok, ds, cuda=False), [o.objective for o in objectives],
-                         fused="none")
+_, engine = build_engine(ds, check_model(exp, tok, ds, cuda=False), engine_spec(exp, cuda=False),
+                         [o.objective for o in objectives])
 micro = [real_batch(sys.argv[2], [f"f000000s{6 * rank + i:08d}" for i in range(m, m + 2)]) for m in (0, 2, 4)]
 grads = {}
 step = engine.step

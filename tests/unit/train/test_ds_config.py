@@ -67,12 +67,14 @@ import deepspeed
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.ds_config import load_ds_config, resolve_ds_config
 from pipeline.experiment import load_experiment
+from pipeline.train.engine_spec import engine_spec
 from pipeline.train.module import build_engine
 from pipeline.train.preflight import check_model
 deepspeed.init_distributed(dist_backend="gloo")
 exp = load_experiment(None, ["optim.weight_decay=0.1"])
 ds = resolve_ds_config(load_ds_config(sys.argv[1]), exp, 1, False)
-_, engine = build_engine(exp, ds, check_model(exp, load_tokenizer(exp.data.tokenizer), ds, cuda=False), fused="none")
+_, engine = build_engine(ds, check_model(exp, load_tokenizer(exp.data.tokenizer), ds, cuda=False),
+                        engine_spec(exp, cuda=False))
 zero = engine.optimizer  # ZeRO-3 keeps each group's (partitioned) parameters in fp16_groups
 print(json.dumps({"optimizer": type(zero.optimizer).__name__,
                   "groups": [[g["weight_decay"], sum(p.ds_numel for p in params)]

@@ -35,6 +35,7 @@ from pipeline.data.loading.batch import Batch
 from pipeline.experiment import load_experiment
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.ds_config import load_ds_config, resolve_ds_config
+from pipeline.train.engine_spec import engine_spec
 from pipeline.train.module import build_engine
 from pipeline.train.phases import build_objectives
 from pipeline.train.preflight import check_model
@@ -48,7 +49,7 @@ tok = load_tokenizer(exp.data.tokenizer)
 objectives = build_objectives(exp.phases[0], tok)
 ds = resolve_ds_config(load_ds_config(sys.argv[3]), exp, 1, bf16)
 torch.manual_seed(0)
-lm, engine = build_engine(exp, ds, check_model(exp, tok, ds, cuda), [o.objective for o in objectives], fused="none")
+lm, engine = build_engine(ds, check_model(exp, tok, ds, cuda), engine_spec(exp, cuda), [o.objective for o in objectives])
 g = torch.Generator().manual_seed(1)
 ids = torch.randint(10, tok.info.vocab_size, (2, 48), generator=g)
 doc_ids = torch.zeros(2, 48, dtype=torch.int32)
