@@ -107,8 +107,11 @@ def test_compiled_checkpointed_layers_under_zero3_have_no_graph_breaks_and_train
 def test_bf16_engines_keep_fp32_gradients_and_master_weights(init_dir):
     """DeepSpeed's CPU accelerator trains bf16. ZeRO-3 accumulates the bf16 model's gradients in fp32 (on one rank
     nothing is reduced, so no fp32 copy is made for communication); ds_configs/zero1.json gets DeepSpeed's BF16
-    optimizer (fp32 gradients and master weights). From the same checkpoint both take the same steps bit for bit
-    (one rank: the same bf16 forward, fp32 gradient sums and AdamW updates of the fp32 master weights)."""
+    optimizer (fp32 gradients and master weights), which the dtypes show. From the same checkpoint both take the
+    same steps (one rank: the same bf16 forward, fp32 gradient sums and AdamW updates of the fp32 master weights):
+    bit for bit on a CPU with native bf16 (AVX-512); within 1e-4 relative where oneDNN emulates bf16 GEMMs (AVX2
+    alone), whose summation order follows the weights' layout, which ZeRO-3's gathered buffers change (observed:
+    1.5e-7 at the 2nd step, 1.2e-5 at the 3rd, as Adam's first steps amplify the gradients' last bits)."""
     start = [f"model.init={init_dir}"]
     zero3 = engine_steps(start, "bf16")
     assert (zero3["communication"], zero3["accumulation"], zero3["master"]) == ("torch.bfloat16",) + ("torch.float32",) * 2
@@ -116,7 +119,7 @@ def test_bf16_engines_keep_fp32_gradients_and_master_weights(init_dir):
     zero1 = engine_steps(start, "bf16", ZERO1)
     assert (zero1["optimizer"], zero1["accumulation"], zero1["master"]) == ("BF16_Optimizer",) + ("torch.float32",) * 2
     assert zero1["leaf_layers"] == [False, False]  # leaf modules are ZeRO-3's only
-    assert zero1["losses"] == zero3["losses"]
+    assert zero1["losses"] == pytest.approx(zero3["losses"], rel=1e-4, abs=0)
     planned = model_states(zero1["params"], 0, 1, False, 1, 1).gpu  # the planner's ZeRO-1: 18 B/param on one GPU
     assert zero1["state_bytes"] == pytest.approx(planned, rel=1e-3)  # (flat buffers pad to an aligned size)
 
