@@ -20,12 +20,60 @@ import importlib.metadata
 import os
 import re
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 ENV = "TORCH_EXTENSIONS_DIR"
 # what a run here JIT-builds first, by DeepSpeed accelerator: the CPU ranks' shared-memory collectives
 # (deepspeed_shm_comm, at init_distributed); DeepSpeed's FusedAdam on CUDA (optim.fused: deepspeed)
 DEFAULT_OPS = {"cpu": ["ShareMemCommBuilder"], "cuda": ["FusedAdamBuilder"]}
+
+
+_held: set[str] = set()  # the build locks this process holds (track_build_locks)
+_after_builds: list[Callable[[], None]] = []  # what runs once it holds none (exit_after_builds)
+_guard = threading.Lock()
+
+
+def track_build_locks() -> None:
+    """Follow the lock file torch's extension builder (``torch.utils.file_baton.FileBaton``) holds while it builds
+    or checks an op: every other process that needs the op waits for that file to go. A rank that exited at once
+    while holding it (a stop in start-up exits with ``os._exit``: USR1 while the CPU collectives op loaded) left it
+    behind for good, and every later start of the run waited on it; :func:`exit_after_builds` defers such an exit
+    to the lock's release. The trainer's ``start_distributed`` calls this before DeepSpeed builds anything."""
+    from torch.utils.file_baton import FileBaton
+
+    if getattr(FileBaton, "tracked_by_pipeline", False):
+        return
+    acquire, release = FileBaton.try_acquire, FileBaton.release
+
+    def try_acquire(self) -> bool:
+        got = acquire(self)
+        if got:
+            with _guard:
+                _held.add(self.lock_file_path)
+        return got
+
+    def release_then_run_deferred(self) -> None:
+        release(self)
+        with _guard:
+            _held.discard(self.lock_file_path)
+            deferred = [] if _held else list(_after_builds)
+        for run in deferred:
+            run()
+
+    FileBaton.try_acquire, FileBaton.release = try_acquire, release_then_run_deferred
+    FileBaton.tracked_by_pipeline = True
+
+
+def exit_after_builds(exit_now: Callable[[], None]) -> bool:
+    """Hand ``exit_now`` to the release of the last build lock this process holds (:func:`track_build_locks`);
+    False, with nothing done, when it holds none (the caller exits itself)."""
+    with _guard:
+        if not _held:
+            return False
+        _after_builds.append(exit_now)
+        return True
 
 
 def ops_dir_name(deepspeed: str, torch: str) -> str:

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from pipeline.train.deepspeed_ops import arch_list_for_deepspeed, use_install_ops_dir
+from pipeline.train.deepspeed_ops import arch_list_for_deepspeed, track_build_locks, use_install_ops_dir
 
 # The trainer's own collectives (target counts, logged sums, the stop flag) use small tensors on the training
 # device, since NCCL refuses CPU tensors.
@@ -90,6 +90,7 @@ def start_distributed():
     device = _device()
     use_install_ops_dir()
     arch_list_for_deepspeed()
+    track_build_locks()  # a stop in start-up then leaves no build lock behind
     if os.environ.get("LOCAL_RANK", "0") == "0":
         warn_stale_build_locks()
         if device.type == "cpu":

@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+from pipeline.train.deepspeed_ops import exit_after_builds
+
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 DS_NODE_LAUNCHER = "deepspeed.launcher.launch"  # the ``deepspeed`` command's per-node child, the ranks' parent
 
@@ -115,6 +117,12 @@ class StopRequest:
             self._exit_in_start_up()
 
     def _exit_in_start_up(self) -> None:
+        """Exit now, or, while this process holds a lock of DeepSpeed's op build, once the build releases it (an
+        exit that left it would hang every later start of the run on it)."""
+        if not exit_after_builds(self._exit_now):
+            self._exit_now()
+
+    def _exit_now(self) -> None:
         if self.rank == 0:
             other = self._other_rank_failure()
             if other is not None:  # the signal is the launcher's answer to that failure: report the failure

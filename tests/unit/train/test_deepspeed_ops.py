@@ -50,3 +50,35 @@ def test_a_read_only_install_builds_into_the_users_cache_one_folder_per_install(
     assert os.path.dirname(first) == os.path.dirname(second) == str(tmp_path / "torch_extensions")
     assert first != second
     assert os.path.basename(first).startswith(os.path.basename(install_ops_dir()) + "-")
+
+
+# A rank in start-up holding the build lock of an op (as torch's extension builder takes it while DeepSpeed builds
+# or checks the CPU collectives op), sent USR1: it says whether it is still running, then the build releases the lock.
+STOP_DURING_BUILD = """
+import os, signal, sys, time
+from torch.utils.file_baton import FileBaton
+from pipeline.train.deepspeed_ops import track_build_locks
+from pipeline.train.signals import StopRequest
+track_build_locks()
+stop = StopRequest(rank=0)
+stop.config_checked(sys.argv[1])
+baton = FileBaton(sys.argv[2])
+assert baton.try_acquire()
+os.kill(os.getpid(), signal.SIGUSR1)
+time.sleep(1)
+print("still building", flush=True)
+baton.release()
+print("not stopped", flush=True)
+"""
+
+
+def test_a_stop_during_an_op_build_exits_once_the_build_releases_its_lock(tmp_path):
+    """A stop in start-up exits the rank at once (``os._exit``), which used to leave torch's build lock of the op
+    behind: every later start of the run waited on it for good (a SLURM job signalled while its ranks loaded the
+    CPU op restarted ten times, each stopped in start-up). Now the exit waits for the lock's release."""
+    lock = tmp_path / "lock"
+    proc = subprocess.run([sys.executable, "-c", STOP_DURING_BUILD, str(tmp_path / "run"), str(lock)], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["still building"] and not lock.exists()
+    assert "stopped during start-up on SIGUSR1" in proc.stderr
