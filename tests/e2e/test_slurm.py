@@ -52,6 +52,15 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test(request):
+    """A failed test's job (one that requeues itself, with steps to spare) would train on beside the rest of the
+    session: every job still queued or running is cancelled after each test that used the cluster."""
+    yield
+    if "cluster" in request.fixturenames:
+        request.getfixturevalue("cluster").command("scancel", "--user", str(os.getuid()))
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> str:
     """4 input files for 3 array tasks: task 0 gets two."""
