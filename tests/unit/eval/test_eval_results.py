@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 
 from pipeline.eval.config import EvalConfig
 from pipeline.eval.description import ModelDescription, recorded_path
@@ -32,17 +33,31 @@ def test_every_committed_record_is_written_back_byte_for_byte(tmp_path):
         assert open(out, "rb").read() == open(path, "rb").read(), path
 
 
-def test_a_committed_record_with_absolute_paths_and_older_fields_reads_typed():
-    """The quick records were written from a run directory under /tmp, before config.max_tokens existed: they read
-    as typed results all the same (the absent field its default, left out again when written)."""
-    path = os.path.join(REPO, "docs", "results", "quick", "runs", "llm2vec-supervised-smoke", "eval", "llm2vec.json")
+def older_record(run_dir: str) -> str:
+    """The committed quick run copied to run_dir with its record as records were once written: absolute paths (of
+    the run's directory then) and no config.max_tokens (added later)."""
+    shutil.copytree(os.path.join(REPO, "docs", "results", "quick", "runs", "llm2vec-supervised-smoke"), run_dir)
+    path = os.path.join(run_dir, "eval", "llm2vec.json")
+    record = json.load(open(path))
+    del record["config"]["max_tokens"]
+    record["config"]["model"] = record["model"]["run_dir"] = run_dir
+    record["model"]["hf_dir"] = record["model"]["tokenizer"] = os.path.join(run_dir, "hf")
+    json.dump(record, open(path, "w"))
+    return path
+
+
+def test_a_record_with_absolute_paths_and_older_fields_reads_typed(tmp_path):
+    """Records written before they named paths relative to the results root, and before config.max_tokens existed,
+    read as typed results all the same (the absent field its default, left out again when written)."""
+    run_dir = str(tmp_path / "runs" / "llm2vec-supervised-smoke")
+    path = older_record(run_dir)
     read = EvalResults.read(path)
-    assert read.model.run_dir.startswith("/tmp/") and read.config.model == read.model.run_dir
+    assert read.model.run_dir == run_dir and read.config.model == run_dir and read.model.hf_dir.startswith(run_dir)
     assert read.model.record.objectives == ("mntp", "supervised") and read.model.step == 1
     assert read.config.tasks == ["sts", "clustering", "zero_shot_retrieval", "probing"] and read.config.batch_size == 8
     assert read.unwritten == ("config.max_tokens",) and "max_tokens" not in read.to_json()["config"]
     assert read.headline == json.load(open(path))["headline"] and read.headline["clustering_avg"] > 0
-    assert load_run(os.path.dirname(os.path.dirname(path))).headline == read.headline  # the report's reading
+    assert load_run(run_dir).headline == read.headline  # the report's reading
 
 
 def test_paths_are_recorded_relative_to_the_results_root(tmp_path):
