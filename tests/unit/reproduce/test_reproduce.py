@@ -4,6 +4,7 @@ slow: the quick run end to end, writing the page and the metrics files."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,11 +27,19 @@ from pipeline.reproduce.data import (
     extract,
     is_extracted,
 )
-from pipeline.reproduce.driver import evaluate_model, set_rank_defaults
+from pipeline.reproduce.driver import (
+    evaluate_model,
+    evaluate_study,
+    report_study,
+    reproduce,
+    set_rank_defaults,
+    study_runs,
+    with_seed_zero,
+)
 from pipeline.reproduce.inputs import inputs, prepare_inputs, reads_smollm2, shard_builds, size_mb
 from pipeline.reproduce.invocation import Reproduction, chosen_runs, reproduction, resolve_device, variants
 from pipeline.reproduce.plan import plan
-from pipeline.reproduce.records import rows
+from pipeline.reproduce.records import missing_seed_zero, rows, write_timings
 from pipeline.reproduce.results import Measured, compare, replace_block, study_markdown, summary_markdown
 from pipeline.reproduce.stages import Stages
 from pipeline.reproduce.studies import STUDIES
@@ -131,18 +140,19 @@ def test_adaptation_studies_train_on_one_rank_without_zero_with_the_recipes_batc
 @pytest.mark.parametrize("scale", ["full", "quick"])
 def test_the_extra_seeds_train_only_with_seeds_each_simcse_from_its_own_mntp(tmp_path, scale):
     """The headline claims' seeds 1 and 2 are runs of studies 1 and 3's grids that only --seeds (make
-    reproduce-seeds) selects; each seed's SimCSE starts from that seed's MNTP export, and a seed differs from seed 0
-    in train.seed and its kept checkpoints alone (the curves stay seed 0's)."""
+    reproduce-seeds) selects, and it selects nothing else; each seed's SimCSE starts from that seed's MNTP export, and
+    a seed differs from seed 0 in train.seed and its kept checkpoints alone (the curves stay seed 0's)."""
     suffix = "-smoke" if scale == "quick" else ""
     extra = {"llm2vec": {f"llm2vec-{o}-s{k}" for o in ("mntp", "simcse") for k in (1, 2)},
              "magnet": {"magnet-magnet-s1", "magnet-magnet-s2"}, "mlm_vs_clm": set()}
     for with_seeds in (False, True):
         r = reproduction(scale, str(tmp_path / "runs"), str(tmp_path / "results"), str(tmp_path / "p.md"),
-                         [s.name for s in STUDIES], "cpu", with_seeds)
-        for study in STUDIES:
+                         [s.name for s in STUDIES if s.extra_seeds or not with_seeds], "cpu", with_seeds)
+        assert [s.name for s in r.studies] == (["llm2vec", "magnet"] if with_seeds else [s.name for s in STUDIES])
+        for study in r.studies:
             every = {v.name.removesuffix(suffix) for v in variants(r, study)}
             only = {n.removesuffix(suffix) for n in chosen_runs(r, study)}
-            assert (only or every) == (every if with_seeds else every - extra[study.name]), study.name
+            assert (only or every) == (extra[study.name] if with_seeds else every - extra[study.name]), study.name
     by_name = {v.name.removesuffix(suffix): v.experiment for s in STUDIES for v in variants(r, s)}
     for k in (1, 2):
         simcse = by_name[f"llm2vec-simcse-s{k}"]
@@ -153,6 +163,50 @@ def test_the_extra_seeds_train_only_with_seeds_each_simcse_from_its_own_mntp(tmp
             same = dataclasses.replace(seed, name=zero.name, run_dir=zero.run_dir, model=zero.model,
                                        train=dataclasses.replace(seed.train, seed=0), checkpoint=zero.checkpoint)
             assert same == zero, run
+    with pytest.raises(ValueError, match=r"^--seeds --study mlm_vs_clm: that study has no extra seeds .*; pass "
+                                         r"--study llm2vec and --study magnet$"):
+        reproduction(scale, "runs/x", "results", "p.md", ["mlm_vs_clm"], "cpu", seeds=True)
+
+
+def test_seeds_read_seed_zero_and_the_baselines_from_the_records_and_average_the_three(tmp_path, capsys):
+    """make reproduce-seeds on another machine than make reproduce's: seed 0's runs and the baselines are read from
+    the records (no run directory of theirs here), the seeds trained under OUT are evaluated (here: already), kept
+    beside them and averaged on the page (n=3); their timings go to timings-seeds.json, the scale's timings.json and
+    seed 0's records stay as they were. Without seed 0 it stops before anything, naming what is missing."""
+    committed = os.path.join(REPO, "docs", "results", "quick")
+    results, page, out = tmp_path / "results", tmp_path / "results.md", tmp_path / "runs"
+    shutil.copytree(committed, results / "quick")
+    shutil.copyfile(os.path.join(REPO, "docs", "results.md"), page)
+    bare = reproduction("quick", str(out), str(tmp_path / "none"), str(page), ["llm2vec", "magnet"], "cpu", True)
+    with pytest.raises(ValueError, match=r"^--seeds trains the extra seeds alone and reads seed 0 beside them, but "
+                                         r"llm2vec-mntp-smoke \(llm2vec\), .* has neither a run under .*: run "
+                                         r"`launch/reproduce.py --scale quick` \(make reproduce\) first$"):
+        reproduce(bare)
+    assert not out.exists()
+    r = reproduction("quick", str(out), str(results), str(page), ["llm2vec", "magnet"], "cpu", True)
+    assert missing_seed_zero(r) == []
+    for run in ("llm2vec-mntp", "llm2vec-simcse", "magnet-magnet"):  # the seeds as training and evaluation left
+        for k in (1, 2):  # them (seed 0's records stand in for their evaluated runs)
+            shutil.copytree(os.path.join(committed, "runs", f"{run}-smoke"), out / f"{run}-s{k}-smoke")
+    stages = Stages(r)
+    with contextlib.chdir(REPO):
+        for study in r.studies:
+            runs = with_seed_zero(r, study, study_runs(r, study, r.out, os.path.isdir))
+            report_study(r, stages, study, runs, evaluate_study(r, stages, study, runs))
+        write_timings(r, stages)
+    assert "== eval_" not in capsys.readouterr().out
+    text = page.read_text()
+    for study, label, run in (("llm2vec", "bidirectional + MNTP + SimCSE", "llm2vec-simcse"),
+                              ("magnet", "MAGNET", "magnet-magnet")):
+        block = text.split(f"<!-- BEGIN quick {study} -->")[1].split("<!-- END")[0]
+        assert next(line for line in block.splitlines() if line.startswith(f"| {label} |")).endswith(" (n=3) |")
+        assert f"{label}: {run}-smoke, {run}-s1-smoke*, {run}-s2-smoke*" in block
+        assert os.path.isfile(results / "quick" / "runs" / f"{run}-s2-smoke" / "eval" / f"{study}.json")
+    seeds = json.load(open(results / "quick" / "timings-seeds.json"))
+    assert set(seeds["step_seconds_median"]) == {f"{run}-s{k}-smoke" for run in ("llm2vec-mntp", "llm2vec-simcse",
+                                                                                  "magnet-magnet") for k in (1, 2)}
+    assert subprocess.run(["diff", "-r", "-x", "*-s[12]-smoke", "-x", "timings-seeds.json", "-x", "llm2vec",
+                           "-x", "magnet", "-x", "logs", committed, str(results / "quick")]).returncode == 0
 
 
 def test_a_row_of_three_seeds_shows_their_spread_and_names_its_runs():
