@@ -88,11 +88,11 @@ demo: setup
 test: setup real-data
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15
 
-# the slow suite: the real SmolLM2 checkpoint and LLM2Vec's chain from it, the smoke twins, SLURM requeue, the quick
-# reproduction (~45 min on 2 cores); its `extended` tests (~14 min: the other MAGNET ablation twins, the grid
-# report, compiling in both ranks, SmolLM2's eval numbers, the LLM2Vec and MLM-vs-CLM twins the chain and the
-# two-phase twin cover, the full-parameter chain the quick reproduction trains), whose checks other tests make at
-# another scale, run with make test-extended
+# the slow suite: the real SmolLM2 checkpoint and LLM2Vec's chain from it, the smoke twins, SLURM requeue, study 3's
+# quick reproduction (~35 min on 2 cores); its `extended` tests (~40 min: the three studies' quick reproduction, the
+# other MAGNET ablation twins, the grid report, compiling in both ranks, SmolLM2's eval numbers, the LLM2Vec and
+# MLM-vs-CLM twins the chain and the two-phase twin cover, the full-parameter chain the quick reproduction trains),
+# whose checks other tests make at another scale, run with make test-extended
 test-slow: setup real-model real-data
 	$(BIN)/python -m pytest -q -m "slow and not extended" --durations=15
 

@@ -22,7 +22,7 @@ BUDGETS = {"full": "~1.7 h (AVX-512) to ~4 h (AVX2) on 2 CPU cores",
            "gpu-short": "<= 8 min (480 s) on one H200, ~400 s of it budgeted stage by stage in its grid"}
 # --seeds at the full scale, from the full run's median step times (docs/results.md "Seeds"): 2 x (48 MNTP, 192
 # SimCSE and 240 MAGNET steps) and their final models' evaluations
-SEEDS_BUDGET = "the extra seeds: ~2.4 h (AVX-512) to ~5 h (AVX2) on 2 CPU cores, estimated from step times"
+SEEDS_BUDGET = "~2.4 h (AVX-512) to ~5 h (AVX2) on 2 CPU cores for the extra seeds, estimated from step times"
 
 
 def plan(r: Reproduction) -> None:

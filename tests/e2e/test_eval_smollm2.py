@@ -15,7 +15,7 @@ FIXTURES = os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), 
 
 
 @pytest.mark.slow
-@pytest.mark.extended  # the quick reproduction evaluates SmolLM2 (STS, repetition) too
+@pytest.mark.extended  # study 3's quick reproduction (CI) evaluates SmolLM2 (STS, repetition) too
 def test_smollm2_sts_and_repetition(tmp_path):
     pytest.importorskip("gguf", reason="pip install gguf")
     try:

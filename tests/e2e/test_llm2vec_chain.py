@@ -61,8 +61,9 @@ def changed(a: dict, b: dict) -> set[str]:
     return {k for k in a if not (a[k] == b[k]).all()}
 
 
-# full-parameter: make test-extended; the quick reproduction trains that chain from SmolLM2 (MNTP, then SimCSE or
-# the supervised stage from its export) and evaluates every export, and the LoRA chain makes this test's checks
+# full-parameter: make test-extended, beside the three studies' quick reproduction that trains that chain from SmolLM2
+# (MNTP, then SimCSE or the supervised stage from its export) and evaluates every export; in CI the LoRA chain makes
+# this test's checks and study 3's quick reproduction trains all of SmolLM2's parameters
 @pytest.mark.parametrize("lora", [True, pytest.param(False, marks=pytest.mark.extended)], ids=["lora", "full"])
 def test_mntp_simcse_supervised_chain_from_smollm2(smollm2, data, tmp_path, lora):
     base = weights(smollm2)
