@@ -17,7 +17,7 @@ from pipeline.sweep.plan import SweepRequest, prepare
 
 # what each scale takes, from nothing (docs/results.md: "Budget", "Paper scale", "GPU short scale"): --dry-run says it
 BUDGETS = {"full": "~1.7 h (AVX-512) to ~4 h (AVX2) on 2 CPU cores",
-           "quick": "<= 20 min on 2 CPU cores (11.3 min measured on a Xeon)",
+           "quick": "<= 20 min on 2 CPU cores (11.3 min measured on a Xeon; 24 on an AVX2 EPYC)",
            "paper": "minutes a run on one GPU, not measured yet (docs/results.md, \"Paper scale\")",
            "gpu-short": "<= 8 min (480 s) on one H200, ~400 s of it budgeted stage by stage in its grid"}
 # --seeds at the full scale, from the full run's median step times (docs/results.md "Seeds"): 2 x (48 MNTP, 192
