@@ -3,14 +3,13 @@ where runs, records and page go, and each study's runs at the scale."""
 
 from __future__ import annotations
 
-import fnmatch
 import os
 from dataclasses import dataclass
 
 import torch
 
 from pipeline.experiment import REPO, repo_relative
-from pipeline.grid import SMOKE_SUFFIX, Variant, load_grid
+from pipeline.grid import Variant, load_grid
 from pipeline.reproduce.studies import STUDIES, Study
 
 SCALES = ("full", "quick", "paper", "gpu-short")
@@ -91,17 +90,12 @@ def variants(r: Reproduction, study: Study) -> list[Variant]:
     return load_grid(os.path.join(REPO, study.grid_for(r.mode))).variants(smoke=r.quick, out=r.out)
 
 
-def is_extra_seed(study: Study, name: str) -> bool:
-    """Whether run ``name`` (-smoke or not) is one of the study's extra seeds, which only --seeds trains."""
-    return bool(study.extra_seeds) and fnmatch.fnmatchcase(name.removesuffix(SMOKE_SUFFIX), study.extra_seeds)
-
-
 def chosen_runs(r: Reproduction, study: Study) -> list[str]:
     """The sweep's --only for the study: with --seeds its extra seeds alone, else every run of its grid but those;
     [] (every run) for a study without extra seeds."""
     if not study.extra_seeds:
         return []
-    return [v.name for v in variants(r, study) if is_extra_seed(study, v.name) == r.seeds]
+    return [v.name for v in variants(r, study) if study.is_extra_seed(v.name) == r.seeds]
 
 
 def gpu_grids(r: Reproduction) -> list[str]:

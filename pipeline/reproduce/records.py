@@ -14,7 +14,7 @@ from pipeline.constraints import lock_identity
 from pipeline.grid import SMOKE_SUFFIX
 from pipeline.io import write_json_atomic
 from pipeline.reproduce.curves import Curve
-from pipeline.reproduce.invocation import Reproduction, is_extra_seed, variants
+from pipeline.reproduce.invocation import Reproduction, variants
 from pipeline.reproduce.results import SUMMARY, replace_block, study_markdown, summary_markdown
 from pipeline.reproduce.stages import Stages
 from pipeline.reproduce.studies import STUDIES, Study
@@ -49,7 +49,7 @@ def missing_seed_zero(r: Reproduction) -> list[str]:
     """--seeds: the runs of the selected studies' rows that --seeds does not train (seed 0: make reproduce's) with
     neither an export under OUT nor a record of the study's results under RESULTS/SCALE/runs, as "RUN (STUDY)"."""
     made = [v.name for s in STUDIES if s.grid_for(r.mode) for v in variants(r, s)
-            if not any(is_extra_seed(x, v.name) for x in STUDIES)]
+            if not any(x.is_extra_seed(v.name) for x in STUDIES)]
     missing = []
     for study in r.studies:
         for _, row in rows(r, study):
@@ -114,7 +114,7 @@ def write_timings(r: Reproduction, stages: Stages) -> dict[str, float]:
     (``lock_identity``); returns the seconds per stage."""
     spent = stages.spend({})
     steps = {name: s for name, s in step_seconds(r.out).items()
-             if not r.seeds or any(is_extra_seed(study, name) for study in r.studies)}
+             if not r.seeds or any(study.is_extra_seed(name) for study in r.studies)}
     write_json_atomic(os.path.join(r.results, r.timings),
                       {"stages_s": spent, "step_seconds_median": steps, "lock": lock_identity()})
     return spent

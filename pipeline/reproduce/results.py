@@ -9,14 +9,12 @@ makes a claim reports both sides (LLM2Vec against Echo: ``PAPER_CLAIMS``), a col
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import re
 from dataclasses import dataclass
 from statistics import mean
 
 from pipeline.eval.report.papers import LLM2VEC_MTEB, LLM2VEC_MTEB_CATEGORIES, LLM2VEC_MTEB_CITATION
-from pipeline.grid import SMOKE_SUFFIX
 from pipeline.reproduce.curves import Curve, over_steps
 from pipeline.reproduce.studies import STUDIES, Study
 
@@ -170,13 +168,12 @@ def study_markdown(study: Study, headlines: dict[str, list[dict]], plots: list[s
 def seeds_note(study: Study, runs_of: dict[str, list[str]]) -> str:
     """The runs behind each row of several seeds, those that only `--seeds` (make reproduce-seeds) trains marked;
     "" when no row has several."""
-    extra = [s.extra_seeds for s in STUDIES if s.extra_seeds]
     several = [(label, runs_of[row]) for label, row in study.rows if len(runs_of.get(row, ())) > 1]
     if not several:
         return ""
 
     def name(run: str) -> str:
-        return run + ("*" if any(fnmatch.fnmatchcase(run.removesuffix(SMOKE_SUFFIX), p) for p in extra) else "")
+        return run + ("*" if any(s.is_extra_seed(run) for s in STUDIES) else "")
 
     return ("Seeds (the runs behind a row's mean and spread; * trained by `--seeds`, `make reproduce-seeds`): "
             + "; ".join(f"{label}: {', '.join(map(name, runs))}" for label, runs in several) + ".")

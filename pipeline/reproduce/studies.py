@@ -10,11 +10,13 @@ docs/results.md.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 
 from pipeline.eval.echo import ECHO
 from pipeline.eval.embeddings import TASKS as EMBEDDING_TASKS
 from pipeline.eval.report.papers import LLAMA2, MLM_VS_CLM
+from pipeline.grid import SMOKE_SUFFIX
 
 SMOLLM2 = "runs/models/smollm2-135m"
 
@@ -68,6 +70,10 @@ class Study:
     def grid_for(self, scale: str) -> str:
         """The scale's grid ("": none)."""
         return {"paper": self.paper_grid, "gpu-short": self.short_grid}.get(scale, self.grid)
+
+    def is_extra_seed(self, name: str) -> bool:
+        """Whether run ``name`` (-smoke or not) is one of the extra seeds, which only --seeds trains."""
+        return bool(self.extra_seeds) and fnmatch.fnmatchcase(name.removesuffix(SMOKE_SUFFIX), self.extra_seeds)
 
 
 def _finetune(lrs: str, seeds: str, steps: int, batch: int = 32,
