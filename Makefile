@@ -62,7 +62,7 @@ reproduce: setup real-model real-data
 
 # after make reproduce, here or on another machine: the headline claims' extra seeds alone (train.seed 1 and 2 of
 # LLM2Vec's MNTP -> SimCSE chain and of MAGNET), seed 0 and the baselines read from runs/reproduce or the records,
-# then the pages of studies 1 and 3 with three seeds in those rows (docs/results.md "Seeds"): ~2.4-5 h on 2 cores
+# then the pages of studies 1 and 3 with three seeds in those rows (docs/results.md "Seeds"): 3.95 h measured on 2 AVX2 cores
 reproduce-seeds: setup real-model real-data
 	$(BIN)/python launch/reproduce.py --seeds --study llm2vec --study magnet
 
