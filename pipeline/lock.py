@@ -103,7 +103,8 @@ class DirLock:
         except BlockingIOError:
             self._refuse(holder, fd)
         except OSError as e:  # no flock on this filesystem: the recorded holder decides
-            if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
+            # EBADF: NFS refuses an exclusive lock on a file open read-only (man 2 flock, "NFS details")
+            if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL, errno.EBADF):
                 os.close(fd)
                 raise
             if holder and _holder_alive(holder):
@@ -114,7 +115,10 @@ class DirLock:
         start (``launch/train.py --check``, rank 0's checks before the process group) leaves no file behind."""
         if not os.path.exists(self.path):  # a lock is held through its file: none, no holder
             return
-        fd = os.open(self.path, os.O_RDONLY)
+        try:  # for writing, not to write: NFS emulates flock with POSIX locks, which an exclusive lock needs
+            fd = os.open(self.path, os.O_RDWR)
+        except PermissionError:  # a lock file of another user's run: read-only, and the recorded holder decides
+            fd = os.open(self.path, os.O_RDONLY)
         self._flock(fd, self._read(fd))
         os.close(fd)  # drops the flock taken here
 
