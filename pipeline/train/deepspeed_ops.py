@@ -20,7 +20,6 @@ import importlib.metadata
 import os
 import re
 import sys
-import threading
 import time
 from collections.abc import Callable
 
@@ -30,9 +29,12 @@ ENV = "TORCH_EXTENSIONS_DIR"
 DEFAULT_OPS = {"cpu": ["ShareMemCommBuilder"], "cuda": ["FusedAdamBuilder"]}
 
 
-_held: set[str] = set()  # the build locks this process holds (track_build_locks)
+# No lock guards these two: a stop signal's handler (exit_after_builds) runs between two bytecodes of the thread it
+# interrupts, which may be inside the wrappers below, so a lock they hold would be held against the handler for good.
+# Each step is one operation on a builtin set or list (atomic under the GIL), ordered so that every interleaving
+# runs a deferred exit exactly once and never while a build lock is held.
+_held: set[str] = set()  # the build locks this process holds or is taking (track_build_locks)
 _after_builds: list[Callable[[], None]] = []  # what runs once it holds none (exit_after_builds)
-_guard = threading.Lock()
 
 
 def track_build_locks() -> None:
@@ -48,32 +50,47 @@ def track_build_locks() -> None:
     acquire, release = FileBaton.try_acquire, FileBaton.release
 
     def try_acquire(self) -> bool:
-        got = acquire(self)
-        if got:
-            with _guard:
-                _held.add(self.lock_file_path)
+        _held.add(self.lock_file_path)  # before the file exists: a stop in between is deferred, not lost
+        got = False
+        try:
+            got = acquire(self)
+        finally:
+            if not got:
+                _released(self.lock_file_path)
         return got
 
     def release_then_run_deferred(self) -> None:
         release(self)
-        with _guard:
-            _held.discard(self.lock_file_path)
-            deferred = [] if _held else list(_after_builds)
-        for run in deferred:
-            run()
+        _released(self.lock_file_path)
 
     FileBaton.try_acquire, FileBaton.release = try_acquire, release_then_run_deferred
     FileBaton.tracked_by_pipeline = True
 
 
+def _released(path: str) -> None:
+    """``path`` is no longer held: with no build lock left, run what waited for that (each exit taken by one
+    ``pop``, so the handler and this never both run it)."""
+    _held.discard(path)
+    while not _held:
+        try:
+            run = _after_builds.pop(0)
+        except IndexError:
+            return
+        run()
+
+
 def exit_after_builds(exit_now: Callable[[], None]) -> bool:
     """Hand ``exit_now`` to the release of the last build lock this process holds (:func:`track_build_locks`);
-    False, with nothing done, when it holds none (the caller exits itself)."""
-    with _guard:
-        if not _held:
-            return False
-        _after_builds.append(exit_now)
+    False, with nothing done, when it holds none (the caller exits itself). Safe in a signal handler: it never
+    waits (module comment above)."""
+    _after_builds.append(exit_now)
+    if _held:
         return True
+    try:  # no lock held: take the exit back, unless a release took it first (then that release runs it)
+        _after_builds.remove(exit_now)
+    except ValueError:
+        return True
+    return False
 
 
 def ops_dir_name(deepspeed: str, torch: str) -> str:

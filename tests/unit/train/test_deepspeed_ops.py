@@ -4,15 +4,27 @@ DeepSpeed's launcher: tests/e2e/test_deepspeed_ops_ranks.py."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 import subprocess
 import sys
 
 import deepspeed
 import torch
 from helpers import REPO, venv_without
+from torch.utils import file_baton
+from torch.utils.file_baton import FileBaton
 
-from pipeline.train.deepspeed_ops import ENV, install_ops_dir, ops_dir_name, use_install_ops_dir
+from pipeline.train import deepspeed_ops
+from pipeline.train.deepspeed_ops import (
+    ENV,
+    exit_after_builds,
+    install_ops_dir,
+    ops_dir_name,
+    track_build_locks,
+    use_install_ops_dir,
+)
 
 
 def test_the_folder_is_named_by_deepspeeds_and_torchs_versions():
@@ -82,3 +94,61 @@ def test_a_stop_during_an_op_build_exits_once_the_build_releases_its_lock(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["still building"] and not lock.exists()
     assert "stopped during start-up on SIGUSR1" in proc.stderr
+
+
+def test_a_stop_signal_anywhere_in_the_build_lock_tracking_exits_once_and_never_holding_the_lock(tmp_path):
+    """The stop handler (``exit_after_builds``) runs between two bytecodes of the code it interrupts, which may be
+    the lock tracking itself: a build takes and releases its lock, and a signal lands before each line the tracking
+    (and torch's FileBaton under it) runs, one line per try. The stop never waits (a lock of the tracking held by the
+    interrupted code hung the rank: issue 55, item 5), its exit runs exactly once, and no lock file is left when
+    it does. An alarm breaks a hang into a failure."""
+    track_build_locks()
+    lock = tmp_path / "lock"
+    exits: list[bool] = []
+
+    def exit_now():  # stands in for os._exit: records whether the lock file is still there
+        exits.append(lock.exists())
+
+    def on_stop(signum, frame):
+        if not exit_after_builds(exit_now):
+            exit_now()
+
+    def hung(signum, frame):
+        raise TimeoutError("the stop handler waits on the build-lock tracking")
+
+    watched = (deepspeed_ops.__file__, file_baton.__file__)
+
+    def build_stopped_at(line: int) -> bool:
+        """A build that takes and releases the lock, stopped before the ``line``-th line it runs in ``watched``;
+        False when it ran fewer lines."""
+        lines = itertools.count(1)
+
+        def trace(frame, event, arg):
+            if frame.f_code.co_filename not in watched:
+                return None
+            if event == "line" and next(lines) == line:
+                signal.raise_signal(signal.SIGUSR1)
+            return trace
+
+        signal.setitimer(signal.ITIMER_REAL, 10)
+        sys.settrace(trace)
+        try:
+            baton = FileBaton(str(lock))
+            assert baton.try_acquire()
+            baton.release()
+        finally:
+            sys.settrace(None)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        return next(lines) > line
+
+    previous = signal.signal(signal.SIGUSR1, on_stop), signal.signal(signal.SIGALRM, hung)
+    try:
+        line = 1
+        while build_stopped_at(line):
+            assert exits == [False], f"a stop before line {line} of the build exited {exits}"
+            exits.clear()
+            line += 1
+        assert line > 5 and not deepspeed_ops._held and not deepspeed_ops._after_builds
+    finally:
+        signal.signal(signal.SIGUSR1, previous[0])
+        signal.signal(signal.SIGALRM, previous[1])
