@@ -138,7 +138,13 @@ class RunDir:
 
     def checkpoint_world_size(self, step: int) -> int:
         """The number of ranks that wrote the step's checkpoint (from its completion marker)."""
-        return read_json(os.path.join(self.checkpoint(step), MARKER), "not a complete checkpoint").get("world_size", 1)
+        path = os.path.join(self.checkpoint(step), MARKER)
+        world = read_json(path, "not a complete checkpoint").get("world_size", 1)
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ValueError(f"{path}: world_size {world!r} is no number of ranks; the trainer writes an integer "
+                             f">= 1 there: resume only checkpoints this project wrote, or delete this step's "
+                             f"directory to resume from an earlier one")
+        return world
 
     def checkpoint_zero_stage(self, step: int) -> int:
         """The ZeRO stage that wrote the step's checkpoint (its DeepSpeed config; 0 without a ZeRO section)."""

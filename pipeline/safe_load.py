@@ -3,8 +3,10 @@ read, so a checkpoint directory from elsewhere could run code through a plain ``
 loads itself (RNG states, the universal optimizer's parameter groups, a ZeRO stage 0 export, and through
 ``pipeline.train.async_checkpoint.WeightsOnlyLoads`` the engine's model and optimizer states at a resume) is read
 with ``weights_only=True`` and only the types these files hold allowed; anything else is refused with one line
-naming the file and the type. Before DeepSpeed's own unpickling loaders get a directory (a resume on another world
-size, an export of a ZeRO checkpoint), :func:`check_directory` reads every file's list of types without unpickling.
+naming the file and the type. Before any file of a checkpoint directory is read (a resume's preflight, an export,
+so an evaluation's export) and so before DeepSpeed's own unpickling loaders get it, :func:`check_directory` checks
+the whole directory: its links stay inside, every file's list of types is read without unpickling, parameter names
+are no paths.
 docs/reliability.md says what DeepSpeed unpickles itself.
 """
 
@@ -60,17 +62,41 @@ def load_weights_only(path: str, map_location=None):
 
 
 def check_directory(directory: str) -> None:
-    """Every ``.pt`` file under ``directory`` names only :func:`allowed_types`, read without unpickling it: run
-    before DeepSpeed's own loaders get the directory (the universal conversion and load, ``zero_to_fp32``), which
-    unpickle with ``weights_only=False``."""
+    """The one check of a checkpoint directory before anything of it is read (a resume's preflight, an export, an
+    evaluation's export): every entry, followed to its real path, stays inside the directory (a link out of it, as
+    ``universal -> ../../elsewhere``, is refused: ``os.walk`` alone does not enter a linked directory); every
+    ``.pt`` file names only :func:`allowed_types`, read without unpickling; and every parameter name a ZeRO model
+    state gives the universal conversion, which makes each a folder, is a name and not a path (``..``). DeepSpeed's
+    own loaders (the universal conversion and load, ``zero_to_fp32``) unpickle with ``weights_only=False``."""
+    root = os.path.realpath(directory)
     with torch.serialization.safe_globals(list(allowed_types())):
-        for root, dirs, files in os.walk(directory):
+        for here, dirs, files in os.walk(root):
             dirs.sort()
+            for name in sorted(dirs + files):
+                path = os.path.join(here, name)
+                if os.path.commonpath([root, os.path.realpath(path)]) != root:
+                    raise _refusal(path, f"it links to {os.path.realpath(path)}, outside the checkpoint directory "
+                                         f"{directory}")
             for name in sorted(n for n in files if n.endswith(".pt")):
-                path = os.path.join(root, name)
-                try:
-                    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-                except Exception as e:  # noqa: BLE001 - not a zip of a pickle: torch raises several kinds
-                    raise _refusal(path, f"it is not a plain torch file ({type(e).__name__}: {e})") from None
-                if unsafe:
-                    raise _refusal(path, f"it names {unsafe[0]}, which unpickling would call")
+                _check_file(os.path.join(here, name))
+
+
+def _check_file(path: str) -> None:
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:  # noqa: BLE001 - not a zip of a pickle: torch raises several kinds
+        raise _refusal(path, f"it is not a plain torch file ({type(e).__name__}: {e})") from None
+    if unsafe:
+        raise _refusal(path, f"it names {unsafe[0]}, which unpickling would call")
+    if path.endswith("model_states.pt"):
+        states = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: names, not weights
+        shapes = states.get("param_shapes") if isinstance(states, dict) else None
+        names = [n for group in shapes or () for n in group] + list(states.get("frozen_param_shapes") or {})
+        if bad := next((n for n in names if not _plain_name(n)), None):
+            raise _refusal(path, f"it names the parameter {bad!r}, which the universal conversion would make a "
+                                 f"path outside its folder")
+
+
+def _plain_name(name) -> bool:
+    """A parameter name that is one folder name: no separator, not ``.`` or ``..``."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name

@@ -66,7 +66,9 @@ def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: 
 
 
 def checkpoint_state_dict(run: RunDir, step: int) -> dict[str, torch.Tensor]:
-    """The engine module's weights at ``step``, whatever the ZeRO stage that wrote them (module docstring)."""
+    """The engine module's weights at ``step``, whatever the ZeRO stage that wrote them (module docstring); the
+    directory checked first (zero_to_fp32 unpickles with weights_only=False: :func:`check_directory`)."""
+    check_directory(run.checkpoint(step))
     if run.checkpoint_zero_stage(step) == 0:
         path = os.path.join(run.checkpoint(step), STAGE0_MODEL_STATES)
         if not os.path.isfile(path):
@@ -75,7 +77,6 @@ def checkpoint_state_dict(run: RunDir, step: int) -> dict[str, torch.Tensor]:
         return load_weights_only(path, map_location="cpu")["module"]
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    check_directory(run.checkpoint(step))  # zero_to_fp32 unpickles with weights_only=False
     return get_fp32_state_dict_from_zero_checkpoint(run.checkpoints, tag=tag(step))
 
 

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from pipeline.experiment import CheckpointConfig
-from pipeline.io import write_json_atomic
+from pipeline.io import read_json, write_json_atomic
 from pipeline.run_dir import MARKER, RunDir, tag
-from pipeline.safe_load import check_directory, load_weights_only
+from pipeline.safe_load import load_weights_only
 from pipeline.train.async_checkpoint import (
     AsyncCheckpointEngine,
     BackgroundWriter,
@@ -138,11 +138,15 @@ def prune(run: RunDir, keep_last: int, keep_every: int, spare: tuple[int, ...] =
 
 def to_universal(path: str) -> str:
     """Convert the checkpoint directory ``path`` into DeepSpeed's universal format in ``path/universal`` (once;
-    the conversion writes to a temporary directory and renames it, so a killed conversion is redone)."""
+    the conversion writes to a temporary directory and renames it, so a killed conversion is redone). Its marker
+    names the checkpoint it was made from (the step's ``COMPLETE``): a universal copy made from another checkpoint
+    (another run's step, copied in) is made again."""
     from deepspeed.checkpoint import ds_to_universal
 
     out = os.path.join(path, UNIVERSAL)
-    if os.path.exists(os.path.join(out, MARKER)):
+    source = {"converted_from": os.path.basename(path), "complete": read_json(os.path.join(path, MARKER))}
+    made = os.path.join(out, MARKER)
+    if os.path.isfile(made) and {k: v for k, v in read_json(made).items() if k in source} == source:
         return out
     tmp = f"{out}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -151,7 +155,7 @@ def to_universal(path: str) -> str:
                                             num_merge_workers=1, keep_temp_folder=False, strict=True,
                                             inject_missing_state=False))
     os.remove(os.path.join(path, "latest_universal"))  # written beside the output; we name the tag ourselves
-    write_json_atomic(os.path.join(tmp, MARKER), {"converted_from": os.path.basename(path), "time": time.time()})
+    write_json_atomic(os.path.join(tmp, MARKER), source | {"time": time.time()})
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
@@ -168,8 +172,7 @@ def _load_universal(engine, path: str):
     the bias correction; each group gets its own copy.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        check_directory(path)  # the conversion and DeepSpeed's universal load unpickle with weights_only=False
+    if rank == 0:  # preflight's check_directory of the checkpoint came first (resume_point): both unpickle
         to_universal(path)
     if dist.is_initialized():
         dist.barrier()

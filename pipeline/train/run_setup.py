@@ -15,6 +15,7 @@ from pipeline.config import ConfigError
 from pipeline.experiment import ExperimentConfig
 from pipeline.lock import DirLock, describe
 from pipeline.run_dir import RunDir
+from pipeline.safe_load import check_directory
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,14 @@ def batch_keeping(global_batch: int, world: int, micro_batch: int) -> tuple[int,
 
 
 def resume_point(exp: ExperimentConfig, world: int) -> ResumePoint | None:
-    """The newest complete checkpoint a resume starts from (None: a fresh start, or ``checkpoint.resume: false``).
+    """The newest complete checkpoint a resume starts from (None: a fresh start, or ``checkpoint.resume: false``),
+    its directory checked (links, code in files, parameter names: :func:`~pipeline.safe_load.check_directory`).
     A resume that changes the global batch changes the optimisation: refused unless asked for."""
     run = RunDir(exp.run_dir)
     step = run.latest_complete() if exp.checkpoint.resume else None
     if step is None:
         return None
+    check_directory(run.checkpoint(step))  # before any file of it is read (pipeline.safe_load)
     point = ResumePoint(step, run.checkpoint_world_size(step))
     if exp.checkpoint.allow_global_batch_change:
         return point

@@ -13,14 +13,18 @@ import numpy as np
 import pytest
 import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+from helpers import REPO
 
-from pipeline.export.hf import STAGE0_MODEL_STATES, checkpoint_state_dict
-from pipeline.io import write_json_atomic
+from pipeline.eval.load import ModelError, load_model
+from pipeline.experiment import load_experiment
+from pipeline.export.hf import STAGE0_MODEL_STATES, checkpoint_state_dict, export_checkpoint
+from pipeline.io import read_json, write_json_atomic
 from pipeline.run_dir import DS_CONFIG, RunDir
 from pipeline.safe_load import UnsafeCheckpoint, check_directory, load_weights_only
 from pipeline.train.async_checkpoint import WeightsOnlyLoads
 from pipeline.train.checkpoint import restore_rng, rng_state, to_universal
 from pipeline.train.errors import one_line
+from pipeline.train.run_setup import resume_point
 
 OLD = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "fixtures",
                    "old_checkpoint", "step00000002")
@@ -116,3 +120,107 @@ def test_code_in_a_zero_checkpoint_is_refused_before_deepspeed_unpickles_it(tmp_
     os.makedirs(os.path.dirname(path), exist_ok=True)
     plant(path, str(tmp_path / "ran"))
     refused(lambda: checkpoint_state_dict(run, 2), path, str(tmp_path / "ran"))
+
+
+# The load path as a whole (issue 55, item 1): a checkpoint directory made hostile each way into DeepSpeed's
+# unpickling loaders is refused in one line naming the file, by a resume's preflight, an export and an evaluation,
+# and the planted code never runs.
+
+
+def link_out(step: str, outside: str, proof: str) -> str:
+    """``universal -> ../../elsewhere`` holding a marker and a pickle that would run: os.walk does not enter it."""
+    os.makedirs(os.path.join(outside, "zero"))
+    write_json_atomic(os.path.join(outside, "COMPLETE"), {"converted_from": "step00000002"})
+    plant(os.path.join(outside, "zero", "optimizer_state.pt"), proof)
+    os.symlink(os.path.relpath(outside, step), os.path.join(step, "universal"))
+    return os.path.join(os.path.realpath(step), "universal")
+
+
+def link_a_file_out(step: str, outside: str, proof: str) -> str:
+    os.makedirs(outside)
+    plant(os.path.join(outside, OPTIM_STATES), proof)
+    os.remove(os.path.join(step, OPTIM_STATES))
+    os.symlink(os.path.join(outside, OPTIM_STATES), os.path.join(step, OPTIM_STATES))
+    return os.path.join(os.path.realpath(step), OPTIM_STATES)
+
+
+def dotdot_in_a_name(step: str, outside: str, proof: str) -> str:
+    """A parameter named ``../../x``: the universal conversion makes each name a folder of its output."""
+    path = os.path.join(step, MODEL_STATES)
+    states = torch.load(path, weights_only=False)
+    states["param_shapes"][0] = {"../../x" if i == 0 else k: v for i, (k, v) in enumerate(
+        states["param_shapes"][0].items())}
+    torch.save(states, path)
+    return os.path.join(os.path.realpath(step), MODEL_STATES)
+
+
+def universal_made_elsewhere(step: str, outside: str, proof: str) -> str:
+    """A real ``universal/`` (no link), copied from elsewhere, with a file that would run code."""
+    os.makedirs(os.path.join(step, "universal", "zero"))
+    write_json_atomic(os.path.join(step, "universal", "COMPLETE"), {"converted_from": "step00000002"})
+    plant(os.path.join(step, "universal", "zero", "optimizer_state.pt"), proof)
+    return os.path.join(os.path.realpath(step), "universal", "zero", "optimizer_state.pt")
+
+
+HOSTILE = {"linked directory": link_out, "linked file": link_a_file_out, "dotdot name": dotdot_in_a_name,
+           "universal made elsewhere": universal_made_elsewhere}
+
+
+def resume(run: RunDir, tmp_path):
+    """The resume's preflight on one rank, the checkpoint's marker saying two: the universal path."""
+    resume_point(load_experiment(None, [f"run_dir={run.path}"]), 1)
+
+
+def export(run: RunDir, tmp_path):
+    export_checkpoint(run, str(tmp_path / "hf"), 2)
+
+
+def evaluation(run: RunDir, tmp_path):
+    load_model(run.path, step=2)
+
+
+@pytest.mark.parametrize("way", list(HOSTILE))
+@pytest.mark.parametrize("entry", [resume, export, evaluation])
+def test_a_hostile_checkpoint_is_refused_by_every_load_before_any_code_runs(tmp_path, way, entry):
+    run = RunDir(str(tmp_path / "run"))
+    step = run.checkpoint(2)
+    shutil.copytree(OLD, step)
+    experiment = read_json(os.path.join(step, "experiment.json"))
+    experiment["data"]["tokenizer"] = os.path.join(REPO, "data", "sample", "tokenizer")
+    write_json_atomic(run.experiment_json, experiment)
+    write_json_atomic(os.path.join(step, "COMPLETE"), read_json(os.path.join(step, "COMPLETE")) | {"world_size": 2})
+    shutil.copy(os.path.join(step, "model_config.json"), run.model_config_json)
+    proof = str(tmp_path / "ran")
+    path = HOSTILE[way](step, str(tmp_path / "elsewhere"), proof)
+    with pytest.raises((UnsafeCheckpoint, ModelError)) as e:
+        entry(run, tmp_path)
+    line = one_line(e.value)
+    assert not os.path.exists(proof), "the planted code ran"
+    assert f"{path}: not loaded: " in line and "check where this directory came from" in line, line
+    assert not os.path.exists(tmp_path / "hf") and not os.path.exists(run.eval_export(2))
+
+
+def test_a_marker_whose_world_size_is_no_number_of_ranks_is_one_line(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    shutil.copytree(OLD, run.checkpoint(2))
+    marker = os.path.join(run.checkpoint(2), "COMPLETE")
+    write_json_atomic(marker, {"step": 2, "world_size": "2"})
+    with pytest.raises(ValueError, match=rf"^{marker}: world_size '2' is no number of ranks; the trainer writes an "
+                                         "integer >= 1 there"):
+        resume_point(load_experiment(None, [f"run_dir={run.path}"]), 1)
+
+
+def test_a_universal_copy_made_from_another_checkpoint_is_made_again(tmp_path):
+    """A ``universal/`` copied in from another run's step of the same number (its files pass the scan) would load
+    that run's weights: the copy names the checkpoint it was made from, and this one's is made again."""
+    other, step = str(tmp_path / "other" / "step00000002"), str(tmp_path / "run" / "step00000002")
+    shutil.copytree(OLD, other)
+    to_universal(other)
+    shutil.copytree(OLD, step)
+    write_json_atomic(os.path.join(step, "COMPLETE"), read_json(os.path.join(step, "COMPLETE")) | {"time": 1.0})
+    shutil.copytree(os.path.join(other, "universal"), os.path.join(step, "universal"))
+    to_universal(step)
+    assert read_json(os.path.join(step, "universal", "COMPLETE"))["complete"]["time"] == 1.0
+    made = os.path.getmtime(os.path.join(step, "universal", "COMPLETE"))
+    to_universal(step)  # made from this checkpoint: kept
+    assert os.path.getmtime(os.path.join(step, "universal", "COMPLETE")) == made
