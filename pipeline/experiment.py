@@ -115,6 +115,9 @@ class DataConfig:
     # built into a directory of their own (shards_at), never the sample's
     build_inputs: list[str] = field(default_factory=list)
     build_if_missing: bool = True  # rank 0 builds the shards from build_inputs when the directory has none
+    # a shard directory built otherwise than build_inputs would build it (other or changed files, another tokenizer,
+    # seq_len or build_source_*) is refused; true: rank 0 rebuilds it beside the old one and swaps it in when complete
+    rebuild: bool = False
     # the build's --source-field / --source-default (docs/data_prep.md, "Sources"): the sources data.mixture mixes
     build_source_field: str = ""  # record field naming each document's source (SlimPajama: meta.redpajama_set_name)
     build_source_default: str = ""  # the source of records without one ("": such a record is bad)
@@ -150,6 +153,9 @@ class DataConfig:
                                   f"data.build_inputs names {self.build_inputs}; leave data.shards unset to build "
                                   f"them into a directory of their own, or name another directory")
             self.build_inputs = self.build_inputs or list(SAMPLE_INPUTS)
+        if self.rebuild and not self.build_inputs:
+            raise ConfigError(f"data.rebuild: true, but data.build_inputs names nothing to rebuild {self.shards} "
+                              f"from; set data.build_inputs=[FILES], or leave data.rebuild false to read it as built")
         if self.build_source_default.strip() != self.build_source_default:
             raise ConfigError(f"data.build_source_default: {self.build_source_default!r} must be a source name "
                               f"without surrounding blanks")

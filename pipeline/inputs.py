@@ -1,15 +1,18 @@
 """An experiment's input paths, checked before anything starts: each shard directory holds shards or can be built,
-and the tokenizer exists (``pipeline.tokenizer.check_tokenizer_path``). Preflight calls these before a run trains
-and the sweep before it queues one, so each check lives here once (below ``pipeline.train``, which the sweep may
-not import)."""
+the inputs named to build it from exist and are what it was built from, and the tokenizer exists
+(``pipeline.tokenizer.check_tokenizer_path``). Preflight calls these before a run trains and the sweep before it
+queues one, so each check lives here once (below ``pipeline.train``, which the sweep may not import)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from pipeline.config import ConfigError
-from pipeline.data.format.index import MANIFEST
+from pipeline.data.format.index import MANIFEST, load_manifest
 from pipeline.data.format.remote import ShardStore, is_url
+from pipeline.data.prep.manifest import built_otherwise
+from pipeline.data.prep.sources import InputError, expand_inputs
 from pipeline.experiment import DataConfig
 
 
@@ -33,6 +36,13 @@ def has_shards(directory: str, d: DataConfig) -> bool:
     return True
 
 
+def shards_fingerprint(directory: str, d: DataConfig) -> str:
+    """The fingerprint of the shards in ``directory`` (local or at a URL), as its manifest records it."""
+    if is_url(directory):
+        return load_manifest(directory.rstrip("/"), shard_store(d))["fingerprint"]
+    return load_manifest(directory)["fingerprint"]
+
+
 def check_buildable(directory: str, setting: str, inputs_setting: str, inputs: list[str], seq_len: int,
                     d: DataConfig) -> bool:
     """``directory`` holds shards (True), or data.build_if_missing can build it (locally, from ``inputs``)."""
@@ -51,3 +61,30 @@ def check_buildable(directory: str, setting: str, inputs_setting: str, inputs: l
                           f"--output {directory} --seq-len {seq_len} --tokenizer {d.tokenizer} --input FILES, or "
                           f"set data.build_inputs=[FILES] to have rank 0 build them")
     return False
+
+
+def built_from_others(directory: str, inputs: Sequence[str], seq_len: int, d: DataConfig, tokenizer: str) -> list[str]:
+    """How the shards in ``directory`` differ from those its named ``inputs`` build with the tokenizer of fingerprint
+    ``tokenizer`` at ``seq_len`` (:func:`~pipeline.data.prep.manifest.built_otherwise`); empty when they are those,
+    when no inputs are named, and for a directory without shards or at a URL (never built by a run)."""
+    if not inputs or is_url(directory) or not has_shards(directory, d):
+        return []
+    return built_otherwise(load_manifest(directory), expand_inputs(inputs), tokenizer, seq_len,
+                           (d.build_source_field, d.build_source_default))
+
+
+def check_named_inputs(directory: str, setting: str, inputs_setting: str, inputs: Sequence[str], seq_len: int,
+                       d: DataConfig, tokenizer: str) -> None:
+    """Each pattern of ``inputs`` matches a file, whatever ``directory`` holds, and shards there are the ones they
+    build (:func:`built_from_others`) or data.rebuild rebuilds them: a run never trains on other data than the
+    inputs it names (and its records claim)."""
+    try:
+        expand_inputs(inputs)
+    except InputError as e:
+        kept = f", or set {inputs_setting}=[] to read {directory} as built" if has_shards(directory, d) else ""
+        raise ConfigError(f"{inputs_setting}: {str(e).removeprefix('--input ')}{kept}") from None
+    differences = built_from_others(directory, inputs, seq_len, d, tokenizer)
+    if differences and not d.rebuild:
+        raise ConfigError(f"{setting}: {directory} was built {'; '.join(differences)}: it does not hold the shards "
+                          f"of {inputs_setting}; build them into a new directory (another {setting}), or set "
+                          f"data.rebuild=true to rebuild {directory} (beside it, swapped in when complete)")

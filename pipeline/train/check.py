@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pipeline.config import ConfigError
 from pipeline.experiment import ExperimentConfig
+from pipeline.inputs import has_shards
 from pipeline.planner.estimates import GPUS, Cluster, gpu_key
 from pipeline.planner.fit import run_memory
 from pipeline.run_dir import RunDir
@@ -83,8 +84,11 @@ def report(exp: ExperimentConfig, ds: dict, where: Target) -> list[str]:
 
 
 def _shard_lines(exp: ExperimentConfig, prepared: Prepared) -> list[str]:
-    lines = [f"  shards {directory}: none yet; rank 0 builds them from {len(files)} input file(s) when the run "
-             f"starts (--check builds nothing)" for directory, files in build_input_files(exp)]
+    lines = [f"  shards {p.directory}: "
+             + ("built from other inputs; rank 0 rebuilds them (data.rebuild)" if has_shards(p.directory, exp.data)
+                else "none yet; rank 0 builds them")
+             + f" from {len(files)} input file(s) when the run starts (--check builds nothing)"
+             for p, files in build_input_files(exp, prepared.tokenizer)]
     for kind, index in prepared.indexes.items():
         lines.append(f"  shards {index.directory} ({kind}): {index.num_samples:,} samples, {index.num_tokens:,} "
                      f"tokens, built for this tokenizer")

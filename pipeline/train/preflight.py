@@ -37,7 +37,6 @@ from pipeline.data.loading.holdout import Holdout, ValidationSamples
 from pipeline.data.loading.order import BatchWarmup
 from pipeline.experiment import ExperimentConfig, ValidationConfig
 from pipeline.export.record import EncoderRecord, from_experiment
-from pipeline.inputs import check_buildable
 from pipeline.model.build import (
     ModelSpec,
     check_checkpoint_shape,
@@ -69,8 +68,8 @@ from pipeline.train.shard_checks import (
     LoaderSpec,
     build_input_files,
     build_missing_shards,
+    check_packed_sources,
     check_shards,
-    own_phase_data,
 )
 from pipeline.train.trackers import check_trackers
 from pipeline.train.validation import probes
@@ -177,11 +176,8 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, ds: di
     model = check_model(exp, tokenizer, resolved, cuda)
     coef = router_loss_coef(exp, model.config, objectives)
     d = exp.data
-    has_shards = check_buildable(d.shards, "data.shards", "data.build_inputs", d.build_inputs, d.seq_len, d)
-    for i, data in own_phase_data(exp):
-        check_buildable(data.shards, f"phases[{i}].shards", f"data.build_inputs (for phases[{i}])",
-                        list(data.build_inputs), data.seq_len, d)
-    if not has_shards and set(d.source_mixture.names) - {UNNAMED_SOURCE} and not (d.build_source_field or
+    to_build = check_packed_sources(exp, tokenizer)
+    if d.shards in {p.directory for p in to_build} and set(d.source_mixture.names) - {UNNAMED_SOURCE} and not (d.build_source_field or
                                                                     d.build_source_default):
         raise ConfigError(f"data.mixture: mixes sources, but the shards data.build_if_missing would build into "
                           f"{d.shards} record none (one source {UNNAMED_SOURCE!r}); set data.build_source_field "
@@ -209,7 +205,7 @@ def local_preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool, ds
     and :func:`check_shards` when every shard directory the run reads is there (else they wait for rank 0's build).
     Takes and writes nothing, so a refusal here costs no rendezvous and leaves nothing behind."""
     prepared = check_setup(exp, rank, world, cuda, ds)
-    missing = build_input_files(exp)
+    missing = build_input_files(exp, prepared.tokenizer)
     return prepared if missing else _with_shards(exp, prepared, world, rank)
 
 

@@ -1,12 +1,15 @@
-"""The shards a run reads, checked once before any loader is built: built when missing (rank 0,
-:func:`build_missing_shards`, from what :func:`build_input_files` finds), then present, built with the tokenizer
-and sequence length, of the kind their objectives read, every shard of its size, enough samples for a global
-batch; data.shards' held-out split and validation samples (:func:`check_held_out`), data.mixture against the
+"""The shards a run reads, checked once before any loader is built: their named inputs present and what they were
+built from (:func:`check_packed_sources`), built when missing or, with data.rebuild, rebuilt when built from other
+inputs (rank 0, :func:`build_missing_shards`, from what :func:`build_input_files` finds), then present, built with
+the tokenizer and sequence length, of the kind their objectives read, every shard of its size, enough samples for
+a global batch; data.shards' held-out split and validation samples (:func:`check_held_out`), data.mixture against the
 budget (:func:`check_mixture`), and each loader's spec (:class:`LoaderSpec`: micro-batch, holdout, mixture plan,
 batch warmup)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -27,7 +30,13 @@ from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
 from pipeline.data.prep.sources import InputError, expand_inputs
 from pipeline.experiment import DataConfig, ExperimentConfig, PhaseData
-from pipeline.inputs import has_shards, shard_store
+from pipeline.inputs import (
+    built_from_others,
+    check_buildable,
+    check_named_inputs,
+    has_shards,
+    shard_store,
+)
 from pipeline.tokenizer import Tokenizer
 from pipeline.train.phases import WeightedObjective, shard_kind_readers
 
@@ -62,35 +71,85 @@ def own_phase_data(exp: ExperimentConfig) -> list[tuple[int, PhaseData]]:
     return [(i, pd) for i, pd in enumerate(exp.phases_data) if pd.loader == f"phases[{i}]"]
 
 
-def shards_to_build(exp: ExperimentConfig) -> list[tuple[str, int, tuple[str, ...]]]:
-    """(directory, sequence length, inputs) of each packed shard directory the run reads that holds no shards yet:
-    data.shards from ``data.build_inputs``, and each phase's own at its sequence length."""
+@dataclass(frozen=True)
+class PackedDir:
+    """A packed shard directory the run reads (data.shards or a phase's own), with what preflight builds it from."""
+
+    setting: str  # the config key that names it
+    inputs_setting: str  # the key that names its inputs
+    directory: str
+    seq_len: int
+    inputs: tuple[str, ...]
+
+
+def packed_dirs(exp: ExperimentConfig) -> list[PackedDir]:
+    """data.shards built from ``data.build_inputs``, and each phase's own at its sequence length."""
     d = exp.data
-    return [(directory, seq_len, inputs) for directory, seq_len, inputs in
-            [(d.shards, d.seq_len, tuple(d.build_inputs)),
-             *((pd.shards, pd.seq_len, pd.build_inputs) for _, pd in own_phase_data(exp))]
-            if not has_shards(directory, d)]
+    return [PackedDir("data.shards", "data.build_inputs", d.shards, d.seq_len, tuple(d.build_inputs)),
+            *(PackedDir(f"phases[{i}].shards", f"data.build_inputs (for phases[{i}])", pd.shards, pd.seq_len,
+                        pd.build_inputs) for i, pd in own_phase_data(exp))]
 
 
-def build_input_files(exp: ExperimentConfig) -> list[tuple[str, list[str]]]:
+def check_packed_sources(exp: ExperimentConfig, tokenizer: Tokenizer) -> list[PackedDir]:
+    """Each of :func:`packed_dirs` holds shards or can be built, and its named inputs exist and are what it was
+    built from (``pipeline.inputs``); returns :func:`shards_to_build`."""
+    d = exp.data
+    for p in packed_dirs(exp):
+        check_buildable(p.directory, p.setting, p.inputs_setting, list(p.inputs), p.seq_len, d)
+        check_named_inputs(p.directory, p.setting, p.inputs_setting, p.inputs, p.seq_len, d,
+                           tokenizer.info.fingerprint)
+    return shards_to_build(exp, tokenizer)
+
+
+def shards_to_build(exp: ExperimentConfig, tokenizer: Tokenizer) -> list[PackedDir]:
+    """The packed directories rank 0 builds: those without shards, and with data.rebuild those built otherwise
+    than their named inputs build them."""
+    d = exp.data
+    return [p for p in packed_dirs(exp) if not has_shards(p.directory, d) or
+            (d.rebuild and built_from_others(p.directory, p.inputs, p.seq_len, d, tokenizer.info.fingerprint))]
+
+
+def build_input_files(exp: ExperimentConfig, tokenizer: Tokenizer) -> list[tuple[PackedDir, list[str]]]:
     """(directory, the input files it is built from) of each of :func:`shards_to_build`: every input pattern
     matches a file of a kind data prep reads, checked before anything starts."""
     try:
-        return [(directory, expand_inputs(inputs)) for directory, _, inputs in shards_to_build(exp)]
+        return [(p, expand_inputs(p.inputs)) for p in shards_to_build(exp, tokenizer)]
     except InputError as e:
         raise ConfigError(f"data.build_inputs: {str(e).replace('--input ', '', 1)}") from None
 
 
 def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
-    """Rank 0's job: the directories of :func:`shards_to_build`, built."""
+    """Rank 0's job: the directories of :func:`shards_to_build`, built; one that holds other shards is rebuilt
+    beside itself and swapped in once complete, so a failed rebuild leaves the old shards as they were."""
     d = exp.data
     sources = f", sources from {d.build_source_field or d.build_source_default!r}" if d.build_source_field or \
         d.build_source_default else ""
-    for directory, seq_len, inputs in shards_to_build(exp):
-        print(f"building shards of {list(inputs)} into {directory} (seq_len {seq_len}{sources})", flush=True)
-        run_job(BuildConfig(inputs=inputs, tokenizer=tokenizer.path, output=directory, seq_len=seq_len,
-                            workers=1, progress=False, source_field=d.build_source_field,
-                            source_default=d.build_source_default))
+    for p in shards_to_build(exp, tokenizer):
+        rebuild = has_shards(p.directory, d)
+        output = f"{p.directory.rstrip(os.sep)}.rebuild" if rebuild else p.directory
+        print(f"{'rebuilding' if rebuild else 'building'} shards of {list(p.inputs)} into {p.directory} (seq_len "
+              f"{p.seq_len}{sources}{', data.rebuild: built from other inputs' if rebuild else ''})", flush=True)
+        if rebuild:
+            shutil.rmtree(output, ignore_errors=True)  # a killed rebuild's half, perhaps of other inputs
+        run_job(_build_config(p, d, tokenizer, output))
+        if rebuild:
+            _swap_in(output, p.directory)
+
+
+def _build_config(p: PackedDir, d: DataConfig, tokenizer: Tokenizer, output: str) -> BuildConfig:
+    """How rank 0 builds ``p`` into ``output``: data prep's defaults at its sequence length, with
+    data.build_source_*."""
+    return BuildConfig(inputs=p.inputs, tokenizer=tokenizer.path, output=output, seq_len=p.seq_len, workers=1,
+                       progress=False, source_field=d.build_source_field, source_default=d.build_source_default)
+
+
+def _swap_in(new: str, directory: str) -> None:
+    """``new`` renamed to ``directory``, whose old contents are removed after the swap (two renames)."""
+    old = f"{directory.rstrip(os.sep)}.replaced"
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(directory, old)
+    os.rename(new, directory)
+    shutil.rmtree(old)
 
 
 def _load_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,

@@ -198,7 +198,7 @@ def run_job(cfg: BuildConfig) -> JobSummary:
             raise BuildError(f"tokenizer {cfg.tokenizer} has no {name.upper()} token; pass --no-{name}")
     settings = cfg.shard_settings(tok.info.as_dict(), pad_id(tok), inputs)
     os.makedirs(cfg.output, exist_ok=True)
-    manifest = ensure_manifest(cfg, settings, os.path.abspath(cfg.tokenizer))
+    manifest = ensure_manifest(cfg, settings, os.path.abspath(cfg.tokenizer), inputs)
     if load_job(cfg, manifest["fingerprint"])["complete"]:
         return _already_complete(cfg, manifest, start - loading)
     lock = DirLock(os.path.join(cfg.output, f".lock-job-{cfg.job_index:05d}"), f"job {cfg.job_index} of {cfg.output}")

@@ -2,7 +2,9 @@
 
 - ``manifest.json``: written once by the first prep job; ``format``, ``fingerprint`` (sha256 of ``settings``),
   ``settings`` (everything that determines the shard bytes: tokenizer, seq_len, seed, mask and span settings,
-  packing, input file list) and ``num_jobs``.
+  packing, input file list) and ``num_jobs``; outside the settings, ``tokenizer_path`` and ``input_files``
+  (each input's absolute path, bytes and modification time when the directory was made), which
+  :func:`built_otherwise` holds a run's named inputs to.
 - ``job-{k:05d}.json``: each prep job's own progress: the input files it finished (with their shards, counts and
   bad-record counts), its shards with sample/token counts and sha256, and ``complete``. Shards built with sources
   (``--source-field`` / ``--source-default``) name theirs (``"source"``: each shard holds one source), and each
@@ -25,6 +27,7 @@ import os
 from pipeline.data.format.index import INDEX, MANIFEST, job_manifest_name, settings_fingerprint
 from pipeline.data.format.sample import FORMAT_VERSION
 from pipeline.data.prep.build_config import BuildConfig, BuildError
+from pipeline.data.prep.sources import input_record
 from pipeline.io import read_json, write_json_atomic
 
 
@@ -47,11 +50,12 @@ def _settings_diff(old: dict, new: dict) -> list[str]:
             for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
 
 
-def ensure_manifest(cfg: BuildConfig, settings: dict, tokenizer_path: str) -> dict:
+def ensure_manifest(cfg: BuildConfig, settings: dict, tokenizer_path: str, inputs: list[str]) -> dict:
     """Create ``manifest.json`` if this is the first job, else check that it was made with the same settings."""
     path = os.path.join(cfg.output, MANIFEST)
     manifest = {"format": FORMAT_VERSION, "fingerprint": settings_fingerprint(settings), "settings": settings,
-                "num_jobs": cfg.num_jobs, "tokenizer_path": tokenizer_path}
+                "num_jobs": cfg.num_jobs, "tokenizer_path": tokenizer_path,
+                "input_files": [input_record(p) for p in inputs]}
     if not os.path.exists(path):
         tmp = f"{path}.tmp{os.getpid()}"
         write_json_atomic(tmp, manifest)
@@ -117,3 +121,47 @@ def maybe_write_index(output: str, manifest: dict) -> bool:
     if not os.path.exists(path) or read_json(path, "delete it; the next prep job rewrites it") != index:
         write_json_atomic(path, index)
     return True
+
+
+def _recorded_inputs(manifest: dict) -> list[dict] | None:
+    """The inputs a directory was built from, as :func:`~pipeline.data.prep.sources.input_record` gives them (no
+    modification time in directories made before it was recorded; their relative paths taken from here); None
+    when the manifest names none (not written by data prep)."""
+    if "input_files" in manifest:
+        return manifest["input_files"]
+    inputs = manifest["settings"].get("inputs")
+    return None if inputs is None else [{**i, "path": os.path.abspath(i["path"])} for i in inputs]
+
+
+def _shown(paths: list[str]) -> str:
+    """Paths for a one-line message: relative to here when under it, at most three named."""
+    rel = [os.path.relpath(p) if p.startswith(os.getcwd() + os.sep) else p for p in paths]
+    return f"[{', '.join(rel)}]" if len(rel) <= 3 else f"[{', '.join(rel[:2])}, ... {len(rel) - 2} more]"
+
+
+def built_otherwise(manifest: dict, inputs: list[str], tokenizer: str, seq_len: int,
+                    source: tuple[str, str]) -> list[str]:
+    """How the directory of ``manifest`` differs from the shards that ``inputs`` (expanded input paths) build with
+    the tokenizer of fingerprint ``tokenizer`` at ``seq_len`` with ``source`` (field, default), each a phrase that
+    follows "was built": another input list, an input changed since (size or modification time), another
+    tokenizer, sequence length or source setting. Empty when they match (or the manifest names no inputs)."""
+    settings, out = manifest["settings"], []
+    recorded = _recorded_inputs(manifest)
+    now = [input_record(p) for p in inputs]
+    if recorded is not None and [r["path"] for r in recorded] != [n["path"] for n in now]:
+        out.append(f"from {_shown([r['path'] for r in recorded])}, not {_shown([n['path'] for n in now])}")
+    elif recorded is not None:
+        changed = [n["path"] for r, n in zip(recorded, now) if r["bytes"] != n["bytes"]
+                   or r.get("mtime_ns", n["mtime_ns"]) != n["mtime_ns"]]
+        if changed:
+            out.append(f"from {_shown(changed)} before {'they' if len(changed) > 1 else 'it'} changed (size or "
+                       f"modification time)")
+    if settings["tokenizer"].get("fingerprint") != tokenizer:
+        out.append(f"with another tokenizer ({manifest.get('tokenizer_path') or 'fingerprint'} "
+                   f"{settings['tokenizer'].get('fingerprint')!r}, data.tokenizer has {tokenizer!r})")
+    if settings["seq_len"] != seq_len:
+        out.append(f"at seq_len {settings['seq_len']}, not {seq_len}")
+    built_source = (settings.get("source_field", ""), settings.get("source_default", ""))
+    if built_source != source:
+        out.append(f"with sources from field/default {built_source}, not data.build_source_field/default {source}")
+    return out

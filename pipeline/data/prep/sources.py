@@ -140,11 +140,19 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
     return sorted(paths)
 
 
+def input_record(path: str) -> dict:
+    """The absolute path, bytes and newest modification time (ns) of an input (all files of a dataset directory):
+    what the manifest records of it, so a run naming its inputs notices another file or a changed one."""
+    files = [path] if not os.path.isdir(path) else [os.path.join(root, name) for root, _, names in os.walk(path)
+                                                    for name in names]
+    stats = [os.stat(f) for f in files]
+    return {"path": os.path.abspath(path), "bytes": sum(s.st_size for s in stats),
+            "mtime_ns": max((s.st_mtime_ns for s in stats), default=0)}
+
+
 def input_size(path: str) -> int:
-    """Bytes on disk (all files of a dataset directory): recorded in the manifest to notice changed inputs."""
-    if not os.path.isdir(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+    """Bytes on disk (all files of a dataset directory): in the manifest's fingerprinted settings."""
+    return input_record(path)["bytes"]
 
 
 class _Truncated(Exception):
