@@ -136,6 +136,12 @@ class RunDir:
         path = os.path.join(self.checkpoint(step), EXPERIMENT)
         return _experiment(read_json(path, "written with every checkpoint"), path)
 
+    def checkpoint_run_file(self, step: int, name: str) -> dict | None:
+        """One of the :meth:`run_files` saved with the step's checkpoint, as written (None: that checkpoint has
+        none, an older one)."""
+        path = os.path.join(self.checkpoint(step), name)
+        return read_json(path, "written with every checkpoint") if os.path.isfile(path) else None
+
     def checkpoint_world_size(self, step: int) -> int:
         """The number of ranks that wrote the step's checkpoint (from its completion marker)."""
         path = os.path.join(self.checkpoint(step), MARKER)

@@ -101,7 +101,8 @@ def _resume_line(exp: ExperimentConfig, prepared: Prepared) -> str:
     run, point = RunDir(exp.run_dir), prepared.resume
     if point is None:
         return f"  resume: no complete checkpoint in {run.checkpoints}: starts at step 0"
-    return f"  resume: from step {point.step} ({run.checkpoint(point.step)}), global batch checked against it"
+    return (f"  resume: from step {point.step} ({run.checkpoint(point.step)}), global batch, shards, model shape "
+            f"and objectives checked against it")
 
 
 def _budget_lines(exp: ExperimentConfig, prepared: Prepared, world: int) -> list[str]:

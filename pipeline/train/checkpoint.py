@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ from pipeline.train.async_checkpoint import (
 )
 from pipeline.train.run_setup import ResumePoint
 from pipeline.train.state import TrainState
+
+if TYPE_CHECKING:  # the decision's module imports the evaluators, which a checkpoint does not need
+    from pipeline.train.keep_best import KeepBest
 
 UNIVERSAL = "universal"  # sub-directory of a step with its universal-format copy
 
@@ -229,14 +233,15 @@ class Checkpointer:
     """The trainer's checkpoints: resume from the newest complete one, save at a step, and remember the last step
     saved. ``run_files`` (the run's description) are written into every checkpoint. With ``checkpoint.async_save``
     the engine's files are written in the background (:mod:`pipeline.train.async_checkpoint`): a save waits only for
-    the previous one's writes, and :meth:`wait` for the last. With ``checkpoint.keep_best`` it follows the best
-    step (:meth:`observe`, which way is better: ``best_mode``), spares its checkpoint from pruning and carries it in
-    the client state, so a resumed run knows it."""
+    the previous one's writes, and :meth:`wait` for the last. With ``keep`` (``checkpoint.keep_best`` as preflight
+    decided it) it follows the best step (:meth:`observe`), spares its checkpoint from pruning and carries it in the
+    client state with its metric and direction, so a resumed run with the same setting knows it."""
 
-    def __init__(self, engine, run: RunDir, cfg: CheckpointConfig, run_files: dict[str, dict], best_mode: str = "max"):
+    def __init__(self, engine, run: RunDir, cfg: CheckpointConfig, run_files: dict[str, dict],
+                 keep: KeepBest | None = None):
         self.engine, self.run, self.cfg, self.run_files = engine, run, cfg, run_files
         self.last_saved = 0
-        self.best_mode, self.best = best_mode, None
+        self.keep, self.best = keep, None
         self.writer = self.completer = None
         if cfg.async_save:
             self.writer = BackgroundWriter()  # this rank's files, then its written-rank<r>
@@ -245,29 +250,37 @@ class Checkpointer:
 
     def resume(self, state: TrainState, point: ResumePoint | None, half_written: tuple[int, ...] = ()) -> bool:
         """Collective. Drop the ``half_written`` checkpoint directories, then load the checkpoint ``point`` into the
-        engine and ``state`` (both as preflight found them); False for a fresh start (``point`` None)."""
+        engine and ``state`` (both as preflight found them); False for a fresh start (``point`` None). The saved
+        best counts only when it was chosen by this run's metric in this run's direction: after a change of
+        ``checkpoint.keep_best`` (or its mode, or none now) the old best is neither spared nor exported."""
         self._drop_half_written(half_written)
         if point is None:
             return False
         client = load(self.engine, self.run, point.step, point.world_size)
         state.load_state_dict(client)
-        self.best = Best(**client["best"]) if client.get("best") else None
+        saved = client.get("best") or {}
+        if self.keep is not None and (saved.get("metric"), saved.get("mode")) == (self.keep.metric, self.keep.mode):
+            self.best = Best(saved["step"], saved["value"])
         self.last_saved = state.step
         return True
 
-    def observe(self, step: int, scalars: dict[str, float]) -> None:
-        """A healthy step's validation scalars: the step becomes the best when its ``checkpoint.keep_best`` metric
-        beats the best so far (a tie keeps the earlier step; a value that is not finite never wins)."""
-        metric = self.cfg.keep_best
-        if not metric:
+    def observe(self, step: int, phase: int, scalars: dict[str, float]) -> None:
+        """A healthy step's validation scalars, in phase ``phase``: the step becomes the best when the metric beats
+        the best so far (a tie keeps the earlier step; a value that is not finite never wins). A phase that does not
+        log the metric (preflight named it), or a validation that left it out with nothing to score, has no
+        candidate."""
+        keep = self.keep
+        if keep is None or phase not in keep.phases:
             return
-        if metric not in scalars:
-            raise ValueError(f"checkpoint.keep_best: {metric} was not logged at step {step}; the validation logs "
-                             f"{sorted(k for k in scalars if k.startswith('eval/'))}")
-        value = float(scalars[metric])
+        if keep.metric not in scalars:
+            if keep.sometimes:
+                return
+            raise ValueError(f"checkpoint.keep_best: {keep.metric} was not logged at step {step}; the validation "
+                             f"logs {sorted(k for k in scalars if k.startswith('eval/'))}")
+        value = float(scalars[keep.metric])
         if not math.isfinite(value):
             return
-        if self.best is None or (value > self.best.value if self.best_mode == "max" else value < self.best.value):
+        if self.best is None or (value > self.best.value if keep.mode == "max" else value < self.best.value):
             self.best = Best(step, value)
 
     def _drop_half_written(self, steps: tuple[int, ...]) -> None:
@@ -283,7 +296,8 @@ class Checkpointer:
     def save(self, state: TrainState) -> None:
         """Collective: the engine and ``state`` at its step."""
         self._written()  # one state in host memory at a time, and the previous save's errors surface here
-        best = {"best": dataclasses.asdict(self.best)} if self.best else {}
+        best = {"best": dataclasses.asdict(self.best) | {"metric": self.keep.metric, "mode": self.keep.mode}
+                } if self.best else {}
         save(self.engine, self.run, state.step, state.state_dict() | best, self.run_files, self.cfg.keep_last,
              self.cfg.keep_every, self.writer, self.completer, (self.best.step,) if self.best else ())
         self.last_saved = state.step

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pipeline.eval.data import dataset_name
 from pipeline.eval.encode import MAX_TOKENS
 from pipeline.eval.load import EvalModel
 from pipeline.eval.registry import TASKS
@@ -28,6 +29,27 @@ from pipeline.export.record import EncoderRecord
 from pipeline.tokenizer import Tokenizer
 
 BATCH_SIZE, SEED = 16, 0  # launch/evaluate.py's --batch-size and --seed defaults
+# tasks whose headline leaves a score out when nothing was scored: repetition's Rep-Sen and Rep-4 of a dataset whose
+# continuations are all too short (pipeline.eval.repetition.headline)
+LEAVES_OUT = frozenset({"repetition"})
+
+
+class _AnyResult(dict):
+    """A task's result in which every key holds more of the same: its headline's keys, without running the task."""
+
+    def __missing__(self, key):
+        return _AnyResult()
+
+
+def logged(configs: list[EvaluatorConfig]) -> tuple[set[str], set[str]]:
+    """The ``eval/`` scalars :meth:`TrainingEvaluators.run` logs: (at every validation, only at those that had
+    something to score: :data:`LEAVES_OUT`'s), named by each task's own headline over its datasets' names."""
+    always, sometimes = set(), set()
+    for config in configs:
+        result = _AnyResult(datasets={dataset_name(d): _AnyResult() for d in config.datasets})
+        names = {f"eval/{k}" for k in TASKS[config.task].headline(result)}
+        (sometimes if config.task in LEAVES_OUT else always).update(names)
+    return always, sometimes
 
 
 @dataclass

@@ -54,6 +54,7 @@ from pipeline.train.batch_warmup import batch_warmup
 from pipeline.train.compiling import body_compiles, check_compile
 from pipeline.train.ds_config import resolve_ds_config
 from pipeline.train.engine_spec import EngineSpec, engine_spec
+from pipeline.train.keep_best import KeepBest, keep_best
 from pipeline.train.kernels import attn_implementation, model_dtype
 from pipeline.train.phases import WeightedObjective, build_objectives, shard_kind_readers
 from pipeline.train.run_setup import (
@@ -98,6 +99,7 @@ class Prepared:
     loaders: Mapping[str, LoaderSpec] = field(default_factory=lambda: MappingProxyType({}))  # one per index
     validation: ValidationSamples | None = None  # the samples validation scores (eval.every > 0)
     holdout: Holdout | None = None  # eval.holdout's split of data.shards: which packed samples training reads
+    keep_best: KeepBest | None = None  # checkpoint.keep_best against what each phase logs (None: none)
 
     @property
     def train_samples(self) -> int | None:
@@ -215,8 +217,11 @@ def _with_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: in
     if prepared.holdout is not None:
         return prepared
     shards = check_shards(exp, prepared.tokenizer, prepared.objectives, prepared.warmup, world)
+    best, best_notes = keep_best(exp, prepared.objectives, prepared.probes,
+                                 shards.validation.index.sources if shards.validation else ())
     return replace(prepared, indexes=shards.indexes, loaders=shards.loaders, validation=shards.validation,
-                   holdout=shards.holdout, notes=prepared.notes + (shards.notes if rank == 0 else ()))
+                   holdout=shards.holdout, keep_best=best,
+                   notes=prepared.notes + ((*shards.notes, *best_notes) if rank == 0 else ()))
 
 
 def _probes(v: ValidationConfig, tokenizer: Tokenizer) -> list[WeightedObjective]:

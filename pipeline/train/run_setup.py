@@ -1,7 +1,7 @@
 """The run directory and where the run starts, checked before anything is built: ``run_dir`` writable
 (:func:`check_run_dir`) and not in use (:func:`check_run_dir_free`), then locked for the run (:func:`lock_run_dir`);
-the checkpoint a resume starts from with its global batch (:func:`resume_point`) and the half-written checkpoints a
-killed run left (:func:`half_written`)."""
+the checkpoint a resume starts from with its global batch (:func:`resume_point`) and what else it must share with
+this run (:func:`check_resumable`), and the half-written checkpoints a killed run left (:func:`half_written`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,12 @@ from dataclasses import dataclass
 from pipeline.config import ConfigError
 from pipeline.experiment import ExperimentConfig
 from pipeline.lock import DirLock, describe
-from pipeline.run_dir import RunDir
+from pipeline.run_dir import DATA, MODEL_CONFIG, RunDir
 from pipeline.safe_load import check_directory
+
+# the keys of a model config that fix its parameters' shapes: a checkpoint loads only into a model that has its
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts", "num_experts")
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,37 @@ def resume_point(exp: ExperimentConfig, world: int) -> ResumePoint | None:
                           f"{t.grad_accum} x {world} ranks); {fix}set checkpoint.allow_global_batch_change=true "
                           f"to resume with the new batch")
     return point
+
+
+def check_resumable(exp: ExperimentConfig, point: ResumePoint, model_config: dict, fingerprint: str) -> None:
+    """The checkpoint this run resumes from (``point``) was trained on what a resume cannot change: the same shards
+    (``fingerprint``: data.shards' when the run starts, built or to be built), a model of the same shape
+    (``model_config``, this run's) and LoRA rank, the same objectives in each phase. Else a ConfigError naming the
+    run directory, the difference and a new name; the resume would otherwise fail only once the shards and the
+    model are built, naming neither."""
+    run, d = RunDir(exp.run_dir), exp.data
+    saved = run.checkpoint_experiment(point.step)
+    differences = []
+    record = run.checkpoint_run_file(point.step, DATA)
+    if record is not None and record["fingerprint"] != fingerprint:
+        inputs = f" (from data.build_inputs {d.build_inputs})" if d.build_inputs else ""
+        differences.append(f"on {record['directory']} (fingerprint {record['fingerprint'][:12]}), while this run's "
+                           f"data.shards {d.shards}{inputs} has {fingerprint[:12]}")
+    saved_config = run.checkpoint_run_file(point.step, MODEL_CONFIG) or {}
+    shape = [k for k in SHAPE_KEYS if k in saved_config and k in model_config and saved_config[k] != model_config[k]]
+    if shape:
+        differences.append(f"with a model of {', '.join(f'{k} {saved_config[k]}' for k in shape)}, while this run's "
+                           f"({exp.model.init}) has {', '.join(f'{k} {model_config[k]}' for k in shape)}")
+    if saved.model.lora.r != exp.model.lora.r:
+        differences.append(f"with model.lora.r {saved.model.lora.r}, while this run has {exp.model.lora.r}")
+    objectives = [[[o.name for o in p.objectives] for p in e.phases] for e in (saved, exp)]
+    if objectives[0] != objectives[1]:
+        differences.append(f"with the objectives {objectives[0]}, while this run has {objectives[1]}")
+    if differences:
+        key = "name" if os.path.normpath(exp.run_dir) == os.path.join("runs", exp.name) else "run_dir"
+        raise ConfigError(f"{key}: {exp.run_dir} holds run {saved.name}'s checkpoint of step {point.step}, trained "
+                          f"{'; '.join(differences)}, which this run cannot resume; start a new run with --set "
+                          f"{key}=NEW, or resume with that run's settings")
 
 
 def half_written(run_dir: str) -> tuple[int, ...]:

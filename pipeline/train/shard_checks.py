@@ -26,7 +26,7 @@ from pipeline.data.format.index import (
 from pipeline.data.loading.holdout import Holdout, ValidationSamples, split
 from pipeline.data.loading.mixture import Budget, MixtureError, MixturePlan, check_budget
 from pipeline.data.loading.order import BatchWarmup
-from pipeline.data.prep.build import run_job
+from pipeline.data.prep.build import run_job, shard_fingerprint
 from pipeline.data.prep.build_config import BuildConfig
 from pipeline.data.prep.sources import InputError, expand_inputs
 from pipeline.experiment import DataConfig, ExperimentConfig, PhaseData
@@ -36,6 +36,7 @@ from pipeline.inputs import (
     check_named_inputs,
     has_shards,
     shard_store,
+    shards_fingerprint,
 )
 from pipeline.tokenizer import Tokenizer
 from pipeline.train.phases import WeightedObjective, shard_kind_readers
@@ -141,6 +142,16 @@ def _build_config(p: PackedDir, d: DataConfig, tokenizer: Tokenizer, output: str
     data.build_source_*."""
     return BuildConfig(inputs=p.inputs, tokenizer=tokenizer.path, output=output, seq_len=p.seq_len, workers=1,
                        progress=False, source_field=d.build_source_field, source_default=d.build_source_default)
+
+
+def data_shards_fingerprint(exp: ExperimentConfig, tokenizer: Tokenizer, to_build: list[PackedDir]) -> str:
+    """The fingerprint of the shards data.shards holds when the run starts: its manifest's, or that of the build
+    in ``to_build`` (:func:`shards_to_build`) rank 0 is to make, which its settings alone fix."""
+    d = exp.data
+    building = next((p for p in to_build if p.directory == d.shards), None)
+    if building is None:
+        return shards_fingerprint(d.shards, d)
+    return shard_fingerprint(_build_config(building, d, tokenizer, building.directory), tokenizer)
 
 
 def _swap_in(new: str, directory: str) -> None:

@@ -109,8 +109,7 @@ class Trainer:
                               v.micro_batch or exp.train.micro_batch, exp.data.verify_shards) if v.every else None
         evaluators = (TrainingEvaluators.build(v.evaluators, tokenizer, prepared.record, exp.run_dir)
                       if v.evaluators else None)
-        checkpoints = Checkpointer(engine, run, exp.checkpoint, files,
-                                   exp.keep_best_mode() if exp.checkpoint.keep_best else "max")
+        checkpoints = Checkpointer(engine, run, exp.checkpoint, files, prepared.keep_best)
         state = TrainState(loaders, source_tokens=dict.fromkeys(index.sources if len(index.sources) > 1 else (), 0))
         if checkpoints.resume(state, prepared.resume, prepared.half_written) and rank == 0:
             print(f"resumed from {tag(state.step)} ({state.tokens_seen:,} tokens seen)")
@@ -158,7 +157,7 @@ class Trainer:
                 self._log(unread, scalars)
                 unread = None
                 if validating and self.guard.healthy:  # before the step's checkpoint, which spares the best
-                    self.checkpoints.observe(state.step, scalars)
+                    self.checkpoints.observe(state.step, phase_idx, scalars)
             if self._checkpoint_or_stop(signalled, stopping, due):
                 break
         return self._finish(started)

@@ -39,6 +39,25 @@ def forward_of(o: WeightedObjective) -> str:
     return repr((type(o.objective).__name__, config, o.objective.document_masking))
 
 
+def scored(phase: list[WeightedObjective], probes: list[WeightedObjective]) -> list[tuple[str, str, WeightedObjective]]:
+    """What a validation scores, with the names of its loss and accuracy scalars: the phase's objectives that read
+    packed samples (``loss``, ``acc``), and the probes (``probe``, ``probe_acc``)."""
+    return [("loss", "acc", o) for o in phase if o.objective.shard_kind == "packed"] + [
+        ("probe", "probe_acc", p) for p in probes]
+
+
+def logged(phase: list[WeightedObjective], probes: list[WeightedObjective],
+           sources: tuple[str, ...]) -> tuple[set[str], set[str]]:
+    """The ``eval/`` scalars :meth:`Validator.run` logs for ``phase`` on held-out shards of ``sources``: (at every
+    validation, only at those that scored the source: each source's scalars, with several)."""
+    always, sometimes = set(), set()
+    for kind, acc, o in scored(phase, probes):
+        for name in map(o.loss_name, o.objective.loss_weights):
+            always |= {f"eval/{kind}/{name}", f"eval/{acc}/{name}"}
+            sometimes |= {f"eval/source_{kind}/{name}/{src}" for src in sources if len(sources) > 1}
+    return always | ({"eval/probe_ppl/clm"} if "eval/probe/clm" in always else set()), sometimes
+
+
 @dataclass
 class Validator:
     config: ValidationConfig
@@ -55,12 +74,11 @@ class Validator:
         """``eval/loss/<name>`` and ``eval/acc/<name>`` of the phase's objectives that read packed samples,
         ``eval/probe/<probe>`` and ``eval/probe_acc/<probe>``, ``eval/probe_ppl/clm``, and ``eval/seconds``; for
         held-out shards of several sources also ``eval/source_loss/<name>/<source>`` and
-        ``eval/source_probe/<probe>/<source>``.
+        ``eval/source_probe/<probe>/<source>`` (what :func:`logged` lists).
         Dropout is off while it runs (eval mode) and the engine is back in train mode after."""
         started = time.time()
-        scored = [("loss", "acc", o) for o in phase if o.objective.shard_kind == "packed"]
-        scored += [("probe", "probe_acc", p) for p in self.probes]
-        forwards = {forward_of(o): o.objective for _, _, o in scored}
+        scores = scored(phase, self.probes)
+        forwards = {forward_of(o): o.objective for _, _, o in scores}
         sums: dict[tuple[str, str, str], torch.Tensor] = {}
         h = self.samples
         sources = h.index.sources
@@ -71,7 +89,7 @@ class Validator:
                                    verify=self.verify, first=h.first, count=h.count, ids=h.ids):
                 batch = batch.to(device)
                 outputs = {f: engine(objective, batch) for f, objective in forwards.items()}
-                for kind, acc, o in scored:
+                for kind, acc, o in scores:
                     for own, out in outputs[forward_of(o)].items():
                         key = (kind, acc, o.loss_name(own))
                         total = torch.stack([t.detach().double() for t in out[:3]])  # loss sum, targets, correct

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.data.format.index import INDEX, job_manifest_name
+from pipeline.data.format.index import INDEX, job_manifest_name, settings_fingerprint
 from pipeline.data.prep.build_config import BuildConfig, BuildError
 from pipeline.data.prep.build_file import FileResult, WorkerSpec, init_worker, pad_id, process_file
 from pipeline.data.prep.build_sample import PlanSettings
@@ -196,7 +196,7 @@ def run_job(cfg: BuildConfig) -> JobSummary:
     for wanted, token_id, name in ((cfg.bos, tok.bos_id, "bos"), (cfg.eos, tok.eos_id, "eos")):
         if wanted and token_id is None:
             raise BuildError(f"tokenizer {cfg.tokenizer} has no {name.upper()} token; pass --no-{name}")
-    settings = cfg.shard_settings(tok.info.as_dict(), pad_id(tok), inputs)
+    settings = _settings(cfg, tok, inputs)
     os.makedirs(cfg.output, exist_ok=True)
     manifest = ensure_manifest(cfg, settings, os.path.abspath(cfg.tokenizer), inputs)
     if load_job(cfg, manifest["fingerprint"])["complete"]:
@@ -215,6 +215,16 @@ def run_job(cfg: BuildConfig) -> JobSummary:
         raise
     lock.release(remove=True)  # the job is complete for good: a finished directory holds only shards and manifests
     return summary
+
+
+def _settings(cfg: BuildConfig, tok, inputs: list[str]) -> dict:
+    return cfg.shard_settings(tok.info.as_dict(), pad_id(tok), inputs)
+
+
+def shard_fingerprint(cfg: BuildConfig, tok) -> str:
+    """The fingerprint of the directory :func:`run_job` builds from ``cfg`` (``tok``: its tokenizer, loaded): a
+    function of the settings alone, so known before the build (a resume's check of the shards it will read)."""
+    return settings_fingerprint(_settings(cfg, tok, expand_inputs(cfg.inputs)))
 
 
 def _already_complete(cfg: BuildConfig, manifest: dict, tokenizer_s: float) -> JobSummary:

@@ -67,9 +67,23 @@ def test_shards_to_build_are_named_not_built(tmp_path, capsys):
     assert "memory: not estimated for CPU ranks" in out and not out_dir.exists()
 
 
+KEEP_BEST = ("eval.every=2", "eval.holdout=0.01", "eval.samples=8", "checkpoint.every=2")
+
+
+def test_keep_best_on_a_metric_one_phase_does_not_log_is_named_once_by_preflight(shards, tmp_path, capsys):
+    """A CLM -> MLM run keeping the best eval/loss/clm (issue 55, item 2) used to stop at phase 2's first
+    validation, and every resume there again: preflight names the phase, and the best is phase 1's."""
+    phases = "phases=[{objectives: [{name: clm}], share: 0.5}, {objectives: [{name: mlm}], share: 0.5}]"
+    rc, out, err = check(capsys, tmp_path, shards, *[a for o in (*KEEP_BEST, phases, "checkpoint.keep_best=eval/loss/clm")
+                                                     for a in ("--set", o)])
+    assert rc == 0, err
+    assert ("  note: checkpoint.keep_best: eval/loss/clm is not logged in phases[1] (mlm); the best checkpoint is "
+            "chosen among the steps of phases[0]\n") in out
+
+
 @pytest.mark.parametrize("case", ["bad field", "unknown key", "missing shards", "missing inputs", "wrong tokenizer",
                                   "tokenizer", "too few samples", "resume mismatch", "does not fit", "gpu",
-                                  "ds config"])
+                                  "ds config", "keep best nobody logs"])
 def test_each_kind_of_bad_config_is_one_line_and_exit_2(shards, tmp_path, capsys, case):
     run = tmp_path / "run"
     step = RunDir(str(run)).checkpoint(5)
@@ -98,6 +112,9 @@ def test_each_kind_of_bad_config_is_one_line_and_exit_2(shards, tmp_path, capsys
                          "config error: memory: "),
         "gpu": (["--gpu", "h1000"], "config error: --gpu 'h1000': not a GPU the planner knows; choose one of "),
         "ds config": (["--config", str(tmp_path / "ds.json")], f"config error: {tmp_path}/ds.json: DeepSpeed config not found"),
+        "keep best nobody logs": ([a for o in (*KEEP_BEST, "checkpoint.keep_best=eval/loss/mlm") for a in ("--set", o)],
+                                  "config error: checkpoint.keep_best: no phase's validation logs eval/loss/mlm; name "
+                                  "one they log, e.g. eval/acc/clm, eval/loss/clm, eval/probe/clm, "),
     }[case]
     before = snapshot(shards, str(tmp_path))
     rc, out, err = check(capsys, tmp_path, shards, *args)

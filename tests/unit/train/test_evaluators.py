@@ -16,10 +16,12 @@ from helpers import REPO, launch_training, logged_steps
 from test_trainer import FakeEngine
 
 from pipeline.config import ConfigError
+from pipeline.eval import repetition
 from pipeline.experiment import SAMPLE_DIR, CheckpointConfig, load_experiment
 from pipeline.model.build import build_model, model_spec
 from pipeline.run_dir import RunDir
 from pipeline.train.checkpoint import Best, Checkpointer
+from pipeline.train.keep_best import KeepBest
 from pipeline.train.module import TrainModule
 from pipeline.train.preflight import preflight
 from pipeline.train.run_setup import ResumePoint
@@ -88,22 +90,25 @@ def test_preflight_refuses_a_missing_data_file(build_shards, tmp_path):
                             "(relative to the directory training starts in)")
 
 
-def _checkpointer(run: RunDir, engine: FakeEngine, mode: str) -> Checkpointer:
-    cfg = CheckpointConfig(every=2, keep_last=1, keep_best="eval/sts_avg", keep_best_mode=mode)
-    return Checkpointer(engine, run, cfg, {}, mode)
+def _checkpointer(run: RunDir, engine: FakeEngine, mode: str, metric: str = "eval/sts_avg") -> Checkpointer:
+    cfg = CheckpointConfig(every=2, keep_last=1, keep_best=metric, keep_best_mode=mode)
+    return Checkpointer(engine, run, cfg, {}, KeepBest(metric, mode, (0,)) if metric else None)
+
+
+def _engine() -> FakeEngine:
+    torch.manual_seed(0)
+    return FakeEngine(TrainModule(build_model(model_spec("tiny", 64, pad_token_id=0, bos_token_id=1, eos_token_id=2))))
 
 
 @pytest.mark.parametrize("mode, best", [("max", 4), ("min", 2)])
 def test_the_best_checkpoint_survives_the_rotation_and_a_resume(tmp_path, mode, best):
     """keep_last 1: each save prunes the older checkpoints but the best one; a resume knows the best again."""
-    torch.manual_seed(0)
-    engine = FakeEngine(TrainModule(build_model(model_spec("tiny", 64, pad_token_id=0, bos_token_id=1, eos_token_id=2))))
-    run = RunDir(str(tmp_path / "run"))
+    engine, run = _engine(), RunDir(str(tmp_path / "run"))
     checkpoints, state = _checkpointer(run, engine, mode), TrainState({})
     scores = {2: 0.30, 4: 0.90, 6: 0.50, 8: float("nan"), 10: 0.40}
     for step, score in scores.items():
         state.step = step
-        checkpoints.observe(step, {"eval/sts_avg": score, "eval/loss/clm": 1.0})
+        checkpoints.observe(step, 0, {"eval/sts_avg": score, "eval/loss/clm": 1.0})
         checkpoints.save(state)
         assert run.complete_steps() == sorted({checkpoints.best.step, step}), step
     assert checkpoints.best == Best(best, scores[best])
@@ -111,7 +116,44 @@ def test_the_best_checkpoint_survives_the_rotation_and_a_resume(tmp_path, mode, 
     assert resumed.resume(TrainState({}), ResumePoint(10, 1)) and resumed.best == Best(best, scores[best])
     with pytest.raises(ValueError, match=r"checkpoint.keep_best: eval/sts_avg was not logged at step 12; the "
                                          r"validation logs \['eval/loss/clm'\]"):
-        resumed.observe(12, {"eval/loss/clm": 1.0})
+        resumed.observe(12, 0, {"eval/loss/clm": 1.0})
+
+
+@pytest.mark.parametrize("now", ["eval/loss/clm", "eval/sts_avg min", ""])
+def test_a_resume_after_keep_best_changed_forgets_the_old_best(tmp_path, now):
+    """The saved best names its metric and direction (issue 55, item 3): after a change (another metric, the other
+    direction, keep_best off) it is neither compared with the new metric's values, nor spared from the rotation,
+    nor exported as hf-best."""
+    engine, run = _engine(), RunDir(str(tmp_path / "run"))
+    checkpoints, state = _checkpointer(run, engine, "max"), TrainState({})
+    for step, score in ((2, 0.9), (4, 0.1)):
+        state.step = step
+        checkpoints.observe(step, 0, {"eval/sts_avg": score, "eval/loss/clm": 5.0 - step})
+        checkpoints.save(state)
+    assert checkpoints.best == Best(2, 0.9) and run.complete_steps() == [2, 4]
+    metric, mode = (now.split() + ["min"])[:2] if now else ("", "max")
+    resumed, state = _checkpointer(run, engine, mode, metric), TrainState({})
+    assert resumed.resume(state, ResumePoint(4, 1)) and resumed.best is None
+    state.step = 6
+    resumed.observe(6, 0, {"eval/sts_avg": 0.5, "eval/loss/clm": 2.0})
+    resumed.save(state)
+    assert run.complete_steps() == [6]  # step 2, the old best, is pruned by the rotation
+
+
+def test_a_phase_that_does_not_log_the_metric_and_a_repetition_with_nothing_to_score_have_no_candidate(tmp_path):
+    """A CLM -> MLM run keeping the best eval/loss/clm: phase 1's validations log no CLM loss, and a repetition
+    evaluator whose continuations are all too short logs no Rep-4 (its real headline): neither stops the run."""
+    run = RunDir(str(tmp_path / "run"))
+    clm = Checkpointer(_engine(), run, CheckpointConfig(), {}, KeepBest("eval/loss/clm", "min", (0,)))
+    clm.observe(2, 0, {"eval/loss/clm": 3.0})
+    clm.observe(6, 1, {"eval/loss/mlm": 1.0})
+    assert clm.best == Best(2, 3.0)
+    short = repetition.headline({"datasets": {"wiki": repetition.repetition_scores(["too short", "also"])}})
+    assert "eval/rep_4/wiki" not in {f"eval/{k}" for k in short}
+    rep = Checkpointer(_engine(), run, CheckpointConfig(), {}, KeepBest("eval/rep_4/wiki", "min", (0,), True))
+    rep.observe(2, 0, {f"eval/{k}": v for k, v in short.items()} | {"eval/loss/clm": 3.0})
+    rep.observe(4, 0, {"eval/rep_4/wiki": 0.2})
+    assert rep.best == Best(4, 0.2)
 
 
 def _evaluate(run_dir: str, step: int, tasks: dict[str, list[str]]) -> dict:

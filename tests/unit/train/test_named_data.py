@@ -1,7 +1,9 @@
-"""A run trains on the data it names (issue 51): a shard directory built from other inputs, or from files changed
-since, is refused naming both and the fixes (or rebuilt beside itself with data.rebuild=true); a named input that
-matches no file is refused whatever the directory holds. Each refusal is one line and exit 2, with ``--check`` and
-without, before any shard or model is built. In process, on shards the real builder made from real files."""
+"""A run trains on the data it names and resumes only what it can (issue 51): a shard directory built from other
+inputs, or from files changed since, is refused naming both and the fixes (or rebuilt beside itself with
+data.rebuild=true); a named input that matches no file is refused whatever the directory holds; a run directory
+whose checkpoint this run could not resume (other shards, model shape, objectives) is refused naming it, the
+difference and ``--set name=NEW``. Each refusal is one line and exit 2, with ``--check`` and without, before any
+shard or model is built. In process, on shards the real builder made from real files."""
 
 from __future__ import annotations
 
@@ -18,6 +20,10 @@ from pipeline.data.format.index import load_index
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import load_experiment
+from pipeline.io import write_json_atomic
+from pipeline.model.build import preset_config
+from pipeline.run_dir import MARKER, DataRecord, RunDir
+from pipeline.tokenizer import load_tokenizer
 from pipeline.train.preflight import preflight
 
 BASE = ["data.seq_len=64", "train.steps=10"]
@@ -131,3 +137,66 @@ def test_named_inputs_that_match_no_file_are_refused_whatever_the_directory_hold
     assert line == (f"config error: data.build_inputs: '{missing}' matches no file; check the path or quote the "
                     f"glob, or set data.build_inputs=[] to read {shards} as built")
     assert not (tmp_path / "run").exists()
+
+
+def taken_run(build_shards, inputs, *overrides: str) -> str:
+    """``runs/sample-tiny-clm`` (under the working directory) as a run trained on the shards of a.jsonl left it: a
+    complete checkpoint of step 5 with the run files the trainer writes (``overrides``: its experiment's)."""
+    shards = build_shards(inputs=(inputs[0],))
+    exp = load_experiment(None, [*BASE, f"data.shards={shards}", f"data.build_inputs=[{inputs[0]}]", *overrides])
+    index, tok = load_index(shards), load_tokenizer(TOKENIZER)
+    model = preset_config(exp.model.init, tok.info.vocab_size, pad_token_id=tok.info.pad_id,
+                          bos_token_id=tok.info.bos_id, eos_token_id=tok.info.eos_id).to_dict()
+    run = RunDir(exp.run_dir)
+    step = run.checkpoint(5)
+    os.makedirs(step)
+    files = run.run_files(exp, {}, model, DataRecord(index.directory, index.fingerprint, index.num_samples,
+                                                     index.num_tokens))
+    for name, content in {**files, MARKER: {"world_size": 1}}.items():
+        write_json_atomic(os.path.join(step, name), content)
+    return shards
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check", "run"])
+def test_a_taken_run_name_is_refused_before_anything_is_built(build_shards, inputs, tmp_path, monkeypatch, capsys,
+                                                              check):
+    """The README's own-data command after the demo: it built the shards and the model, then exited 1 on the loader
+    state's fingerprint, naming neither the run directory nor a new name, and --check passed it. The fingerprint
+    this run's shards will have is the one a build of b.jsonl gives."""
+    monkeypatch.chdir(tmp_path)
+    shards = taken_run(build_shards, inputs)
+    b = inputs[1]
+    trained, planned = (load_index(build_shards(inputs=(x,))).fingerprint for x in inputs)
+    before, _ = snapshot(tmp_path, shards), capsys.readouterr()
+    new = load_experiment(None, [*BASE, f"data.build_inputs=[{b}]"]).data.shards
+    line = refusal(capsys, [f"data.build_inputs=[{b}]"], check)
+    assert line == (f"config error: name: runs/sample-tiny-clm holds run sample-tiny-clm's checkpoint of step 5, "
+                    f"trained on {shards} (fingerprint {trained[:12]}), while this run's data.shards {new} (from "
+                    f"data.build_inputs ['{b}']) has {planned[:12]}, which this run cannot resume; start a new run "
+                    f"with --set name=NEW, or resume with that run's settings")
+    assert snapshot(tmp_path, shards) == before and not os.path.exists(new)
+    rc, out, err = start(capsys, [f"data.build_inputs=[{b}]", "name=mine"], True)  # the fix the line gives
+    assert rc == 0 and "resume: no complete checkpoint in runs/mine/checkpoints" in out, err
+
+
+@pytest.mark.parametrize("change,difference", [
+    ("model.init=20m", "with a model of hidden_size 64, intermediate_size 128, num_hidden_layers 2, "
+                       "num_attention_heads 4, num_key_value_heads 2, head_dim 16, while this run's (20m) has "
+                       "hidden_size 384, intermediate_size 1536, num_hidden_layers 6, num_attention_heads 6, "
+                       "num_key_value_heads 6, head_dim 64"),
+    ("phases=[{objectives: [{name: mlm}]}]", "with the objectives [['clm']], while this run has [['mlm']]"),
+], ids=["model shape", "objectives"])
+def test_a_run_directory_of_another_model_or_objectives_is_refused(build_shards, inputs, tmp_path, monkeypatch,
+                                                                   capsys, change, difference):
+    """The run's own settings resume it, also from the same inputs built into another directory (the same
+    fingerprint); another model shape or objectives are refused."""
+    monkeypatch.chdir(tmp_path)
+    shards = taken_run(build_shards, inputs)
+    same, _ = [f"data.shards={shards}", f"data.build_inputs=[{inputs[0]}]"], capsys.readouterr()
+    for where in (shards, tmp_path / "elsewhere"):
+        rc, out, err = start(capsys, [f"data.shards={where}", f"data.build_inputs=[{inputs[0]}]"], True)
+        assert rc == 0 and "resume: from step 5 (runs/sample-tiny-clm/checkpoints/step00000005)" in out, err
+    line = refusal(capsys, [*same, change], True)
+    assert line == (f"config error: name: runs/sample-tiny-clm holds run sample-tiny-clm's checkpoint of step 5, "
+                    f"trained {difference}, which this run cannot resume; start a new run with --set name=NEW, or "
+                    f"resume with that run's settings")
