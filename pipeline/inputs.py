@@ -66,10 +66,15 @@ def check_buildable(directory: str, setting: str, inputs_setting: str, inputs: l
 def built_from_others(directory: str, inputs: Sequence[str], seq_len: int, d: DataConfig, tokenizer: str) -> list[str]:
     """How the shards in ``directory`` differ from those its named ``inputs`` build with the tokenizer of fingerprint
     ``tokenizer`` at ``seq_len`` (:func:`~pipeline.data.prep.manifest.built_otherwise`); empty when they are those,
-    when no inputs are named, and for a directory without shards or at a URL (never built by a run)."""
+    when no inputs are named, and for a directory a run never builds: without shards, at a URL, or of sentence
+    units or pairs (``build_shards.py --units/--pairs``, which a units or pairs stage names as data.shards beside
+    the packed inputs it inherits)."""
     if not inputs or is_url(directory) or not has_shards(directory, d):
         return []
-    return built_otherwise(load_manifest(directory), expand_inputs(inputs), tokenizer, seq_len,
+    manifest = load_manifest(directory)
+    if "units" in manifest["settings"] or "pairs" in manifest["settings"]:
+        return []
+    return built_otherwise(manifest, expand_inputs(inputs), tokenizer, seq_len,
                            (d.build_source_field, d.build_source_default))
 
 

@@ -86,6 +86,16 @@ def test_shards_built_from_other_inputs_are_refused_naming_both_and_the_fixes(bu
     assert rc == 0 and f"shards {shards} (packed): " in out, err  # the inputs it was built from pass
 
 
+def test_unit_shards_named_as_data_shards_are_not_held_to_the_packed_inputs(build_shards, inputs, tmp_path, capsys):
+    """A units (or pairs) stage names its shards as data.shards beside the packed inputs its experiment inherits
+    (experiments/reproduce/llm2vec): a run never builds such a directory from them, so it is read as built."""
+    units, _ = build_shards(inputs=(inputs[1],), units="sentence"), capsys.readouterr()
+    rc, out, err = start(capsys, [f"run_dir={tmp_path / 'run'}", f"data.shards={units}", f"data.unit_shards={units}",
+                                  f"data.build_inputs=[{inputs[0]}]", "data.build_if_missing=false",
+                                  "model.attention_dropout=0.3", "phases=[{objectives: [{name: simcse}]}]"], True)
+    assert rc == 0 and f"shards {units} (units): " in out, err
+
+
 def test_an_input_changed_since_the_build_is_refused(tmp_path, capsys):
     a = corpus(tmp_path / "a.jsonl", "ledger")
     shards = tmp_path / "shards"
