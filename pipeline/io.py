@@ -4,13 +4,16 @@ atomic JSON writer.
 A reader raises ``missing`` when the file does not exist and ``error`` when it is not valid JSON/YAML or its top
 level is not ``top``; a caller passes its own classes (``ConfigError`` for experiment files, ``DataError`` for
 evaluation data) so its users see the errors they already handle. Messages read ``{path}: {what is wrong}; {fix}``.
-Writers finish a temporary file and rename it (:func:`fsync_replace`), so a killed writer leaves no half file.
+Writers finish a temporary file and rename it (:func:`fsync_replace`), so a killed writer leaves no half file;
+a directory is written beside its place and renamed into it the same way (:func:`directory_beside`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,3 +92,24 @@ def write_json_atomic(path: str, obj: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
     fsync_replace(tmp, path)
+
+
+@contextlib.contextmanager
+def directory_beside(out: str) -> Iterator[str]:
+    """Yield ``{out}.partial``, emptied, to write a directory into; once the block ends it takes ``out``'s place by
+    rename (a previous ``out`` moved aside first, then removed). A writer killed or failed on the way leaves no
+    partial directory under ``out``'s name: the previous one, or none."""
+    out = os.path.normpath(out)
+    tmp, old = f"{out}.partial", f"{out}.old"
+    for stale in (tmp, old):
+        shutil.rmtree(stale, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.lexists(out):
+        os.rename(out, old)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)

@@ -26,6 +26,7 @@ from pipeline.export.model_index import results_at
 from pipeline.export.record import EncoderRecord, from_experiment, write_record
 from pipeline.export.sentence_transformers import st_record, write_sentence_transformers
 from pipeline.export.weights import save_weights
+from pipeline.io import directory_beside
 from pipeline.model.build import DTYPES
 from pipeline.model.lora import ADAPTER_DIR, merge_lora, save_adapter
 from pipeline.model.rope import configure_rope
@@ -47,10 +48,21 @@ def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: 
     weights in the form of the class the config names (``pipeline.export.weights``), the training ``record`` in
     the config, the tokenizer, the model card (with the step's evaluation ``results``), and with ``sentence_transformers`` that library's files (``record``
     must be one it expresses: ``st_record``). A LoRA run's adapter is merged into the weights and also written
-    alone into ``adapter/``."""
+    alone into ``adapter/``. Written beside ``out`` and renamed into place (:func:`~pipeline.io.directory_beside`), as
+    checkpoints are; an existing ``out`` that is no export is refused rather than replaced."""
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(os.path.join(out, "config.json")):
+        raise ExportError(f"{out}: a directory that holds no export; an export replaces its directory as a whole: "
+                          f"name a new directory or remove this one")
+    with directory_beside(out) as tmp:  # a kill mid-export leaves no directory at `out` that loads as an export
+        _write_hf(lm, state_dict, tokenizer, tmp, record, exp, step, tokens, sentence_transformers, results)
+    return out
+
+
+def _write_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: EncoderRecord,
+              exp: ExperimentConfig, step: int, tokens: int | None, sentence_transformers: bool,
+              results: list[EvalResult]) -> None:
     sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in state_dict.items()}
     encoder = is_encoder(record, sentence_transformers)
-    os.makedirs(out, exist_ok=True)
     if exp.model.lora.r:
         save_adapter(sd, exp.model.lora, exp.model.init, os.path.join(out, ADAPTER_DIR),
                      lm.base_model_prefix + "." if encoder else "")
@@ -62,7 +74,6 @@ def save_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record: 
     if sentence_transformers:
         write_sentence_transformers(out, record)
     write_card(out, record, exp, step, tokens, sentence_transformers, tokenizer, results)
-    return out
 
 
 def checkpoint_state_dict(run: RunDir, step: int) -> dict[str, torch.Tensor]:

@@ -27,11 +27,12 @@ from pipeline.eval.results import EvalResults
 from pipeline.eval.runner import main as evaluate_main
 from pipeline.experiment import ExperimentConfig, load_experiment
 from pipeline.export.card import embed_snippet
-from pipeline.export.hf import save_hf
+from pipeline.export.hf import ExportError, save_hf
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
 from pipeline.export.sentence_transformers import check_expressible, st_record
 from pipeline.model.build import build_model, model_spec
 from pipeline.run_dir import RunDir
+from pipeline.tokenizer import load_tokenizer
 
 TEXTS = ["The river rises in the hills.", "A much longer sentence about the hills, the river and the sea beyond.",
          "Short."]
@@ -138,6 +139,27 @@ def test_causal_export_stays_causal(tokenizer, tmp_path):
     for row, n in enumerate(lengths):
         np.testing.assert_allclose(plain[row, :n], ours[row, :n], atol=1e-5)
     assert load_model(hf).attention == "causal"
+
+
+def test_an_export_that_dies_midway_leaves_no_directory_that_loads_as_one(tokenizer, tmp_path):
+    """An export is written beside its place and renamed in (issue 55, item 6): one that fails after its weights
+    (here the tokenizer's files vanished before they were copied) leaves the previous export as it was, and where
+    there was none, no directory at all; the next export succeeds."""
+    out = str(tmp_path / "run" / "hf")
+    export(tokenizer, out, MNTP)
+    before = {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)}
+    shutil.copytree(tokenizer.path, tmp_path / "tok")
+    broken = load_tokenizer(str(tmp_path / "tok"))
+    os.remove(next(iter(broken.files.values())))
+    lm = tiny_llama(tokenizer, seed=4)
+    for where in (out, str(tmp_path / "new")):
+        with pytest.raises(FileNotFoundError):
+            save_hf(lm, lm.state_dict(), broken, where, MNTP, experiment({}), 0)
+    assert {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)} == before
+    assert sorted(os.listdir(tmp_path)) == ["run", "tok"] and os.listdir(tmp_path / "run") == ["hf"]
+    assert export(tokenizer, str(tmp_path / "new"), MNTP) and load_model(str(tmp_path / "new")).step is None
+    with pytest.raises(ExportError, match=rf"^{tmp_path}/tok: a directory that holds no export; an export "):
+        export(tokenizer, str(tmp_path / "tok"), MNTP)
 
 
 def test_layouts(tokenizer, tmp_path):
