@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline.data.format.index import load_index
 from pipeline.data.loading.loader import ShardLoader
-from pipeline.run_dir import RunDir, tag
+from pipeline.io import read_json, write_json_atomic
+from pipeline.run_dir import DATA, RunDir, tag
 from pipeline.train.state import TrainState
 
 OLD = os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "../..")), "fixtures", "old_checkpoint")
@@ -103,6 +104,8 @@ def test_a_checkpoint_of_the_old_client_dict_resumes_and_trains_on(tmp_path, sha
     states = os.path.join(RunDir(run_dir).checkpoint(OLD_STEP), "zero_pp_rank_0_mp_rank_00_model_states.pt")
     old = made_here(saved_client_state(RunDir(run_dir).checkpoint(OLD_STEP)), shards)
     torch.save(old, states)
+    record = os.path.join(RunDir(run_dir).checkpoint(OLD_STEP), DATA)  # preflight holds a resume to its shards
+    write_json_atomic(record, {**read_json(record), "fingerprint": load_index(shards).fingerprint})
     assert old["phase"] == "clm"  # the key the current code no longer writes
     proc = run_fixture_training(run_dir, shards, smallest_llama(tokenizer, str(tmp_path / "init")))
     assert f"resumed from {tag(OLD_STEP)} ({old['tokens_seen']:,} tokens seen)" in proc.stdout
