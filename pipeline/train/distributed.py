@@ -1,12 +1,15 @@
-"""The process group of a training run: one rank without a launcher, the rendezvous, and leaving a finished rank."""
+"""The process group of a training run: one rank without a launcher, the rendezvous, rank 0's long writes the
+others wait for (:func:`on_rank_0`), and leaving a finished rank."""
 
 from __future__ import annotations
 
+import datetime
 import glob
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from pipeline.train.deepspeed_ops import arch_list_for_deepspeed, track_build_locks, use_install_ops_dir
 
@@ -102,6 +105,24 @@ def start_distributed():
             raise
         raise PortTaken(port_taken_message(os.environ.get("MASTER_PORT", "?"))) from None
     return device, dist.get_rank(), dist.get_world_size()
+
+
+# how long the other ranks wait for rank 0's exports at the end of training (pipeline.train.export): zero_to_fp32
+# of a large ZeRO-3 checkpoint reads every rank's optimizer files, which may take hours on network storage, well
+# past the process group's timeout (30 min by default, after which NCCL's watchdog aborts a waiting rank)
+RANK_0_WRITE_TIMEOUT = datetime.timedelta(hours=12)
+
+
+def on_rank_0(write: Callable[[], None], timeout: datetime.timedelta = RANK_0_WRITE_TIMEOUT) -> None:
+    """Collective: rank 0 runs ``write`` while the others wait for it at a barrier of their own gloo group, whose
+    timeout is ``timeout`` instead of the process group's."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    if dist.get_rank() == 0:
+        write()
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
 
 
 def exit_without_teardown(rc: int) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch.distributed as dist
 from transformers import PreTrainedModel
 from transformers.integrations import deepspeed as hf_deepspeed
 
@@ -14,6 +13,7 @@ from pipeline.export.hf import export_checkpoint, save_hf
 from pipeline.export.record import EncoderRecord
 from pipeline.export.sentence_transformers import st_record
 from pipeline.run_dir import RunDir
+from pipeline.train.distributed import on_rank_0
 
 
 def export_engine(engine, lm: PreTrainedModel, tokenizer, out: str, record: EncoderRecord, exp: ExperimentConfig,
@@ -22,11 +22,13 @@ def export_engine(engine, lm: PreTrainedModel, tokenizer, out: str, record: Enco
     with the sentence-transformers files when ``train.export_sentence_transformers``."""
     stage3 = engine.zero_optimization_stage() == 3
     sd = engine._zero3_consolidated_16bit_state_dict() if stage3 else engine.module.state_dict()
-    if dist.get_rank() == 0:
+
+    def write() -> None:
         st = exp.train.export_sentence_transformers
         save_hf(lm, sd, tokenizer, out, st_record(record) if st else record, exp, step, tokens, st)
         print(f"exported HF model to {out}", flush=True)
-    dist.barrier()
+
+    on_rank_0(write)
     return out
 
 
@@ -45,10 +47,12 @@ def without_zero_init():
 
 def export_best(run: RunDir, step: int) -> str:
     """Collective: rank 0 exports the complete checkpoint of ``step`` (the best, which pruning spared) into
-    ``RUN/hf-best`` as ``launch/export_hf.py --step`` would; the others wait for it."""
-    if dist.get_rank() == 0:
+    ``RUN/hf-best`` as ``launch/export_hf.py --step`` would; the others wait for it (:func:`on_rank_0`)."""
+
+    def write() -> None:
         with without_zero_init():
             export_checkpoint(run, run.hf_best, step)
         print(f"exported the best checkpoint (step {step}) to {run.hf_best}", flush=True)
-    dist.barrier()
+
+    on_rank_0(write)
     return run.hf_best
