@@ -115,7 +115,8 @@ def test_data_rebuild_builds_the_inputs_named_beside_the_old_shards_and_swaps_th
     a, b = inputs
     shards = tmp_path / "shards"
     shutil.copytree(build_shards(inputs=(a,)), shards)
-    overrides = [f"run_dir={tmp_path / 'run'}", f"data.shards={shards}", f"data.build_inputs=[{b}]", "data.rebuild=true"]
+    overrides = [f"run_dir={tmp_path / 'run'}", f"data.shards={shards}", f"data.build_inputs=[{b}]",
+                 "data.rebuild=true"]
     before, _ = snapshot(shards), capsys.readouterr()
     rc, out, err = start(capsys, overrides, True)
     assert rc == 0 and f"shards {shards}: built from other inputs; rank 0 rebuilds them (data.rebuild) from 1 input " \
