@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -540,9 +541,11 @@ def test_a_step_runs_in_the_repository_with_its_and_its_childrens_output_in_its_
         print("from the step")
         subprocess.run([sys.executable, "-c", "import sys; print('child out'); print('child err', file=sys.stderr)"],
                        check=True)
+        print(f"{sys.executable} {REPO}/ds_configs/zero0.json wrote {tmp_path}/runs/a/hf {tmp_path}/results/quick/r.md")
 
     stages.run("demo", "a step", step)
-    assert ["from the step", "child out", "child err"] == log.read_text().splitlines()
+    assert ["from the step", "child out", "child err",  # committed logs name no path of this machine (issue 55)
+            "python ds_configs/zero0.json wrote $OUT/a/hf $RESULTS/r.md"] == log.read_text().splitlines()
 
     def broken() -> None:
         raise ValueError("broken input")
@@ -553,6 +556,14 @@ def test_a_step_runs_in_the_repository_with_its_and_its_childrens_output_in_its_
     assert os.getcwd() == cwd and set(stages.timings) == {"demo", "total"}
     print("back on the console")
     assert "back on the console" not in log.read_text()
+
+
+def test_the_committed_logs_name_no_directory_of_the_machines_that_made_them():
+    """The logs under docs/results are the stages' (whose own output is made portable above): none names a home,
+    work or temporary directory of the machine it ran on."""
+    machine = re.compile(rb"(?<![\w.$])/(?:work|tmp|home|root|Users|scratch)/")
+    logs = glob.glob(os.path.join(REPO, "docs", "results", "*", "logs", "**", "*.log"), recursive=True)
+    assert len(logs) > 13 and not [log for log in logs if machine.search(open(log, "rb").read())]
 
 
 def test_run_directories_under_the_repository_are_recorded_relative_to_it(tmp_path):
