@@ -59,6 +59,7 @@ from pipeline.train.kernels import attn_implementation, model_dtype
 from pipeline.train.phases import WeightedObjective, build_objectives, shard_kind_readers
 from pipeline.train.run_setup import (
     ResumePoint,
+    check_resumable,
     check_run_dir,
     check_run_dir_free,
     half_written,
@@ -71,6 +72,7 @@ from pipeline.train.shard_checks import (
     build_missing_shards,
     check_packed_sources,
     check_shards,
+    data_shards_fingerprint,
 )
 from pipeline.train.trackers import check_trackers
 from pipeline.train.validation import probes
@@ -179,6 +181,9 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, ds: di
     coef = router_loss_coef(exp, model.config, objectives)
     d = exp.data
     to_build = check_packed_sources(exp, tokenizer)
+    resume = resume_point(exp, world)
+    if resume is not None:
+        check_resumable(exp, resume, model.config.to_dict(), data_shards_fingerprint(exp, tokenizer, to_build))
     if d.shards in {p.directory for p in to_build} and set(d.source_mixture.names) - {UNNAMED_SOURCE} and not (d.build_source_field or
                                                                     d.build_source_default):
         raise ConfigError(f"data.mixture: mixes sources, but the shards data.build_if_missing would build into "
@@ -198,7 +203,7 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, ds: di
     for i, evaluator in enumerate(exp.eval.evaluators):
         evaluator.check_files(f"eval.evaluators[{i}]")
     return Prepared(tokenizer, objectives, from_experiment(exp, tokenizer), model, engine_spec(exp, cuda, coef),
-                    resolved, resume_point(exp, world), half_written(exp.run_dir), tuple(validation_probes),
+                    resolved, resume, half_written(exp.run_dir), tuple(validation_probes),
                     batch_warmup(exp.train, world))
 
 
