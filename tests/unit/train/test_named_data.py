@@ -86,6 +86,21 @@ def test_shards_built_from_other_inputs_are_refused_naming_both_and_the_fixes(bu
     assert rc == 0 and f"shards {shards} (packed): " in out, err  # the inputs it was built from pass
 
 
+def test_a_phases_own_shards_are_held_to_the_inputs_named_too(build_shards, inputs, tmp_path, capsys):
+    """Context extension: the phase's directory at its sequence length, built from data.build_inputs as
+    data.shards is."""
+    a, b = inputs
+    shards, longer = build_shards(inputs=(b,)), build_shards(inputs=(a,), seq_len=128)
+    capsys.readouterr()
+    phases = f"phases=[{{share: 0.5, objectives: [{{name: clm}}]}}, {{share: 0.5, seq_len: 128, shards: {longer}, " \
+             f"objectives: [{{name: clm}}]}}]"
+    line = refusal(capsys, [f"run_dir={tmp_path / 'run'}", f"data.shards={shards}", f"data.build_inputs=[{b}]",
+                            phases], True)
+    assert line.startswith(f"config error: phases[1].shards: {longer} was built from [{a}], not [{b}]: it does not "
+                           f"hold the shards of data.build_inputs (for phases[1]); build them into a new directory "
+                           f"(another phases[1].shards), or set data.rebuild=true"), line
+
+
 def test_unit_shards_named_as_data_shards_are_not_held_to_the_packed_inputs(build_shards, inputs, tmp_path, capsys):
     """A units (or pairs) stage names its shards as data.shards beside the packed inputs its experiment inherits
     (experiments/reproduce/llm2vec): a run never builds such a directory from them, so it is read as built."""
