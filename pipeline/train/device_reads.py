@@ -5,7 +5,8 @@ them on the GPU (docs/training.md "Device reads").
 
 On a GPU a read is an op that needs a device value on the host: ``_local_scalar_dense`` (``item``, ``bool``,
 ``int``, ``float`` of a tensor, a Python ``if`` on one), ``nonzero`` (a boolean index, ``torch.where`` of one
-argument), ``is_nonzero``, and a copy to the CPU; ``tolist`` / ``numpy`` of a device tensor go through such a copy.
+argument), ``is_nonzero``, and a copy to the CPU that the host waits for (not a non-blocking one into pinned memory:
+``_copies_to_host``); ``tolist`` / ``numpy`` of a device tensor go through such a copy.
 On the CPU, where the tests run, device and host are one, so the same ops count for every tensor but the given
 ``host`` ones (the loader's copy of the batch, which the host owns), and ``tolist`` / ``numpy`` / ``cpu`` count too:
 they read no device there, but would on a GPU."""
@@ -95,8 +96,16 @@ class DeviceReads(ExitStack):
 
 
 def _copies_to_host(func, args, kwargs) -> bool:
-    """A device tensor copied into host memory (``.cpu()``, ``.to("cpu")``, ``copy_`` into a CPU tensor)."""
+    """A device tensor copied into host memory (``.cpu()``, ``.to("cpu")``, ``copy_`` into a CPU tensor) in a copy
+    the host waits for. A non-blocking copy into pinned memory is queued and returns: the host reads its values
+    later, once an event says they are there (the step's numbers: ``pipeline.train.step.StepResult``), and
+    ``.to("cpu", non_blocking=True)`` pins its output itself. Into pageable memory CUDA copies synchronously,
+    whatever ``non_blocking`` says."""
     if func is aten._to_copy.default:
         device = kwargs.get("device")
-        return _on_device(args[0]) and device is not None and torch.device(device).type == "cpu"
-    return len(args) > 1 and _on_device(args[1]) and args[0].device.type == "cpu"
+        return (_on_device(args[0]) and device is not None and torch.device(device).type == "cpu"
+                and not kwargs.get("non_blocking", False))
+    if not (len(args) > 1 and _on_device(args[1]) and args[0].device.type == "cpu"):
+        return False
+    non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    return not (non_blocking and args[0].is_pinned())

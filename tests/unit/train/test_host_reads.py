@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import packed_text_batch, unit_text_batch
+from torch.utils._pytree import tree_map
 
 from pipeline.config import from_dict
 from pipeline.data.loading.batch import Batch
@@ -129,3 +130,44 @@ def test_transformers_mask_code_reads_nothing_under_our_implementations():
     assert counts[FLEX] == {}
     assert list(counts["sdpa"]) and all(site.startswith("transformers" + os.sep + "masking_utils.py")
                                         for site in counts["sdpa"])
+
+
+class Reported(torch.Tensor):
+    """A tensor that reports ``device`` (and, on the host, whether it is pinned) while its values sit on this CPU:
+    what ``DeviceReads`` sees of a GPU's tensors, on a machine without one."""
+
+    @staticmethod
+    def __new__(cls, values: torch.Tensor, device: str, pinned: bool = False):
+        t = torch.Tensor._make_wrapper_subclass(cls, values.shape, dtype=values.dtype, device=device)
+        t.values, t.pinned = values, pinned
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.is_pinned.default:
+            return args[0].pinned
+        def values(x):
+            return x.values if isinstance(x, Reported) else x
+
+        return func(*tree_map(values, args), **tree_map(values, kwargs or {}))
+
+
+def test_a_copy_to_the_host_is_a_read_unless_it_is_queued_into_pinned_memory():
+    """On tensors that report a CUDA device: a copy the host waits for is a read, a blocking one or a non-blocking
+    one into pageable memory (CUDA copies those synchronously); the trainer's step-end copy (non-blocking into pinned
+    memory, read after an event: ``StepResult``) and ``.to("cpu", non_blocking=True)`` (which pins its output) are
+    queued and return, so they are not."""
+    on_gpu = Reported(torch.arange(4.0), "cuda")
+    copies = {"copy_": lambda: torch.empty(4).copy_(on_gpu),
+              "copy_ non-blocking into pageable": lambda: torch.empty(4).copy_(on_gpu, non_blocking=True),
+              "copy_ non-blocking into pinned": lambda: Reported(torch.empty(4), "cpu", pinned=True).copy_(
+                  on_gpu, non_blocking=True),
+              "cpu": on_gpu.cpu, "to": lambda: on_gpu.to("cpu"),
+              "to non-blocking": lambda: on_gpu.to("cpu", non_blocking=True)}
+    counted = {}
+    for name, copy in copies.items():
+        with DeviceReads(cpu_is_device=False) as reads:
+            copy()
+        counted[name] = reads.total
+    assert counted == {"copy_": 1, "copy_ non-blocking into pageable": 1, "copy_ non-blocking into pinned": 0,
+                       "cpu": 1, "to": 1, "to non-blocking": 0}
