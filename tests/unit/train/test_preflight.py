@@ -13,7 +13,7 @@ from helpers import REPO, ZERO1, in_process_entry
 # The modules of pipeline/train/ whose checks run before a model is built: preflight and what it calls, the
 # entry's rendezvous (TORCH_CUDA_ARCH_LIST) and ``--check``.
 CHECKING = {"preflight.py", "agreement.py", "run_setup.py", "shard_checks.py", "ds_config.py", "kernels.py",
-            "compiling.py", "batch_warmup.py", "phases.py", "trackers.py", "deepspeed_ops.py", "check.py"}
+            "compiling.py", "batch_warmup.py", "phases.py", "trackers.py", "deepspeed_ops.py", "check.py", "keep_best.py"}
 
 
 def config_error_raises(path: str) -> list[int]:
