@@ -16,9 +16,10 @@ from conftest import TOKENIZER
 from helpers import REPO, in_process_entry
 
 from pipeline.config import ConfigError
-from pipeline.data.format.index import load_index
+from pipeline.data.format.index import load_index, load_manifest
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
+from pipeline.data.prep.manifest import built_otherwise
 from pipeline.experiment import load_experiment
 from pipeline.io import write_json_atomic
 from pipeline.model.build import preset_config
@@ -149,6 +150,18 @@ def test_data_rebuild_builds_the_inputs_named_beside_the_old_shards_and_swaps_th
     with preflight(exp, 0, 1) as again:  # built from the inputs named now: read as it is
         assert again.indexes["packed"].fingerprint == fresh.fingerprint
     assert "rebuilding" not in capsys.readouterr().out
+
+
+def test_every_setting_a_run_builds_with_is_compared(build_shards, inputs, tokenizer):
+    """Besides the inputs: the tokenizer, the sequence length and the source settings, each named with both
+    values (the trainer's check_compatible would name the tokenizer without the data.rebuild fix)."""
+    shards = build_shards(inputs=(inputs[0],))
+    manifest = load_manifest(shards)
+    assert built_otherwise(manifest, [inputs[0]], tokenizer.info.fingerprint, 64, ("", "")) == []
+    assert built_otherwise(manifest, [inputs[0]], "another", 128, ("meta.source", "")) == [
+        f"with another tokenizer ({TOKENIZER} {tokenizer.info.fingerprint!r}, data.tokenizer has 'another')",
+        "at seq_len 64, not 128",
+        "with sources from field/default ('', ''), not data.build_source_field/default ('meta.source', '')"]
 
 
 def test_data_rebuild_needs_inputs_to_rebuild_from():
