@@ -131,13 +131,14 @@ def test_a_stop_signal_anywhere_in_the_build_lock_tracking_exits_once_and_never_
             return trace
 
         signal.setitimer(signal.ITIMER_REAL, 10)
+        tracer = sys.gettrace()  # a debugger's or coverage's, put back after
         sys.settrace(trace)
         try:
             baton = FileBaton(str(lock))
             assert baton.try_acquire()
             baton.release()
         finally:
-            sys.settrace(None)
+            sys.settrace(tracer)
             signal.setitimer(signal.ITIMER_REAL, 0)
         return next(lines) > line
 
