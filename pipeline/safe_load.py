@@ -90,8 +90,11 @@ def _check_file(path: str) -> None:
         raise _refusal(path, f"it names {unsafe[0]}, which unpickling would call")
     if path.endswith("model_states.pt"):
         states = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # mmap: names, not weights
-        shapes = states.get("param_shapes") if isinstance(states, dict) else None
-        names = [n for group in shapes or () for n in group] + list(states.get("frozen_param_shapes") or {})
+        try:
+            names = [n for group in states.get("param_shapes") or () for n in group] + list(
+                states.get("frozen_param_shapes") or {})
+        except (AttributeError, TypeError):
+            raise _refusal(path, "its param_shapes are not DeepSpeed's (lists of name -> shape maps)") from None
         if bad := next((n for n in names if not _plain_name(n)), None):
             raise _refusal(path, f"it names the parameter {bad!r}, which the universal conversion would make a "
                                  f"path outside its folder")

@@ -154,6 +154,13 @@ def dotdot_in_a_name(step: str, outside: str, proof: str) -> str:
     return os.path.join(os.path.realpath(step), MODEL_STATES)
 
 
+def shapes_of_another_form(step: str, outside: str, proof: str) -> str:
+    """``param_shapes`` that are no lists of name -> shape maps: the check itself must not fail on them."""
+    path = os.path.join(step, MODEL_STATES)
+    torch.save(torch.load(path, weights_only=False) | {"param_shapes": 5}, path)
+    return os.path.join(os.path.realpath(step), MODEL_STATES)
+
+
 def universal_made_elsewhere(step: str, outside: str, proof: str) -> str:
     """A real ``universal/`` (no link), copied from elsewhere, with a file that would run code."""
     os.makedirs(os.path.join(step, "universal", "zero"))
@@ -163,7 +170,7 @@ def universal_made_elsewhere(step: str, outside: str, proof: str) -> str:
 
 
 HOSTILE = {"linked directory": link_out, "linked file": link_a_file_out, "dotdot name": dotdot_in_a_name,
-           "universal made elsewhere": universal_made_elsewhere}
+           "shapes of another form": shapes_of_another_form, "universal made elsewhere": universal_made_elsewhere}
 
 
 def resume(run: RunDir, tmp_path):
