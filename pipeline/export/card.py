@@ -15,6 +15,7 @@ from pipeline.experiment import ExperimentConfig
 from pipeline.export.hub import base_model, license_fields, local_name, start_card
 from pipeline.export.record import EncoderRecord
 from pipeline.export.summary import optimiser, phases
+from pipeline.model.load_hf import causal_lm_kwargs
 from pipeline.model.presets import PRESETS
 from pipeline.tokenizer import Tokenizer
 
@@ -82,6 +83,34 @@ def embed_snippet(path: str, record: EncoderRecord, special: tuple[list[int], li
             + POOL[record.pooling])
 
 
+def adapter_snippet(path: str, encoder: bool, base_variant: bool) -> str:
+    """Python that puts the export's LoRA adapter (``adapter/``) on its base, read with the export's config (so as
+    the export reads text: ``is_causal``, RoPE), giving the merged export's states. The base loads as the causal LM
+    it is (``variant="lm"`` for an encoder export's: ``pipeline.export.weights``), so no LOAD REPORT; an encoder's
+    adapter goes on the base model under the LM head."""
+    variant = ', variant="lm"' if base_variant else ""
+    body, same = (".base_model  # the base model under the LM head", "AutoModel") if encoder else (
+        "", "AutoModelForCausalLM")
+    return ("from peft import PeftConfig, PeftModel\n"
+            "from transformers import AutoConfig, AutoModelForCausalLM\n\n"
+            f'path = "{path}"\n'
+            'base = PeftConfig.from_pretrained(path, subfolder="adapter").base_model_name_or_path\n'
+            "config = AutoConfig.from_pretrained(path)  # the export's: the base reads text as the run trained it\n"
+            f"model = AutoModelForCausalLM.from_pretrained(base, config=config{variant}){body}\n"
+            'model = PeftModel.from_pretrained(model, path, subfolder="adapter").eval()\n'
+            f"# the states of {same}.from_pretrained(path)\n")
+
+
+def _adapter_usage(path: str, encoder: bool, exp: ExperimentConfig) -> str:
+    """The adapter's section: how it loads, and how to point it at its base elsewhere."""
+    return ("### The LoRA adapter alone\n\n"
+            "`adapter/` holds the adapter in PEFT's format. `adapter/adapter_config.json` names its base (the start "
+            "checkpoint) as `base_model_name_or_path`: its Hub id where it came from the Hub, else its absolute path "
+            "on the machine that trained it; elsewhere, set that field (or `base` below) to the base's directory or "
+            "Hub id.\n\n"
+            f"```python\n{adapter_snippet(path, encoder, bool(causal_lm_kwargs(exp.model.init)))}```\n")
+
+
 def _usage(path: str, record: EncoderRecord, sentence_transformers: bool, special: tuple[list[int], list[int]]
            ) -> str:
     if sentence_transformers:
@@ -142,7 +171,9 @@ def body(record: EncoderRecord, exp: ExperimentConfig, step: int, tokens: int | 
             f"This export is step {step} of {exp.train.steps}{seen}, in {len(exp.phases)} phase(s):\n\n"
             f"{phases(exp)}\n\n{optimiser(exp)}\n\n{_data(exp)}\n\n"
             f"Read as trained ({reading}; `config.json` → `decoder_encoders`, `is_causal`).\n\n"
-            f"## Usage\n\n{_usage_note(exp)}{_usage(where, record, sentence_transformers, special)}")
+            f"## Usage\n\n{_usage_note(exp)}{_usage(where, record, sentence_transformers, special)}"
+            + (f"\n{_adapter_usage(where, is_encoder(record, sentence_transformers), exp)}" if exp.model.lora.r
+               else ""))
 
 
 def write_card(out: str, record: EncoderRecord, exp: ExperimentConfig, step: int, tokens: int | None,

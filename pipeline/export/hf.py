@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from pipeline.experiment import ExperimentConfig
 from pipeline.export.card import is_encoder, write_card
+from pipeline.export.hub import adapter_base
 from pipeline.export.model_index import results_at
 from pipeline.export.record import EncoderRecord, from_experiment, write_record
 from pipeline.export.sentence_transformers import st_record, write_sentence_transformers
@@ -64,7 +65,7 @@ def _write_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record
     sd = {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in state_dict.items()}
     encoder = is_encoder(record, sentence_transformers)
     if exp.model.lora.r:
-        save_adapter(sd, exp.model.lora, exp.model.init, os.path.join(out, ADAPTER_DIR),
+        save_adapter(sd, exp.model.lora, adapter_base(exp), os.path.join(out, ADAPTER_DIR),
                      lm.base_model_prefix + "." if encoder else "")
         sd = merge_lora(sd, exp.model.lora.scale)
     lm.config.use_cache = True

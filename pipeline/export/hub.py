@@ -53,16 +53,26 @@ def start_card(exp: ExperimentConfig) -> dict:
     return metadata_load(path) or {}
 
 
-def base_model(exp: ExperimentConfig, start: dict) -> str | list[str] | None:
-    """``export.base_model``; else the Hub id of a start checkpoint in the HF cache; else the start card's own
-    ``base_model`` (an export of this project started from a Hub model: its Hub ancestor); None for a preset."""
+def start_hub_id(exp: ExperimentConfig) -> str | None:
+    """The Hub id of the start checkpoint itself: ``export.base_model``, else that of a start in the HF cache."""
     if exp.export.base_model:
         return exp.export.base_model
-    if exp.model.init in PRESETS:
-        return None
-    cached = cached_hub_id(exp.model.init)
-    if cached:
-        return cached
+    return None if exp.model.init in PRESETS else cached_hub_id(exp.model.init)
+
+
+def adapter_base(exp: ExperimentConfig) -> str:
+    """What a LoRA adapter names as its ``base_model_name_or_path``: the start checkpoint's Hub id, else its
+    absolute path (a relative one loads only from the directory the run was started in). Not the start card's
+    inherited ``base_model``: that is an ancestor, not the weights the adapter was trained on."""
+    return start_hub_id(exp) or os.path.abspath(exp.model.init)
+
+
+def base_model(exp: ExperimentConfig, start: dict) -> str | list[str] | None:
+    """The start checkpoint's Hub id (:func:`start_hub_id`); else the start card's own ``base_model`` (an export
+    of this project started from a Hub model: its Hub ancestor); None for a preset."""
+    own = start_hub_id(exp)
+    if own or exp.model.init in PRESETS:
+        return own
     inherited = start.get("base_model")
     ids = [m for m in (inherited if isinstance(inherited, list) else [inherited]) if is_hub_id(m)]
     return (ids[0] if len(ids) == 1 else ids) or None

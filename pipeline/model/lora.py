@@ -52,7 +52,7 @@ def merge_lora(state_dict: dict[str, torch.Tensor], scale: float) -> dict[str, t
 
 def save_adapter(state_dict: dict[str, torch.Tensor], lora, base: str, out: str, base_prefix: str = "") -> None:
     """Write the adapter of ``state_dict`` (HF names) as PEFT saves one: ``adapter_config.json`` naming ``base``
-    (the run's ``model.init``) and ``adapter_model.safetensors``. ``base_prefix`` (e.g. ``"model."``) is dropped
+    (the run's start checkpoint: ``pipeline.export.hub.adapter_base``) and ``adapter_model.safetensors``. ``base_prefix`` (e.g. ``"model."``) is dropped
     from the names, for an adapter on the base model (``AutoModel``, an encoder's) rather than the causal LM."""
     from peft import LoraConfig
     from safetensors.torch import save_file

@@ -364,3 +364,54 @@ def test_a_lora_mntp_run_exports_a_card_a_sentence_transformer_and_its_adapter(s
     ours = load_file(os.path.join(hf, "model.safetensors"))
     for name, weight in peft.merge_and_unload().state_dict().items():
         torch.testing.assert_close(weight, ours["model." + name], atol=1e-6, rtol=0)  # PEFT's merge is ours
+
+
+def test_a_lora_adapter_loads_from_any_directory_as_its_merged_export(tokenizer, init_dir, tmp_path, monkeypatch):
+    """Issue 51, finding 4: the adapter named its base as the run was given it (``runs/sample-tiny-clm/hf``), so
+    PEFT found the base only from the directory the run started in; and its base loaded causal, while the merged
+    export reads bidirectionally. The card's snippet, run from elsewhere, gives the merged export's states, with no
+    LOAD REPORT; docs/export.md shows the same code."""
+    import logging
+
+    from peft import AutoPeftModelForFeatureExtraction
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from pipeline.export.card import adapter_snippet
+    from pipeline.model.lora import add_lora
+
+    shutil.copytree(init_dir, tmp_path / "start" / "hf")
+    monkeypatch.chdir(tmp_path)
+    lm = AutoModelForCausalLM.from_pretrained("start/hf")
+    add_lora(lm, r=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj"))
+    torch.manual_seed(0)
+    for name, p in lm.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # a trained adapter: B is no longer zero
+    exp = experiment({"model": {"init": "start/hf", "lora": {"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]}}})
+    hf = save_hf(lm, lm.state_dict(), tokenizer, str(tmp_path / "run" / "hf"), MNTP, exp, 0)
+    assert json.load(open(os.path.join(hf, "adapter", "adapter_config.json")))["base_model_name_or_path"] == str(
+        tmp_path / "start" / "hf")
+    card = card_of(hf)[1]
+    snippet = re.search(r"### The LoRA adapter alone.*?```python\n(.*?)```", card, re.S).group(1)
+    assert snippet == adapter_snippet(".", encoder=True, base_variant=False)
+    assert snippet_in("docs/export.md", "runs/mntp-lora/hf") == adapter_snippet("runs/mntp-lora/hf", True, False)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    ids, mask, _ = padded(tokenizer)
+    batch = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+    reports = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = reports.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        scope = {}
+        exec(snippet.replace('path = "."', f'path = "{hf}"'), scope)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not reports, [r.getMessage() for r in reports]
+    with torch.no_grad():
+        merged = AutoModel.from_pretrained(hf).eval()(**batch).last_hidden_state
+        torch.testing.assert_close(scope["model"](**batch).last_hidden_state, merged, atol=1e-5, rtol=0)
+        # PEFT's own loader finds the base from here too (its base reads causal: the snippet passes the config)
+        peft = AutoPeftModelForFeatureExtraction.from_pretrained(os.path.join(hf, "adapter")).eval()
+        assert (peft(**batch).last_hidden_state - merged).abs().max() > 1e-4
