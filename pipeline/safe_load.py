@@ -45,9 +45,9 @@ def allowed_types() -> tuple:
 
 def _refusal(path: str, what: str) -> UnsafeCheckpoint:
     return UnsafeCheckpoint(
-        f"{path}: not loaded: {what}; the project's checkpoint files hold only tensors, numpy RNG states and "
-        f"DeepSpeed's optimizer records (weights_only). Resume or export only checkpoints this project wrote, "
-        f"and check where this directory came from")
+        f"{path}: not loaded: {what}; the project's checkpoints hold, inside their own directory, only tensors, "
+        f"numpy RNG states and DeepSpeed's optimizer records (weights_only). Resume or export only checkpoints this "
+        f"project wrote, and check where this directory came from")
 
 
 def load_weights_only(path: str, map_location=None):
