@@ -16,10 +16,13 @@ from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import SAMPLE_DIR
 from pipeline.model.build import build_model, model_spec
 from pipeline.tokenizer import load_tokenizer
+from pipeline.train.deepspeed_import import skip_autotuner_mlflow
 from pipeline.train.deepspeed_ops import use_install_ops_dir
 
-# DeepSpeed's ops built by the tests and their ranks (children inherit it) stay in this install's folder
+# DeepSpeed's ops built by the tests and their ranks (children inherit it) stay in this install's folder; its import
+# skips the autotuner's mlflow, as every launch/ script's does
 use_install_ops_dir()
+skip_autotuner_mlflow()
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 SAMPLE_TRAIN = os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")

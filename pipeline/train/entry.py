@@ -15,8 +15,11 @@ import sys
 import time
 import warnings
 
+from pipeline.train.deepspeed_import import skip_autotuner_mlflow
 from pipeline.train.distributed import exit_without_teardown, single_process_env
 from pipeline.train.signals import StopRequest
+
+skip_autotuner_mlflow()  # a rank of `python -m pipeline.train.entry` (the sweep's local runs) has no launch/_repo.py
 
 CONFIG_ERROR, FAILED, DIVERGED = 2, 1, 3  # exit statuses besides 0
 USAGE = """Train with DeepSpeed: ``deepspeed launch/train.py --config ds_configs/zero3.json [--experiment FILE.yaml] [--set k=v ...]``.
