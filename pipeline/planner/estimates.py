@@ -157,6 +157,24 @@ def activation_bytes(config: PretrainedConfig, tokens: int, head_fraction: float
     return {"layers": body + tokens * 6 * h, "lm_head": lm_head_bytes(config, head_fraction * tokens, head_chunk)}
 
 
+# The planner's expected step time of a memory-saving change, against the same run without it (docs/planning.md;
+# assumptions, not measured here): full checkpointing runs each layer's forward twice (3 passes become 4);
+# selective recomputes the non-matmul ops its policy drops (~10 %, BENCHMARKS.md); offload moves states over each
+# GPU's host link (PCIe 4.0 x16 in practice) and steps Adam on the node's CPUs (DeepSpeed's CPU Adam).
+RECOMPUTE = {"none": 1.0, SELECTIVE: 1.1, "full": 4 / 3}
+PCIE_BYTES_S = 25e9
+CPU_ADAM_PARAMS_S = 1e9
+
+
+def offload_seconds(params: int, trainable: int, micro_steps: int, nodes: int, gpus_per_node: int) -> float:
+    """Seconds ZeRO-3 offload adds to an optimizer step, counted without overlap: every micro-step each GPU copies
+    its 1/N of the 16-bit weights in for the forward and again for the backward and its 1/N of the 16-bit
+    gradients out; every step the updated weights come back in, and each node's CPU Adam steps its share."""
+    n = nodes * gpus_per_node
+    moved = micro_steps * (2 * 2 * params + 2 * trainable) + 2 * params
+    return moved / n / PCIE_BYTES_S + trainable / nodes / CPU_ADAM_PARAMS_S
+
+
 @dataclass(frozen=True)
 class Throughput:
     flops_per_token: float

@@ -1,12 +1,13 @@
 """The cluster planner's report and command line:
-``python launch/plan.py --model 7b --nodes 4 --gpus-per-node 8 --gpu h100 [--zero 1|2|3] [--offload] [--seq-len N]
+``python launch/plan.py --model 7b [--nodes 1] --gpus-per-node 8 --gpu h100 [--zero 1|2|3] [--offload] [--seq-len N]
 [--micro-batch N] [--lm-head-chunk N] [--checkpointing [full|selective]] [--tokens-per-step N] [--steps N]
 [--corpus-tokens N] [--grid GRID]
 [--mixture SOURCE=RATIO,... [--shards DIR] [--max-repetition R]]`` (or ``pipeline-plan ...``).
 
 Prints the ZeRO stage and shipped DeepSpeed JSON to train with (the least sharding that fits, unless --zero says),
 the memory per GPU (model states as DeepSpeed's estimators count them, activations, a runtime reserve) with the
-verdict whether it fits ("try it" under 10 % headroom; the changes that fit when it does not), the CPU memory per
+verdict whether it fits ("try it" under 10 % headroom; when it does not, the cheapest combination of the changes it
+knows that fits, with its CPU memory and step time: :func:`fixes`), the CPU memory per
 node and what it holds, the step time and tokens per day at a stated MFU, the days for the whole run or a grid
 of runs, the tokens of each source of a mixture (against a shard directory's), the data prep's core-hours,
 shard count and disk for a corpus, and the ``--set`` flags and command that train the run priced; the settings left
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import math
 import sys
 from dataclasses import dataclass, replace
@@ -36,6 +38,7 @@ from pipeline.planner.estimates import (
     GIB,
     GPUS,
     PREP_TOKENS_PER_CORE_S,
+    RECOMPUTE,
     Cluster,
     ModelStates,
     activation_bytes,
@@ -44,6 +47,7 @@ from pipeline.planner.estimates import (
     gpu_key,
     largest_layer_params,
     model_states,
+    offload_seconds,
     phase_steps,
     run_flops,
     throughput,
@@ -165,32 +169,99 @@ def memory(plan: PlannerInput) -> Memory:
     return of(plan.zero or least_sharding(lambda z: of(z).fits, plan.offload))
 
 
-def fixes(plan: PlannerInput) -> list[tuple[str, PlannerInput, Memory]]:
-    """The changes of the planner's options that make a plan that does not fit fit (each alone, else the largest
-    micro-batch that fits with checkpointing): the flags, the changed plan and its memory."""
-    tried = []
-    if plan.checkpointing != "full":
-        tried.append(("--checkpointing", replace(plan, checkpointing="full")))
-    if plan.checkpointing == "none":
-        tried.append(("--checkpointing selective", replace(plan, checkpointing="selective")))
-    smaller = [m for m in range(plan.micro_batch - 1, 0, -1) if memory(replace(plan, micro_batch=m)).fits]
-    if smaller:
-        tried.append((f"--micro-batch {smaller[0]}", replace(plan, micro_batch=smaller[0])))
-    elif plan.checkpointing != "full":
-        both = [m for m in range(plan.micro_batch - 1, 0, -1)
-                if memory(replace(plan, micro_batch=m, checkpointing="full")).fits]
-        if both:
-            tried.append((f"--checkpointing --micro-batch {both[0]}",
-                          replace(plan, micro_batch=both[0], checkpointing="full")))
-    if plan.zero and plan.zero < 3:
-        tried.append(("--zero 3", replace(plan, zero=3)))
-    if not plan.offload:
-        tried.append(("--offload", replace(plan, offload=True, zero=None)))
-    nodes = next((n for n in range(plan.nodes + 1, 64 * plan.nodes + 1)
-                  if memory(replace(plan, nodes=n)).fits), None)
-    if nodes:
-        tried.append((f"--nodes {nodes} (more GPUs)", replace(plan, nodes=nodes)))
-    return [(flag, p, m) for flag, p, m in ((flag, p, memory(p)) for flag, p in tried) if m.fits]
+@dataclass(frozen=True)
+class Option:
+    """A change of the plan that fits: its flags (as the command line takes them), the plan, its memory and its
+    expected step time (:func:`step_seconds`)."""
+
+    flags: str
+    plan: PlannerInput
+    memory: Memory
+    step_s: float
+
+
+SAVING = ("none", "selective", "full")  # activation checkpointing, from the most activation memory to the least
+LORA_R = 16  # the adapter rank the search tries (LLM2Vec's)
+
+
+def step_seconds(plan: PlannerInput) -> float:
+    """The plan's expected step time: its FLOPs at its MFU, with the recompute of its checkpointing and, offloaded,
+    the transfers and CPU Adam of :func:`~pipeline.planner.estimates.offload_seconds`."""
+    config, params, _, trainable = model_counts(plan.model, plan.vocab, plan.lora_r)
+    cluster = Cluster(plan.nodes, plan.gpus_per_node, GPUS[plan.gpu])
+    tokens = accumulation(plan) * plan.micro_batch * plan.seq_len * cluster.gpus
+    compute = throughput(config, plan.seq_len, plan.targets, tokens, cluster, plan.mfu).step_s
+    moved = offload_seconds(params, trainable, accumulation(plan), plan.nodes, plan.gpus_per_node) if plan.offload \
+        else 0.0
+    return compute * RECOMPUTE[plan.checkpointing] + moved
+
+
+def flags_of(plan: PlannerInput, changed: PlannerInput) -> str:
+    """The command-line flags that turn ``plan`` into ``changed``."""
+    flags = []
+    if changed.gpu != plan.gpu:
+        flags.append(f"--gpu {changed.gpu}")
+    if changed.nodes != plan.nodes:
+        flags.append(f"--nodes {changed.nodes}")
+    if changed.checkpointing != plan.checkpointing:
+        flags.append("--checkpointing" + ("" if changed.checkpointing == "full" else f" {changed.checkpointing}"))
+    if changed.zero != plan.zero and changed.zero:
+        flags.append(f"--zero {changed.zero}")
+    if changed.offload != plan.offload:
+        flags.append("--offload")
+    if changed.micro_batch != plan.micro_batch:
+        flags.append(f"--micro-batch {changed.micro_batch}")
+    if changed.lora_r != plan.lora_r:
+        flags.append(f"--lora-r {changed.lora_r}")
+    return " ".join(flags)
+
+
+def search(plan: PlannerInput) -> list[Option]:
+    """Every combination of the changes the planner knows that makes ``plan`` fit on its GPUs, cheapest step first:
+    more activation checkpointing, ZeRO-3 (where a lower stage was asked), offload of parameters and optimizer
+    (ZeRO-3's shipped JSON), a LoRA adapter of rank :data:`LORA_R` (full-parameter training), each with the
+    largest micro-batch up to the plan's that fits."""
+    found = []
+    for checkpointing, offload, zero, lora_r in itertools.product(
+            SAVING[SAVING.index(plan.checkpointing):], {plan.offload, True}, {plan.zero, plan.zero and 3},
+            {plan.lora_r, plan.lora_r or LORA_R}):
+        base = replace(plan, checkpointing=checkpointing, offload=offload, lora_r=lora_r,
+                       zero=(plan.zero and 3) if offload else zero)
+        fitting = [m for m in range(plan.micro_batch, 0, -1) if memory(replace(base, micro_batch=m)).fits]
+        # the largest micro-batch with the headroom "fits" asks for, else the largest that fits at all ("try it")
+        micro = next((m for m in fitting if memory(replace(base, micro_batch=m)).headroom >= THIN_HEADROOM),
+                     fitting[0] if fitting else None)
+        if micro:
+            changed = replace(base, micro_batch=micro)
+            found.append(Option(flags_of(plan, changed), changed, memory(changed), step_seconds(changed)))
+    return sorted({o.flags: o for o in found}.values(), key=lambda o: (o.step_s, len(o.flags)))  # ZeRO-3 twice
+
+
+def more_nodes(plan: PlannerInput) -> Option | None:
+    """The fewest nodes (up to 64 times the plan's) on which the plan fits as it is: more GPUs shard the states."""
+    nodes = next((n for n in range(plan.nodes + 1, 64 * plan.nodes + 1) if memory(replace(plan, nodes=n)).fits), None)
+    if nodes is None:
+        return None
+    changed = replace(plan, nodes=nodes)
+    return Option(flags_of(plan, changed), changed, memory(changed), step_seconds(changed))
+
+
+def fixes(plan: PlannerInput) -> list[Option]:
+    """What the verdict of a plan that does not fit offers: the cheapest change that fits on its GPUs among
+    full-parameter training (else with a LoRA adapter), and the fewest nodes that fit it as it is; where nothing
+    does, the cheapest change on the first GPU with more memory that fits (none: nothing fits any listed GPU)."""
+    found = search(plan)
+    full = [o for o in found if o.plan.lora_r == plan.lora_r]
+    options = [(full or found)[0]] if found else []
+    nodes = more_nodes(plan)
+    if options or nodes:
+        return options + [nodes] * bool(nodes)
+    for gpu in sorted((g for g in GPUS if GPUS[g].memory_gib > GPUS[plan.gpu].memory_gib),
+                      key=lambda g: GPUS[g].memory_gib):
+        bigger = search(replace(plan, gpu=gpu))
+        if bigger:
+            return [replace(bigger[0], flags=flags_of(plan, bigger[0].plan))]
+    return []
 
 
 def cpu_memory_counted(zero: int, offload: bool, gpus_per_node: int) -> str:
@@ -245,17 +316,31 @@ def run_command(plan: PlannerInput, zero: int, why: str = "") -> list[str]:
             f"  {launch} --config {ds_config} {flags}"]
 
 
-def verdict_lines(plan: PlannerInput, mem: Memory, found: list[tuple[str, PlannerInput, Memory]]) -> list[str]:
+def option_line(plan: PlannerInput, option: Option) -> str:
+    """One change that fits: its flags, memory per GPU, CPU memory per node and expected step time against the
+    plan as asked."""
+    m, p = option.memory, option.plan
+    return (f"  {option.flags:<44}{m.total / GIB:7.2f} GiB at ZeRO-{m.zero}{', offload' if p.offload else ''}"
+            f"{f' (LoRA r {p.lora_r}: trains an adapter, not every weight)' if p.lora_r != plan.lora_r else ''}; "
+            f"CPU memory per node {m.states.cpu_per_node / GIB:.1f} GiB; step {option.step_s / step_seconds(plan):.2f}x "
+            f"as long{f' on {p.nodes / plan.nodes:g}x the GPUs' if p.nodes != plan.nodes else ''}: {m.verdict()}")
+
+
+def verdict_lines(plan: PlannerInput, mem: Memory, found: list[Option]) -> list[str]:
     """The verdict in words: fits, try it, or what to change (``found``, :func:`fixes`) when it does not fit."""
     gib = mem.capacity / GIB
     if mem.fits:
         return [f"verdict: ZeRO-{mem.zero}{', offload' if plan.offload else ''}, {mem.total / GIB:.2f} of {gib:g} "
                 f"GiB per GPU: {mem.verdict()}"]
     if not found:
-        return [f"verdict: DOES NOT FIT in {gib:g} GiB per GPU, and none of the changes the planner tries fits; "
-                f"try a shorter --seq-len or a GPU with more memory"]
-    return [f"verdict: DOES NOT FIT in {gib:g} GiB per GPU at ZeRO-{mem.zero}; each of these fits:",
-            *(f"  {flag:<40}{m.total / GIB:9.2f} GiB at ZeRO-{m.zero}: {m.verdict()}" for flag, _, m in found)]
+        return [f"verdict: DOES NOT FIT, and does not fit on any listed GPU ({', '.join(sorted(GPUS))}) with any "
+                f"combination the planner tries (checkpointing, offload, ZeRO-3, micro-batch down to 1, LoRA r "
+                f"{LORA_R}, up to {64 * plan.nodes} nodes); try a shorter --seq-len"]
+    where = (f"not on a {plan.gpu} with any change the planner tries; on a bigger GPU" if found[0].plan.gpu != plan.gpu
+             else "the cheapest change that fits")
+    return [f"verdict: DOES NOT FIT in {gib:g} GiB per GPU at ZeRO-{mem.zero}; {where} (step time against the plan "
+            f"as asked: recompute and offload transfers counted, docs/planning.md):",
+            *(option_line(plan, o) for o in found)]
 
 
 def report(plan: PlannerInput) -> str:
@@ -319,7 +404,8 @@ def report(plan: PlannerInput) -> str:
         f"{days:.2f} days, {days * 24 * n:,.0f} GPU-hours",
         "",
         *(run_command(plan, zero) if mem.fits else
-          next((run_command(p, m.zero, f" with {flag}, the first change that fits") for flag, p, m in found), [])),
+          next((run_command(o.plan, o.memory.zero, f" with {o.flags}, the cheapest change that fits")
+                for o in found), [])),
     ]
     if plan.mixture:
         lines += ["", *mixture_report(plan, plan.steps * step_tokens // plan.seq_len)]
@@ -421,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     d = DEFAULT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="preset: tiny, 210m, 610m, 1b, 7b, 8b")
-    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--nodes", type=int, default=d.nodes, help=f"default {d.nodes}, as --check's")
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--gpu", choices=sorted(GPUS), help="the cluster's GPU (default: the GPU visible here)")
     p.add_argument("--zero", type=int, default=d.zero, choices=[1, 2, 3],
