@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -474,8 +474,19 @@ class ValidationConfig:
             evaluator.check(f"eval.evaluators[{i}]")
 
 
-# a Hub license id as the Hub writes them (apache-2.0, cc-by-nc-4.0, llama3.1, openrail++, other)
-HUB_LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]*")
+# The license ids the Hub accepts in a model card's `license` (those of
+# https://huggingface.co/docs/hub/repositories-licenses; `other` for one not listed there), checked offline
+HUB_LICENSES = frozenset("""
+apache-2.0 mit openrail bigscience-openrail-m creativeml-openrail-m bigscience-bloom-rail-1.0 bigcode-openrail-m
+afl-3.0 artistic-2.0 bsl-1.0 bsd bsd-2-clause bsd-3-clause bsd-3-clause-clear c-uda cc cc0-1.0 cc-by-2.0
+cc-by-2.5 cc-by-3.0 cc-by-4.0 cc-by-sa-3.0 cc-by-sa-4.0 cc-by-nc-2.0 cc-by-nc-3.0 cc-by-nc-4.0 cc-by-nd-4.0
+cc-by-nc-nd-3.0 cc-by-nc-nd-4.0 cc-by-nc-sa-2.0 cc-by-nc-sa-3.0 cc-by-nc-sa-4.0 cdla-sharing-1.0
+cdla-permissive-1.0 cdla-permissive-2.0 wtfpl ecl-2.0 epl-1.0 epl-2.0 etalab-2.0 eupl-1.1 eupl-1.2 agpl-3.0 gfdl
+gpl gpl-2.0 gpl-3.0 lgpl lgpl-2.1 lgpl-3.0 isc h-research intel-research lppl-1.3c ms-pl apple-ascl apple-amlr
+mpl-2.0 odc-by odbl openmdw-1.0 openrail++ osl-3.0 postgresql ofl-1.1 ncsa unlicense zlib pddl lgpl-lr
+deepfloyd-if-license fair-noncommercial-research-license llama2 llama3 llama3.1 llama3.2 llama3.3 llama4 gemma
+unknown other
+""".split())
 
 
 @dataclass
@@ -503,9 +514,12 @@ class ExportConfig:
             if key != "repo_id" and os.path.exists(value):
                 raise ConfigError(f"export.{key}: {value!r} is a local path, which the Hub cannot link; name the "
                                   f"Hub id it came from (namespace/name), or leave it empty")
-        if self.license and not HUB_LICENSE.fullmatch(self.license):
-            raise ConfigError(f"export.license: {self.license!r} is not a Hub license id; use one of "
-                              f"https://huggingface.co/docs/hub/repositories-licenses, e.g. apache-2.0 or mit")
+        if self.license and self.license not in HUB_LICENSES:
+            near = difflib.get_close_matches(self.license.lower(), HUB_LICENSES, n=3, cutoff=0.5)
+            raise ConfigError(f"export.license: {self.license!r} is not a Hub license id; "
+                              + (f"did you mean {' or '.join(near)}? " if near else "")
+                              + "the ids are those of https://huggingface.co/docs/hub/repositories-licenses "
+                                "(pipeline/experiment.py: HUB_LICENSES), e.g. apache-2.0 or mit")
 
 
 DEFAULT_NAME = "sample-tiny-clm"  # the embedded default experiment's run

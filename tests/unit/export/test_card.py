@@ -117,11 +117,19 @@ def test_base_model_license_and_datasets_come_from_hub_ids_only(tmp_path):
     ("repo_id", "me/my model", "export.repo_id: 'me/my model' is not a Hub id"),
     ("datasets", ["data/sample"], "export.datasets.0: 'data/sample' is a local path, which the Hub cannot link"),
     ("license", "Apache 2.0", "export.license: 'Apache 2.0' is not a Hub license id"),
+    # issue 51, item 6: a pattern passed these; the Hub's list does not
+    ("license", "apache", "export.license: 'apache' is not a Hub license id; did you mean apache-2.0"),
+    ("license", "foo-bar", "export.license: 'foo-bar' is not a Hub license id; the ids are those of https://"),
 ])
 def test_export_fields_refuse_what_the_hub_cannot_read(field, value, message, monkeypatch):
     monkeypatch.chdir(REPO)
     with pytest.raises(ConfigError, match=re.escape(message)):
         experiment({"export": {field: value}})
+
+
+@pytest.mark.parametrize("license", ["apache-2.0", "llama3.1", "openrail++", "cc-by-nc-sa-4.0", "gpl", "other"])
+def test_the_hubs_license_ids_pass(license):
+    assert experiment({"export": {"license": license}}).export.license == license
 
 
 @pytest.mark.parametrize("kind", ["encoder", "sentence-transformers", "clm"])
