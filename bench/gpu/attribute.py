@@ -20,7 +20,7 @@ shape: there the "kernels" are the aten ops' self times, and launches, device sy
         [--micro-batch 4] [--grad-accum 1]                 # on the GPU (bench/gpu/ablate.py runs it for its best row)
     python bench/gpu/attribute.py --dry-run --out DIR      # CPU check
 
-DIR gets attribution.json, attribution.md and the chrome trace (trace.json.gz, kept below 25 MB).
+DIR gets attribution.json, attribution.md and the chrome trace (trace.json.gz, trimmed to 8 MiB: ``write_trace``).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import argparse
 import gzip
 import json
 import os
-import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -56,7 +56,7 @@ CATEGORIES = (
 )
 OTHER = "norm/elementwise"
 IDLE_GAP_US = 500
-TRACE_LIMIT = 25e6
+TRACE_LIMIT = 8 * 2**20  # every file in OUT comes back from the lent GPU (the device tool's limit: 16 MiB)
 
 
 @dataclass(frozen=True)
@@ -129,12 +129,20 @@ class Engine:
 
     def step(self):
         """One optimizer step: (``train_step``'s result, the step's non-padding tokens as the trainer counts them)."""
-        from pipeline.train.step import train_step
-
         host = self.loader.next_global_step()
-        batches = [b.to(self.device, non_blocking=True) for b in host]
-        result = train_step(self.engine, self.objectives, {self.shard_kind: batches}, 1, self.grad_accum)
+        result = host_step(self.engine, self.objectives, host, self.grad_accum, self.device)
         return result, sum(int((b.doc_ids >= 0).sum()) for b in host)
+
+
+def host_step(engine, objectives: list, host: list, grad_accum: int, device, counts: list | None = None):
+    """``train_step`` on the loader's host batches of one objective kind, as the trainer runs it: the target counts
+    taken from the host copies (``target_counts``, unless given: without them ``train_step`` reads each
+    micro-batch's count back from the device), the batches sent non-blocking."""
+    from pipeline.train.step import target_counts, train_step
+
+    kind = objectives[0].objective.shard_kind
+    return train_step(engine, objectives, {kind: [b.to(device, non_blocking=True) for b in host]}, 1, grad_accum,
+                      counts=target_counts(objectives, {kind: host}) if counts is None else counts)
 
 
 def single_process() -> object:
@@ -186,7 +194,8 @@ def opened_engine(cfg: RunConfig, data: Data, work: str, device):
 
 def timed(e: Engine, warmup: int, steps: int, peak_tflops: float) -> dict:
     """Warm-up steps, then ``steps`` timed ones: the median step, and tokens/s, FLOPs/token and MFU as the training
-    log computes them (:class:`Throughput` over ``train_step``'s ``Work``)."""
+    log computes them (:class:`Throughput` over ``train_step``'s ``Work``); the last step's loss, which configs that
+    differ only in their kernels (compiled or eager, varlen or SDPA) share, up to rounding."""
     import torch
 
     from pipeline.model.flops import work_flops
@@ -209,7 +218,8 @@ def timed(e: Engine, warmup: int, steps: int, peak_tflops: float) -> dict:
     return {"step_s": statistics.median(times), "tokens_per_step": tokens // steps,
             "tokens_per_s": perf["perf/tokens_per_s"], "flops_per_token": perf["perf/flops_per_token"],
             "mfu": perf["perf/mfu"] if peak_tflops else None,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "loss": next(iter(result.losses.values()))}
 
 
 @contextmanager
@@ -235,7 +245,7 @@ def engine_ranges(engine):
 
 def profile_step(e: Engine, out: str) -> dict:
     """One step under torch.profiler (CPU, and CUDA where the engine runs on it): :func:`attribution` of its trace,
-    which is kept gzipped in ``out`` when small enough."""
+    which is kept gzipped in ``out``, trimmed to :data:`TRACE_LIMIT` (:func:`write_trace`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -248,16 +258,42 @@ def profile_step(e: Engine, out: str) -> dict:
             e.step()
             if cuda:
                 torch.cuda.synchronize()
-    path = os.path.join(out, "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        report = attribution(json.load(f).get("traceEvents", []), cuda)
-    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    os.remove(path)
-    if os.path.getsize(path + ".gz") > TRACE_LIMIT:
-        os.remove(path + ".gz")
+    with tempfile.TemporaryDirectory(prefix="trace_") as work:  # the raw trace (tens of MB) stays out of OUT
+        path = os.path.join(work, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    report = attribution(trace.get("traceEvents", []), cuda)
+    report["trace"] = write_trace(trace, os.path.join(out, "trace.json.gz"))
     return report
+
+
+def write_trace(trace: dict, path: str, limit: int = TRACE_LIMIT) -> str:
+    """``trace`` gzipped into ``path``, trimmed to at most ``limit`` bytes: without the host's aten ops where the
+    whole is larger (the device's kernels and copies, the runtime calls and the ranges stay), then the start of the
+    step alone, its window cut in proportion to the excess until it fits. Returns what it kept, in words."""
+    events = trace.get("traceEvents", [])
+    lean = [e for e in events if e.get("cat") != "cpu_op"]
+    spans = [e["ts"] for e in lean if e.get("ph") == "X"]
+    lo, span = min(spans, default=0), max(spans, default=0) - min(spans, default=0)
+    kept, what, share = events, "the whole step", 1.0
+
+    def gzipped() -> bytes:
+        return gzip.compress(json.dumps({**trace, "traceEvents": kept}).encode(), compresslevel=6)
+
+    data = gzipped()
+    while len(data) > limit and share > 1e-4:
+        if kept is events:
+            kept, what = lean, "the step without the host's aten ops"
+        else:
+            share *= 0.9 * limit / len(data)
+            kept = [e for e in lean if e.get("ph") != "X" or e["ts"] <= lo + share * span]
+            what = (f"the step's first {share * span / 1e3:.1f} of {span / 1e3:.1f} ms, without the host's aten "
+                    "ops")
+        data = gzipped()
+    with open(path, "wb") as f:
+        f.write(data)
+    return f"{what} ({len(data) / 2**20:.2f} MiB)"
 
 
 def category(name: str) -> str:
@@ -368,7 +404,7 @@ def markdown(cfg: RunConfig, perf: dict, report: dict) -> str:
              f"{perf['flops_per_token'] / 1e9:.3f} GFLOP/token, MFU {mfu}; profiled step {report['step_ms']:.1f} ms on "
              f"{report['device']}: busy {report['busy_ms']:.1f} ms ({report['busy_share']:.0%}), idle "
              f"{report['idle_ms']:.1f} ms ({report['idle_gaps']['count']} gaps > 0.5 ms, "
-             f"{report['idle_gaps']['total_ms']:.1f} ms)", "",
+             f"{report['idle_gaps']['total_ms']:.1f} ms); trace.json.gz: {report['trace']}", "",
              "| kernels by category | ms |", "|---|---|"]
     lines += [f"| {cat} | {v:.2f} |" for cat, v in report["kernel_ms_by_category"].items()]
     syncs = report["host_syncs"]
@@ -387,8 +423,6 @@ def markdown(cfg: RunConfig, perf: dict, report: dict) -> str:
 def attribute(cfg: RunConfig, data: Data, out: str, warmup: int, steps: int, peak_tflops: float) -> dict:
     """Build ``cfg``'s engine, time it, profile one step; writes attribution.json / .md into ``out``, prints the
     markdown and returns the report."""
-    import tempfile
-
     from pipeline.model.flops import device_peak_tflops
 
     device = single_process()

@@ -1,38 +1,50 @@
-"""The first thing run on a lent GPU (<= 90 s): each CUDA path the training levers take, on its own, with one line
-each (``smoke <check>: pass|fail|skip, seconds, max error``), so a crash or a wrong kernel shows before the costly
-rows (bench/gpu/run.sh stops there on a failure):
+"""The smoke test of a lent GPU: each CUDA path the training levers take, on its own, one line each
+(``smoke <check>: pass|off|crash|skip, seconds (priced), max error``). Only a crash (an exception, a kernel error,
+a non-finite result) stops bench/gpu/run.sh; numerics outside their tolerance ("off") and timings are reported and
+the run goes on. The checks run in two groups, each priced (cold, on one H100) for the plan of the call
+(bench/gpu/ablate.py prints it):
 
+    first (before the rows; run.sh runs them: paths the first rows take)
     varlen-causal, varlen-bidirectional  torch's flash varlen attention, forward and backward, against SDPA on the
                                          dense document mask, GQA 18/6 heads at head_dim 96 (the 1b preset's), bf16
     head-gemms                           the chunked LM head's ``mm`` / ``addmm`` with ``out_dtype`` against the
                                          unchunked head (loss and both gradients)
-    flex-64, flex-2048                   compiled FlexAttention with the sm90 kernel options on the MAGNET block mask,
-                                         short (flex-decoding: no options) and long queries, against SDPA
-    fused-adam                           optim.fused=deepspeed: FusedAdam built, or torch's fused AdamW taken
-    compiled-layer                       one decoder layer of the 1b shape under ``model.compile`` against eager
-    zero1                                the trainer's engine on the tiny preset, two optimizer steps of CLM
-    device-reads                         device reads over three micro-steps of that ZeRO-1 engine (DeviceReads):
-                                         none outside DeepSpeed's optimizer step
-    zero2, zero3                         as zero1
+    zero1                                the trainer's engine on the tiny preset, two optimizer steps of CLM, then
+                                         the device reads of a third (DeviceReads): its max error is the count of
+                                         reads outside DeepSpeed's optimizer step (tolerance 0)
+    zero3                                as zero1, without the reads
+    last (after the rows; ablate.py runs them with the time it keeps for them)
+    flex-64, flex-2048                   compiled FlexAttention with the sm90 kernel options on the MAGNET block mask
+                                         against SDPA: short queries at GQA 32/8 and head_dim 128 (the 8b preset's;
+                                         torch takes its flex-decoding path, without options, only where the GQA
+                                         ratio is a power of two), long ones at the 1b preset's 18/6
 
-    python bench/gpu/smoke.py [--dry-run]   # --dry-run: the CPU form (CUDA-only checks skip; small shapes)
+Not here: DeepSpeed's FusedAdam (an nvcc build of minutes; the ablation's last row, ``optim.fused=deepspeed``) and a
+compiled layer against eager (the ablation's best row compiles the 1b layer; its "best, eager" row logs the same
+steps' loss beside it).
 
-Exit status 1 when a check fails.
+    python bench/gpu/smoke.py [--dry-run] [--last] [--checks NAME ...]   # --dry-run: the CPU form (CUDA-only
+                                                                          # checks skip; small shapes)
+
+Exit status 1 when a check crashed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SKIP = "skip"
+SKIP, CRASH = "skip", "crash"
+START_S = 20.0  # the interpreter, torch's and DeepSpeed's imports, the CUDA context: each group's process pays it
 
 
 class Skip(Exception):
@@ -113,7 +125,7 @@ def head_check() -> float:
     return _max_error(got, want)
 
 
-def flex_check(length: int) -> Callable[[], float]:
+def flex_check(length: int, heads: int, kv_heads: int, dim: int) -> Callable[[], float]:
     def check() -> float:
         import torch
 
@@ -125,7 +137,6 @@ def flex_check(length: int) -> Callable[[], float]:
         )
 
         device = _cuda()
-        heads, kv_heads, dim = 18, 6, 96
         doc_ids = _packed_doc_ids(2, length, device) if length > 300 else torch.zeros(2, length, dtype=torch.int32,
                                                                                      device=device)
         span_ids = torch.full_like(doc_ids, -1)
@@ -142,49 +153,6 @@ def flex_check(length: int) -> Callable[[], float]:
         return _max_error([out, *got], [ref, *want])
 
     return check
-
-
-def fused_adam_check() -> float:
-    import torch
-
-    from pipeline.experiment import OptimConfig
-    from pipeline.train.module import build_optimizer
-
-    device = _cuda()
-    param = torch.nn.Parameter(torch.ones(1024, device=device))
-    optimizer = build_optimizer([{"params": [param]}], OptimConfig(), "deepspeed")
-    param.grad = torch.full_like(param, 0.5)
-    optimizer.step()
-    print(f"  fused-adam: {type(optimizer).__module__}.{type(optimizer).__name__}", flush=True)
-    reference = torch.nn.Parameter(torch.ones(1024, device=device))
-    plain = torch.optim.AdamW([reference], **{k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")})
-    reference.grad = torch.full_like(reference, 0.5)
-    plain.step()
-    return _max_error([param], [reference])
-
-
-def compiled_layer_check() -> float:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cuda = torch.cuda.is_available()
-    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
-    hidden, heads, kv, ffn, length = (1728, 18, 6, 5120, 2048) if cuda else (64, 4, 2, 128, 32)
-    config = AutoConfig.for_model("llama", vocab_size=512, hidden_size=hidden, intermediate_size=ffn,
-                                  num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv)
-    torch.manual_seed(0)
-    eager = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype)
-    compiled = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype)
-    compiled.load_state_dict(eager.state_dict())
-    layer = compiled.model.layers[0]
-    layer.forward = torch.compile(layer.forward, backend="inductor" if cuda else "aot_eager")
-    ids = torch.randint(0, 512, (2, length), device=device)
-    results = []
-    for model in (compiled, eager):
-        out = model.model(input_ids=ids).last_hidden_state
-        grads = torch.autograd.grad(out.float().square().mean(), list(model.model.layers[0].parameters()))
-        results.append([out, *grads])
-    return _max_error(results[0], results[1])
 
 
 def _engine(stage: int):
@@ -229,117 +197,112 @@ def _batches(tokenizer, count: int):
     return out
 
 
-def _steps(engine, objectives, tokenizer, steps: int):
-    from pipeline.train.step import target_counts, train_step
-
-    device = engine.device
-    losses = []
-    for _ in range(steps):
-        host = _batches(tokenizer, 3)
-        counts = target_counts(objectives, {"packed": host})
-        result = train_step(engine, objectives, {"packed": [b.to(device, non_blocking=True) for b in host]}, 1, 3,
-                            counts=counts)
-        losses.append(result.losses["clm"])
-    return losses
-
-
-def engine_check(stage: int) -> Callable[[], float]:
+def engine_check(stage: int, reads: bool = False) -> Callable[[], float]:
+    """Two optimizer steps of the ZeRO-``stage`` engine, whose losses must be finite; with ``reads``, then the
+    device reads of a third (DeviceReads, listed by site), of which those outside DeepSpeed's optimizer step (its
+    grad norm and overflow check) are the result."""
     def check() -> float:
-        import math
+        from attribute import host_step
+
+        from pipeline.train.device_reads import DeviceReads
+        from pipeline.train.step import target_counts
 
         engine, objectives, tokenizer = _engine(stage)
         try:
-            losses = _steps(engine, objectives, tokenizer, 2)
+            losses = [host_step(engine, objectives, _batches(tokenizer, 3), 3, engine.device).losses["clm"]
+                      for _ in range(2)]  # the first also warms: allocations, lazy inits
+            if not all(math.isfinite(x) for x in losses):
+                raise FloatingPointError(f"losses {losses}")
+            if not reads:
+                return 0.0
+            host = _batches(tokenizer, 3)
+            counts = target_counts(objectives, {"packed": host})  # the loader's side, as in the trainer
+            with DeviceReads(host=[t for b in host for t in vars(b).values() if hasattr(t, "device")]) as counted:
+                host_step(engine, objectives, host, 3, engine.device, counts)
         finally:
             engine.destroy()
-        if not all(math.isfinite(x) for x in losses):
-            raise AssertionError(f"losses {losses}")
-        return 0.0
+        print(f"  device reads: {counted.total} ("
+              + (", ".join(f"{k} x{v}" for k, v in counted.sites.most_common(8)) or "none") + ")", flush=True)
+        return float(sum(v for k, v in counted.sites.items() if not k.startswith("deepspeed")))
 
     return check
 
 
-def device_reads_check() -> float:
-    """Reads in one optimizer step of three micro-steps; none may come from outside DeepSpeed (its optimizer
-    step's own: the grad norm, the overflow check)."""
-    from pipeline.train.device_reads import DeviceReads
-
-    engine, objectives, tokenizer = _engine(1)
-    try:
-        _steps(engine, objectives, tokenizer, 1)  # warm: first-step allocations, lazy inits
-        host = _batches(tokenizer, 3)
-        from pipeline.train.step import target_counts, train_step
-
-        counts = target_counts(objectives, {"packed": host})
-        moved = [b.to(engine.device, non_blocking=True) for b in host]
-        tensors = [t for b in host for t in vars(b).values() if hasattr(t, "device")]
-        with DeviceReads(host=tensors) as reads:
-            train_step(engine, objectives, {"packed": moved}, 1, 3, counts=counts)
-    finally:
-        engine.destroy()
-    print(f"  device-reads: {reads.total} ({', '.join(f'{k} x{v}' for k, v in reads.sites.most_common(8)) or 'none'})",
-          flush=True)
-    outside = {k: v for k, v in reads.sites.items() if not k.startswith("deepspeed")}
-    if outside:
-        raise AssertionError(f"reads outside DeepSpeed's step: {outside}")
-    return float(reads.total)
+@dataclass(frozen=True)
+class Check:
+    name: str
+    run: Callable[[], float]  # returns its max error
+    tolerance: float  # of the max error: above it the check is "off", reported, and the run goes on
+    price_s: float  # expected seconds, cold, on one H100 (the plan's)
+    last: bool = False  # run after the ablation's rows (``--last``) instead of before them
 
 
-CHECKS: list[tuple[str, Callable[[], float], float]] = [  # name, check, tolerance of its max error
-    ("varlen-causal", varlen_check(True), 0.1),
-    ("varlen-bidirectional", varlen_check(False), 0.1),
-    ("head-gemms", head_check, 0.05),
-    ("flex-64", flex_check(64), 0.1),
-    ("flex-2048", flex_check(2048), 0.1),
-    ("fused-adam", fused_adam_check, 1e-5),
-    ("compiled-layer", compiled_layer_check, 0.1),
-    ("zero1", engine_check(1), 0.0),
-    ("device-reads", device_reads_check, float("inf")),
-    ("zero2", engine_check(2), 0.0),
-    ("zero3", engine_check(3), 0.0),  # last: transformers keeps ZeRO-3's construction config while its model lives
+CHECKS = [
+    Check("varlen-causal", varlen_check(True), 0.1, 10),
+    Check("varlen-bidirectional", varlen_check(False), 0.1, 5),
+    Check("head-gemms", head_check, 0.05, 5),
+    Check("zero1", engine_check(1, reads=True), 0.0, 30),
+    Check("zero3", engine_check(3), 0.0, 20),  # after zero1: transformers keeps ZeRO-3's construction config
+    Check("flex-64", flex_check(64, 32, 8, 128), 0.1, 45, last=True),  # two FlexAttention compiles, their block
+    Check("flex-2048", flex_check(2048, 18, 6, 96), 0.1, 45, last=True),  # masks' compiled builds
 ]
 
 
-def run_checks(names: list[str] | None = None) -> list[tuple[str, str, float, float | None, str]]:
-    """(name, pass/fail/skip, seconds, max error, note) of each check, each printed as it ends."""
-    from attribute import single_process
+def price_s(last: bool) -> float:
+    """The plan's seconds for the group: its process's start and its checks."""
+    return START_S + sum(c.price_s for c in CHECKS if c.last == last)
 
-    single_process()
+
+def run_checks(checks: list[Check]) -> list[tuple[str, str, float, float | None, str]]:
+    """(name, pass/off/crash/skip, seconds, max error, note) of each check, each printed as it ends. A crash is an
+    exception, a kernel error (synchronised inside the check's time, so it is that check's) or a non-finite max
+    error; the next check still runs."""
+    import torch
+
     results = []
-    for name, check, tolerance in CHECKS:
-        if names and name not in names:
-            continue
+    for c in checks:
         started = time.perf_counter()
         error, note = None, ""
         try:
-            error = check()
-            status = "pass" if error <= tolerance else "fail"
-            note = "" if status == "pass" else f"max error {error:.3g} > {tolerance:g}"
+            error = c.run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if not math.isfinite(error):
+                status, note = CRASH, "non-finite result"
+            else:
+                status = "pass" if error <= c.tolerance else "off"
+                note = "" if status == "pass" else f"max error {error:.3g} > {c.tolerance:g}: reported, the run goes on"
         except Skip as e:
             status, note = SKIP, str(e)
         except Exception as e:  # a check's crash is its result; the next check still runs
-            status, note = "fail", f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            status, note = CRASH, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
         seconds = time.perf_counter() - started
         err = "-" if error is None else f"{error:.3g}"
-        print(f"smoke {name}: {status}, {seconds:.1f} s, max error {err}" + (f" ({note})" if note else ""), flush=True)
-        results.append((name, status, seconds, error, note))
+        print(f"smoke {c.name}: {status}, {seconds:.1f} s (priced {c.price_s:g}), max error {err}"
+              + (f" ({note})" if note else ""), flush=True)
+        results.append((c.name, status, seconds, error, note))
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="the CPU form: CUDA-only checks skip, small shapes")
-    parser.add_argument("--checks", nargs="+", help="only these checks")
+    parser.add_argument("--last", action="store_true", help="the checks that run after the ablation's rows")
+    parser.add_argument("--checks", nargs="+", help="only these checks (of either group)")
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from attribute import single_process
+
     started = time.perf_counter()
-    results = run_checks(args.checks)
-    failed = [name for name, status, *_ in results if status == "fail"]
-    print(f"smoke: {len(results) - len(failed)} of {len(results)} passed or skipped, {len(failed)} failed"
-          + (f" ({', '.join(failed)})" if failed else "") + f", {time.perf_counter() - started:.0f} s", flush=True)
-    return 1 if failed else 0
+    single_process()
+    results = run_checks([c for c in CHECKS if (c.name in args.checks if args.checks else c.last == args.last)])
+    by = {status: [name for name, s, *_ in results if s == status] for status in ("pass", "off", SKIP, CRASH)}
+    print(f"smoke: {len(by['pass'])} passed, {len(by['off'])} off, {len(by[SKIP])} skipped, {len(by[CRASH])} crashed"
+          + "".join(f" ({status}: {', '.join(names)})" for status, names in by.items() if names and status != "pass")
+          + f"; {time.perf_counter() - started:.0f} s, priced {price_s(args.last):.0f}", flush=True)
+    return 1 if by[CRASH] else 0
 
 
 if __name__ == "__main__":

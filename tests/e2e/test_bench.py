@@ -6,6 +6,7 @@ deadline, the optimizers' process killed with its children, a run out of budget 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import importlib
 import importlib.util
 import json
@@ -161,10 +162,11 @@ attribute = _bench_module("attribute")
 
 @pytest.mark.e2e
 def test_gpu_ablation_dry_run_and_the_training_log_agree_on_flops(tmp_path):
-    """bench/gpu/ablate.py's CPU dry run: its best row (with no lever rows run, the baseline's config) in its own
-    process on real shards and the trainer's engine, timed and attributed with the report's full shape; then
-    launch/train.py on the same shards with the same experiment logs, for the step the bench timed, the FLOPs per
-    token the bench reported (one ``Throughput`` over ``train_step``'s ``Work``). ~25 s on a quiet machine."""
+    """bench/gpu/ablate.py's CPU dry run: its best row alone (the planner's engine and batch; on the CPU SDPA and
+    eager) in its own process on real shards and the trainer's engine, timed and attributed with the report's full
+    shape; then launch/train.py on the same shards with the same experiment logs, for the step the bench timed, the
+    FLOPs per token the bench reported (one ``Throughput`` over ``train_step``'s ``Work``). ~25 s on a quiet
+    machine."""
     out, data = tmp_path / "out", tmp_path / "data"
     proc = subprocess.run([sys.executable, ablate.__file__, "--dry-run", "--out", str(out), "--data", str(data),
                            "--rows", "best"], capture_output=True, text=True, timeout=600, cwd=REPO,
@@ -172,15 +174,17 @@ def test_gpu_ablation_dry_run_and_the_training_log_agree_on_flops(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads((out / "results.json").read_text())
     [row] = results["rows"]
-    assert row["group"] == "best" and row["setting"] == "the baseline" and not row["error"], row
-    assert row["step_s"] > 0 and row["tokens_per_step"] > 0 and row["flops_per_token"] > 0, row
+    assert row["group"] == "best" and row["setting"] == "sdpa, eager, zero1.json, micro 8 x accumulation 1"
+    assert not row["error"] and (row["config"]["micro_batch"], row["config"]["grad_accum"]) == (8, 1), row
+    assert row["step_s"] > 0 and row["tokens_per_step"] > 0 and row["flops_per_token"] > 0 and row["loss"] > 0, row
     report = json.loads((out / "attribution.json").read_text())["attribution"]
     assert set(report) == {"device", "step_ms", "busy_ms", "busy_share", "idle_ms", "idle_gaps",
                            "kernel_ms_by_category", "top_kernels", "host_syncs", "dtoh_copies", "kernel_launches",
-                           "ranges_ms"}
+                           "ranges_ms", "trace"}
+    assert report["trace"].startswith("the whole step") and (out / "trace.json.gz").exists()
     assert 0 < report["busy_ms"] <= report["step_ms"] and report["kernel_ms_by_category"]["matmul"] > 0
     assert all(report["ranges_ms"][r]["host"] > 0 for r in attribute.RANGES) and report["top_kernels"]
-    assert "| best | the baseline | tiny | zero2.json | 2 x 1 |" in proc.stdout
+    assert "| best | sdpa, eager, zero1.json, micro 8 x accumulation 1 | tiny | zero1.json | 8 x 1 |" in proc.stdout
     assert "## Step attribution: tiny" in proc.stdout and "| matmul |" in proc.stdout
 
     cfg = attribute.RunConfig(**{**row["config"], "overrides": ()})
@@ -195,8 +199,10 @@ def test_gpu_ablation_dry_run_and_the_training_log_agree_on_flops(tmp_path):
 
 def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path, capsys):
     """Levers come from other branches: an unknown override or DeepSpeed JSON is that row's config error, found
-    before a process starts; the best row combines the fastest measured settings; the planner's 7b row for the GPU
-    present (here none: an H100's 80 GiB) is launch/plan.py's, its estimate beside it."""
+    before a process starts. The best row comes first and is the a-priori best, not assembled from measured rows:
+    varlen and compiled at the planner's engine and largest micro-batch for the GPU (an H100's 80 GiB holds micro 8,
+    an H200's 141 micro 16), accumulated to 64k tokens; then the 2026-12-04 configuration. The planner's 7b row for
+    the GPU present (here none: an H100) is launch/plan.py's, its estimate beside it."""
     data = attribute.Data(str(tmp_path / "shards"), str(tmp_path / "tokenizer"))
     base = ablate.DRY.base
     assert ablate.config_error(base, data) == ""
@@ -205,23 +211,17 @@ def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path, 
     assert "ds_configs/zero9.json does not exist" in ablate.config_error(
         dataclasses.replace(base, ds_config="ds_configs/zero9.json"), data)
 
-    first, rest = ablate.lever_rows(ablate.FULL)
-    rows = first + rest
-    assert [r.group for r in first] == ["baseline", "attention", "compile", "engine", "batch"]  # by value
-    assert {r.group for r in rest} == {"engine", "attention", "checkpointing", "batch", "deepcompile"}
-    batch = [r.config for r in rows if r.group == "batch"]
-    assert all(c.micro_batch * c.grad_accum * c.seq_len >= 65536 for c in batch)
-    speed = {"baseline": 1.0, "ds_configs/zero3.json": 0.8, "ds_configs/zero1.json": 1.3, "varlen": 1.5,
-             "ds_configs/zero1_deepcompile.json": 1.4,  # faster, but the best row never takes it
-             "flex": 1.2, "true": 0.9, f"micro 4 x accumulation {batch[0].grad_accum}": 2.0}
-    for r in rows:
-        r.tokens_per_s = speed.get(r.group if r.group == "baseline" else r.setting, 0.0)
-    best = ablate.best_row(rows, ablate.FULL.base)
-    assert best.config.ds_config == "ds_configs/zero1.json" and best.config.micro_batch == 4
-    assert best.config.overrides == ("model.attn_implementation=varlen",)  # compile lost to the baseline
-    assert best.config.grad_accum == batch[0].grad_accum
+    for gpu, micro in (("h100", 8), ("h200", 16)):
+        rows = ablate.ablation_rows(ablate.FULL, gpu)
+        best, then = rows[0].config, rows[1].config
+        assert [r.group for r in rows[:2]] == ["best", "2026-12-04"] and rows[0].attribute
+        assert (best.preset, best.ds_config, best.micro_batch) == ("1b", "ds_configs/zero1.json", micro)
+        assert best.micro_batch * best.grad_accum * best.seq_len == 65536
+        assert best.overrides == ("model.attn_implementation=varlen", "model.compile=true")
+        assert (then.ds_config, then.micro_batch, then.grad_accum, then.overrides) == ("ds_configs/zero3.json", 4, 1, ())
+        assert [r.group for r in rows if r.attribute] == ["best"] and rows[-1].group == "optimizer"
 
-    planner = ablate.planner_row(ablate.FULL)  # what launch/plan.py says for the same GPU, model and batch
+    planner = ablate.planner_row(ablate.FULL, "h100")  # what launch/plan.py says for the GPU, model and batch
     assert planner.config.preset == "7b" and planner.setting.startswith("planner (h100)")
     assert 0 < planner.estimate_gib <= 80
     assert plan_cli.main(["--model", "7b", "--nodes", "1", "--gpus-per-node", "1", "--gpu", "h100", "--micro-batch",
@@ -232,24 +232,35 @@ def test_an_ablation_row_whose_switch_this_checkout_lacks_fails_alone(tmp_path, 
 
 @pytest.mark.e2e
 def test_gpu_run_dry_run_smokes_then_plans_and_ablates(tmp_path):
-    """bench/gpu/run.sh OUT --dry-run on the CPU: the smoke test's CPU form first (each check a line; the CUDA ones
-    skip), then the ablation's: the GPU plan with each row's expected seconds against the budget, and its best row
-    run; nothing of the user's command. ~80 s on a quiet machine."""
+    """bench/gpu/run.sh OUT --dry-run on the CPU: the smoke test's first checks in their CPU form (each a line; the
+    CUDA ones skip), then the ablation's: the call's plan, best first, its total with the install at most 540 s, the
+    best row run, then the smoke test's last checks; nothing of the user's command, and OUT holds results alone.
+    ~80 s on a quiet machine."""
     out = tmp_path / "out"
     proc = subprocess.run([os.path.join(REPO, "bench", "gpu", "run.sh"), str(out), "--dry-run", "--rows", "best",
-                           "--data", str(tmp_path / "data")], capture_output=True, text=True, timeout=900, cwd=REPO,
-                          env={**os.environ, "PYTHON": sys.executable, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+                           "smoke", "--data", str(tmp_path / "data")], capture_output=True, text=True, timeout=900,
+                          cwd=REPO, env={**os.environ, "PYTHON": sys.executable, "DS_ACCELERATOR": "cpu",
+                                         "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checks = smoke_module().CHECKS
     smoke = [line for line in proc.stdout.splitlines() if line.startswith("smoke ")]
-    assert [line.split(":")[0] for line in smoke] == [f"smoke {name}" for name, *_ in smoke_checks()]
+    assert [line.split(":")[0] for line in smoke] == [f"smoke {c.name}" for c in checks if not c.last] + [
+        f"smoke {c.name}" for c in checks if c.last]
     assert all(": pass," in line or ": skip," in line for line in smoke), smoke
     assert "smoke varlen-causal: skip" in proc.stdout and "smoke zero3: pass" in proc.stdout
-    assert proc.stdout.index("smoke: ") < proc.stdout.index("plan (expected seconds")
-    plan = proc.stdout[proc.stdout.index("plan (expected seconds"):].splitlines()
-    assert any(line.startswith("  best ") for line in plan) and any(line.startswith("  7b ") for line in plan)
-    assert "| best | the baseline | tiny |" in proc.stdout and not (out / "user-run.log").exists()
+    assert proc.stdout.index("smoke: ") < proc.stdout.index("plan of one call") < proc.stdout.index("smoke flex-64")
+    plan = proc.stdout[proc.stdout.index("plan of one call"):].splitlines()
+    assert plan[1].startswith("  install and check") and plan[4].startswith("  best ")
+    assert plan[5].startswith("  2026-12-04 ")
+    total = next(line for line in plan if line.startswith("planned: "))
+    assert int(total.split()[1]) <= 540, total
+    assert "| best | sdpa, eager, zero1.json, micro 8 x accumulation 1 | tiny |" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["attribution.json", "attribution.md", "results.json",
+                                                     "results.md", "smoke.log", "trace.json.gz"]
     log = (out / "smoke.log").read_text()
-    assert all(line in log for line in smoke) and f"smoke: {len(smoke)} of {len(smoke)} passed or skipped" in log
+    assert all(line in log for line in smoke)
+    assert "smoke: 3 passed, 0 off, 2 skipped, 0 crashed (skip: varlen-causal, varlen-bidirectional)" in log
+    assert "smoke: 0 passed, 0 off, 2 skipped, 0 crashed (skip: flex-64, flex-2048)" in log  # appended by ablate.py
 
 
 def test_the_bench_processes_rewrite_the_arch_list(monkeypatch):
@@ -263,36 +274,80 @@ def test_the_bench_processes_rewrite_the_arch_list(monkeypatch):
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
 
 
-def smoke_checks():
+def smoke_module():
     sys.path.insert(0, os.path.dirname(BENCH_GPU))
-    return importlib.import_module("smoke").CHECKS
+    return importlib.import_module("smoke")
+
+
+def test_the_smoke_test_stops_the_run_on_a_crash_alone(capsys):
+    """Numerics outside their tolerance are reported ("off") and the run goes on; an exception or a non-finite
+    result is a crash, the one status that makes smoke.py exit 1 and run.sh stop; a check that cannot run here
+    skips. Each line carries its seconds beside its price."""
+    smoke = smoke_module()
+
+    def broken() -> float:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def cuda_only() -> float:
+        raise smoke.Skip("needs CUDA")
+
+    checks = [smoke.Check("near", lambda: 0.01, 0.1, 5), smoke.Check("far", lambda: 0.5, 0.1, 5),
+              smoke.Check("nan", lambda: float("nan"), 0.1, 5), smoke.Check("raises", broken, 0.1, 5),
+              smoke.Check("cuda", cuda_only, 0.1, 5)]
+    assert [status for _, status, *_ in smoke.run_checks(checks)] == ["pass", "off", "crash", "crash", "skip"]
+    out = capsys.readouterr().out
+    assert "smoke far: off," in out and "(priced 5)" in out and "illegal memory access" in out
+    assert smoke.price_s(last=False) == smoke.START_S + sum(c.price_s for c in smoke.CHECKS if not c.last)
+
+
+def test_a_trace_over_the_limit_is_trimmed_to_it(tmp_path):
+    """Every file in OUT must come back from the lent GPU: a trace over the limit loses the host's aten ops first
+    (kernels, runtime calls and ranges stay), then the end of the step, until its gzip fits."""
+    import random
+
+    rng = random.Random(0)
+    events = [{"ph": "X", "cat": cat, "name": f"{cat}-{rng.getrandbits(64):x}", "ts": i, "dur": 1}
+              for i in range(6000) for cat in ("cpu_op", "kernel")]
+    path = tmp_path / "trace.json.gz"
+    assert attribute.write_trace({"traceEvents": events}, str(path), limit=10**6) == (
+        f"the whole step ({path.stat().st_size / 2**20:.2f} MiB)")
+    note = attribute.write_trace({"traceEvents": events}, str(path), limit=50_000)
+    kept = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    assert path.stat().st_size <= 50_000 and note.startswith("the step's first ") and "without the host's" in note
+    assert kept and {e["cat"] for e in kept} == {"kernel"} and kept == [e for e in events if e["cat"] == "kernel"][
+        :len(kept)]
 
 
 def test_ablation_rows_are_what_they_say_on_cuda(tmp_path):
-    """Each row's real overrides, resolved as the trainer would on a bf16 CUDA run: the baseline is eager and SDPA
-    (``model.compile`` auto would compile it), the compile row alone compiles among the first rows, the varlen row
-    runs varlen; the plan's first rows and ``best`` fit the default budget (the rest run when it grows)."""
+    """Each row's real overrides, resolved as the trainer would on a bf16 CUDA run: the best row is varlen and
+    compiled, the 2026-12-04 row SDPA and eager (``model.compile`` auto would compile it), the eager rows eager. The
+    call's plan, on either card: install and the smoke test's first checks, then best (priced as itself: a cold
+    compile and 64k-token steps) and 2026-12-04, both inside the call, whose total with the install is at most 540 s."""
     from pipeline.experiment import load_experiment
     from pipeline.train.compiling import body_compiles
     from pipeline.train.ds_config import load_ds_config, resolve_ds_config
     from pipeline.train.kernels import attn_implementation
 
     data = attribute.Data(str(tmp_path / "shards"), str(tmp_path / "tokenizer"))
-    first, rest = ablate.lever_rows(ablate.FULL)
+    rows = ablate.ablation_rows(ablate.FULL, "h100")
     resolved = {}
-    for r in first + rest:
+    for r in rows:
         exp = load_experiment(None, attribute.experiment_overrides(r.config, data, str(tmp_path / "run")))
         ds = resolve_ds_config(load_ds_config(os.path.join(REPO, r.config.ds_config)), exp, 1, True)
         resolved[(r.group, r.setting)] = (body_compiles(exp, ds, cuda=True), attn_implementation(exp.model, True))
-    assert resolved[("baseline", first[0].setting)] == (False, "sdpa")
-    assert resolved[("attention", "varlen")] == (False, "pipeline_varlen")
-    assert resolved[("compile", "true")] == (True, "sdpa")
-    assert [compiled for compiled, _ in (resolved[(r.group, r.setting)] for r in first)] == [
-        False, False, True, False, False]
-    planned = [(r, False) for r in first] + [(ablate.best_row([], ablate.FULL.base), True)]
-    lines = ablate.plan_lines(planned, ablate.FULL)
-    assert len(lines) == 1 + len(planned) and not any("past the budget" in line for line in lines)
-    assert "compile 70" in next(line for line in lines if line.startswith("  compile true"))
+    assert [resolved[(r.group, r.setting)] for r in rows[:4]] == [
+        (True, "pipeline_varlen"), (False, "sdpa"), (False, "pipeline_varlen"), (False, "sdpa")]
+    assert resolved[("attention", "best, flex")] == (True, "pipeline_flex")
+    for gpu in ("h100", "h200"):
+        lines, total = ablate.plan(ablate.ablation_rows(ablate.FULL, gpu), ablate.FULL)
+        labels = [line.split(":")[0].strip() for line in lines[1:-1]]
+        assert labels[:4] == ["install and check", "smoke test, first checks", "the ablation's start and shards",
+                              "best model.attn_implementation=varlen model.compile=true, zero1.json, micro "
+                              + ("8 x accumulation 4" if gpu == "h100" else "16 x accumulation 2")]
+        assert labels[4].startswith("2026-12-04") and labels[-1] == "smoke test, last checks"
+        assert not any("past the budget" in line for line in lines[:6]), lines
+        assert "compile 70" in lines[4] and "attribution 30" in lines[4] and "compile" not in lines[5].split(":")[1]
+        assert total <= ablate.CALL_S == 540 and lines[-1] == f"planned: {total:.0f} s of 540, the install included"
 
 
 def test_attribution_of_a_cuda_trace():
