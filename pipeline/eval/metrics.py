@@ -1,6 +1,7 @@
 """The evaluation metrics, each small enough to check by hand (``tests/unit/eval/test_eval_metrics.py`` does).
 
-Spearman's rho and the Student-t quantile come from scipy, the V-measure from scikit-learn; the rest (NDCG as
+Spearman's rho and the Student-t quantile come from scipy, the V-measure from scikit-learn, each imported where it is
+used (scipy.stats and sklearn.metrics cost a rank ~1.8 CPU seconds at every start, and training rarely needs them); the rest (NDCG as
 trec_eval, entity F1 as conlleval / seqeval, SQuAD's EM/F1, repetition rates) are written here in numpy, each
 following the definition of the library the papers' numbers come from (named per function), so the numbers are
 comparable.
@@ -16,8 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
-from sklearn.metrics import v_measure_score
 
 from pipeline.data.format.units import split_units
 
@@ -30,6 +29,8 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
         raise ValueError(f"correlation needs two equally long series of >= 2 values, got {len(x)} and {len(y)}")
     if np.ptp(x) == 0 or np.ptp(y) == 0:
         return 0.0
+    from scipy import stats
+
     return float(stats.spearmanr(x, y).statistic)
 
 
@@ -38,6 +39,8 @@ def v_measure(labels_true: Sequence, labels_pred: Sequence) -> float:
     clustering) of labels compared as strings. A single true class and a single cluster both count as perfect."""
     if len(labels_true) != len(labels_pred):
         raise ValueError(f"v_measure: {len(labels_true)} true labels but {len(labels_pred)} predicted ones")
+    from sklearn.metrics import v_measure_score
+
     return float(v_measure_score(np.asarray(labels_true, dtype=object).astype(str),
                                  np.asarray(labels_pred, dtype=object).astype(str)))
 
@@ -59,6 +62,8 @@ def mrr_at_k(ranked: Sequence[str], relevance: dict[str, float], k: int = 10) ->
 
 def t_quantile(p: float, df: int) -> float:
     """Student's t quantile: ``scipy.stats.t.ppf`` as a float."""
+    from scipy import stats
+
     return float(stats.t.ppf(p, df))
 
 
