@@ -15,7 +15,7 @@ FusedAdam builds a CUDA extension, which may take minutes), one AdamW step over 
 ZeRO-3's flat fp32 layout with each kernel (torch foreach, torch fused, DeepSpeed FusedAdam), which decides
 ``optim.fused: auto``; in a child process, killed with its compilers at the deadline.
 
-    bench/gpu/run.sh OUT_DIR                      # the lent GPU: results.json and results.md in OUT_DIR (<= 8 min)
+    python bench/gpu/bench_gpu.py --out OUT_DIR   # the lent GPU, after install.sh: results.json, results.md (<= 8 min)
     python bench/gpu/bench_gpu.py --dry-run --out DIR   # CPU check: tiny preset, seq 64, 1 step, fp32
 
 Results are rewritten after every measurement, so a run cut short still leaves what it measured. ``--budget-s``
