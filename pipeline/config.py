@@ -149,9 +149,14 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+_INDEX = re.compile(r"\[(\d+)\]")  # phases[0]: how the config's errors name a list item
+
+
 def set_path(data: dict, key: str, value: Any) -> None:
-    """``set_path(d, "a.b", v)`` sets d["a"]["b"] = v, creating mappings on the way; integer parts index lists."""
-    parts = key.strip().split(".")
+    """``set_path(d, "a.b", v)`` sets d["a"]["b"] = v, creating mappings on the way; integer parts index lists,
+    dotted or bracketed (``phases.0.ratio`` or ``phases[0].ratio``: the errors' names, so a suggestion they print
+    is a key ``--set`` takes)."""
+    parts = _INDEX.sub(r".\1", key.strip()).split(".")
     if not all(parts):
         raise ConfigError(f"--set {key}={value!r}: the key has an empty part; keys are dotted field names, e.g. "
                           f"train.steps=100")

@@ -3,12 +3,15 @@ phases' boundaries, and the batch warmup's fields checked against the world size
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pipeline.config import ConfigError
 from pipeline.data.loading.order import BatchWarmup
 from pipeline.experiment import load_experiment
 from pipeline.train.batch_warmup import batch_warmup
+from pipeline.train.phases import build_objectives
 
 
 def test_run_dir_names_the_run():
@@ -56,3 +59,39 @@ def test_global_batch_is_micro_batch_times_grad_accum_times_world():
     micro-batch replaces train.micro_batch, 0 (unset) keeps it."""
     t = load_experiment(None, ["train.micro_batch=3", "train.grad_accum=2"]).train
     assert [t.global_batch(1), t.global_batch(4), t.global_batch(4, 5), t.global_batch(4, 0)] == [6, 24, 40, 24]
+
+
+# each ends in one config error whose message suggests a fix as KEY=VALUE
+SUGGESTING = {
+    "ratio schedule": ["phases=[{objectives: [{name: mlm, ratio: 0.3, ratio_schedule: {shape: linear}}]}]"],
+    "loss names": ["phases=[{objectives: [{name: mlm}, {name: mlm, ratio: 0.2}]}]"],
+    "mask token": ["phases=[{objectives: [{name: mntp, mask_token: '<nope>'}]}]"],
+    "phase micro-batch": ["data.seq_len=64", "train.micro_batch=3", "phases=[{share: 0.5, objectives: [{name: clm}]}, "
+                          "{share: 0.5, seq_len: 128, objectives: [{name: clm}]}]"],
+    "one order": ["train.micro_batch=3", "phases=[{share: 0.5, objectives: [{name: clm}]}, "
+                  "{share: 0.5, micro_batch: 2, objectives: [{name: clm}]}]"],
+    "supervised": ["phases=[{objectives: [{name: supervised}]}]", "train.grad_accum=2"],
+    "evaluator": ["eval.every=10", "eval.holdout=0.01", "eval.evaluators=[{task: sts}]"],
+}
+SUGGESTION = re.compile(r"(?<![\w.\]])([a-z_]+(?:\[\d+\]|\.\w+)+)=(\S+?)(?=[\s,;)]|$)")
+
+
+@pytest.mark.parametrize("overrides", SUGGESTING.values(), ids=SUGGESTING)
+def test_every_suggested_setting_is_one_set_takes(overrides, tokenizer):
+    """Issue 51, item 6: the mask-token error suggested phases[0].objectives[0].mask_token=..., which --set
+    refused (only phases.0.... indexed a list). Each suggestion the config's errors print, fed back through --set
+    as printed, fixes the error it came with."""
+    def error(overrides: list[str]) -> str | None:
+        try:
+            exp = load_experiment(None, overrides)
+            for i, phase in enumerate(exp.phases):  # the mask token and loss names are checked as objectives build
+                build_objectives(phase, tokenizer, f"phases[{i}]")
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    message = error(overrides)
+    suggestions = [m.group(0) for m in SUGGESTION.finditer(message or "")]
+    assert suggestions, message
+    for suggestion in suggestions:
+        assert error([*overrides, suggestion]) is None, (message, suggestion)
