@@ -381,7 +381,8 @@ def main() -> int:
     parser.add_argument("--rows", nargs="+", help="only the rows of these groups (best, 2026-12-04, compile, "
                         "attention, engine, preset, batch, checkpointing, deepcompile, optimizer, the planner's "
                         "preset) and, with smoke, the smoke test's last checks")
-    parser.add_argument("--data", help=f"where the synthetic shards are (built there when missing; default {SCRATCH})")
+    parser.add_argument("--data", help="where the synthetic shards are (built there when missing; default "
+                        f"{os.path.join(SCRATCH, 'data')})")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # a child: the RunConfig as JSON
     parser.add_argument("--data-json", help=argparse.SUPPRESS)
     parser.add_argument("--attribute", action="store_true", help=argparse.SUPPRESS)
