@@ -32,7 +32,7 @@ from pipeline.experiment import ModelConfig
 from pipeline.grid import load_grid
 from pipeline.model.flops import param_counts
 from pipeline.model.lora import LLM2VEC_TARGETS, lora_params
-from pipeline.model.presets import get_preset
+from pipeline.model.presets import PRESETS, get_preset
 from pipeline.planner.estimates import (
     CHECKPOINTING,
     GIB,
@@ -58,7 +58,7 @@ from pipeline.planner.estimates import (
 class PlannerInput:
     """What the planner is asked about: a model preset on a cluster, with its batch, run length and corpus."""
 
-    model: str  # preset: tiny, 210m, 610m, 1b, 7b, 8b
+    model: str  # a preset (pipeline.model.presets.PRESETS)
     nodes: int
     gpus_per_node: int
     gpu: str  # a key of GPUS
@@ -506,7 +506,7 @@ def visible_gpu(parser: argparse.ArgumentParser) -> str:
 def main(argv: list[str] | None = None) -> int:
     d = DEFAULT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="preset: tiny, 210m, 610m, 1b, 7b, 8b")
+    p.add_argument("--model", required=True, choices=list(PRESETS), help="a preset (docs/models.md)")
     p.add_argument("--nodes", type=int, default=d.nodes, help=f"default {d.nodes}, as --check's")
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--gpu", choices=sorted(GPUS), help="the cluster's GPU (default: the GPU visible here)")

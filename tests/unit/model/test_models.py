@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -87,6 +88,18 @@ def test_unknown_preset_lists_known_ones():
         build_model(model_spec("huge", 64))
     with pytest.raises(ValueError, match="unknown model preset 'huge'"):
         get_preset("huge")
+
+
+def test_the_docs_list_the_presets_the_errors_list():
+    """Issue 51, item 6: the error listed 20m, which the README's and training.md's lists of presets left out."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    lists = {"README.md": "Models: presets ", "docs/training.md": "| `model.init` | `tiny` | a preset ("}
+    for doc, start in lists.items():
+        text = open(os.path.join(repo, doc)).read()
+        named = re.findall(r"`([\w-]+)`", text.split(start, 1)[1].split(")", 1)[0].split(" (")[0])
+        assert named == list(PRESETS), doc
+    table = re.findall(r"^\| `([\w-]+)` \|", open(os.path.join(repo, "docs", "models.md")).read(), re.M)
+    assert table[:len(PRESETS)] == list(PRESETS)
 
 
 def test_bad_checkpoint_directories(tmp_path):
