@@ -17,6 +17,9 @@ from pipeline.train.distributed import on_rank_0
 
 def _rank(rank: int, rdzv: dict, out_dir: str) -> None:
     os.environ.update(rdzv)
+    open(os.path.join(out_dir, f"ready{rank}"), "w").close()  # both started before the 1 s group's rendezvous
+    while not all(os.path.exists(os.path.join(out_dir, f"ready{r}")) for r in (0, 1)):
+        time.sleep(0.01)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=1))
     started = time.time()
     on_rank_0(lambda: time.sleep(3))
