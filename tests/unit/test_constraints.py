@@ -9,9 +9,11 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 from helpers import REPO
+from packaging.requirements import Requirement
 
 from pipeline import constraints
 from pipeline.constraints import (
@@ -115,3 +117,19 @@ def test_the_check_counts_a_package_not_installed_apart_from_those_at_the_locks_
     assert out[1] == ("2 of the lock's 4 packages at its version; 1 differ: make setup installs the lock's; "
                       "1 not installed (no-such-package): an extra this environment lacks, or make setup installs "
                       "them")
+
+
+def test_the_project_builds_its_metadata_without_a_setuptools_warning(tmp_path):
+    """Issue 51, item 6: `make setup` printed ~40 lines of setuptools' deprecation of `project.license` as a TOML
+    table; an SPDX expression needs setuptools 77.0.3, which the build requires and the lock pins."""
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(REPO, name), tmp_path)
+    build = "from setuptools import build_meta; print(build_meta.prepare_metadata_for_build_wheel('.'))"
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", build], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metadata = open(tmp_path / proc.stdout.splitlines()[-1] / "METADATA").read()
+    assert "License-Expression: Apache-2.0\n" in metadata
+    wanted = Requirement(re.search(r'^requires = \["([^"]+)"\]', open(os.path.join(REPO, "pyproject.toml")).read(),
+                                   re.M)[1])
+    assert wanted.name == "setuptools" and wanted.specifier.contains(read_pins(LOCK)["setuptools"])
