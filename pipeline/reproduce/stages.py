@@ -59,11 +59,11 @@ def make_portable(log: str, start: int, paths: dict[str, str]) -> None:
     machine's directories."""
     with open(log, "rb+") as f:
         f.seek(start)
-        text = f.read().decode(errors="replace")
+        text = f.read()
         for path, name in paths.items():
-            text = text.replace(path, name)
+            text = text.replace(os.fsencode(path), os.fsencode(name))
         f.seek(start)
-        f.write(text.encode())
+        f.write(text)
         f.truncate()
 
 
