@@ -3,8 +3,10 @@ others wait for (:func:`on_rank_0`), and leaving a finished rank."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
+import io
 import logging
 import os
 import sys
@@ -56,13 +58,32 @@ def stale_build_locks(min_age_s: float = STALE_BUILD_LOCK_S) -> list[tuple[str, 
     return found
 
 
+def cpu_op_built() -> bool:
+    """Whether DeepSpeed's CPU collectives op is already built in this install's folder."""
+    return os.path.isfile(os.path.join(use_install_ops_dir(), CPU_COMM_OP, f"{CPU_COMM_OP}.so"))  # torch's builder's
+
+
 def say_if_building_cpu_op() -> None:
     """DeepSpeed compiles its CPU collectives op on a machine's first start, about a minute of silence on 2 cores
     that looked like a hang: say so first."""
-    root = use_install_ops_dir()
-    if not os.path.isfile(os.path.join(root, CPU_COMM_OP, f"{CPU_COMM_OP}.so")):  # where torch's builder leaves it
+    if not cpu_op_built():
         print(f"building DeepSpeed's CPU collectives op ({CPU_COMM_OP}) once, about a minute on 2 cores; later starts "
-              f"load it from {root}", file=sys.stderr, flush=True)
+              f"load it from {use_install_ops_dir()}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def built_said_only_when_built():
+    """DeepSpeed prints "DeepSpeed ...deepspeed_shm_comm_op built successfully" each time a CPU rank loads the op,
+    from the cache too, so every start claimed a build: the block's prints, less that line where the op was built
+    before the block."""
+    cached, said = cpu_op_built(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):
+            yield
+    finally:
+        lines = said.getvalue().splitlines(keepends=True)
+        sys.stdout.write("".join(line for line in lines
+                                 if not (cached and line.startswith("DeepSpeed ") and "built successfully" in line)))
 
 
 def warn_stale_build_locks() -> None:
@@ -99,7 +120,8 @@ def start_distributed():
         if device.type == "cpu":
             say_if_building_cpu_op()
     try:
-        deepspeed.init_distributed(dist_backend=DIST_BACKENDS[device.type])
+        with built_said_only_when_built():
+            deepspeed.init_distributed(dist_backend=DIST_BACKENDS[device.type])
     except dist.DistNetworkError as e:
         if "EADDRINUSE" not in str(e):
             raise

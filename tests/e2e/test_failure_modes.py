@@ -61,6 +61,7 @@ from pipeline.train.agreement import check_same_run
 from pipeline.train.deepspeed_ops import arch_list_for_deepspeed, deepspeed_arch_list
 from pipeline.train.distributed import (
     CPU_COMM_OP,
+    built_said_only_when_built,
     say_if_building_cpu_op,
     stale_build_locks,
     warn_stale_build_locks,
@@ -423,6 +424,28 @@ def test_the_first_start_says_it_builds_deepspeeds_cpu_op(tmp_path, monkeypatch,
     (tmp_path / CPU_COMM_OP / f"{CPU_COMM_OP}.so").write_bytes(b"")  # where torch's builder leaves the op
     say_if_building_cpu_op()
     assert capsys.readouterr().err == ""
+
+
+def test_deepspeeds_built_successfully_is_said_only_of_a_build(tmp_path, monkeypatch, capsys):
+    """Issue 51, item 6: "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" printed on every
+    start, also where the op came from the cache. DeepSpeed's own loader, here from this install's built op, says
+    nothing; into a folder without the op at the start (the built op appears in it: a build), it says so."""
+    from deepspeed.comm.torch import build_shm_op
+
+    from pipeline.train.deepspeed_ops import install_ops_dir
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", install_ops_dir())
+    with built_said_only_when_built():
+        assert build_shm_op() is not None
+        print("other lines stay")
+    out = capsys.readouterr().out
+    assert "other lines stay\n" in out and "built successfully" not in out
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with built_said_only_when_built():
+        shutil.copytree(os.path.join(install_ops_dir(), CPU_COMM_OP), tmp_path / CPU_COMM_OP)
+        build_shm_op()
+    assert capsys.readouterr().out.endswith(f"{CPU_COMM_OP}_op built successfully\n")
 
 
 @pytest.mark.e2e
