@@ -11,6 +11,7 @@ its module state (the fp32 weights of an fp32 run; a bf16 run's bf16 weights, wh
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -79,7 +80,9 @@ def _write_hf(lm: PreTrainedModel, state_dict: dict, tokenizer, out: str, record
 
 def checkpoint_state_dict(run: RunDir, step: int) -> dict[str, torch.Tensor]:
     """The engine module's weights at ``step``, whatever the ZeRO stage that wrote them (module docstring); the
-    directory checked first (zero_to_fp32 unpickles with weights_only=False: :func:`check_directory`)."""
+    directory checked first (zero_to_fp32 unpickles with weights_only=False: :func:`check_directory`). zero_to_fp32's
+    bars ("Loading checkpoint shards", "Gathering sharded weights") are drawn where transformers' are: off under
+    ``launch/evaluate.py --no-progress``, which turns transformers' off."""
     check_directory(run.checkpoint(step))
     if run.checkpoint_zero_stage(step) == 0:
         path = os.path.join(run.checkpoint(step), STAGE0_MODEL_STATES)
@@ -87,9 +90,15 @@ def checkpoint_state_dict(run: RunDir, step: int) -> dict[str, torch.Tensor]:
             raise ExportError(f"{path}: missing from a ZeRO stage 0 checkpoint; export another step "
                               f"(complete steps: {run.complete_steps()})")
         return load_weights_only(path, map_location="cpu")["module"]
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils import zero_to_fp32
+    from transformers.utils.logging import is_progress_bar_enabled
 
-    return get_fp32_state_dict_from_zero_checkpoint(run.checkpoints, tag=tag(step))
+    bars = zero_to_fp32.tqdm  # the module's own name for tqdm, which it calls with no way to turn it off
+    zero_to_fp32.tqdm = functools.partial(bars, disable=not is_progress_bar_enabled())
+    try:
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(run.checkpoints, tag=tag(step))
+    finally:
+        zero_to_fp32.tqdm = bars
 
 
 def tokens_at(run: RunDir, step: int) -> int | None:

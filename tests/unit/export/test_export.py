@@ -162,6 +162,21 @@ def test_an_export_that_dies_midway_leaves_no_directory_that_loads_as_one(tokeni
         export(tokenizer, str(tmp_path / "tok"), MNTP)
 
 
+def test_no_progress_quiets_deepspeeds_bars_of_a_zero_checkpoint(tmp_path, capsys):
+    """Issue 51, item 6: ``launch/evaluate.py --no-progress`` still drew zero_to_fp32's "Loading checkpoint shards"
+    and "Gathering sharded weights" bars as it exported a ZeRO checkpoint (here the fixture's ZeRO-3 one)."""
+    from pipeline.eval.runner import no_library_bars
+    from pipeline.export.hf import checkpoint_state_dict
+
+    run = RunDir(str(tmp_path / "run"))
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "old_checkpoint", "step00000002"), run.checkpoint(2))
+    with no_library_bars():
+        quiet = checkpoint_state_dict(run, 2)
+    assert "Gathering sharded weights" not in capsys.readouterr().err
+    drawn = checkpoint_state_dict(run, 2)
+    assert "Gathering sharded weights" in capsys.readouterr().err and quiet.keys() == drawn.keys()
+
+
 def test_layouts(tokenizer, tmp_path):
     assert special_tokens(tokenizer, "bos_eos") == ([tokenizer.bos_id], [tokenizer.eos_id])
     assert special_tokens(tokenizer, "special") == ([tokenizer.bos_id], [])  # the sample tokenizer adds BOS only
