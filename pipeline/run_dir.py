@@ -31,6 +31,7 @@ from pipeline.experiment import ExperimentConfig
 from pipeline.io import read_json, write_json_atomic
 
 MARKER = "COMPLETE"  # written into a checkpoint directory once every rank has finished writing it
+BEST = "BEST"  # marks checkpoint.keep_best's checkpoint directory, with its record (pipeline.train.checkpoint)
 EXPERIMENT, MODEL_CONFIG, DS_CONFIG, DATA = "experiment.json", "model_config.json", "ds_config.json", "data.json"
 _TAG = re.compile(r"^step(\d{8})$")
 
@@ -117,6 +118,16 @@ class RunDir:
     def latest_complete(self) -> int | None:
         steps = self.complete_steps()
         return steps[-1] if steps else None
+
+    def best_mark(self, step: int) -> str:
+        """The step's ``BEST``, where it is ``checkpoint.keep_best``'s checkpoint, written when it became the best."""
+        return os.path.join(self.checkpoint(step), BEST)
+
+    def best(self) -> dict | None:
+        """The record (step, value, metric, mode) of ``checkpoint.keep_best``'s complete checkpoint, which its
+        directory's ``BEST`` holds; None without one."""
+        marked = [s for s in self.complete_steps() if os.path.isfile(self.best_mark(s))]
+        return read_json(self.best_mark(marked[-1])) if marked else None
 
     def checkpoint_steps(self) -> list[int]:
         """Steps with a checkpoint directory, complete or half-written."""

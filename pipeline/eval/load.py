@@ -84,7 +84,8 @@ def checkpoint_export(run: RunDir, step: int) -> str:
 
 def resolve(path: str, step: int | None = None) -> tuple[str, str | None, int | None]:
     """(HF directory, run directory or None, checkpoint step or None) for a run or HF directory; ``step``: that
-    complete checkpoint of the run (e.g. one ``checkpoint.keep_every`` kept), exported once."""
+    complete checkpoint of the run (e.g. one ``checkpoint.keep_every`` kept), exported once; the best one
+    (``checkpoint.keep_best``) is read from ``RUN/hf-best``, whose card then gets its results."""
     run = RunDir(path)
     if step is not None:
         if not run.exists():
@@ -92,6 +93,10 @@ def resolve(path: str, step: int | None = None) -> tuple[str, str | None, int | 
         if step not in run.complete_steps():
             raise ModelError(f"{path}: no complete checkpoint of step {step}; its complete steps: "
                              f"{run.complete_steps() or 'none'} (checkpoint.keep_every keeps steps for good)")
+        best, exported = run.best(), os.path.join(run.hf_best, "config.json")
+        if (best and best["step"] == step and os.path.isfile(exported)
+                and os.path.getmtime(exported) >= os.path.getmtime(run.best_mark(step))):  # exported since it was best
+            return run.hf_best, path, step
         return checkpoint_export(run, step), path, step
     if run.exists():
         steps = run.complete_steps()

@@ -15,6 +15,7 @@ every rank loads its new partition from there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -64,9 +65,10 @@ def set_rng_state(state: dict) -> None:
 
 def save(engine, run: RunDir, step: int, client_state: dict, extra_files: dict[str, dict], keep_last: int,
          keep_every: int, writer: BackgroundWriter | None = None, completer: BackgroundWriter | None = None,
-         keep: tuple[int, ...] = ()) -> str:
-    """Collective: every rank calls it. Returns the checkpoint directory; ``keep``: steps pruning spares besides
-    ``keep_last`` and ``keep_every`` (the best one, ``checkpoint.keep_best``). With ``writer`` (the engine's
+         best: dict | None = None) -> str:
+    """Collective: every rank calls it. Returns the checkpoint directory; ``best``: the record of
+    ``checkpoint.keep_best``'s step (step, value, metric, mode), whose checkpoint pruning spares besides ``keep_last``
+    and ``keep_every`` and :func:`mark_best` marks. With ``writer`` (the engine's
     :class:`~pipeline.train.async_checkpoint.AsyncCheckpointEngine` queues its files there) it returns once the
     state is copied: the files and each rank's ``written-rank<r>`` follow in the background, and rank 0's
     ``completer`` writes ``COMPLETE`` once every rank's marker is there."""
@@ -84,7 +86,7 @@ def save(engine, run: RunDir, step: int, client_state: dict, extra_files: dict[s
         if _disk_full(e, root):
             raise _disk_full_error(run, step) from e
         raise
-    complete = functools.partial(_complete, run, step, extra_files, world, keep_last, keep_every, keep)
+    complete = functools.partial(_complete, run, step, extra_files, world, keep_last, keep_every, best)
     if writer is not None:
         writer.submit(lambda: write_json_atomic(written_marker(path, rank), {"step": step}))
         if completer is not None:
@@ -100,14 +102,30 @@ def save(engine, run: RunDir, step: int, client_state: dict, extra_files: dict[s
 
 
 def _complete(run: RunDir, step: int, extra_files: dict[str, dict], world: int, keep_last: int,
-              keep_every: int, keep: tuple[int, ...] = ()) -> None:
-    """Rank 0, once every rank's files of ``step`` are written: the run files, ``COMPLETE``, then pruning."""
+              keep_every: int, best: dict | None = None) -> None:
+    """Rank 0, once every rank's files of ``step`` are written: the run files, ``COMPLETE``, then pruning and the
+    best's mark."""
     path = run.checkpoint(step)
     inject_fault("kill-before-marker", tag(step))
     for name, obj in extra_files.items():
         write_json_atomic(os.path.join(path, name), obj)
     write_json_atomic(os.path.join(path, MARKER), {"step": step, "time": time.time(), "world_size": world})
-    prune(run, keep_last, keep_every, keep)
+    prune(run, keep_last, keep_every, (best["step"],) if best else ())
+    mark_best(run, best)
+
+
+def mark_best(run: RunDir, best: dict | None) -> None:
+    """``BEST`` (the record: step, value, metric, mode) in the best step's checkpoint directory and in no other, so
+    the directory says which one it is (:meth:`RunDir.best`); none after ``checkpoint.keep_best`` was dropped or
+    changed. The new mark is written before the old one goes (a kill between leaves two, the newer the best), and
+    only when it changes: its time is when the step became the best, which an ``hf-best`` exported since is of."""
+    mark = best and run.best_mark(best["step"])
+    if best and not (os.path.isfile(mark) and read_json(mark) == best):
+        write_json_atomic(mark, best)
+    for step in run.checkpoint_steps():
+        if not best or step != best["step"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(run.best_mark(step))
 
 
 def _disk_full_error(run: RunDir, step: int) -> OSError:
@@ -296,10 +314,9 @@ class Checkpointer:
     def save(self, state: TrainState) -> None:
         """Collective: the engine and ``state`` at its step."""
         self._written()  # one state in host memory at a time, and the previous save's errors surface here
-        best = {"best": dataclasses.asdict(self.best) | {"metric": self.keep.metric, "mode": self.keep.mode}
-                } if self.best else {}
-        save(self.engine, self.run, state.step, state.state_dict() | best, self.run_files, self.cfg.keep_last,
-             self.cfg.keep_every, self.writer, self.completer, (self.best.step,) if self.best else ())
+        best = dataclasses.asdict(self.best) | {"metric": self.keep.metric, "mode": self.keep.mode} if self.best else None
+        save(self.engine, self.run, state.step, state.state_dict() | ({"best": best} if best else {}), self.run_files,
+             self.cfg.keep_last, self.cfg.keep_every, self.writer, self.completer, best)
         self.last_saved = state.step
 
     def wait(self) -> None:

@@ -17,6 +17,7 @@ from test_trainer import FakeEngine
 
 from pipeline.config import ConfigError
 from pipeline.eval import repetition
+from pipeline.eval.load import ModelError, resolve
 from pipeline.experiment import SAMPLE_DIR, CheckpointConfig, load_experiment
 from pipeline.model.build import build_model, model_spec
 from pipeline.run_dir import RunDir
@@ -138,6 +139,36 @@ def test_a_resume_after_keep_best_changed_forgets_the_old_best(tmp_path, now):
     resumed.observe(6, 0, {"eval/sts_avg": 0.5, "eval/loss/clm": 2.0})
     resumed.save(state)
     assert run.complete_steps() == [6]  # step 2, the old best, is pruned by the rotation
+
+
+def test_the_best_checkpoint_is_marked_and_evaluating_its_step_reads_hf_best(tmp_path):
+    """Issue 51, item 6: nothing in checkpoints/ said which directory was the best, and ``evaluate.py --step N`` of
+    the best step exported a copy into RUN/eval/hf-stepN instead of reading RUN/hf-best, whose card so never got
+    the results. Its directory holds BEST, the one mark; hf-best exported since is what evaluating the step reads,
+    and once the best moves on, hf-best (of the old best until the run's end exports the new) is not taken for it."""
+    engine, run = _engine(), RunDir(str(tmp_path / "run"))
+    checkpoints, state = _checkpointer(run, engine, "max"), TrainState({})
+
+    def at(step: int, score: float) -> list[int]:
+        state.step = step
+        checkpoints.observe(step, 0, {"eval/sts_avg": score})
+        checkpoints.save(state)
+        return [s for s in run.checkpoint_steps() if os.path.isfile(run.best_mark(s))]
+
+    assert [at(2, 0.3), at(4, 0.9), at(6, 0.5)] == [[2], [4], [4]]
+    assert run.best() == {"step": 4, "value": 0.9, "metric": "eval/sts_avg", "mode": "max"}
+    with open(run.experiment_json, "w") as f:
+        f.write("{}")
+    engine.module.lm.save_pretrained(run.hf_best)  # the end of training's export of the best step
+    assert resolve(run.path, 4) == (run.hf_best, run.path, 4)
+    assert at(8, 0.95) == [8]
+    with pytest.raises(ModelError, match="exporting checkpoint step 8 failed"):  # a copy of step 8, not hf-best
+        resolve(run.path, 8)
+    forgot = _checkpointer(run, engine, "max", metric="")
+    assert forgot.resume(TrainState({}), ResumePoint(8, 1)) and forgot.best is None
+    state.step = 10
+    forgot.save(state)
+    assert run.best() is None  # keep_best dropped: the old best is no longer marked
 
 
 def test_a_phase_that_does_not_log_the_metric_and_a_repetition_with_nothing_to_score_have_no_candidate(tmp_path):
