@@ -381,22 +381,29 @@ def test_a_lora_mntp_run_exports_a_card_a_sentence_transformer_and_its_adapter(s
         torch.testing.assert_close(weight, ours["model." + name], atol=1e-6, rtol=0)  # PEFT's merge is ours
 
 
-def test_a_lora_adapter_loads_from_any_directory_as_its_merged_export(tokenizer, init_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("start", ["causal", "encoder"])
+def test_a_lora_adapter_loads_from_any_directory_as_its_merged_export(tokenizer, init_dir, tmp_path, monkeypatch,
+                                                                       start):
     """Issue 51, finding 4: the adapter named its base as the run was given it (``runs/sample-tiny-clm/hf``), so
     PEFT found the base only from the directory the run started in; and its base loaded causal, while the merged
     export reads bidirectionally. The card's snippet, run from elsewhere, gives the merged export's states, with no
-    LOAD REPORT; docs/export.md shows the same code."""
+    LOAD REPORT, whether the base is a causal LM or an encoder export (LLM2Vec's SimCSE on its MNTP export);
+    docs/export.md shows the same code."""
     import logging
 
     from peft import AutoPeftModelForFeatureExtraction
     from transformers import AutoModel, AutoModelForCausalLM
 
     from pipeline.export.card import adapter_snippet
+    from pipeline.model.load_hf import causal_lm_kwargs
     from pipeline.model.lora import add_lora
 
-    shutil.copytree(init_dir, tmp_path / "start" / "hf")
+    if start == "encoder":
+        export(tokenizer, str(tmp_path / "start" / "hf"), MNTP)
+    else:
+        shutil.copytree(init_dir, tmp_path / "start" / "hf")
     monkeypatch.chdir(tmp_path)
-    lm = AutoModelForCausalLM.from_pretrained("start/hf")
+    lm = AutoModelForCausalLM.from_pretrained("start/hf", **causal_lm_kwargs("start/hf"))
     add_lora(lm, r=4, alpha=8, dropout=0.0, targets=("q_proj", "v_proj"))
     torch.manual_seed(0)
     for name, p in lm.named_parameters():
@@ -408,7 +415,7 @@ def test_a_lora_adapter_loads_from_any_directory_as_its_merged_export(tokenizer,
         tmp_path / "start" / "hf")
     card = card_of(hf)[1]
     snippet = re.search(r"### The LoRA adapter alone.*?```python\n(.*?)```", card, re.S).group(1)
-    assert snippet == adapter_snippet(".", encoder=True, base_variant=False)
+    assert snippet == adapter_snippet(".", encoder=True, base_variant=start == "encoder")
     assert snippet_in("docs/export.md", "runs/mntp-lora/hf") == adapter_snippet("runs/mntp-lora/hf", True, False)
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
@@ -427,6 +434,7 @@ def test_a_lora_adapter_loads_from_any_directory_as_its_merged_export(tokenizer,
     with torch.no_grad():
         merged = AutoModel.from_pretrained(hf).eval()(**batch).last_hidden_state
         torch.testing.assert_close(scope["model"](**batch).last_hidden_state, merged, atol=1e-5, rtol=0)
-        # PEFT's own loader finds the base from here too (its base reads causal: the snippet passes the config)
+        # PEFT's own loader finds the base from here too, read with the base's own config: a causal LM's reads
+        # causally (hence the snippet's config), an encoder export's as the merged export
         peft = AutoPeftModelForFeatureExtraction.from_pretrained(os.path.join(hf, "adapter")).eval()
-        assert (peft(**batch).last_hidden_state - merged).abs().max() > 1e-4
+        assert torch.allclose(peft(**batch).last_hidden_state, merged, atol=1e-5) == (start == "encoder")
