@@ -71,19 +71,33 @@ def say_if_building_cpu_op() -> None:
               f"load it from {use_install_ops_dir()}", file=sys.stderr, flush=True)
 
 
+class _WithoutLine(io.TextIOBase):
+    """A text stream that passes each whole line on to ``out`` as it is written, less the lines ``drop`` picks."""
+
+    def __init__(self, out, drop: Callable[[str], bool]):
+        self.out, self.drop, self.pending = out, drop, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        self.out.write("".join(f"{line}\n" for line in lines if not self.drop(line)))
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
 @contextlib.contextmanager
 def built_said_only_when_built():
     """DeepSpeed prints "DeepSpeed ...deepspeed_shm_comm_op built successfully" each time a CPU rank loads the op,
-    from the cache too, so every start claimed a build: the block's prints, less that line where the op was built
-    before the block."""
-    cached, said = cpu_op_built(), io.StringIO()
+    from the cache too, so every start claimed a build: the block's prints pass through as they come, less that
+    line where the op was built before the block."""
+    cached, out = cpu_op_built(), sys.stdout
+    stream = _WithoutLine(out, lambda line: cached and line.startswith("DeepSpeed ") and "built successfully" in line)
     try:
-        with contextlib.redirect_stdout(said):
+        with contextlib.redirect_stdout(stream):
             yield
     finally:
-        lines = said.getvalue().splitlines(keepends=True)
-        sys.stdout.write("".join(line for line in lines
-                                 if not (cached and line.startswith("DeepSpeed ") and "built successfully" in line)))
+        out.write(stream.pending)
 
 
 def warn_stale_build_locks() -> None:
