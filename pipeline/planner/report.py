@@ -506,7 +506,7 @@ def visible_gpu(parser: argparse.ArgumentParser) -> str:
 def main(argv: list[str] | None = None) -> int:
     d = DEFAULT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, choices=list(PRESETS), help="a preset (docs/models.md)")
+    p.add_argument("--model", required=True, help=f"a preset: {', '.join(PRESETS)} (docs/models.md)")
     p.add_argument("--nodes", type=int, default=d.nodes, help=f"default {d.nodes}, as --check's")
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--gpu", choices=sorted(GPUS), help="the cluster's GPU (default: the GPU visible here)")
