@@ -550,6 +550,7 @@ class ExperimentConfig:
                 objective.check_attention_dropout(self.model.attention_dropout, f"phases[{i}].objectives[{j}]")
                 objective.check_step(self.train.grad_accum, len(phase.objectives), f"phases[{i}].objectives[{j}]")
                 objective.check_schedule(f"phases[{i}].objectives[{j}]")
+                objective.check_embedding(f"phases[{i}].objectives[{j}]")
         if not math.isclose(sum(p.share for p in self.phases), 1.0, abs_tol=1e-6):
             shares = [p.share for p in self.phases]
             raise ConfigError(f"phases: shares must sum to 1, got {shares} (sum {sum(shares):g}); set each phase's "

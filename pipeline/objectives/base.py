@@ -53,6 +53,11 @@ class BaseConfig:
         """Refuse a schedule whose fields contradict its shape (a config error at load time; the masking ratio's)."""
         return None
 
+    def check_embedding(self, where: str, hidden_size: int | None = None) -> None:
+        """Refuse embedding options the model cannot train (a config error at load time, and again against the
+        model's ``hidden_size`` once preflight knows it; contrastive objectives' Matryoshka dims)."""
+        return None
+
 
 def phase_fraction(step: int, steps: int) -> float:
     """Where step ``step`` (from 0) of a phase of ``steps`` steps lies in it: its first step at 0, its last at 1."""

@@ -1,17 +1,66 @@
 """InfoNCE on cosine similarity with in-batch negatives gathered across data-parallel ranks, with gradient.
 
-Shared by LLM2Vec's unsupervised SimCSE and MAGNET's SSCL. Each rank scores its own queries against the keys
-of every rank; the gather's backward sums the key gradients over ranks, so the step equals one step on the
-concatenated batch (the trainer divides the summed loss by the global number of queries).
+Shared by LLM2Vec's unsupervised SimCSE and supervised stage and MAGNET's SSCL. Each rank scores its own queries
+against the keys of every rank; the gather's backward sums the key gradients over ranks, so the step equals one
+step on the concatenated batch (the trainer divides the summed loss by the global number of queries).
+
+``matryoshka`` (Matryoshka representation learning, Kusupati et al. 2022) adds the same InfoNCE on the first d
+coordinates of every embedding for each of its dims, weighted: sentence-transformers' ``MatryoshkaLoss`` around
+``MultipleNegativesRankingLoss``. The rows are gathered once at full width and cut after, so the cut composes
+with the gather and with GradCache (which caches the gradient of the whole loss with respect to full embeddings).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipeline.objectives.base import ObjectiveOutput
+from pipeline.config import ConfigError
+from pipeline.objectives.base import BaseConfig, ObjectiveOutput
+
+
+@dataclass
+class Matryoshka:
+    """Embedding dims trained to stand alone (sentence-transformers' ``matryoshka_dims`` / ``matryoshka_weights``),
+    so an export can be cut to any of them (``encode(..., dim=)``, ``truncate_dim``)."""
+
+    dims: tuple[int, ...] = ()  # strictly descending, each <= the model's hidden size (e.g. [768, 256, 64])
+    weights: tuple[float, ...] = ()  # one per dim (empty: 1 each, sentence-transformers' default)
+    RANGES: ClassVar[dict[str, str]] = {"dims": ">= 1", "weights": "> 0"}
+
+    def check(self, where: str, hidden_size: int | None = None) -> None:
+        """One line naming ``where`` (the ``matryoshka`` key) and the fix; ``hidden_size`` where the model is known."""
+        if not self.dims:
+            raise ConfigError(f"{where}.dims: missing; list the embedding dims to train, largest first, e.g. "
+                              f"{where}.dims=[256,128,64]")
+        if any(a <= b for a, b in zip(self.dims, self.dims[1:])):
+            raise ConfigError(f"{where}.dims: {list(self.dims)} must descend strictly; write them largest first, "
+                              f"e.g. {sorted(set(self.dims), reverse=True)}")
+        if self.weights and len(self.weights) != len(self.dims):
+            raise ConfigError(f"{where}.weights: {len(self.weights)} weight(s) for {len(self.dims)} dims; give one "
+                              f"per dim, e.g. {[1.0] * len(self.dims)}, or leave weights out (1 each)")
+        if hidden_size is not None and self.dims[0] > hidden_size:
+            raise ConfigError(f"{where}.dims: {self.dims[0]} is above the model's hidden size {hidden_size}; use "
+                              f"dims of at most {hidden_size}, e.g. {[d for d in self.dims if d <= hidden_size]}")
+
+    def terms(self) -> list[tuple[int, float]]:
+        """(dim, weight) of each InfoNCE term."""
+        return list(zip(self.dims, self.weights or [1.0] * len(self.dims)))
+
+
+@dataclass
+class ContrastiveConfig(BaseConfig):
+    """The fields every InfoNCE objective shares (SimCSE, SSCL, supervised)."""
+
+    matryoshka: Matryoshka | None = None  # None: one InfoNCE on the full embedding
+
+    def check_embedding(self, where: str, hidden_size: int | None = None) -> None:
+        if self.matryoshka is not None:
+            self.matryoshka.check(f"{where}.matryoshka", hidden_size)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -55,12 +104,15 @@ def collisions(key_hashes: torch.Tensor, column_hashes: torch.Tensor, labels: to
 
 
 def info_nce(queries: torch.Tensor, keys: torch.Tensor, scale: float = 20.0, negatives: torch.Tensor | None = None,
-             key_hashes: torch.Tensor | None = None, negative_hashes: torch.Tensor | None = None) -> ObjectiveOutput:
+             key_hashes: torch.Tensor | None = None, negative_hashes: torch.Tensor | None = None,
+             matryoshka: Matryoshka | None = None) -> ObjectiveOutput:
     """Row i of ``queries`` must pick row i of ``keys`` among the keys of every rank (one direction, q -> k), and
     the ``negatives`` of every rank after them (LLM2Vec's HardNegativeNLLLoss order: all positives, then all hard
     negatives). ``scale`` is 1 / temperature (LLM2Vec: 20 for SimCSE, 50 for supervised training). With
     ``key_hashes`` (int64 [n], the keys' text hashes; ``negative_hashes`` those of the negatives) a candidate with
-    the text of query i's own key is left out of query i's softmax (:func:`collisions`)."""
+    the text of query i's own key is left out of query i's softmax (:func:`collisions`). ``matryoshka``: the
+    weighted sum of the InfoNCE on each of its leading dims instead (module docstring); ``num_correct`` counts the
+    picks of the first (largest) one."""
     if queries.shape != keys.shape or queries.ndim != 2:
         raise ValueError(f"info_nce needs queries and keys of the same [n, d] shape, got {tuple(queries.shape)} "
                          f"and {tuple(keys.shape)}")
@@ -69,15 +121,23 @@ def info_nce(queries: torch.Tensor, keys: torch.Tensor, scale: float = 20.0, neg
     if candidates.shape[0] < 2:
         raise ValueError("the contrastive batch holds fewer than 2 examples over all ranks, so there is no negative; "
                          "raise the unit micro batch (data.unit_micro_batch)")
-    logits = scale * F.normalize(queries.float(), dim=-1) @ F.normalize(candidates.float(), dim=-1).T
     labels = torch.arange(queries.shape[0], device=queries.device) + offset
+    masked = None
     if key_hashes is not None:
         with torch.no_grad():
             columns = gather_rows(key_hashes)[0]
             if negatives is not None:
                 columns = torch.cat([columns, gather_rows(negative_hashes)[0]])
             masked = collisions(key_hashes, columns, labels)
-        logits = logits.masked_fill(masked, float("-inf"))
-    return ObjectiveOutput(loss_sum=F.cross_entropy(logits, labels, reduction="sum"),
-                           num_targets=torch.tensor(queries.shape[0], device=queries.device),
-                           num_correct=(logits.argmax(-1) == labels).sum())
+    loss_sum, first = None, None
+    precision = torch.promote_types(queries.dtype, torch.float32)  # bf16 scored in fp32; fp64 (tests) kept
+    for dim, weight in matryoshka.terms() if matryoshka else [(None, None)]:
+        logits = scale * F.normalize(queries[:, :dim].to(precision), dim=-1) @ F.normalize(
+            candidates[:, :dim].to(precision), dim=-1).T
+        if masked is not None:
+            logits = logits.masked_fill(masked, float("-inf"))
+        term = F.cross_entropy(logits, labels, reduction="sum")
+        term = term if weight is None else weight * term
+        loss_sum, first = (term, logits) if loss_sum is None else (loss_sum + term, first)
+    return ObjectiveOutput(loss_sum=loss_sum, num_targets=torch.tensor(queries.shape[0], device=queries.device),
+                           num_correct=(first.argmax(-1) == labels).sum())

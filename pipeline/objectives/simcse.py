@@ -27,8 +27,8 @@ from transformers import PreTrainedModel
 
 from pipeline.config import ConfigError
 from pipeline.data.loading.batch import Batch
-from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
-from pipeline.objectives.infonce import info_nce
+from pipeline.objectives.base import Objective, ObjectiveOutput
+from pipeline.objectives.infonce import ContrastiveConfig, info_nce
 from pipeline.tokenizer import Tokenizer
 
 
@@ -55,10 +55,10 @@ def mean_pool(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class SimCSEConfig(BaseConfig):
+class SimCSEConfig(ContrastiveConfig):
     name: Literal["simcse"] = "simcse"
     scale: float = 20.0  # InfoNCE logit scale, 1 / temperature
-    RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "scale": "> 0"}
+    RANGES: ClassVar[dict[str, str]] = {**ContrastiveConfig.RANGES, "scale": "> 0"}
 
     def check_attention_dropout(self, dropout: float, where: str) -> None:
         if not dropout:
@@ -76,7 +76,7 @@ class SimCSE(Objective):
     def __init__(self, config: SimCSEConfig, tokenizer: Tokenizer, document_masking: bool = True):
         """The tokenizer names the special ids that pooling leaves out."""
         super().__init__(config, document_masking)
-        self.scale = config.scale
+        self.scale, self.matryoshka = config.scale, config.matryoshka
         self.special_ids = torch.tensor(tokenizer.special_ids, dtype=torch.long)
         self.host_special_ids = np.array(tokenizer.special_ids, dtype=np.int64)
         self._special_on: dict[torch.device, torch.Tensor] = {}  # copied to each device once (a copy waits)
@@ -108,4 +108,5 @@ class SimCSE(Objective):
         with_text = (host_ids >= 0) & ~np.isin(host.input_ids.numpy(), self.host_special_ids)
         units = rows_index(with_text.any(-1), pooled.device)
         n = len(keep)
-        return {self.name: info_nce(pooled[:n].index_select(0, units), pooled[n:].index_select(0, units), self.scale)}
+        return {self.name: info_nce(pooled[:n].index_select(0, units), pooled[n:].index_select(0, units), self.scale,
+                                    matryoshka=self.matryoshka)}

@@ -38,8 +38,8 @@ from pipeline.config import ConfigError
 from pipeline.data.loading.batch import Batch
 from pipeline.model.flops import body_work
 from pipeline.objectives.augment import edit_tokens
-from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
-from pipeline.objectives.infonce import info_nce
+from pipeline.objectives.base import Objective, ObjectiveOutput
+from pipeline.objectives.infonce import ContrastiveConfig, info_nce
 from pipeline.objectives.simcse import check_units, rows_index
 from pipeline.tokenizer import Tokenizer
 
@@ -50,7 +50,7 @@ HEAD = "sscl_head"
 
 
 @dataclass
-class SSCLConfig(BaseConfig):
+class SSCLConfig(ContrastiveConfig):
     """``scale`` is 1 / temperature (20: tau = 0.05, as SimCSE and LLM2Vec); ``seed`` seeds the token edits."""
 
     name: Literal["sscl"] = "sscl"
@@ -59,7 +59,8 @@ class SSCLConfig(BaseConfig):
     scale: float = 20.0
     instruction: str = INSTRUCTION
     seed: int = 0
-    RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "edit_ratio": "(0, 1)", "scale": "> 0", "seed": ">= 0"}
+    RANGES: ClassVar[dict[str, str]] = {**ContrastiveConfig.RANGES, "edit_ratio": "(0, 1)", "scale": "> 0",
+                                        "seed": ">= 0"}
 
     def check_attention_dropout(self, dropout: float, where: str) -> None:
         if self.augment == "dropout" and not dropout:
@@ -89,6 +90,7 @@ class SSCL(Objective):
         super().__init__(config, document_masking)
         self.augment, self.edit_ratio, self.scale, self.seed = (config.augment, config.edit_ratio, config.scale,
                                                                 config.seed)
+        self.matryoshka = config.matryoshka
         self.prefix = np.asarray(tokenizer.encode_batch([config.instruction])[0], dtype=np.int64)
         self.bos, self.eos = tokenizer.bos_id, tokenizer.eos_id
         self.pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
@@ -171,4 +173,5 @@ class SSCL(Objective):
         embeddings = getattr(model, HEAD)(hidden[torch.arange(len(views.last), device=hidden.device), views.last])
         n = len(views.valid)
         return {self.name: info_nce(embeddings[:n].index_select(0, views.rows),
-                                    embeddings[n:].index_select(0, views.rows), self.scale)}
+                                    embeddings[n:].index_select(0, views.rows), self.scale,
+                                    matryoshka=self.matryoshka)}

@@ -33,13 +33,13 @@ from pipeline.config import ConfigError
 from pipeline.data.format.instructions import DEFAULT_FORMAT, check_format
 from pipeline.data.loading.batch import Batch
 from pipeline.model.flops import body_work, segment_lengths
-from pipeline.objectives.base import BaseConfig, Objective, ObjectiveOutput
-from pipeline.objectives.infonce import info_nce
+from pipeline.objectives.base import Objective, ObjectiveOutput
+from pipeline.objectives.infonce import ContrastiveConfig, info_nce
 from pipeline.objectives.simcse import mean_pool
 
 
 @dataclass
-class SupervisedConfig(BaseConfig):
+class SupervisedConfig(ContrastiveConfig):
     name: Literal["supervised"] = "supervised"
     scale: float = 50.0  # InfoNCE logit scale, 1 / temperature (LLM2Vec's supervised loss_scale)
     hard_negatives: bool = True  # score every row's hard negatives too (LLM2Vec); false: in-batch positives only
@@ -49,7 +49,7 @@ class SupervisedConfig(BaseConfig):
     # so encode(), sentence-transformers and MTEB format a task's instruction the same way
     instruction_format: str = DEFAULT_FORMAT
     instruction: str = ""  # the export's default query instruction ("": none), formatted as above
-    RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "scale": "> 0"}
+    RANGES: ClassVar[dict[str, str]] = {**ContrastiveConfig.RANGES, "scale": "> 0"}
 
     def validate(self) -> None:
         try:
@@ -84,6 +84,7 @@ class Supervised(Objective):
         super().__init__(config, document_masking)
         self.scale, self.hard_negatives = config.scale, config.hard_negatives
         self.mask_collisions, self.grad_cache = config.mask_collisions, config.grad_cache
+        self.matryoshka = config.matryoshka
 
     def num_targets(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One query per row."""
@@ -118,7 +119,7 @@ class Supervised(Objective):
         return info_nce(e[:, 0], e[:, 1], self.scale,
                         negatives=e[:, 2:].reshape(-1, e.shape[-1]) if negatives else None,
                         key_hashes=hashes[:, 1] if self.mask_collisions else None,
-                        negative_hashes=hashes[:, 2:].reshape(-1) if negatives else None)
+                        negative_hashes=hashes[:, 2:].reshape(-1) if negatives else None, matryoshka=self.matryoshka)
 
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         return {self.name: self.loss(self.embed(model, batch), [batch])}

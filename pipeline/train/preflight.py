@@ -144,6 +144,9 @@ def check_model(exp: ExperimentConfig, tokenizer: Tokenizer, ds: dict, cuda: boo
             check_sliding_window(config, m.init, exp.phases_data[-1].context)
         except ValueError as e:
             raise ConfigError(f"model.init: {e}") from None
+    for i, phase in enumerate(exp.phases):  # the embedding's width is known from here on
+        for j, objective in enumerate(phase.objectives):
+            objective.check_embedding(f"phases[{i}].objectives[{j}]", config.hidden_size)
     check_compile(exp, ds)
     return ModelSpec(config, None if m.init in PRESETS else m.init, model_dtype(m, cuda), attn_implementation(m, cuda),
                      m.lora.r, m.lora.alpha, m.lora.dropout, tuple(m.lora.targets), m.attention_dropout,

@@ -1,5 +1,5 @@
-"""SSCL: instruction-prefixed views, deterministic token edits, the loss against a direct reference, and the
-cross-rank gather (2 real gloo processes give the loss and gradients of 1 process with the whole batch)."""
+"""SSCL: instruction-prefixed views, deterministic token edits, the loss against a direct reference (with and without
+Matryoshka dims), and the cross-rank gather (2 real gloo processes give the loss and gradients of 1 process with the whole batch)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pipeline.config import ConfigError, from_tagged
 from pipeline.model.attention import attention_inputs
 from pipeline.objectives import SSCL, ObjectiveConfig, SSCLConfig, make_objective
 from pipeline.objectives.augment import crop, delete, edit_rng, edit_tokens, swap
+from pipeline.objectives.infonce import Matryoshka
 from pipeline.objectives.sscl import HEAD, INSTRUCTION
 from pipeline.tokenizer import load_tokenizer
 
@@ -79,29 +80,36 @@ def test_edits_are_deterministic_and_bounded():
         edit_tokens("shuffle", tokens, 0.2, "k", 0)
 
 
-def reference_loss(model, views_rows: list[list[int]], n: int, scale: float) -> torch.Tensor:
-    """Each view alone (no padding), full bidirectional attention, last token -> head, InfoNCE by hand."""
+def reference_loss(model, views_rows: list[list[int]], n: int, scale: float, matryoshka: Matryoshka | None = None
+                   ) -> torch.Tensor:
+    """Each view alone (no padding), full bidirectional attention, last token -> head, InfoNCE by hand; with
+    ``matryoshka``, its weighted sum over the leading dims of the head's output."""
     embeddings = []
     for row in views_rows:
         ids = torch.tensor([row])
         hidden = model.model(input_ids=ids, attention_mask=torch.zeros(1, 1, len(row), len(row))).last_hidden_state
         embeddings.append(getattr(model, HEAD)(hidden[0, -1]))
-    e = F.normalize(torch.stack(embeddings).double(), dim=-1)
-    sim = scale * e[:n] @ e[n:].T
-    return -sum(torch.log_softmax(sim[i], -1)[i] for i in range(n))
+    embeddings = torch.stack(embeddings).double()
+    loss = 0.0
+    for dim, weight in matryoshka.terms() if matryoshka else [(embeddings.shape[1], 1.0)]:
+        e = F.normalize(embeddings[:, :dim], dim=-1)
+        sim = scale * e[:n] @ e[n:].T
+        loss += weight * -sum(torch.log_softmax(sim[i], -1)[i] for i in range(n))
+    return loss
 
 
-@pytest.mark.parametrize("augment", ["delete", "swap", "crop"])
-def test_loss_equals_reference(tokenizer, augment):
+@pytest.mark.parametrize(("augment", "matryoshka"), [("delete", None), ("swap", None), ("crop", None),
+                                                     ("swap", Matryoshka(dims=(64, 32, 8), weights=(1.0, 1.0, 2.0)))])
+def test_loss_equals_reference(tokenizer, augment, matryoshka):
     batch = unit_text_batch(tokenizer, sentences(6))
-    objective = SSCL(SSCLConfig(augment=augment, edit_ratio=0.3, scale=10.0), tokenizer)
+    objective = SSCL(SSCLConfig(augment=augment, edit_ratio=0.3, scale=10.0, matryoshka=matryoshka), tokenizer)
     model = attached(objective, tiny_llama(tokenizer)).eval()
     views = objective.views(batch)
     rows = [views.input_ids[i][views.doc_ids[i] >= 0].tolist() for i in range(len(views.input_ids))]
     assert rows[:6] != rows[6:]  # the edits changed the positives
     out = objective(model, batch)["sscl"]
     with torch.no_grad():
-        ref = reference_loss(model, rows, 6, 10.0)
+        ref = reference_loss(model, rows, 6, 10.0, matryoshka)
     assert int(out.num_targets) == 6
     assert out.loss_sum.item() == pytest.approx(ref.item(), rel=1e-5)
 

@@ -1,6 +1,7 @@
 """LLM2Vec's supervised stage: pairs shards (layout, bad rows, determinism, K jobs), pooling as encode() pools, the
-loss against a transcription of LLM2Vec's HardNegativeNLLLoss, the collision mask on real rows, GradCache against
-one big batch (CPU, with dropout replayed) and under ZeRO-3 on 2 ranks, and the export record's instruction format."""
+loss against a transcription of LLM2Vec's HardNegativeNLLLoss, the collision mask on real rows, Matryoshka against
+sentence-transformers' own MatryoshkaLoss, GradCache against one big batch (CPU, with dropout replayed, with and
+without Matryoshka) and under ZeRO-3 on 2 ranks, and the export record's instruction format."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pipeline.data.prep.pairs_sample import write_pairs_sample
 from pipeline.experiment import load_experiment
 from pipeline.export.record import from_experiment
 from pipeline.objectives import Supervised, SupervisedConfig
-from pipeline.objectives.infonce import info_nce
+from pipeline.objectives.infonce import Matryoshka, info_nce
 from pipeline.train.grad_cache import grad_cache
 
 PAIRS = os.path.join(REPO, "data", "sample", "pairs")
@@ -152,6 +153,58 @@ def test_loss_is_hard_negative_nll_and_collisions_leave_only_their_query():
     assert masked.loss_sum.item() == pytest.approx(ref.item(), rel=1e-6) and masked.loss_sum < out.loss_sum
 
 
+MATRYOSHKA = Matryoshka(dims=(64, 24, 8), weights=(1.0, 0.5, 0.25))  # tiny_llama's hidden size is 64
+
+
+class GivenRows(torch.nn.Module):
+    """A sentence-transformers module whose embeddings are rows of a given table (``features["row"]``), so its
+    losses run on exactly the embeddings ours do."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = table
+
+    def forward(self, features: dict) -> dict:
+        return {**features, "sentence_embedding": self.table[features["row"]]}
+
+    def get_embedding_dimension(self) -> int:
+        return self.table.shape[1]
+
+
+def test_matryoshka_equals_sentence_transformers_matryoshka_loss(pair_dir, tokenizer):
+    """sentence-transformers' MatryoshkaLoss around its MultipleNegativesRankingLoss (scale 50, cosine; the anchor,
+    positive and negative columns) on the embeddings the objective pooled from real pairs rows: the same loss per
+    query and the same gradient with respect to every embedding, to 1e-6 in fp64 (the formulas), and the loss to
+    1e-6 of itself in fp32 (the training precision; the libraries sum in other orders)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss, MultipleNegativesRankingLoss
+
+    batch = real_batch(pair_dir, [f"f000000s{i:08d}" for i in range(6)])
+    objective = Supervised(SupervisedConfig(mask_collisions=False, matryoshka=MATRYOSHKA))
+    with torch.no_grad():
+        embedded = objective.embed(tiny_llama(tokenizer).eval(), batch)  # [6 x 3, 64]: query, positive, negative
+    results = {}
+    for dtype in (torch.float64, torch.float32):
+        ours, theirs = (embedded.to(dtype).clone().requires_grad_() for _ in range(2))
+        out = objective.loss(ours, [batch])
+        (out.loss_sum / out.num_targets).backward()
+        model = SentenceTransformer(modules=[GivenRows(theirs)], device="cpu")
+        reference = MatryoshkaLoss(model, MultipleNegativesRankingLoss(model, scale=50.0), list(MATRYOSHKA.dims),
+                                   list(MATRYOSHKA.weights))
+        loss = reference([{"row": torch.arange(slot, 18, 3)} for slot in range(3)], None)
+        loss.backward()
+        results[dtype] = (out.loss_sum.item() / 6, loss.item(), (ours.grad - theirs.grad).abs().max().item(),
+                          theirs.grad.abs().max().item())
+        print(f"{dtype}: loss {results[dtype][0]:.12g} (ours) vs {results[dtype][1]:.12g} (sentence-transformers), "
+              f"largest gradient difference {results[dtype][2]:.3g} of {results[dtype][3]:.3g}")
+    ours64, theirs64, difference64, largest64 = results[torch.float64]
+    assert abs(ours64 - theirs64) <= 1e-6 and difference64 <= 1e-6 and largest64 > 1e-3
+    ours32, theirs32, _, _ = results[torch.float32]
+    assert ours32 == pytest.approx(theirs32, rel=1e-6, abs=0)
+    plain = Supervised(SupervisedConfig(mask_collisions=False)).loss(embedded, [batch])
+    assert plain.loss_sum.item() / 6 < ours32  # the cut dims' terms were added
+
+
 def real_batch(directory: str, keys: list[str]):
     by_key = {s.key: s for s in samples(directory)}
     return collate([by_key[k] for k in keys])
@@ -189,10 +242,11 @@ def test_objective_pools_each_text_alone_and_masks_real_collisions(pair_dir, tok
                                                    rel=1e-5)
 
 
-def cached_and_reference(tokenizer, batch, dropout: float, replay: bool = True, reference: str = "graph"):
+def cached_and_reference(tokenizer, batch, dropout: float, replay: bool = True, reference: str = "graph",
+                         matryoshka: Matryoshka | None = None):
     """(loss, grads) of GradCache over 3 chunks of ``batch``'s rows and of the reference: ``graph`` keeps the three
     chunks' graphs (the same RNG sequence) and runs one backward, ``one`` embeds the whole batch in one pass."""
-    objective = Supervised(SupervisedConfig())
+    objective = Supervised(SupervisedConfig(matryoshka=matryoshka))
     chunks = [collate_rows(batch, list(range(i, i + 2))) for i in range(0, 6, 2)]
     results = []
     for mode in ("cached", reference):
@@ -232,6 +286,10 @@ def test_grad_cache_equals_one_big_batch_and_replays_dropout(pair_dir, tokenizer
     cached, one = cached_and_reference(tokenizer, batch, 0.0, reference="one")
     assert_same(cached, one)
     assert max(g.abs().max().item() for g in one[1].values()) > 1e-3
+    # Matryoshka cuts the embeddings inside the loss, whose gradient GradCache caches at full width
+    cached_m, one_m = cached_and_reference(tokenizer, batch, 0.0, reference="one", matryoshka=MATRYOSHKA)
+    assert_same(cached_m, one_m)
+    assert cached_m[0] > cached[0]  # the cut dims' terms were added
     cached, graph = cached_and_reference(tokenizer, batch, 0.1)
     assert_same(cached, graph)
     unreplayed, graph = cached_and_reference(tokenizer, batch, 0.1, replay=False)

@@ -31,11 +31,12 @@ def test_no_config_error_is_raised_below_preflight():
     assert config_error_raises(os.path.join(train, "preflight.py"))  # the walk sees a raise where there is one
 
 
-@pytest.mark.parametrize("case", ["compile", "deepcompile", "moe grad_cache", "ds config"])
+@pytest.mark.parametrize("case", ["compile", "deepcompile", "moe grad_cache", "ds config", "matryoshka dims"])
 def test_a_refused_setting_exits_2_before_any_model_is_built(shards, tmp_path, capsys, case):
     """Settings that were refused only while (or after) the engine's model was built: compile with selective
-    checkpointing, DeepCompile without CUDA, an MoE model's router loss with grad_cache, and a DeepSpeed JSON
-    that contradicts the experiment. Each is one ``config error`` line and exit 2 before the run directory is
+    checkpointing, DeepCompile without CUDA, an MoE model's router loss with grad_cache, a DeepSpeed JSON
+    that contradicts the experiment, and Matryoshka dims above the model's hidden size (known once the model's
+    config is read). Each is one ``config error`` line and exit 2 before the run directory is
     made, so no model (nor anything else) was built."""
     run = tmp_path / "run"
     conflicting = tmp_path / "ds.json"
@@ -50,6 +51,9 @@ def test_a_refused_setting_exits_2_before_any_model_is_built(shards, tmp_path, c
                            "config error: model.init 'tiny-moe' is a mixture-of-experts model, whose router loss"),
         "ds config": (str(conflicting), [], "config error: DeepSpeed config: train_micro_batch_size_per_gpu = 8 "
                                             "contradicts the experiment's train.micro_batch = 4"),
+        "matryoshka dims": (ZERO1, ["phases=[{objectives: [{name: supervised, matryoshka: {dims: [128, 64]}}]}]"],
+                            "config error: phases[0].objectives[0].matryoshka.dims: 128 is above the model's hidden "
+                            "size 64; use dims of at most 64, e.g. [64]"),
     }[case]
     base = [f"run_dir={run}", f"data.shards={shards}", "data.seq_len=64", "data.build_if_missing=false",
             "train.steps=10", *overrides]
