@@ -1,5 +1,6 @@
 """Export a training checkpoint as an HF directory: ``python launch/export_hf.py --run RUN_DIR [--step N] --output DIR
-[--dtype fp32|bf16] [--sentence-transformers [--pooling P] [--layout L]]`` (options: ``pipeline.export.hf.main``)."""
+[--dtype fp32|bf16] [--sentence-transformers [--pooling P] [--layout L]] [--truncate-dim N]`` (options:
+``pipeline.export.hf.main``)."""
 
 import sys
 

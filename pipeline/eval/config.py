@@ -4,6 +4,7 @@ the model; ``launch/evaluate.py``'s flags and ``make reproduce``'s evaluations a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 from pipeline.eval.description import recorded_path
 from pipeline.eval.encode import MAX_TOKENS
@@ -24,6 +25,8 @@ class EvalConfig:
     progress: bool = True
     step: int | None = None  # a kept checkpoint of the run directory ``model`` (None: its export or newest)
     max_tokens: int = MAX_TOKENS  # padded tokens per batch of encode() and the probes' features
+    dim: int | None = None  # leading dims the embedding tasks keep (a Matryoshka model's); None: its default
+    WRITTEN_WHEN_SET: ClassVar[tuple[str, ...]] = ("dim",)  # left out of a results file unset: its bytes as before
 
     def recorded(self, root: str) -> EvalConfig:
         """This config as a results file records it: its paths relative to the results root ``root``."""

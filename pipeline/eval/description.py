@@ -38,5 +38,4 @@ class ModelDescription:
 
     @classmethod
     def from_json(cls, data: dict) -> ModelDescription:
-        record = data["record"]
-        return cls(**{**data, "record": EncoderRecord(**{**record, "objectives": tuple(record["objectives"])})})
+        return cls(**{**data, "record": EncoderRecord.from_dict(data["record"])})

@@ -50,7 +50,7 @@ def _embed(ctx: EvalContext, texts: list[str], opts: EmbeddingOptions, instructi
     unless given."""
     distinct = list(dict.fromkeys(texts))
     emb = encode(ctx.model, distinct, opts.instruction if instruction is None else instruction, opts.pooling,
-                 ctx.max_tokens, opts.attention, opts.max_length, ctx.progress, opts.layout)
+                 ctx.max_tokens, opts.attention, opts.max_length, ctx.progress, opts.layout, dim=ctx.dim)
     where = {t: i for i, t in enumerate(distinct)}
     return emb[[where[t] for t in texts]]
 

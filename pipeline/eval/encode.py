@@ -18,6 +18,9 @@ Pooling (special tokens are never pooled, except by ``last``):
 - ``weighted_mean``: text token j of n weighted j / sum(1..n) (LLM2Vec, after SGPT: later tokens have seen more);
 - ``last``: the last token's state, the EOS under ``bos_eos`` (MAGNET's SSCL embedding).
 
+``dim`` keeps the first dims of each embedding (a Matryoshka-trained model's, sentence-transformers'
+``truncate_dim``), cut after pooling as that library cuts.
+
 Defaults come from the model's training record (``EvalModel.record``, docs/export.md); attention is the model's
 (``EvalModel.attention``) unless given. Texts are sorted by length into batches of at most ``max_tokens`` padded
 tokens (``pipeline.eval.forward.length_batches``), so little padding is computed, and returned in input order.
@@ -92,9 +95,10 @@ def pool(hidden: torch.Tensor, rows: Sequence[tuple[list[int], int, int]], pooli
 @torch.no_grad()
 def encode(model: EvalModel, texts: Sequence[str], instruction: str | None = None, pooling: str | None = None,
            max_tokens: int = MAX_TOKENS, attention: str | None = None, max_length: int = 512, progress: bool = False,
-           layout: str | None = None, gather: str = "all") -> np.ndarray | None:
-    """float32 [len(texts), hidden] embeddings; ``instruction`` (``""``: none), ``pooling``, ``layout`` and
-    ``attention`` default to the model's (its training record, ``model.record``; ``attention``: ``model.attention``).
+           layout: str | None = None, gather: str = "all", dim: int | None = None) -> np.ndarray | None:
+    """float32 [len(texts), dim] embeddings; ``instruction`` (``""``: none), ``pooling``, ``layout``, ``dim`` and
+    ``attention`` default to the model's (its training record, ``model.record``; ``attention``: ``model.attention``;
+    ``dim``: the record's ``truncate_dim``, else the hidden size).
     A model whose record has an ``instruction_format`` (supervised training) takes bare task instructions and
     formats them as it was trained (``"Retrieve semantically similar text"`` -> ``"Retrieve ...: "``).
     ``max_tokens``: padded tokens per batch; ``gather``: where the rows of several ranks end up (module docstring)."""
@@ -104,6 +108,10 @@ def encode(model: EvalModel, texts: Sequence[str], instruction: str | None = Non
         raise ValueError(f"pooling {pooling!r} is not one of {', '.join(POOLINGS)}")
     if gather not in GATHERS:
         raise ValueError(f"gather {gather!r} is not one of {', '.join(GATHERS)}")
+    hidden = model.lm.config.hidden_size
+    dim = dim or model.record.truncate_dim or hidden
+    if not 1 <= dim <= hidden:
+        raise ValueError(f"dim {dim}: the model's embeddings have {hidden} dims; pass 1 to {hidden}")
     layout, mode = layout or model.record.layout, attention or model.attention
     if layout == ECHO and mode != "causal":
         raise ValueError(f"layout echo reads a causal model (the second copy sees the first); attention is {mode!r}: "
@@ -113,7 +121,7 @@ def encode(model: EvalModel, texts: Sequence[str], instruction: str | None = Non
     batches = length_batches([len(r[0]) for r in rows], max_tokens)
     owned = [[i for batch in batches[r::size] for i in batch] for r in range(size)]
     cuda = model.device.type == "cuda"
-    local = torch.empty((len(owned[rank]), model.lm.config.hidden_size), dtype=torch.float32, pin_memory=cuda)
+    local = torch.empty((len(owned[rank]), dim), dtype=torch.float32, pin_memory=cuda)
     pad, done = pad_id(model.tokenizer), 0
     mine = batches[rank::size]
     rounds = -(-len(batches) // size) if size > 1 and lockstep(model.lm) else len(mine)
@@ -123,7 +131,7 @@ def encode(model: EvalModel, texts: Sequence[str], instruction: str | None = Non
             continue
         batch = mine[n]
         chunk = [rows[i] for i in batch]
-        embedded = pool(row_states(model.lm, [r[0] for r in chunk], pad, mode), chunk, pooling).float()
+        embedded = pool(row_states(model.lm, [r[0] for r in chunk], pad, mode), chunk, pooling)[:, :dim].float()
         local[done:done + len(batch)].copy_(embedded, non_blocking=cuda)
         done += len(batch)
     if cuda:

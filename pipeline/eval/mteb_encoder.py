@@ -74,22 +74,24 @@ class MTEBEncoder(AbsEncoder):
     def __init__(self, model: EvalModel | str, revision: str | None = None, *, pooling: str | None = None,
                  instruction: str | None = None, instructions: dict[str, str] | None = None,
                  task_instructions: str | None = LLM2VEC_INSTRUCTIONS, attention: str | None = None,
-                 layout: str | None = None, max_length: int = 512, max_tokens: int = MAX_TOKENS, **load_kwargs):
+                 layout: str | None = None, max_length: int = 512, max_tokens: int = MAX_TOKENS,
+                 dim: int | None = None, **load_kwargs):
         """MTEB's ``(model_name, revision, device=...)`` signature: ``model`` is a run or HF directory (or a loaded
         ``EvalModel``); ``revision`` is unused (local directories have none); ``load_kwargs`` go to ``load_model``.
         ``task_instructions``: the table's path; None: no table nor MTEB instructions (the model's recorded one).
-        ``max_tokens``: padded tokens per batch of ``encode``."""
+        ``max_tokens``: padded tokens per batch of ``encode``; ``dim``: the embedding's leading dims it keeps (a
+        Matryoshka model's; None: the recorded ``truncate_dim``, else all)."""
         self.task_instructions = None if task_instructions is None else load_task_instructions(task_instructions)
         device = init_from_env(load_kwargs.pop("device", "cpu"))
         self.model = load_model(model, device=device, **load_kwargs) if isinstance(model, str) else model
         self.pooling, self.layout, self.attention, self.max_length = pooling, layout, attention, max_length
-        self.max_tokens = max_tokens
+        self.max_tokens, self.dim = max_tokens, dim or self.model.record.truncate_dim
         self.instruction = instruction
         self.model_prompts = self.validate_task_to_prompt_name(dict(instructions or {}))
         self.mteb_model_meta = ModelMeta.create_empty({
             "name": f"decoder-encoders/{self.model.run_dir or self.model.hf_dir}".replace("//", "/"),
             "revision": str(self.model.step) if self.model.step is not None else "hf",
-            "embed_dim": self.model.lm.config.hidden_size, "similarity_fn_name": ScoringFunction.COSINE,
+            "embed_dim": self.dim or self.model.lm.config.hidden_size, "similarity_fn_name": ScoringFunction.COSINE,
             "framework": ["PyTorch"], "max_tokens": max_length})
 
     def task_instruction(self, task_metadata, prompt_type: PromptType | None) -> str | None:
@@ -112,4 +114,4 @@ class MTEBEncoder(AbsEncoder):
         texts = [text for batch in inputs for text in batch["text"]]
         return encode(self.model, texts, self.task_instruction(task_metadata, prompt_type), self.pooling,
                       self.max_tokens, self.attention, self.max_length, kwargs.get("show_progress_bar", False),
-                      self.layout)
+                      self.layout, dim=self.dim)

@@ -6,7 +6,8 @@ another results file of the same model (``reused``, only when some were).
 The JSON is the dataclass's fields as a mapping (``reused`` left out when empty), written with sorted keys, so a
 file read and written again is the same bytes: the fields of the config and the model's record that an older
 version wrote none of (``config.max_tokens``, ``config.step``, ``model.record.instruction_format``) are read as
-their defaults and left out again (``unwritten``). Paths are relative to the results root
+their defaults and left out again (``unwritten``); those written only when set (``config.dim``, the record's
+Matryoshka fields) are left out unset, so an evaluation without them writes what it wrote before they existed. Paths are relative to the results root
 (:mod:`pipeline.eval.description`); files written before that may name absolute ones, read all the same."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from pipeline.eval.config import EvalConfig
 from pipeline.eval.description import ModelDescription
-from pipeline.export.record import EncoderRecord
+from pipeline.export.record import WRITTEN_WHEN_SET, EncoderRecord
 from pipeline.io import read_json, write_json_atomic
 
 
@@ -40,7 +41,8 @@ class EvalResults:
     MAPPINGS = ("environment", "options", "results", "headline", "failed", "seconds", "reused")
 
     def to_json(self) -> dict:
-        data = {"config": asdict(self.config), "model": self.model.to_json(),
+        config = {k: v for k, v in asdict(self.config).items() if v is not None or k not in EvalConfig.WRITTEN_WHEN_SET}
+        data = {"config": config, "model": self.model.to_json(),
                 **{key: getattr(self, key) for key in self.MAPPINGS}}
         if not self.reused:
             del data["reused"]
@@ -55,8 +57,10 @@ class EvalResults:
     @classmethod
     def from_json(cls, data: dict) -> EvalResults:
         config, model = data["config"], data["model"]
-        unwritten = tuple([f"config.{f.name}" for f in fields(EvalConfig) if f.name not in config]
-                          + [f"model.record.{f.name}" for f in fields(EncoderRecord) if f.name not in model["record"]])
+        unwritten = tuple([f"config.{f.name}" for f in fields(EvalConfig)
+                           if f.name not in config and f.name not in EvalConfig.WRITTEN_WHEN_SET]
+                          + [f"model.record.{f.name}" for f in fields(EncoderRecord)
+                             if f.name not in model["record"] and f.name not in WRITTEN_WHEN_SET])
         return cls(EvalConfig(**config), ModelDescription.from_json(model),
                    **{key: data.get(key, {}) for key in cls.MAPPINGS}, unwritten=unwritten)
 

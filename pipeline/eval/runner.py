@@ -73,7 +73,13 @@ def evaluate(config: EvalConfig, root: str = REPO) -> EvalResults:
 def _evaluate(config: EvalConfig, options: dict, root: str) -> EvalResults:
     model = load_model(config.model, attention=config.attention, tokenizer=config.tokenizer, device=config.device,
                        dtype=config.dtype, step=config.step)
-    ctx = EvalContext(model, config.data_dir, config.batch_size, config.progress, config.seed, config.max_tokens)
+    hidden = model.lm.config.hidden_size
+    if config.dim is not None and config.dim > hidden:
+        raise ConfigError(f"--dim {config.dim}: the model's embeddings have {hidden} dims; pass at most {hidden}"
+                          + (f", e.g. one of its trained {list(model.record.matryoshka_dims)}"
+                             if model.record.matryoshka_dims else ""))
+    ctx = EvalContext(model, config.data_dir, config.batch_size, config.progress, config.seed, config.max_tokens,
+                      config.dim)
     results, headline, seconds, failed = {}, {}, {}, {}
     for name in config.tasks:
         torch.manual_seed(config.seed)
@@ -122,7 +128,7 @@ USAGE = """Evaluate a run or an HF model on any of the evaluation tasks and writ
 
     python launch/evaluate.py --model RUN_DIR|HF_DIR --tasks sts,repetition --data-dir DIR [--out results.json]
         [--set TASK.KEY=VALUE ...] [--attention auto|causal|bidirectional] [--device cpu|cuda] [--dtype auto|fp32|bf16]
-        [--max-tokens N] [--batch-size N]
+        [--max-tokens N] [--batch-size N] [--dim N]
 
 Without --out, a run directory's results go to RUN_DIR/eval/results.json, where launch/report.py reads them, and
 the model card of the run's export they evaluated gets them as its model-index (docs/export.md);
@@ -151,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
                    help="padded tokens per batch of embedding and probing tasks (texts are batched by length)")
     p.add_argument("--batch-size", type=int, default=16, help="rows per batch of generation and intrinsic tasks")
+    p.add_argument("--dim", type=int, help="embedding tasks keep the first N dims of each embedding (a Matryoshka "
+                   "model's; default: the export's truncate_dim, else all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step", type=int, help="evaluate this complete checkpoint of the run directory (e.g. one "
                    "checkpoint.keep_every kept); results default to RUN_DIR/eval/stepNNNNNNNN/results.json")
@@ -170,13 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--out is required when --model is not a run directory")
     if args.max_tokens < 1:
         p.error(f"--max-tokens {args.max_tokens}: a batch needs room for at least one row; pass a positive budget")
+    if args.dim is not None and args.dim < 1:
+        p.error(f"--dim {args.dim}: an embedding keeps at least one dim; pass a positive number")
     device = init_from_env(args.device)
     dtype = args.dtype if args.dtype != "auto" else "bf16" if device.startswith("cuda") else "fp32"
     config = EvalConfig(model=args.model, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
                         data_dir=args.data_dir, overrides=args.set, attention=args.attention,
                         tokenizer=args.tokenizer, device=device, dtype=dtype, batch_size=args.batch_size,
                         seed=args.seed, progress=not args.no_progress and world()[0] == 0, step=args.step,
-                        max_tokens=args.max_tokens)
+                        max_tokens=args.max_tokens, dim=args.dim)
     try:
         results = evaluate(config)
     except (ConfigError, DataError, ModelError, FileNotFoundError) as e:

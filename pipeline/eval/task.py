@@ -24,6 +24,7 @@ class EvalContext:
     progress: bool = True
     seed: int = 0
     max_tokens: int = 16384  # padded tokens per batch of encode() and the probes' features
+    dim: int | None = None  # the embedding tasks' leading dims (a Matryoshka model's); None: the model's default
 
     def datasets(self, family: str, given: Sequence[str], exts: Sequence[str]) -> list[str]:
         """The data of one task: ``given`` entries (a file under --data-dir, any file path, or an HF dataset name),

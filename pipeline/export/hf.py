@@ -112,9 +112,10 @@ def tokens_at(run: RunDir, step: int) -> int | None:
 
 def export_checkpoint(run: RunDir, out: str, step: int | None = None, dtype: str = "fp32",
                       sentence_transformers: bool = False, pooling: str | None = None,
-                      layout: str | None = None) -> int:
+                      layout: str | None = None, truncate_dim: int | None = None) -> int:
     """Export the checkpoint of ``step`` (default: the newest complete one) with the run's model config and
-    tokenizer; ``pooling`` / ``layout`` override the recorded defaults; ``sentence_transformers`` also writes that
+    tokenizer; ``pooling`` / ``layout`` override the recorded defaults; ``truncate_dim`` records the leading dims
+    ``encode()`` and sentence-transformers keep by default (a Matryoshka run's); ``sentence_transformers`` also writes that
     library's files, with the run's pooling and the layout it expresses (``st_record``); the card's model-index
     holds the run's evaluations of that step (``launch/evaluate.py``). Returns the step."""
     from transformers import AutoModelForCausalLM
@@ -137,8 +138,10 @@ def export_checkpoint(run: RunDir, out: str, step: int | None = None, dtype: str
             raise ExportError(str(e)) from None
     else:
         record = replace(record, **{k: v for k, v in (("pooling", pooling), ("layout", layout)) if v})
-    sd = checkpoint_state_dict(run, step)
     config = run.model_config()  # the start model's; the RoPE settings of the phase that trained step `step`:
+    if truncate_dim is not None:
+        record = replace(record, truncate_dim=truncate_dim_of(truncate_dim, config.hidden_size, record))
+    sd = checkpoint_state_dict(run, step)
     phase = exp.phase_data(exp.phase_at(max(step - 1, 0))[0])
     configure_rope(config, phase.rope_theta, phase.context)
     lm = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
@@ -147,9 +150,22 @@ def export_checkpoint(run: RunDir, out: str, step: int | None = None, dtype: str
     return step
 
 
+def truncate_dim_of(dim: int, hidden_size: int, record: EncoderRecord) -> int:
+    """``dim``, checked before any weight is read: a width the model has, and one a Matryoshka run trained where
+    it recorded its dims (another width was never trained to stand alone)."""
+    if not 1 <= dim <= hidden_size:
+        raise ExportError(f"--truncate-dim {dim}: the model's embeddings have {hidden_size} dims; pass 1 to "
+                          f"{hidden_size}" + (f", e.g. one of the trained {list(record.matryoshka_dims)}"
+                                              if record.matryoshka_dims else ""))
+    if record.matryoshka_dims and dim not in record.matryoshka_dims:
+        raise ExportError(f"--truncate-dim {dim}: the run trained the dims {list(record.matryoshka_dims)} to stand "
+                          f"alone (matryoshka.dims); pass one of them")
+    return dim
+
+
 USAGE = """Export a training checkpoint as an HF ``save_pretrained`` directory, offline, in one process:
 ``python launch/export_hf.py --run RUN_DIR [--step N] --output DIR [--dtype fp32|bf16]
-[--sentence-transformers [--pooling P] [--layout L]]``.
+[--sentence-transformers [--pooling P] [--layout L]] [--truncate-dim N]``.
 
 The weights come from the checkpoint of any ZeRO stage, the model config and the tokenizer from the run directory,
 and the training record goes into config.json, a model card into README.md (docs/export.md; with the results of
@@ -157,7 +173,9 @@ launch/evaluate.py for that step of the run, when there are some, as its model-i
 LM head apart (``AutoModelForCausalLM.from_pretrained(DIR, variant="lm")`` loads it); a LoRA run's adapter is also
 written alone into DIR/adapter. ``--sentence-transformers`` also makes DIR a sentence-transformers model
 (``SentenceTransformer(DIR)``) with the run's pooling and the layout that library reproduces (the text alone for
-mean pooling); ``--pooling`` / ``--layout`` override the recorded defaults. Training also exports at its end
+mean pooling); ``--pooling`` / ``--layout`` override the recorded defaults. ``--truncate-dim N`` makes the export
+embed with its first N dims by default (a Matryoshka run's, one of its recorded ``matryoshka_dims``): ``encode()``
+and sentence-transformers (its ``truncate_dim``) alike. Training also exports at its end
 (``train.export_hf``, ``train.export_sentence_transformers``).
 """
 
@@ -173,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pooling", choices=["mean", "last", "weighted_mean"], help="default: the run's (recorded)")
     p.add_argument("--layout", choices=["bos_eos", "special", "text"],
                    help="default: the run's (recorded); with --sentence-transformers, the one it reproduces")
+    p.add_argument("--truncate-dim", type=int, default=None,
+                   help="embed with the first N dims by default (a Matryoshka run's; default: all)")
     args = p.parse_args(argv)
     try:
         step = export_checkpoint(RunDir(args.run), args.output, args.step, args.dtype, args.sentence_transformers,
-                                 args.pooling, args.layout)
+                                 args.pooling, args.layout, args.truncate_dim)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -65,14 +65,15 @@ def eval_results(results: EvalResults) -> list[EvalResult]:
 
 
 def results_at(run: RunDir, step: int, attention: str) -> list[EvalResult]:
-    """The results of ``run``'s evaluations of step ``step`` read with ``attention`` (the export's); for one task,
-    dataset and metric in several files, the newest file's."""
+    """The results of ``run``'s evaluations of step ``step`` read with ``attention`` (the export's) and its default
+    dims (no ``--dim``: a cut embedding scores another model); for one task, dataset and metric in several files,
+    the newest file's."""
     from pipeline.eval.results import EvalResults
 
     by_key = {}
     for path in sorted([*run.all_eval_results(), *run.step_eval_results()], key=os.path.getmtime):
         results = EvalResults.read(path)
-        if results.model.step != step or results.model.attention != attention:
+        if results.model.step != step or results.model.attention != attention or results.config.dim is not None:
             continue
         for r in eval_results(results):
             by_key[(*r.unique_identifier, r.metric_type)] = r

@@ -6,7 +6,8 @@ Two entries are written next to the architecture's own fields:
   it is false), so ``AutoModel.from_pretrained(DIR)`` runs a bidirectionally trained model bidirectionally with
   transformers alone: no remote code, no project import.
 - ``decoder_encoders``: the ``EncoderRecord`` below (attention, whether token i is read at i - 1, mask token,
-  pooling, layout, instruction, objectives), which ``pipeline.eval.load_model`` reads instead of the run directory.
+  pooling, layout, instruction, objectives, Matryoshka dims), which ``pipeline.eval.load_model`` reads instead of
+  the run directory. Its Matryoshka fields are written only when set, so exports without them keep their bytes.
 
 The project itself passes every attention mask explicitly and gives a loaded config HF's causal default back
 (``pipeline.model.load_hf.project_masks``).
@@ -23,11 +24,13 @@ from transformers import PretrainedConfig
 from pipeline.data.format.instructions import LAYOUTS
 from pipeline.experiment import ExperimentConfig
 from pipeline.objectives import OBJECTIVES, SSCLConfig, SupervisedConfig
+from pipeline.objectives.infonce import ContrastiveConfig
 from pipeline.tokenizer import Tokenizer
 
 KEY = "decoder_encoders"
 ATTENTIONS = ("causal", "bidirectional")
 POOLINGS = ("mean", "last", "weighted_mean")
+WRITTEN_WHEN_SET = ("matryoshka_dims", "truncate_dim")  # newer fields: left out unset, older exports' bytes kept
 
 
 @dataclass(frozen=True)
@@ -42,15 +45,26 @@ class EncoderRecord:
     # task instructions so); None: instructions are verbatim prefixes
     instruction_format: str | None = None
     objectives: tuple[str, ...] = ()  # per phase, e.g. ("clm", "mlm"); empty for a model not trained here
+    matryoshka_dims: tuple[int, ...] = ()  # the leading dims the last phase trained to stand alone (Matryoshka)
+    truncate_dim: int | None = None  # the dims encode() keeps by default (sentence-transformers' truncate_dim)
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("attention", self.attention, ATTENTIONS), ("pooling", self.pooling, POOLINGS),
                                      ("layout", self.layout, LAYOUTS)):
             if value not in allowed:
                 raise ValueError(f"{KEY}.{name}: {value!r} is not one of {', '.join(allowed)}")
+        if self.truncate_dim is not None and self.truncate_dim < 1:
+            raise ValueError(f"{KEY}.truncate_dim: {self.truncate_dim} is not a positive number of dims")
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "objectives": list(self.objectives)}
+        out = {**asdict(self), "objectives": list(self.objectives), "matryoshka_dims": list(self.matryoshka_dims)}
+        return {k: v for k, v in out.items() if v or k not in WRITTEN_WHEN_SET}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> EncoderRecord:
+        """The record of :meth:`as_dict`'s JSON (lists back to tuples)."""
+        return cls(**{**raw, "objectives": tuple(raw.get("objectives", ())),
+                      "matryoshka_dims": tuple(raw.get("matryoshka_dims", ()))})
 
 
 def start_record(init: str) -> EncoderRecord | None:
@@ -74,6 +88,7 @@ def from_experiment(exp: ExperimentConfig, tokenizer: Tokenizer) -> EncoderRecor
     if masked and mask_token is None and tokenizer.mask_id is not None:
         mask_token = tokenizer.hf.convert_ids_to_tokens(tokenizer.mask_id)
     sscl = next((o for o in last if isinstance(o, SSCLConfig)), None)
+    nested = next((o.matryoshka for o in last if isinstance(o, ContrastiveConfig) and o.matryoshka), None)
     supervised = next((o for o in last if isinstance(o, SupervisedConfig)), None)
     if supervised is not None:
         instruction, instruction_format = supervised.instruction or None, supervised.instruction_format
@@ -85,7 +100,8 @@ def from_experiment(exp: ExperimentConfig, tokenizer: Tokenizer) -> EncoderRecor
                                                                     for o in trained),
                          mask_token=mask_token, pooling="last" if sscl else "mean", layout="bos_eos",
                          instruction=instruction, instruction_format=instruction_format,
-                         objectives=start.objectives + tuple("+".join(o.name for o in p.objectives) for p in exp.phases))
+                         objectives=start.objectives + tuple("+".join(o.name for o in p.objectives) for p in exp.phases),
+                         matryoshka_dims=nested.dims if nested else ())
 
 
 def read_record(config: PretrainedConfig | dict) -> EncoderRecord | None:
@@ -97,7 +113,7 @@ def read_record(config: PretrainedConfig | dict) -> EncoderRecord | None:
     unknown = set(raw) - known
     if unknown:
         raise ValueError(f"config.json: {KEY} has unknown fields {sorted(unknown)}; known: {', '.join(sorted(known))}")
-    return EncoderRecord(**{**raw, "objectives": tuple(raw.get("objectives", ()))})
+    return EncoderRecord.from_dict(raw)
 
 
 def write_record(hf_dir: str, record: EncoderRecord) -> None:

@@ -3,7 +3,8 @@
 
 The files are sentence-transformers' own (6.x): ``modules.json`` (the directory's transformer, then pooling),
 ``sentence_bert_config.json`` (whether the tokenizer adds its special tokens), ``1_Pooling/config.json`` and
-``config_sentence_transformers.json`` (the instruction as the default prompt, cosine similarity). The model is
+``config_sentence_transformers.json`` (the instruction as the default prompt, cosine similarity, and the record's
+``truncate_dim`` where one was asked for: the leading dims of a Matryoshka-trained model). The model is
 the directory's config and weights, loaded by ``AutoModel``, so a bidirectional export runs bidirectionally
 (``is_causal: false``, ``pipeline.export.record``).
 
@@ -89,6 +90,7 @@ def write_sentence_transformers(hf_dir: str, record: EncoderRecord) -> None:
         "embedding_dimension": hidden, "pooling_mode": ST_POOLING[record.pooling], "include_prompt": False})
     prompt = format_instruction(record.instruction_format, record.instruction)
     prompts = {"instruction": prompt} if prompt else {}
+    truncate = {"truncate_dim": record.truncate_dim} if record.truncate_dim else {}
     _write(os.path.join(hf_dir, "config_sentence_transformers.json"), {
         "model_type": "SentenceTransformer", "prompts": prompts,
-        "default_prompt_name": "instruction" if prompts else None, "similarity_fn_name": "cosine"})
+        "default_prompt_name": "instruction" if prompts else None, "similarity_fn_name": "cosine", **truncate})

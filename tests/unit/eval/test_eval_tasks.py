@@ -312,3 +312,34 @@ def test_qa_answer_decoding(model):
     assert task.answer(q, start, end) == "Paris today"
     start[0], end[0] = 10.0, 10.0  # no-answer position beats every span
     assert task.answer(q, start, end) == ""
+
+
+def test_every_embedding_task_and_launch_evaluate_take_a_dimension(model, hf_dir, data_dir, tmp_path, capsys):
+    """``launch/evaluate.py --dim N`` (a Matryoshka model's leading dims): STS-B's score is the one of encode()'s
+    embeddings cut to N, the results record N, and a width the model lacks is one line and exit 2 before any task;
+    each embedding task passes the dimension to encode() (a width of 65 fails there alike)."""
+    from pipeline.eval.data import read_rows
+    from pipeline.eval.embeddings import cosine
+    from pipeline.eval.metrics import spearman
+    from pipeline.eval.runner import main as evaluate_main
+
+    out = tmp_path / "results.json"
+    argv = ["--model", hf_dir, "--tasks", "sts", "--data-dir", FIXTURES, "--set", "sts.datasets=[sts/stsb.tsv]",
+            "--no-progress", "--out", str(out)]
+    assert evaluate_main([*argv, "--dim", "16"]) == 0
+    results = json.load(open(out))
+    rows = read_rows(os.path.join(FIXTURES, "sts", "stsb.tsv"), "test")
+    a, b = (encode(model, [r.get((c,), c) for r in rows]) for c in ("sentence1", "sentence2"))
+    gold = [float(r.get(("score",), "score")) for r in rows]
+    assert results["config"]["dim"] == 16 and results["headline"]["sts/stsb"] == pytest.approx(
+        100 * spearman(cosine(a[:, :16], b[:, :16]), gold), abs=1e-6)
+    assert results["headline"]["sts/stsb"] != pytest.approx(100 * spearman(cosine(a, b), gold), abs=1e-3)
+    capsys.readouterr()
+    assert evaluate_main([*argv, "--dim", "65"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --dim 65: the model's embeddings have 64 dims; pass at most 64"
+    os.makedirs(tmp_path / "zero_shot_retrieval")
+    with open(tmp_path / "zero_shot_retrieval" / "pairs.jsonl", "w") as f:
+        f.writelines(json.dumps({"query": f"Question {i}?", "positive": f"Answer {i}."}) + "\n" for i in range(4))
+    for name, where in (("sts", data_dir), ("clustering", data_dir), ("zero_shot_retrieval", str(tmp_path))):
+        with pytest.raises(ValueError, match="dim 65: the model's embeddings have 64 dims"):
+            TASKS[name].run(ctx_for(model, where, dim=65), task_options([name], [])[name])

@@ -176,15 +176,15 @@ def test_evaluation_results_become_the_model_index(tokenizer, tmp_path):
 
 
 def test_an_export_shows_only_its_steps_results_read_as_it_reads(tokenizer, tmp_path):
-    """results_at: a run's results files of the exported step whose model was read with the export's attention;
-    the newest file's number where two files have it."""
+    """results_at: a run's results files of the exported step whose model was read with the export's attention and
+    its own dims (not cut by --dim); the newest file's number where two files have it."""
     hf = export(tokenizer, str(tmp_path / "plain"), MNTP)
     read = evaluate(EvalConfig(model=hf, tasks=["sts"], data_dir=FIXTURES, progress=False))
     run = RunDir(str(tmp_path / "run"))
 
-    def write(path: str, step: int, attention: str, shift: float, written_at: int) -> None:
+    def write(path: str, step: int, attention: str, shift: float, written_at: int, dim: int | None = None) -> None:
         scores = {name: {**r, "spearman": r["spearman"] + shift} for name, r in read.results["sts"]["datasets"].items()}
-        replace(read, model=replace(read.model, step=step, attention=attention),
+        replace(read, model=replace(read.model, step=step, attention=attention), config=replace(read.config, dim=dim),
                 results={"sts": {**read.results["sts"], "datasets": scores}}).write(path)
         os.utime(path, (written_at, written_at))  # the order of writing, whatever the clock's resolution
 
@@ -192,6 +192,7 @@ def test_an_export_shows_only_its_steps_results_read_as_it_reads(tokenizer, tmp_
     write(run.eval_results("causal"), 7, "causal", 1.0, 2_000)  # another reading of the same weights
     write(run.eval_results(step=6), 6, "bidirectional", 2.0, 3_000)  # another checkpoint
     write(run.eval_results(), 7, "bidirectional", 4.0, 4_000)  # the newest file of step 7
+    write(run.eval_results("dim16"), 7, "bidirectional", 5.0, 5_000, dim=16)  # a Matryoshka cut: another model
     got = {r.dataset_type: r.metric_value for r in results_at(run, 7, "bidirectional")}
     assert got == {name: r["spearman"] + 4.0 for name, r in read.results["sts"]["datasets"].items()}
     assert results_at(run, 5, "bidirectional") == []

@@ -4,6 +4,7 @@ sentence-transformers export embeds as ``encode`` does, through the real sentenc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from pipeline.eval.results import EvalResults
 from pipeline.eval.runner import main as evaluate_main
 from pipeline.experiment import ExperimentConfig, load_experiment
 from pipeline.export.card import embed_snippet
-from pipeline.export.hf import ExportError, save_hf
+from pipeline.export.hf import ExportError, save_hf, truncate_dim_of
 from pipeline.export.record import EncoderRecord, from_experiment, read_record
 from pipeline.export.sentence_transformers import check_expressible, st_record
 from pipeline.model.build import build_model, model_spec
@@ -208,6 +209,38 @@ def test_sentence_transformers_export_embeds_as_encode(tokenizer, tmp_path, pool
     np.testing.assert_allclose(with_prompt, encode(model, TEXTS), atol=1e-5)
     np.testing.assert_allclose(st.encode(TEXTS, prompt=""), encode(model, TEXTS, instruction=""), atol=1e-5)
     assert np.abs(with_prompt - st.encode(TEXTS, prompt="")).max() > 1e-4  # the prompt conditions the text
+
+
+def test_matryoshka_dims_are_recorded_and_truncate_dim_cuts_encode_and_sentence_transformers(tokenizer, tmp_path):
+    """A Matryoshka run records its dims; an export asked for ``truncate_dim`` embeds with that many leading dims in
+    encode() and in sentence-transformers (its own ``truncate_dim``); an export without either writes neither key,
+    so its config.json keeps the bytes it had."""
+    from sentence_transformers import SentenceTransformer
+
+    supervised = {"name": "supervised", "matryoshka": {"dims": [64, 16], "weights": [1.0, 0.5]}}
+    trained = from_experiment(experiment({"phases": [{"objectives": [supervised]}]}), tokenizer)
+    assert trained.matryoshka_dims == (64, 16) and trained.truncate_dim is None
+    record = st_record(trained, pooling="mean")
+    hf = export(tokenizer, str(tmp_path / "cut"), dataclasses.replace(record, truncate_dim=16),
+                sentence_transformers=True)
+    with open(os.path.join(hf, "config_sentence_transformers.json")) as f:
+        assert json.load(f)["truncate_dim"] == 16
+    model = load_model(hf)
+    assert model.record.matryoshka_dims == (64, 16) and model.record.truncate_dim == 16
+    full = encode(model, TEXTS, dim=64)
+    cut = encode(model, TEXTS)
+    assert full.shape == (3, 64) and cut.shape == (3, 16) and cut.tolist() == full[:, :16].tolist()
+    np.testing.assert_allclose(SentenceTransformer(hf, device="cpu").encode(TEXTS), cut, atol=1e-5)
+    with pytest.raises(ValueError, match="dim 65: the model's embeddings have 64 dims; pass 1 to 64"):
+        encode(model, TEXTS, dim=65)
+    plain = export(tokenizer, str(tmp_path / "plain"), st_record(MNTP), sentence_transformers=True)
+    for name in ("config.json", "config_sentence_transformers.json"):
+        with open(os.path.join(plain, name)) as f:
+            assert not {"matryoshka_dims", "truncate_dim"} & set(re.findall(r'"(\w+)"', f.read())), name
+    with pytest.raises(ExportError, match=r"--truncate-dim 32: the run trained the dims \[64, 16\] .* pass one"):
+        truncate_dim_of(32, 64, trained)
+    with pytest.raises(ExportError, match=r"--truncate-dim 128: the model's embeddings have 64 dims; pass 1 to 64"):
+        truncate_dim_of(128, 64, MNTP)
 
 
 def test_sentence_transformers_refuses_what_it_cannot_express():
