@@ -23,6 +23,8 @@ from pipeline.train.deepspeed_ops import use_install_ops_dir
 # skips the autotuner's mlflow, as every launch/ script's does
 use_install_ops_dir()
 skip_autotuner_mlflow()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # make test's two workers (pytest -n 2) one core each, as the ranks they launch get
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 SAMPLE_TRAIN = os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")
