@@ -2,8 +2,8 @@
 the ablation report (``launch/report.py``). See docs/evaluation.md.
 
 - ``load_model(path)``: a run directory or HF directory, with its tokenizer and how its training says to read it;
-- ``encode(model, texts, instruction=None, pooling=None, layout=None)`` (defaults: the model's training record);
-  ``pipeline.eval.mteb_encoder.MTEBEncoder`` for MTEB 2.x (imports mteb, so not imported here);
+- ``encode(model, texts, instruction=None, pooling=None, layout=None, dim=None)`` (defaults: the model's training
+  record); ``pipeline.eval.mteb_encoder.MTEBEncoder`` for MTEB 2.x (imports mteb, so not imported here);
 - ``registry.TASKS``: every task by name, one module per family.
 """
 

@@ -44,8 +44,9 @@ class Matryoshka:
             raise ConfigError(f"{where}.weights: {len(self.weights)} weight(s) for {len(self.dims)} dims; give one "
                               f"per dim, e.g. {[1.0] * len(self.dims)}, or leave weights out (1 each)")
         if hidden_size is not None and self.dims[0] > hidden_size:
+            fitting = [d for d in self.dims if d <= hidden_size] or [hidden_size]
             raise ConfigError(f"{where}.dims: {self.dims[0]} is above the model's hidden size {hidden_size}; use "
-                              f"dims of at most {hidden_size}, e.g. {[d for d in self.dims if d <= hidden_size]}")
+                              f"dims of at most {hidden_size}, e.g. {fitting}")
 
     def terms(self) -> list[tuple[int, float]]:
         """(dim, weight) of each InfoNCE term."""

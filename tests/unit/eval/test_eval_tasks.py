@@ -107,7 +107,7 @@ def test_encode_matches_a_hand_forward_and_ignores_padding(model, attention):
 def test_mteb_runs_the_encoder_through_its_own_evaluation(model, hf_dir):
     """mteb.evaluate on a local STS task (mteb's own mock task class holding the shipped STS-B file; no hub): the
     score is Spearman x100 of the cosine similarity of encode()'s embeddings, with the instruction MTEB's prompt
-    lookup picks for the task type."""
+    lookup picks for the task type; with ``dim``, the embeddings' leading dims."""
     import mteb
     from datasets import Dataset, DatasetDict
     from mteb.mocks.mock_tasks.sts import MockSTSTask
@@ -136,6 +136,9 @@ def test_mteb_runs_the_encoder_through_its_own_evaluation(model, hf_dir):
     cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     assert len(rows) == 24 and score["cosine_spearman"] == pytest.approx(spearman(cos, pairs["score"]), abs=1e-6)
     assert task_result.get_score() == pytest.approx(score["main_score"])
+    cut = MTEBEncoder(model, instructions={"STS": instruction}, dim=16)  # a Matryoshka model's first 16 dims
+    got = cut.encode([{"text": pairs["sentence1"]}], task_metadata=task.metadata, hf_split="test", hf_subset="default")
+    assert cut.mteb_model_meta.embed_dim == 16 and got.tolist() == a[:, :16].tolist()
     by_path = MTEBEncoder(hf_dir, None, device="cpu")  # MTEB's (model_name, revision, device=...) form
     assert by_path.mteb_model_meta.embed_dim == model.lm.config.hidden_size and by_path.model.hf_dir == hf_dir
 

@@ -305,6 +305,17 @@ def test_config_checks_and_the_export_record(tokenizer):
         load_experiment(None, ["phases=[{objectives: [{name: supervised, grad_cache: true}, {name: clm}]}]"])
     with pytest.raises(ConfigError, match="instruction_format.*must hold '{instruction}'"):
         load_experiment(None, ["phases=[{objectives: [{name: supervised, instruction_format: 'x: '}]}]"])
+    for objective, bad, message in (
+            ("supervised", "{dims: [16, 32]}", r"matryoshka\.dims: \[16, 32\] must descend strictly; write them "
+                                               r"largest first, e.g\. \[32, 16\]$"),
+            ("simcse", "{dims: [32, 16], weights: [1]}", r"matryoshka\.weights: 1 weight\(s\) for 2 dims; give one per "
+                                                         r"dim, e\.g\. \[1\.0, 1\.0\], or leave weights out"),
+            ("sscl", "{dims: [32, 16], weights: [1, 0]}", r"matryoshka\.weights: \[1\.0, 0\.0\] is out of range; it "
+                                                          r"must be > 0$"),
+            ("sscl", "{weights: [1]}", r"matryoshka\.dims: missing; list the embedding dims to train")):
+        with pytest.raises(ConfigError, match=rf"^phases\[0\]\.objectives\[0\]\.{message}"):
+            load_experiment(None, ["model.attention_dropout=0.1",
+                                   f"phases=[{{objectives: [{{name: {objective}, matryoshka: {bad}}}]}}]"])
     exp = load_experiment(None, ["train.grad_accum=3", "phases=[{objectives: [{name: supervised, grad_cache: true, "
                                  "instruction: Retrieve semantically similar text}]}]"])
     record = from_experiment(exp, tokenizer)
