@@ -220,6 +220,10 @@ CONTRADICTIONS = [
     (["data.shards=/mine", "data.build_inputs=[/nowhere/*.jsonl]"], "data.build_inputs"),
     (["train.micro_batch=3", "phases=[{seq_len: 256, objectives: [{name: clm}]}]", "data.seq_len=100"],
      "phases[0].micro_batch"),
+    (["phases=[{objectives: [{name: supervised, matryoshka: {dims: [16, 32]}}]}]"], "matryoshka.dims"),
+    (["phases=[{objectives: [{name: supervised, matryoshka: {dims: [32, 16], weights: [1]}}]}]"],
+     "matryoshka.weights"),
+    (["phases=[{objectives: [{name: supervised, matryoshka: {dims: [128, 64]}}]}]"], "matryoshka.dims"),  # > hidden
 ]
 
 
