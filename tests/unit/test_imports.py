@@ -51,7 +51,7 @@ LAYERS = (
     ("pipeline.run_dir", "pipeline.inputs", "pipeline.grid"),
     ("pipeline.export",),  # the HF directory
     ("pipeline.eval", "pipeline.planner"),  # evaluation reads exports; the cluster planner
-    ("pipeline.sweep",),
+    ("pipeline.sweep", "pipeline.mining"),  # mining embeds with eval's encoder and builds shards with prep
     ("pipeline.reproduce",),
     ("pipeline.train",),  # the trainer, on top: nothing outside pipeline/train/ imports it
 )

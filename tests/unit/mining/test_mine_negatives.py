@@ -1,0 +1,132 @@
+"""Hard-negative mining (pipeline/mining/): the negatives equal sentence-transformers' ``mine_hard_negatives`` on the
+same model directory, corpus and settings; settings out of range stop in one line before a model is loaded; the
+command writes the mined rows, its record, pair shards, and resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from helpers import REPO, tiny_llama
+
+from pipeline.config import from_dict
+from pipeline.data.format.index import load_index
+from pipeline.experiment import ExperimentConfig
+from pipeline.export.hf import save_hf
+from pipeline.export.record import EncoderRecord
+from pipeline.export.sentence_transformers import st_record
+from pipeline.mining.cli import Embedder, MineConfig, Task, main, mined_rows, read_pairs
+from pipeline.mining.negatives import MiningSettings, mine
+
+PAIRS = os.path.join(REPO, "data", "sample", "pairs")
+# (range_min, range_max, relative_margin, absolute_margin, max_score): no filter; skip the nearest two with
+# NV-Retriever's 5 % margin; a window and an absolute margin with a cap
+SETTINGS = [dict(), dict(range_min=2, relative_margin=0.05), dict(range_max=20, absolute_margin=0.0, max_score=0.9)]
+
+
+@pytest.fixture(scope="module")
+def st_dir(tokenizer, tmp_path_factory) -> str:
+    """A seeded tiny model exported as a sentence-transformers directory (mean pooling over the text alone)."""
+    lm = tiny_llama(tokenizer, seed=3)
+    record = st_record(EncoderRecord(attention="bidirectional", pooling="mean", layout="bos_eos"))
+    return save_hf(lm, lm.state_dict(), tokenizer, str(tmp_path_factory.mktemp("st") / "model"), record,
+                   from_dict(ExperimentConfig, {}), 0, sentence_transformers=True)
+
+
+def test_negatives_equal_sentence_transformers_mine_hard_negatives(st_dir):
+    """On replies.jsonl (each query is the previous row's positive, so a query's own text is in the corpus) plus
+    rows that repeat queries with other positives (several positives a query), for each of ``SETTINGS``, the rows
+    kept and each row's negatives, in order, are those of ``mine_hard_negatives(..., corpus=the rows' positives and
+    negatives, output_format="n-tuple")`` on the same directory, through either encoder: sentence-transformers'
+    (the same embeddings, so the same scores and ties, bit for bit) and this project's ``encode`` (embeddings within
+    ~1e-6 of its, so equal here; a near tie within that could rank the other way). Differences, not selections: the
+    mined rows keep their file order (sentence-transformers groups a repeated query's rows together), and a row
+    keeps every field of its input."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.util import mine_hard_negatives
+
+    rows = read_pairs(os.path.join(PAIRS, "replies.jsonl"))
+    rows += [(f"extra:{i}", {**r, "positive": rows[i + 40][1]["positive"], "negative": []})
+             for i, (_, r) in enumerate(rows[:6])]
+    task = Task.of(rows)
+    assert task.max_positives == 2 and sum(i >= 0 for i in task.query_in_corpus) > 100
+    st = SentenceTransformer(st_dir, device="cpu")
+    embedded = {}
+    for encoder in ("sentence-transformers", "pipeline"):
+        embed = Embedder(MineConfig((), st_dir, "", encoder=encoder, progress=False))
+        embedded[encoder] = embed(task.queries, query=True), embed(task.corpus, query=False)
+    kept = []
+    for kw in SETTINGS:
+        settings = MiningSettings(num_negatives=3, **kw)
+        reference = mine_hard_negatives(
+            Dataset.from_dict({"query": [r["query"] for _, r in rows], "positive": [r["positive"] for _, r in rows]}),
+            st, corpus=task.corpus, num_negatives=3, output_format="n-tuple", verbose=False, **kw)
+        expected = sorted((r["query"], r["positive"], r["negative_1"], r["negative_2"], r["negative_3"])
+                          for r in reference)
+        for encoder, (queries, corpus) in embedded.items():
+            mined = mine(queries, corpus, task.positives, task.query_in_corpus, task.max_positives, settings)
+            ours = [(r["query"], r["positive"], *r["negative"]) for r in mined_rows(rows, task, mined)]
+            assert sorted(ours) == expected, (encoder, kw)
+        kept.append(len(expected))
+    assert kept[0] == len(rows) > kept[1] > 0 and kept[2] > 0  # the filters bite, and leave rows to compare
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-negatives", "0"], "--num-negatives must be >= 1, got 0"),
+    (["--range-min", "3", "--range-max", "4"], "--range-max 4 leaves 1 candidates after --range-min 3, fewer than "
+                                               "--num-negatives 3; raise --range-max to at least 6"),
+    (["--relative-margin", "1.5"], "--relative-margin must be in [0, 1)"),
+    (["--max-score", "2"], "--max-score must be a cosine in [-1, 1], got 2.0"),
+    (["--min-score", "0.5", "--max-score", "0.2"], "--min-score 0.5 must be below --max-score 0.2"),
+    (["--input", "BAD.jsonl"], "BAD.jsonl:2: positive missing, empty or not text"),
+])
+def test_settings_out_of_range_stop_in_one_line_before_a_model_is_loaded(tmp_path, capsys, args, message):
+    """The model named does not exist: each refusal comes before anything would load it (the model's own check
+    comes after the settings'), one line, exit 2."""
+    bad = tmp_path / "BAD.jsonl"
+    bad.write_text('{"query": "q", "positive": "p"}\n{"query": "q", "positive": ""}\n')
+    args = [a.replace("BAD", str(tmp_path / "BAD")) for a in args]
+    inputs = [] if "--input" in args else ["--input", os.path.join(PAIRS, "replies.jsonl")]
+    assert main([*inputs, "--model", str(tmp_path / "none"), "--output", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err.replace(str(tmp_path) + "/", ""), err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_mining_a_pair_shard_directory_writes_rows_record_and_shards_and_resumes(st_dir, build_shards, tmp_path,
+                                                                                capsys):
+    """The input is a pair shard directory (its manifest names its pairs files and tokenizer): the mined files keep
+    each kept row's fields with 2 mined negatives (never its positive or query), mining.json records the miner, the
+    model read (``--encoder auto``: this project's export, so its ``encode``) and every setting,
+    the pair shards of the mined rows hold one sample a kept row with t = 4 texts and the record beside their
+    manifest; run again, nothing is mined and the bytes stay."""
+    shards = build_shards(inputs=(os.path.join(PAIRS, "*.jsonl"),), pairs=True, seq_len=32,
+                          instructions=os.path.join(PAIRS, "instructions.json"))
+    out, mined_shards = tmp_path / "mined", tmp_path / "shards"
+    argv = ["--input", shards, "--model", st_dir, "--output", str(out), "--num-negatives", "2", "--range-min", "1",
+            "--shards", str(mined_shards), "--no-progress"]
+    assert main(argv) == 0
+    record = json.loads((out / "mining.json").read_text())
+    assert record["settings"]["range_min"] == 1 and record["settings"]["num_negatives"] == 2
+    assert record["model_read"]["encoder"] == "pipeline"  # auto: the directory is this project's export (its record)
+    assert record["model_read"]["record"]["layout"] == "text" and "sentence-transformers" in record["miner"]
+    kept = 0
+    for name in ("continuations.jsonl", "replies.jsonl"):
+        given = [r for _, r in read_pairs(os.path.join(PAIRS, name))]
+        rows = [json.loads(line) for line in (out / name).read_text().splitlines()]
+        assert record["files"][name]["kept"] == len(rows) > 0 and record["files"][name]["rows"] == len(given)
+        assert all(len(r["negative"]) == 2 and r["positive"] not in r["negative"] and r["query"] not in r["negative"]
+                   for r in rows)
+        kept += len(rows)
+    index = load_index(str(mined_shards))
+    assert index.num_samples == kept
+    assert json.loads((mined_shards / "mining.json").read_text()) == record
+    manifest = json.loads((mined_shards / "manifest.json").read_text())["settings"]
+    assert manifest["pairs"]["slots"] == 4 and manifest["pairs"]["instructions"]  # the input shards' table
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "every file is mined already" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
