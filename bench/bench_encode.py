@@ -77,6 +77,16 @@ def agreement(ours: np.ndarray, theirs: np.ndarray, dtype: str) -> str:
     return line
 
 
+def write_results(out: str | None, results: dict) -> None:
+    """``results`` with the versions and core count that produced them, as JSON at ``out`` (when given)."""
+    results |= {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                             "sentence-transformers": sentence_transformers.__version__,
+                             "python": platform.python_version()}, "cpus": os.cpu_count()}
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
 def timed(fn, texts: list[str], device: str) -> float:
     """Seconds of one pass (the device's queue drained)."""
     start = time.perf_counter()
@@ -137,13 +147,8 @@ def main() -> int:
         print(f"  {name:42} {rate:10.1f} sentences/s  {rate / base:6.2f}x")
     results = {"preset": args.preset, "dtype": dtype, "device": args.device, "sentences": len(texts),
                "reps": args.reps, "max_tokens": args.max_tokens, "batch_size": args.batch_size,
-               "sentences_per_s": rates, "ratio_to_sentence_transformers": {n: r / base for n, r in rates.items()},
-               "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                            "sentence-transformers": sentence_transformers.__version__,
-                            "python": platform.python_version()}, "cpus": os.cpu_count()}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+               "sentences_per_s": rates, "ratio_to_sentence_transformers": {n: r / base for n, r in rates.items()}}
+    write_results(args.out, results)
     print(f"encode() / sentence-transformers encode: {rates['encode()'] / base:.2f}x")
     return 0
 
