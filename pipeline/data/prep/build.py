@@ -273,7 +273,7 @@ def _build(cfg: BuildConfig, tok, inputs: list[str], manifest: dict, job: dict, 
                 summary.truncated_units += result.truncated_units
             for name, n in result.tasks.items():
                 summary.tasks[name] = summary.tasks.get(name, 0) + n
-            if result.sources is not None:
+            if summary.sources is not None:  # pairs record their tasks as sources, and print them as tasks
                 add_source_counts(summary.sources, result.sources)
             for reason, n in result.stats.bad.items():
                 summary.bad_by_reason[reason] = summary.bad_by_reason.get(reason, 0) + n

@@ -74,8 +74,8 @@ class BuildConfig:
         checks = [
             (not (self.pairs and self.units), "--pairs and --units are two modes; pick one"),
             (not (self.pairs and self.source is not None),
-             "--pairs takes no --source-field / --source-default: pairs shards have no sources (data.mixture mixes "
-             "the sources of data.shards, not of data.pair_shards; a pairs row counts under its task instead)"),
+             "--pairs takes no --source-field / --source-default: a pairs row's source is its task (its \"task\" "
+             "field or its file's stem), which data.pair_mixture mixes"),
             (self.negatives >= 0, f"--negatives must be >= 0, got {self.negatives}"),
             (not self.pairs or (2 + self.negatives) * self.seq_len <= MAX_SEQ_LEN,
              f"--pairs: {2 + self.negatives} texts of --max-text-tokens {self.seq_len} exceed {MAX_SEQ_LEN} tokens a "
@@ -113,7 +113,9 @@ class BuildConfig:
         """Everything that determines the shard bytes (fingerprinted; a later job with other settings is
         refused). Unit shards record their mode (and paraphrase field) instead of the packing and span settings they
         do not use; packed shards have no ``units`` key, so their settings (and fingerprints) are those of earlier
-        versions. Likewise ``source_field`` and ``source_default`` are there only when sources are recorded."""
+        versions. Likewise ``source_field`` and ``source_default`` are there only when sources are recorded. Pairs
+        settings' ``sources: task`` marks shards written a stream per task (each shard's source its rows' task), whose
+        bytes differ from the one stream of earlier builds where a file holds several tasks."""
         settings = {
             "tokenizer": tokenizer_info,
             "pad_id": pad_id,
@@ -140,7 +142,8 @@ class BuildConfig:
             del settings["text_field"]
             settings |= {"seq_len": p.slots * p.width,
                          "pairs": {"slots": p.slots, "width": p.width, "negatives": p.negatives,
-                                   "instruction_format": p.instruction_format, "instructions": p.instructions}}
+                                   "instruction_format": p.instruction_format, "instructions": p.instructions,
+                                   "sources": "task"}}
         if self.source is not None:
             settings |= {"source_field": self.source_field, "source_default": self.source_default}
         return settings

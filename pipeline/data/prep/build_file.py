@@ -8,7 +8,7 @@ With sources (``WorkerSpec.source``), each source of the file is packed in its o
 every sample, and every document piece in it, has one source: its shard's, which the shard's manifest entry
 records. Samples are numbered in the order the streams emit them (one count over the file's sources), so the keys
 of one file stay 0..n-1, each source's shards holding an increasing subsequence of them. Pairs mode
-(``WorkerSpec.pairs``) writes its rows' samples in one stream: pairs shards have no sources.
+(``WorkerSpec.pairs``) writes each row's sample in the stream of its task: a pairs shard's source is its rows' task.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class WorkerSpec:
     units: str = ""
     paraphrase_field: str = ""
     source: SourceField | None = None  # where records name their source; None: one stream, no sources recorded
-    pairs: PairsSettings | None = None  # pairs mode (one stream: BuildConfig refuses sources with it)
+    pairs: PairsSettings | None = None  # pairs mode (a stream per task: BuildConfig refuses sources with it)
 
 
 @dataclass
@@ -125,7 +125,8 @@ def _count(records: int, tokens: int) -> None:
 
 
 def _pairs_file(path: str, spec: WorkerSpec, tok, result: FileResult, emit) -> None:
-    """The (query, positive, negatives) rows of one jsonl file as pairs samples (``pairs.py``)."""
+    """The (query, positive, negatives) rows of one jsonl file as pairs samples (``pairs.py``), each emitted to
+    its task's stream."""
     task = default_task(path)
     objects = enumerate(read_objects(path, result.stats))
     for chunk in _batches(objects, ENCODE_BATCH_DOCS):
@@ -133,10 +134,11 @@ def _pairs_file(path: str, spec: WorkerSpec, tok, result: FileResult, emit) -> N
         rows = [r for r in rows if r is not None]
         samples, tokens, cut, tasks = pair_samples(rows, spec.pairs, tok, spec.bos, spec.eos, pad_id(tok),
                                                    result.file_index, result.samples, result.stats)
-        emit(samples)
+        for sample, name in zip(samples, tasks):
+            emit(name, [sample])
+            result.sources[name]["documents"] += 1
+            result.tasks[name] = result.tasks.get(name, 0) + 1
         result.truncated_units += cut
-        for name, n in tasks.items():
-            result.tasks[name] = result.tasks.get(name, 0) + n
         _count(len(chunk), tokens)
 
 
@@ -146,7 +148,7 @@ def process_file(task: tuple[int, str]) -> FileResult:
     file_index, path = task
     spec: WorkerSpec = _worker["spec"]
     tok = _worker["tokenizer"]
-    result = FileResult(file_index, path, RecordStats(), [], sources={} if spec.source else None)
+    result = FileResult(file_index, path, RecordStats(), [], sources={} if spec.source or spec.pairs else None)
     streams: dict[str, _Stream] = {}  # by source name ("" without sources)
     opened = 0  # shards opened so far: their names in the work directory
 
@@ -191,8 +193,8 @@ def process_file(task: tuple[int, str]) -> FileResult:
                 close(source)
         return result
 
-    if spec.pairs is not None:  # one stream: pairs shards have no sources
-        _pairs_file(path, spec, tok, result, lambda samples: emit("", samples))
+    if spec.pairs is not None:  # a stream per task: a pairs shard's source is its rows' task
+        _pairs_file(path, spec, tok, result, emit)
         return finish()
     fields = (spec.text_field, spec.paraphrase_field) if spec.paraphrase_field else (spec.text_field,)
     for records in _batches(read_records(path, fields, result.stats, spec.source), ENCODE_BATCH_DOCS):

@@ -16,6 +16,9 @@ tokens of ``prefix + text`` cut to fit, EOS, then padding, as one segment. ``poo
 tokens, ``text_hash`` a 64-bit hash of each slot's text (without its instruction): the objective masks a candidate
 whose text equals a query's positive (another row's hard negative or identical positive) out of that query's
 softmax (llm2vec issue #178). A row with more negatives keeps its first K.
+
+A row's task is its sample's source: each task is written in its own shards (``build_file.py``), so a loader knows
+every sample's task from the manifest alone (``data.pair_mixture``, ``data.pair_batching: same_task``).
 """
 
 from __future__ import annotations
@@ -124,15 +127,15 @@ def pair_sample(row: PairRow, rows: list[tuple[list[int], int, int]], settings: 
 
 
 def pair_samples(rows: list[PairRow], settings: PairsSettings, tok, bos: bool, eos: bool, pad_id: int,
-                 file_index: int, first_index: int, stats: RecordStats) -> tuple[list[Sample], int, int, dict]:
-    """(samples, tokens, texts cut to the width, rows per task) of ``rows``, tokenized in one batch; a row whose
-    instruction leaves no room for its text in the width is counted bad in ``stats``."""
+                 file_index: int, first_index: int, stats: RecordStats) -> tuple[list[Sample], int, int, list[str]]:
+    """(samples, tokens, texts cut to the width, each sample's task) of ``rows``, tokenized in one batch; a row
+    whose instruction leaves no room for its text in the width is counted bad in ``stats``."""
     head = [tok.bos_id] if bos else []
     tail = [tok.eos_id] if eos else []
     t = settings.slots
     slots, _ = tokenize_instructed(tok, [x for r in rows for x in r.texts], [p for r in rows for p in r.prefixes],
                          settings.width, head, tail)
-    samples, tokens, cut, tasks = [], 0, 0, {}
+    samples, tokens, cut, tasks = [], 0, 0, []
     for i, row in enumerate(rows):
         mine = slots[i * t : (i + 1) * t]
         if any(s is None for s in mine):
@@ -144,5 +147,5 @@ def pair_samples(rows: list[PairRow], settings: PairsSettings, tok, bos: bool, e
         tokens += sum(len(s[0]) for s in mine)
         samples.append(pair_sample(row, [s[:3] for s in mine], settings, pad_id, file_index,
                                    first_index + len(samples)))
-        tasks[row.task] = tasks.get(row.task, 0) + 1
+        tasks.append(row.task)
     return samples, tokens, cut, tasks

@@ -69,6 +69,9 @@ def test_pairs_shards_layout_and_pooling_as_encode(pair_dir, tokenizer):
     assert index.pairs["slots"] == 3 and index.seq_len == 3 * WIDTH and index.num_samples == 256
     assert {t: n for f in index.jobs[0]["files"] for t, n in f["tasks"].items()} == {"continuations": 128,
                                                                                      "replies": 128}
+    # each task in its own shards, named as their source: the loader knows every row's task from the manifest
+    assert index.sources == ("continuations", "replies") and index.pairs["sources"] == "task"
+    assert {name: c["samples"] for name, c in index.source_counts().items()} == {"continuations": 128, "replies": 128}
     with open(os.path.join(PAIRS, "replies.jsonl")) as f:
         row = json.loads(f.readline())
     sample = next(s for s in samples(pair_dir) if s.key == "f000001s00000000")  # replies is the second input
@@ -119,8 +122,8 @@ def test_bad_rows_are_counted_with_file_and_line_and_k_jobs_equal_one(tmp_path, 
 
 
 def test_pairs_refuse_sources_before_any_work(tmp_path):
-    """Pairs shards are one stream without sources (data.mixture mixes data.shards' sources, not
-    data.pair_shards'): --pairs with --source-field or --source-default is refused before the output exists."""
+    """A pairs row's source is its task (data.pair_mixture mixes them): --pairs with --source-field or
+    --source-default is refused before the output exists."""
     for kw in ({"source_field": "meta.source"}, {"source_default": "echo"}):
         with pytest.raises(BuildError, match="--pairs takes no --source-field / --source-default"):
             build(str(tmp_path / "refused"), (os.path.join(PAIRS, "*.jsonl"),), **kw)
