@@ -52,8 +52,9 @@ def objective_words(o: ObjectiveConfig) -> str:
         text = (f"MAGNET's self-supervised contrastive learning: each sentence against its {o.augment} view, "
                 f"both after the instruction {o.instruction!r} (InfoNCE on the last token, scale {o.scale:g})")
     elif isinstance(o, SupervisedConfig):
-        negatives = "its hard negatives and the batch's other positives" if o.hard_negatives else \
-            "the batch's other positives"
+        negatives = ("its own hard negatives (no other rows')" if not o.in_batch_negatives else
+                     "its hard negatives and the batch's other positives" if o.hard_negatives else
+                     "the batch's other positives")
         text = (f"supervised contrastive learning: each query against its positive, {negatives} the negatives "
                 f"(InfoNCE, scale {o.scale:g})")
     else:  # an objective added without words here still gets a line

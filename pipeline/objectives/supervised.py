@@ -13,6 +13,11 @@ hard negative, or another row's identical positive: SQuAD-style data has many, l
 i's softmax and stays a negative for every other query. The texts are compared by the 64-bit hashes data prep
 stores per slot (``text_hash``), gathered with the embeddings.
 
+``in_batch_negatives: false`` scores each query against its own positive and hard negatives alone (no other row's
+candidates, nothing gathered): the second stage of NV-Embed, which trains tasks whose other rows are no negatives
+(classification, clustering, STS) this way, FlagEmbedding's ``use_inbatch_neg=False``. Each row's loss is then its
+own, so GradCache and any number of ranks give the loss and gradient of one big batch as before.
+
 ``grad_cache`` makes the step's ``grad_accum`` micro-batches one contrastive batch of ``micro_batch x grad_accum x
 ranks`` rows, on the memory of one micro-batch (GradCache, ``pipeline/train/grad_cache.py``): the step embeds
 (:meth:`Supervised.embed`) each micro-batch without a graph, computes the loss of all of them
@@ -43,6 +48,8 @@ class SupervisedConfig(ContrastiveConfig):
     name: Literal["supervised"] = "supervised"
     scale: float = 50.0  # InfoNCE logit scale, 1 / temperature (LLM2Vec's supervised loss_scale)
     hard_negatives: bool = True  # score every row's hard negatives too (LLM2Vec); false: in-batch positives only
+    # false: each query against its own positive and hard negatives only, no other row's (NV-Embed's stage 2)
+    in_batch_negatives: bool = True
     mask_collisions: bool = True  # leave a query's false negatives (its positive's text elsewhere) out of its softmax
     grad_cache: bool = False  # the step's grad_accum micro-batches form one contrastive batch (GradCache)
     # how the pair shards joined instructions to texts (checked against their manifest); recorded in the export
@@ -56,6 +63,15 @@ class SupervisedConfig(ContrastiveConfig):
             check_format(self.instruction_format)
         except ValueError as e:
             raise ConfigError(f"instruction_format: {e}") from None
+
+    def check_embedding(self, where: str, hidden_size: int | None = None) -> None:
+        """Matryoshka's dims, and that the negatives leave something to score: without in-batch negatives only the
+        hard ones are left. (Whether the pair shards hold hard negatives is preflight's check.)"""
+        super().check_embedding(where, hidden_size)
+        if not self.in_batch_negatives and not self.hard_negatives:
+            raise ConfigError(f"{where}.in_batch_negatives: false leaves each query its own hard negatives only, and "
+                              f"{where}.hard_negatives is false: no negative is left; set {where}.hard_negatives=true "
+                              f"(or {where}.in_batch_negatives=true)")
 
     def check_step(self, grad_accum: int, objectives: int, where: str) -> None:
         if self.grad_cache and objectives > 1:
@@ -83,6 +99,7 @@ class Supervised(Objective):
     def __init__(self, config: SupervisedConfig, document_masking: bool = True):
         super().__init__(config, document_masking)
         self.scale, self.hard_negatives = config.scale, config.hard_negatives
+        self.in_batch_negatives = config.in_batch_negatives
         self.mask_collisions, self.grad_cache = config.mask_collisions, config.grad_cache
         self.matryoshka = config.matryoshka
 
@@ -111,7 +128,7 @@ class Supervised(Objective):
 
     def loss(self, embeddings: torch.Tensor, batches: list[Batch]) -> ObjectiveOutput:
         """The InfoNCE of the rows of ``batches`` (this rank's, in order) from their ``embed`` outputs, concatenated;
-        the candidates are gathered across ranks."""
+        the candidates are gathered across ranks (with in-batch negatives)."""
         slots = batches[0].pool_spans.shape[1]
         e = embeddings.view(-1, slots, embeddings.shape[-1])
         hashes = torch.cat([b.text_hash for b in batches])
@@ -119,7 +136,8 @@ class Supervised(Objective):
         return info_nce(e[:, 0], e[:, 1], self.scale,
                         negatives=e[:, 2:].reshape(-1, e.shape[-1]) if negatives else None,
                         key_hashes=hashes[:, 1] if self.mask_collisions else None,
-                        negative_hashes=hashes[:, 2:].reshape(-1) if negatives else None, matryoshka=self.matryoshka)
+                        negative_hashes=hashes[:, 2:].reshape(-1) if negatives else None, matryoshka=self.matryoshka,
+                        in_batch=self.in_batch_negatives)
 
     def __call__(self, model: PreTrainedModel, batch: Batch) -> dict[str, ObjectiveOutput]:
         return {self.name: self.loss(self.embed(model, batch), [batch])}

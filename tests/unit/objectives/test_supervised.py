@@ -246,10 +246,10 @@ def test_objective_pools_each_text_alone_and_masks_real_collisions(pair_dir, tok
 
 
 def cached_and_reference(tokenizer, batch, dropout: float, replay: bool = True, reference: str = "graph",
-                         matryoshka: Matryoshka | None = None):
+                         matryoshka: Matryoshka | None = None, **config):
     """(loss, grads) of GradCache over 3 chunks of ``batch``'s rows and of the reference: ``graph`` keeps the three
     chunks' graphs (the same RNG sequence) and runs one backward, ``one`` embeds the whole batch in one pass."""
-    objective = Supervised(SupervisedConfig(matryoshka=matryoshka))
+    objective = Supervised(SupervisedConfig(matryoshka=matryoshka, **config))
     chunks = [collate_rows(batch, list(range(i, i + 2))) for i in range(0, 6, 2)]
     results = []
     for mode in ("cached", reference):
@@ -299,6 +299,54 @@ def test_grad_cache_equals_one_big_batch_and_replays_dropout(pair_dir, tokenizer
     assert unreplayed[0] == pytest.approx(graph[0], rel=1e-6)  # the first pass is the reference's forward ...
     with pytest.raises(AssertionError):  # ... but the re-run draws other dropout masks: wrong gradients
         assert_same(unreplayed, graph, tol=1e-4)
+
+
+def test_without_in_batch_negatives_each_query_scores_its_own_candidates_alone(pair_dir, tokenizer):
+    """``in_batch_negatives: false`` (NV-Embed's second stage; FlagEmbedding's use_inbatch_neg=False): row i's loss is
+    the InfoNCE over its positive and its own hard negative alone, computed here by hand. sentence-transformers has
+    no such switch, but its MultipleNegativesRankingLoss on a batch of one row scores exactly that row's (positive,
+    own negatives): the sum of MNRL (and of MatryoshkaLoss around it) over the rows one at a time equals our loss
+    and its gradient, to 1e-6 in fp64. Another row's positive among a row's candidates no longer counts (the
+    collision mask changes nothing on the replies rows), its own positive's text as its negative is still masked,
+    and GradCache over 3 chunks equals the one batch."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss, MultipleNegativesRankingLoss
+
+    batch = real_batch(pair_dir, [f"f000001s{i:08d}" for i in range(6)])  # replies: row i's negative is i+1's positive
+    own = Supervised(SupervisedConfig(in_batch_negatives=False))
+    with torch.no_grad():
+        embedded = own.embed(tiny_llama(tokenizer).eval(), batch).double()  # [6 x 3, 64]: query, positive, negative
+    e = F.normalize(embedded.view(6, 3, -1), dim=-1)
+    rows = [F.cross_entropy(50.0 * e[i, :1] @ e[i, 1:].T, torch.tensor([0]), reduction="sum").item() for i in range(6)]
+    assert own.loss(embedded, [batch]).loss_sum.item() == pytest.approx(sum(rows), rel=1e-12)
+    assert Supervised(SupervisedConfig()).loss(embedded, [batch]).loss_sum.item() > sum(rows) + 1  # in-batch's more
+    unmasked = Supervised(SupervisedConfig(in_batch_negatives=False, mask_collisions=False))
+    assert unmasked.loss(embedded, [batch]).loss_sum.item() == pytest.approx(sum(rows), rel=1e-12)
+    copied = replace(batch, text_hash=batch.text_hash.clone())
+    copied.text_hash[0, 2] = copied.text_hash[0, 1]  # row 0's negative has its positive's text: masked, loss 0
+    assert own.loss(embedded, [copied]).loss_sum.item() == pytest.approx(sum(rows[1:]), rel=1e-12)
+    for matryoshka in (None, MATRYOSHKA):
+        ours, theirs = (embedded.clone().requires_grad_() for _ in range(2))
+        out = Supervised(SupervisedConfig(in_batch_negatives=False, matryoshka=matryoshka)).loss(ours, [batch])
+        out.loss_sum.backward()
+        model = SentenceTransformer(modules=[GivenRows(theirs)], device="cpu")
+        reference = MultipleNegativesRankingLoss(model, scale=50.0)
+        if matryoshka is not None:
+            reference = MatryoshkaLoss(model, reference, list(matryoshka.dims), list(matryoshka.weights))
+        loss = sum(reference([{"row": torch.tensor([3 * i + slot])} for slot in range(3)], None) for i in range(6))
+        loss.backward()
+        ours_loss = out.loss_sum.item()
+        print(f"matryoshka {matryoshka is not None}: loss {ours_loss:.12g} (ours) vs {loss.item():.12g} (MNRL a row at "
+              f"a time), largest gradient difference {(ours.grad - theirs.grad).abs().max().item():.3g}")
+        assert abs(ours_loss - loss.item()) <= 1e-6 and (ours.grad - theirs.grad).abs().max() <= 1e-6
+    cached, one = cached_and_reference(tokenizer, batch, 0.0, reference="one", matryoshka=MATRYOSHKA,
+                                       in_batch_negatives=False)
+    assert_same(cached, one)
+    with pytest.raises(ConfigError, match=r"^phases\[0\]\.objectives\[0\]\.in_batch_negatives: false leaves each "
+                                          r"query its own hard negatives only, and phases\[0\]\.objectives\[0\]\."
+                                          r"hard_negatives is false: no negative is left; set "):
+        load_experiment(None, ["phases=[{objectives: [{name: supervised, in_batch_negatives: false, "
+                               "hard_negatives: false}]}]"])
 
 
 def test_config_checks_and_the_export_record(tokenizer):
