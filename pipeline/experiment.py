@@ -73,13 +73,14 @@ class SourceMixture:
         return {name: s.max_repetition for name, s in self.sources}
 
     @classmethod
-    def parse(cls, mixture: dict[str, Any], max_repetition: float) -> SourceMixture:
-        """``data.mixture`` as written (``max_repetition``: ``data.mixture_max_repetition``), or a ConfigError."""
+    def parse(cls, mixture: dict[str, Any], max_repetition: float, setting: str = "data.mixture") -> SourceMixture:
+        """``data.mixture`` (or ``setting``: ``data.pair_mixture``, whose sources are tasks) as written
+        (``max_repetition``: ``data.mixture_max_repetition``), or a ConfigError."""
         out = {}
         for name in sorted(mixture):
-            key, value = f"data.mixture.{name}", mixture[name]
+            key, value = f"{setting}.{name}", mixture[name]
             if not isinstance(name, str) or not name:
-                raise ConfigError(f"data.mixture: {name!r} is not a source name; the keys are source names as "
+                raise ConfigError(f"{setting}: {name!r} is not a source name; the keys are source names as "
                                   f"data_prep recorded them (pipeline-inspect-shards lists them)")
             if isinstance(value, dict):
                 src = from_dict(MixtureSource, value, key)
@@ -98,7 +99,7 @@ class SourceMixture:
         total = sum(s.ratio for s in out.values())
         if out and not math.isclose(total, 1.0, abs_tol=1e-6):
             scaled = ", ".join(f"{n}: {s.ratio / total:.4g}" for n, s in out.items())
-            raise ConfigError(f"data.mixture: ratios must sum to 1, got {total:.6g}; e.g. {{{scaled}}}")
+            raise ConfigError(f"{setting}: ratios must sum to 1, got {total:.6g}; e.g. {{{scaled}}}")
         return cls(tuple(out.items()))
 
 
@@ -124,6 +125,11 @@ class DataConfig:
     unit_shards: str = ""  # sentence-unit shards (build_shards.py --units) for contrastive objectives
     unit_micro_batch: int = 0  # sentence units per rank per micro-step (0: train.micro_batch)
     pair_shards: str = ""  # (query, positive, negatives) shards (build_shards.py --pairs) for the supervised objective
+    # task -> target ratio (or {ratio, max_repetition}) of pair_shards' tasks, as data.mixture; {}: one permutation
+    pair_mixture: dict[str, Any] = field(default_factory=dict)  # as written; typed: task_mixture
+    # same_task: every global batch of pair_shards from one task of pair_mixture (FlagEmbedding's
+    # same_dataset_within_batch); mixed: the tasks mixed within each batch. docs/embedding-recipes.md
+    pair_batching: Literal["mixed", "same_task"] = "mixed"
     verify_shards: bool = True  # sha256 of each shard on first open, token ids against the vocabulary
     # shards (or unit_shards) at a URL: downloaded whole into cache_dir ("": $TMPDIR/decoder-encoders-shards, shared
     # by the node's ranks), least recently used evicted beyond cache_max_gb; each transfer tried fetch_attempts times
@@ -162,8 +168,9 @@ class DataConfig:
         if self.build_source_field.strip() != self.build_source_field:
             raise ConfigError(f"data.build_source_field: {self.build_source_field!r} must be a record field, dotted "
                               f"into objects (meta.redpajama_set_name), without surrounding blanks")
-        self.__dict__.pop("source_mixture", None)
-        _ = self.source_mixture  # parsed now, at load: a bad data.mixture fails here
+        for typed in ("source_mixture", "task_mixture"):  # parsed now, at load: a bad mixture fails here
+            self.__dict__.pop(typed, None)
+            getattr(self, typed)
 
     def shards_at(self, seq_len: int) -> str:
         """The default shard directory at ``seq_len``: the named inputs' own (``input_shards``) when
@@ -180,6 +187,11 @@ class DataConfig:
     def source_mixture(self) -> SourceMixture:
         """``mixture`` typed (:meth:`SourceMixture.parse`), parsed once."""
         return SourceMixture.parse(self.mixture, self.mixture_max_repetition)
+
+    @functools.cached_property
+    def task_mixture(self) -> SourceMixture:
+        """``pair_mixture`` typed (:meth:`SourceMixture.parse`; a task's sources are its pair shards'), parsed once."""
+        return SourceMixture.parse(self.pair_mixture, self.mixture_max_repetition, "data.pair_mixture")
 
 
 @dataclass

@@ -3,8 +3,9 @@ built from (:func:`check_packed_sources`), built when missing or, with data.rebu
 inputs (rank 0, :func:`build_missing_shards`, from what :func:`build_input_files` finds), then present, built with
 the tokenizer and sequence length, of the kind their objectives read, every shard of its size, enough samples for
 a global batch; data.shards' held-out split and validation samples (:func:`check_held_out`), data.mixture against the
-budget (:func:`check_mixture`), and each loader's spec (:class:`LoaderSpec`: micro-batch, holdout, mixture plan,
-batch warmup)."""
+budget (:func:`check_mixture`), data.pair_mixture and data.pair_batching against the pair shards' tasks and the
+supervised objectives (:func:`check_pairs`), and each loader's spec (:class:`LoaderSpec`: micro-batch, holdout,
+mixture plan, same-task batches, batch warmup)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from pipeline.data.loading.order import BatchWarmup
 from pipeline.data.prep.build import run_job, shard_fingerprint
 from pipeline.data.prep.build_config import BuildConfig
 from pipeline.data.prep.sources import InputError, expand_inputs
-from pipeline.experiment import DataConfig, ExperimentConfig, PhaseData
+from pipeline.experiment import DataConfig, ExperimentConfig, PhaseData, SourceMixture
 from pipeline.inputs import (
     built_from_others,
     check_buildable,
@@ -44,15 +45,16 @@ from pipeline.train.phases import WeightedObjective, shard_kind_readers
 
 @dataclass(frozen=True)
 class LoaderSpec:
-    """One loader of the run as preflight decided it: its shards, micro-batch, held-out samples, mixture and batch
-    warmup. The trainer opens it (``ShardLoader``) on its rank with the run's seed and workers."""
+    """One loader of the run as preflight decided it: its shards, micro-batch, held-out samples, mixture, same-task
+    batches and batch warmup. The trainer opens it (``ShardLoader``) on its rank with the run's seed and workers."""
 
     index: DatasetIndex
     micro_batch: int
     holdout: Holdout | None = None  # the samples it stops short of (data.shards' eval.holdout)
-    mixture: Mapping[str, float] | None = None  # data.mixture's ratios (data.shards' loader)
+    mixture: Mapping[str, float] | None = None  # data.mixture's ratios (data.shards'), data.pair_mixture's (pairs')
     plan: MixturePlan | None = None  # their plan over the samples training reads
     warmup: BatchWarmup | None = None  # train.batch_warmup, for the loaders the first phase reads
+    same_task: bool = False  # data.pair_batching: same_task, every global batch of one task (the pairs loader)
 
 
 @dataclass(frozen=True)
@@ -205,18 +207,56 @@ def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int
     every source named exists and can supply its share within its maximum repetition. Returns the plan (the packed
     loader's) and its lines for rank 0 to print."""
     d, t = exp.data, exp.train
-    mixture = d.source_mixture
     steps = sum(n for n, pd in zip(exp.phase_lengths(), exp.phases_data) if pd.loader == "packed")
-    budget = Budget(steps, t.global_batch(world), d.seq_len)
+    return _plan(d.source_mixture, "data.mixture", "sources", index, train_samples, t.seed,
+                 Budget(steps, t.global_batch(world), d.seq_len))
+
+
+def _plan(mixture: SourceMixture, setting: str, what: str, index: DatasetIndex, train_samples: int | dict[str, int] | None,
+          seed: int, budget: Budget) -> tuple[MixturePlan, list[str]]:
+    """The plan of ``mixture`` (``setting``, of ``what``: sources or tasks) over ``index``, checked against
+    ``budget``, and its lines for rank 0 to print."""
     try:
-        plan = MixturePlan.build(index, mixture.ratios, t.seed, train_samples)
-        lines = check_budget(plan, budget, mixture.max_repetition)
+        plan = MixturePlan.build(index, mixture.ratios, seed, train_samples, setting)
+        lines = check_budget(plan, budget, mixture.max_repetition, setting)
     except MixtureError as e:
         raise ConfigError(str(e)) from None
     left_out = [name for name in index.sources if name not in mixture.names]
-    return plan, ([f"mixture of {len(mixture.names)} sources over {budget.describe()}:", *(f"  {line}" for line in lines)]
-            + ([f"note: data.mixture leaves out {', '.join(left_out)} of {index.directory}: not trained on"]
+    return plan, ([f"mixture of {len(mixture.names)} {what} over {budget.describe()}:", *(f"  {line}" for line in lines)]
+            + ([f"note: {setting} leaves out {', '.join(left_out)} of {index.directory}: not trained on"]
                if left_out else []))
+
+
+def check_pairs(exp: ExperimentConfig, index: DatasetIndex, objectives: tuple[tuple[WeightedObjective, ...], ...],
+                world: int) -> tuple[MixturePlan | None, list[str]]:
+    """The pair shards against what reads them: the instruction format, hard negatives for a supervised objective
+    with ``in_batch_negatives: false``, ``data.pair_batching: same_task`` over a ``data.pair_mixture`` of >= 2 of
+    their tasks, and that mixture against the tasks and the budget of the phases reading pairs. Returns its plan
+    (None without one) and lines."""
+    d, t = exp.data, exp.train
+    check_instruction_format(exp, index)
+    check_hard_negatives(exp, index)
+    mixture = d.task_mixture
+    if d.pair_batching == "same_task" and len(mixture.names) < 2:
+        counts = {name: c["samples"] for name, c in index.source_counts().items()}
+        if len(counts) < 2:
+            raise ConfigError(f"data.pair_batching: same_task draws each global batch from one task of "
+                              f"data.pair_mixture, but data.pair_shards {index.directory} holds one task "
+                              f"({', '.join(counts)!r}; built before pairs shards recorded their tasks?); build "
+                              f"pairs shards of >= 2 tasks (a row's \"task\" or its file's stem), or set "
+                              f"data.pair_batching=mixed")
+        total = sum(counts.values())
+        ratios = ", ".join(f"{name}: {n / total:.4g}" for name, n in counts.items())
+        raise ConfigError(f"data.pair_batching: same_task draws each global batch from one task of "
+                          f"data.pair_mixture, which names {len(mixture.names)} task(s); set data.pair_mixture to >= 2 "
+                          f"tasks of {index.directory}, e.g. {{{ratios}}} (in proportion to their rows, as "
+                          f"FlagEmbedding's same_dataset_within_batch draws them)")
+    if not mixture:
+        return None, []
+    steps = sum(n for n, objs in zip(exp.phase_lengths(), objectives)
+                if any(o.objective.shard_kind == "pairs" for o in objs))
+    return _plan(mixture, "data.pair_mixture", "tasks", index, None, t.seed,
+                 Budget(steps, t.global_batch(world), index.seq_len))
 
 
 def loader_micro_batches(exp: ExperimentConfig) -> dict[str, int]:
@@ -243,18 +283,21 @@ def check_shards(exp: ExperimentConfig, tok: Tokenizer, objectives: tuple[tuple[
                                           phase_readers, t.global_batch(world, micro[pd.loader]))
     validation = check_held_out(exp, tok, indexes["packed"], holdout)
     plan, notes = check_mixture(exp, indexes["packed"], holdout.limit, world) if d.source_mixture else (None, [])
+    plans = {"packed": (d.source_mixture, plan)}
     if readers["units"]:
         indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
                                         t.global_batch(world, micro["units"]))
     if readers["pairs"]:
         indexes["pairs"] = _check_index(d.pair_shards, "data.pair_shards", d, tok, None, "pairs", readers["pairs"],
                                         t.global_batch(world, micro["pairs"]))
-        check_instruction_format(exp, indexes["pairs"])
+        pair_plan, pair_notes = check_pairs(exp, indexes["pairs"], objectives, world)
+        plans["pairs"], notes = (d.task_mixture, pair_plan), notes + pair_notes
     first = exp.phases_data[0].loader  # the batch warmup lies in the first phase: it warms that phase's loaders
     warmed = {first if o.objective.shard_kind == "packed" else o.objective.shard_kind for o in objectives[0]}
+    mixtures = {name: (MappingProxyType(m.ratios), p) for name, (m, p) in plans.items() if m}
     loaders = {name: LoaderSpec(index, micro[name], holdout if name == "packed" else None,
-                                MappingProxyType(d.source_mixture.ratios) if name == "packed" else None,
-                                plan if name == "packed" else None, warmup if name in warmed else None)
+                                *mixtures.get(name, (None, None)), warmup if name in warmed else None,
+                                name == "pairs" and d.pair_batching == "same_task")
                for name, index in indexes.items()}
     return Shards(MappingProxyType(indexes), MappingProxyType(loaders), holdout, validation, tuple(notes))
 
@@ -269,6 +312,20 @@ def check_instruction_format(exp: ExperimentConfig, index: DatasetIndex) -> None
                 raise ConfigError(f"phases[{i}].objectives[{j}].instruction_format: {o.instruction_format!r}, but "
                                   f"data.pair_shards {index.directory} joined its instructions with {built!r}; set "
                                   f"it to {built!r} (or rebuild the shards with --instruction-format)")
+
+
+def check_hard_negatives(exp: ExperimentConfig, index: DatasetIndex) -> None:
+    """A supervised objective with ``in_batch_negatives: false`` scores each query against its own hard negatives
+    only: the pair shards must hold some, and the objective must read them."""
+    for i, phase in enumerate(exp.phases):
+        for j, o in enumerate(phase.objectives):
+            if getattr(o, "in_batch_negatives", True) or not o.hard_negatives:
+                continue  # (in_batch_negatives false with hard_negatives false is refused at load)
+            if index.pairs["negatives"] < 1:
+                raise ConfigError(f"phases[{i}].objectives[{j}].in_batch_negatives: false scores each query against "
+                                  f"its own hard negatives only, but data.pair_shards {index.directory} holds none "
+                                  f"(built with --negatives 0); rebuild them with --negatives 1 or more, or set "
+                                  f"phases[{i}].objectives[{j}].in_batch_negatives=true")
 
 
 def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer, packed: DatasetIndex,

@@ -102,7 +102,7 @@ class Trainer:
         t, pin = exp.train, device.type == "cuda"
         loaders = {name: ShardLoader(s.index, s.micro_batch, t.grad_accum, rank, world, t.seed, exp.data.num_workers,
                                      pin_memory=pin, verify=exp.data.verify_shards, mixture=s.mixture, plan=s.plan,
-                                     holdout=s.holdout, warmup=s.warmup)
+                                     holdout=s.holdout, warmup=s.warmup, same_task=s.same_task)
                    for name, s in prepared.loaders.items()}
         v = exp.eval
         validator = Validator(v, prepared.validation, list(prepared.probes),

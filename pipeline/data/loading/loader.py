@@ -22,7 +22,7 @@ from pipeline.data.format.tar_shard import ShardCorrupt, ShardReader
 from pipeline.data.loading.batch import Batch, collate
 from pipeline.data.loading.holdout import Holdout
 from pipeline.data.loading.mixture import MixturePlan
-from pipeline.data.loading.order import BatchWarmup, EvalOrder, MixtureOrder, TrainOrder
+from pipeline.data.loading.order import BatchWarmup, EvalOrder, MixtureOrder, SameTaskOrder, TrainOrder
 
 STATE_KEYS = ("fingerprint", "seed", "epoch", "samples_in_epoch", "samples_consumed", "global_batch")
 
@@ -160,14 +160,18 @@ class ShardLoader:
     the first ones of a directory of one source (as ``num_samples``), each source's first ones of several; the
     state then records each source's held-out count, and a resume with another split is refused. The directory
     must hold one global batch of training samples: the caller checks that once
-    (:func:`~pipeline.data.format.index.check_enough_samples`, the trainer's preflight).
+    (:func:`~pipeline.data.format.index.check_enough_samples`, the trainer's preflight). ``same_task`` (with a
+    ``mixture`` of the tasks of pairs shards, ``data.pair_batching: same_task``): every global batch from one of its
+    sources (:class:`~pipeline.data.loading.order.SameTaskOrder`); the state records it, and a resume without it, or
+    with another global batch (which would cut each task's rows otherwise), is refused.
     """
 
     def __init__(self, index: DatasetIndex, micro_batch: int, grad_accum: int = 1, dp_rank: int = 0,
                  dp_world: int = 1, seed: int = 0, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int = 2, max_open_shards: int = 64, verify: bool = True,
                  num_samples: int | None = None, mixture: dict[str, float] | None = None,
-                 holdout: Holdout | None = None, warmup: BatchWarmup | None = None, plan: MixturePlan | None = None):
+                 holdout: Holdout | None = None, warmup: BatchWarmup | None = None, plan: MixturePlan | None = None,
+                 same_task: bool = False):
         if micro_batch < 1 or grad_accum < 1 or dp_world < 1 or not 0 <= dp_rank < dp_world:
             raise ValueError(f"need micro_batch >= 1, grad_accum >= 1 and 0 <= dp_rank < dp_world, got "
                              f"micro_batch={micro_batch} grad_accum={grad_accum} dp_rank={dp_rank} dp_world={dp_world}")
@@ -175,6 +179,8 @@ class ShardLoader:
             raise ValueError(f"a batch warmup of {warmup.full} global micro-batches in granules of {warmup.granule} "
                              f"does not fit grad_accum {grad_accum} x dp_world {dp_world}: it needs full = "
                              f"grad_accum x dp_world and a granule that is a multiple of dp_world")
+        if same_task and not mixture:
+            raise ValueError("same_task batches need a mixture of the sources (tasks) to draw each batch from")
         if seed < 0 or num_workers < 0:
             raise ValueError(f"seed and num_workers must be >= 0, got seed={seed} num_workers={num_workers}")
         self.index = index
@@ -188,9 +194,11 @@ class ShardLoader:
         spread = holdout is not None and not holdout.prefix  # training samples of several sources, not a prefix
         self._held_out = dict(holdout.held_counts) if spread else None
         self.mixture = dict(sorted(mixture.items())) if mixture else None
+        self.same_task = same_task
         if self.mixture:
-            self._order = MixtureOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world, warmup=warmup,
-                                       plan=plan or MixturePlan.build(index, self.mixture, seed, limit))
+            kind = SameTaskOrder if same_task else MixtureOrder
+            self._order = kind(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world, warmup=warmup,
+                               plan=plan or MixturePlan.build(index, self.mixture, seed, limit))
         else:
             self._order = TrainOrder(num_samples, seed, micro_batch, grad_accum, dp_rank, dp_world,
                                      ids=holdout.train if spread else None, warmup=warmup)
@@ -254,6 +262,7 @@ class ShardLoader:
                 "global_batch": self.global_batch, "num_samples": self._order.num_samples,
                 **({"batch_warmup": self._warmup_state()} if self._order.warmup else {}),
                 **({"mixture": self.mixture} if self.mixture else {}),
+                **({"batching": "same_task"} if self.same_task else {}),
                 **({"held_out": self._held_out} if self._held_out else {})}
 
     def load_state_dict(self, state: dict) -> None:
@@ -284,8 +293,17 @@ class ShardLoader:
             raise ValueError(f"the loader state was saved training on data.mixture {state.get('mixture') or '(none)'}, "
                              f"this loader has {self.mixture or '(none)'}; resume with the run's data.mixture, or "
                              f"start a new run")
+        batching = "same_task" if self.same_task else "mixed"
+        if state.get("batching", "mixed") != batching:
+            raise ValueError(f"the loader state was saved with data.pair_batching {state.get('batching', 'mixed')}, "
+                             f"this loader has {batching}; resume with the run's data.pair_batching, or start a new "
+                             f"run")
         # states saved before the step was recorded come from runs without a warmup: whole saved batches
         saved = state["global_batch"]
+        if self.same_task and saved != self.global_batch:
+            raise ValueError(f"the loader state was saved with same-task global batches of {saved} rows, this "
+                             f"loader's are {self.global_batch}: each task's rows would be cut otherwise; resume with "
+                             f"the run's micro_batch x grad_accum x ranks, or start a new run")
         step = state.get("step", state["epoch"] * (self._order.epoch_length // saved) + state["samples_in_epoch"] // saved)
         warmup = self._warmup_state()
         if state.get("batch_warmup") != warmup and step < max(w["steps"] for w in (state.get("batch_warmup"), warmup)

@@ -18,6 +18,10 @@ The order is one global, endless sequence of positions, the same for any number 
   within one repetition every sample comes once, and a repetition factor r reads each at most ``ceil(r)`` times.
 
 Ratios are quantised to multiples of 2**-20 (:data:`SCALE`); :attr:`MixturePlan.ratios` are the ones trained.
+
+The same plan mixes the tasks of pairs shards (``data.pair_mixture``: a pairs shard's source is its rows' task),
+and with ``data.pair_batching: same_task`` routes whole global batches instead of samples
+(``order.SameTaskOrder``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ SCALE = 1 << 20  # ratios are integers over this
 
 class MixtureError(ValueError):
     """A mixture the shards cannot serve (an unknown source, a source too small for its share)."""
+
+
+# how a directory comes to hold the one source "default", by the setting that mixes its sources
+_UNNAMED = {"data.mixture": "shards built without --source-field are the one source 'default'",
+            "data.pair_mixture": "pairs shards built before they recorded their rows' tasks are the one source "
+                                 "'default': rebuild them into a new directory"}
 
 
 def quantise(ratios: dict[str, float]) -> dict[str, int]:
@@ -105,20 +115,19 @@ class MixturePlan:
 
     @classmethod
     def build(cls, index: DatasetIndex, ratios: dict[str, float], seed: int,
-              num_samples: int | dict[str, int] | None = None) -> MixturePlan:
+              num_samples: int | dict[str, int] | None = None, setting: str = "data.mixture") -> MixturePlan:
         """The plan of ``ratios`` over the training samples of ``index`` (``num_samples`` as in
-        :func:`source_samples`)."""
+        :func:`source_samples`); errors name ``setting`` (``data.pair_mixture`` for the tasks of pairs shards)."""
         available = source_samples(index, num_samples)
         unknown = sorted(set(ratios) - set(available))
         if unknown:
             held = ", ".join(f"{name} ({s.count} samples)" for name, s in available.items())
-            raise MixtureError(f"data.mixture: {', '.join(map(repr, unknown))} not among the sources of "
-                               f"{index.directory}: {held}; name its sources (shards built without --source-field "
-                               f"are the one source 'default')")
+            raise MixtureError(f"{setting}: {', '.join(map(repr, unknown))} not among the sources of "
+                               f"{index.directory}: {held}; name its sources ({_UNNAMED[setting]})")
         empty = [name for name in sorted(ratios) if available[name].count == 0]
         if empty:
-            raise MixtureError(f"data.mixture: source {empty[0]!r} has no training samples in {index.directory} "
-                               f"(all held out by eval.holdout?); drop it from data.mixture or hold out less")
+            raise MixtureError(f"{setting}: source {empty[0]!r} has no training samples in {index.directory} "
+                               f"(all held out by eval.holdout?); drop it from {setting} or hold out less")
         weights = quantise(ratios)
         return cls(tuple(weights.items()), tuple(available[name] for name in weights), seed)
 
@@ -182,15 +191,22 @@ class MixturePlan:
         """The global sample id at each position."""
         source, local = self.locate(positions)
         out = np.empty_like(source)
-        for s, samples in enumerate(self.samples):
+        for s in range(len(self.samples)):
             mine = np.flatnonzero(source == s)
-            if not len(mine):
-                continue
-            epoch, slot = np.divmod(local[mine], samples.count)
-            for e in np.unique(epoch):
-                at = epoch == e
-                out[mine[at]] = samples.global_ids(permute(slot[at], samples.count, self.seed, int(e),
-                                                           stream=source_stream(self.names[s])))
+            if len(mine):
+                out[mine] = self.source_ids(s, local[mine])
+        return out
+
+    def source_ids(self, s: int, local: np.ndarray) -> np.ndarray:
+        """The global sample ids of items ``local`` of source ``s`` (index into :attr:`names`): item k is slot
+        ``k % N`` of its repetition ``k // N``'s permutation."""
+        samples, local = self.samples[s], np.asarray(local, dtype=np.int64)
+        out = np.empty_like(local)
+        epoch, slot = np.divmod(local, samples.count)
+        for e in np.unique(epoch):
+            at = epoch == e
+            out[at] = samples.global_ids(permute(slot[at], samples.count, self.seed, int(e),
+                                                 stream=source_stream(self.names[s])))
         return out
 
 
@@ -211,10 +227,11 @@ class Budget:
                 f"({self.samples * self.seq_len:,} tokens)")
 
 
-def check_budget(plan: MixturePlan, budget: Budget, max_repetition: dict[str, float]) -> list[str]:
+def check_budget(plan: MixturePlan, budget: Budget, max_repetition: dict[str, float],
+                 setting: str = "data.mixture") -> list[str]:
     """Raise :class:`MixtureError` naming the source furthest from supplying its share of ``budget`` within its
-    ``max_repetition`` (and any other short one); else one line per source: its ratio, the samples and tokens it supplies, and how many
-    times over that reads its samples."""
+    ``max_repetition`` (and any other short one), and ``setting``; else one line per source: its ratio, the samples
+    and tokens it supplies, and how many times over that reads its samples."""
     need = plan.counts(budget.samples)
     have = {name: samples.count for name, samples in zip(plan.names, plan.samples)}
     short = sorted((n for n in plan.names if need[n] > math.floor(max_repetition[n] * have[n])),
@@ -222,7 +239,7 @@ def check_budget(plan: MixturePlan, budget: Budget, max_repetition: dict[str, fl
     if short:
         also = f" (also short: {', '.join(short[1:])})" if short[1:] else ""
         raise MixtureError(_shortfall(plan, budget, short[0], need[short[0]], have[short[0]],
-                                      max_repetition[short[0]]) + also)
+                                      max_repetition[short[0]], setting) + also)
     lines = []
     for name in plan.names:
         ratio, limit = plan.ratios[name], max_repetition[name]
@@ -231,15 +248,16 @@ def check_budget(plan: MixturePlan, budget: Budget, max_repetition: dict[str, fl
     return lines
 
 
-def _shortfall(plan: MixturePlan, budget: Budget, name: str, need: int, have: int, limit: float) -> str:
+def _shortfall(plan: MixturePlan, budget: Budget, name: str, need: int, have: int, limit: float,
+               setting: str) -> str:
     cap = math.floor(limit * have)
     steps = cap // max(math.ceil(plan.ratios[name] * budget.global_batch), 1)
     while steps < budget.steps and plan.counts((steps + 1) * budget.global_batch)[name] <= cap:
         steps += 1  # from a lower bound up to the last step count whose share fits
     tokens = budget.seq_len
-    return (f"data.mixture: source {name!r} cannot supply its share of the run: ratio {plan.ratios[name]:.4g} of "
+    return (f"{setting}: source {name!r} cannot supply its share of the run: ratio {plan.ratios[name]:.4g} of "
             f"{budget.describe()} needs {need:,} of its samples ({need * tokens:,} tokens), but it has {have:,} "
             f"({have * tokens:,} tokens) and max_repetition {limit:g} allows {cap:,} ({need / have:.2f}x needed); "
-            f"lower its ratio to at most {cap / budget.samples:.4g}, raise data.mixture.{name}.max_repetition (or "
+            f"lower its ratio to at most {cap / budget.samples:.4g}, raise {setting}.{name}.max_repetition (or "
             f"data.mixture_max_repetition) to {math.ceil(need / have * 100) / 100:g} or more, shorten train.steps to "
             f"{steps:,}, or add data of that source")

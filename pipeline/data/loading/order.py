@@ -138,8 +138,12 @@ class TrainOrder:
     def sample_ids(self, j: int) -> np.ndarray:
         """Global sample ids of this rank's ``j``-th micro-batch counted from ``first_step``."""
         place, micro = self.locate(j)
-        first = place.offset + (self.dp_rank * self.micro_steps(place.step) + micro) * self.micro_batch
-        return self._at(np.arange(first, first + self.micro_batch), place.epoch)
+        first = (self.dp_rank * self.micro_steps(place.step) + micro) * self.micro_batch
+        return self._rows(place, np.arange(first, first + self.micro_batch))
+
+    def _rows(self, place: StepPlace, within: np.ndarray) -> np.ndarray:
+        """The sample ids of rows ``within`` (positions inside the step's global batch) of the step at ``place``."""
+        return self._at(place.offset + within, place.epoch)
 
     def _at(self, positions: np.ndarray, epoch: int) -> np.ndarray:
         order = permute(positions, self.num_samples, self.seed, epoch)
@@ -160,6 +164,41 @@ class MixtureOrder(TrainOrder):
 
     def _at(self, positions: np.ndarray, epoch: int) -> np.ndarray:
         return self.plan.sample_ids(positions)
+
+
+@dataclass(frozen=True)
+class SameTaskOrder(MixtureOrder):
+    """:class:`MixtureOrder` whose every global batch comes from one source of the plan (a task of
+    ``data.pair_mixture``; FlagEmbedding's ``same_dataset_within_batch``): the plan routes optimizer steps, not
+    samples, so the sequence of batch tasks follows the ratios (every prefix of steps within about one batch per
+    tree level) and is a function of the step alone. A step of task t takes the next rows of t's own order (its
+    repetitions and seeded permutations, as the mixture's): the rows after those of t's earlier steps. Ranks cut a
+    step's rows as :class:`TrainOrder` does, so all ranks' rows of a step share its task, and 1 or N ranks read the
+    same global batches; a batch warmup's smaller steps are counted exactly."""
+
+    def task_of(self, step: int) -> tuple[int, int]:
+        """(the task of optimizer step ``step``, an index into ``plan.names``; the position in that task's own order
+        of the step's first row)."""
+        task, k = (int(x[0]) for x in self.plan.locate(np.array([step])))
+        tasks, starts, totals, counts = self._warm_tasks
+        if step < len(tasks):
+            return task, int(starts[step])
+        return task, int(totals[task] + (k - counts[task]) * self.global_batch)
+
+    @cached_property
+    def _warm_tasks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The steps of a batch warmup (whose batches are smaller): each one's task and its first row's position
+        in that task's order; each task's rows and steps over the warmup."""
+        steps = np.arange(self.warmup.steps if self.warmup else 0)
+        tasks = self.plan.locate(steps)[0]
+        starts, totals = np.zeros(len(steps), dtype=np.int64), np.zeros(len(self.plan.names), dtype=np.int64)
+        for step, task in zip(steps, tasks):
+            starts[step], totals[task] = totals[task], totals[task] + self.samples(int(step))
+        return tasks, starts, totals, np.bincount(tasks, minlength=len(self.plan.names))
+
+    def _rows(self, place: StepPlace, within: np.ndarray) -> np.ndarray:
+        task, first = self.task_of(place.step)
+        return self.plan.source_ids(task, first + within)
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,11 @@ from shard_corpus import HOLDOUT, ROOT, TOKENIZER, sourced_corpus
 
 from pipeline.config import ConfigError, to_dict
 from pipeline.data.format.index import DatasetIndex, ShardInfo, load_index
+from pipeline.data.format.tar_shard import ShardReader
 from pipeline.data.loading.holdout import split
 from pipeline.data.loading.loader import ShardLoader, iter_eval
 from pipeline.data.loading.mixture import Budget, MixtureError, MixturePlan, check_budget, source_samples
-from pipeline.data.loading.order import TrainOrder
+from pipeline.data.loading.order import BatchWarmup, TrainOrder
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
 from pipeline.experiment import load_experiment
@@ -364,3 +365,113 @@ def test_preflight_and_loader_hold_out_each_sources_tail(sourced_shards, tmp_pat
     straight = [ShardLoader(index, 2, 2, rank, 2, seed=5, verify=False, holdout=h) for rank in range(2)]
     expected = [k for _ in range(6) for loader in straight for b in loader.next_global_step() for k in b.keys][32:]
     assert [k for _ in range(2) for b in resumed.next_global_step() for k in b.keys] == expected
+
+
+# data.pair_batching: same_task (issue 52, item 3): the tasks of pairs shards, each global batch from one of them
+PAIRS = os.path.join(ROOT, "data", "sample", "pairs")
+TASKS = {"continuations": 0.25, "replies": 0.75}
+
+
+@pytest.fixture(scope="module")
+def pair_shards(build_shards) -> str:
+    """The sample pairs (128 rows of each of 2 tasks, each task in its own shards) with their hard negative,
+    without instructions: 16 tokens a text."""
+    return build_shards((os.path.join(PAIRS, "*.jsonl"),), pairs=True, seq_len=16, samples_per_shard=50)
+
+
+def _task_batches(index, world: int, grad_accum: int, steps: int, state=None, **kw) -> tuple[list[list], dict]:
+    """([(sample key, task id) of each row of each global batch, rank 0's rows first], the loader state after them)
+    of ``world`` simulated ranks of same-task loaders (2 rows a micro-batch)."""
+    loaders = [ShardLoader(index, 2, grad_accum, rank, world, seed=3, mixture=TASKS, same_task=True, verify=False,
+                           **kw) for rank in range(world)]
+    for loader in loaders if state is not None else ():
+        loader.load_state_dict(state)
+    return [[(k, int(i)) for loader in loaders for b in loader.next_global_step() for k, i in zip(b.keys, b.source_ids)]
+            for _ in range(steps)], loaders[0].state_dict()
+
+
+def test_same_task_batches_follow_the_ratios_on_any_world_size_and_resume_exactly(pair_shards):
+    """Every global batch of 8 rows (2 simulated ranks x 2 micro-steps x 2 rows) holds one task; the sequence of
+    batch tasks is the plan's routing of steps (a quarter continuations); 1 and 2 ranks read the same batches; a
+    state saved mid-epoch on 2 ranks resumes on 1 with the same batches; each task reads its rows in its own order,
+    every row once per repetition (replies: 24 batches of 8 = 1.5 repetitions of its 128)."""
+    index = load_index(pair_shards)
+    assert index.sources == ("continuations", "replies")
+    two, _ = _task_batches(index, 2, 2, 32)
+    assert two == _task_batches(index, 1, 4, 32)[0]
+    tasks = [{task for _, task in batch} for batch in two]
+    assert all(len(t) == 1 for t in tasks)  # one task a global batch, over both ranks' rows
+    plan = MixturePlan.build(index, TASKS, 3)
+    assert [t.pop() for t in tasks] == plan.locate(np.arange(32))[0].tolist()
+    assert plan.counts(32) == {"continuations": 8, "replies": 24}
+    stored = [sample.key for shard in index.shards for sample in ShardReader(shard.path)]  # by global sample id
+    for s in range(len(plan.names)):  # each task's rows: its own order, from its first row on, none skipped
+        keys = [key for batch in two for key, task in batch if task == s]
+        assert keys == [stored[i] for i in plan.source_ids(s, np.arange(len(keys)))]
+        assert len(set(keys[:128])) == min(len(keys), 128)  # a repetition reads each of its rows once
+    first, state = _task_batches(index, 2, 2, 13)
+    assert state["batching"] == "same_task" and state["mixture"] == TASKS
+    rest, _ = _task_batches(index, 1, 4, 19, state)  # resumed mid-epoch of replies, on 1 rank
+    assert first + rest == two
+    with pytest.raises(ValueError, match="saved with data.pair_batching same_task, this loader has mixed"):
+        ShardLoader(index, 2, 2, seed=3, mixture=TASKS).load_state_dict(state)
+    with pytest.raises(ValueError, match="same-task global batches of 8 rows, this loader's are 4"):
+        ShardLoader(index, 2, 2, seed=3, mixture=TASKS, same_task=True).load_state_dict(state)
+    # a batch warmup (4 rows for 5 steps, then 8): its smaller batches, still of one task, take each task's next rows
+    warm = BatchWarmup(full=4, start=0.5, steps=5, granule=2)
+    warm_two, _ = _task_batches(index, 2, 2, 12, warmup=warm)
+    assert warm_two == _task_batches(index, 1, 4, 12, warmup=warm)[0]
+    assert [len(b) for b in warm_two] == [4] * 5 + [8] * 7 and all(len({t for _, t in b}) == 1 for b in warm_two)
+    for s in range(len(plan.names)):
+        keys = [key for batch in warm_two for key, task in batch if task == s]
+        assert keys == [stored[i] for i in plan.source_ids(s, np.arange(len(keys)))]
+
+
+PAIRS_RUN = ["train.steps=8", "train.micro_batch=2", "data.build_if_missing=false", "train.export_hf=false",
+             "phases=[{objectives: [{name: supervised, in_batch_negatives: false}]}]"]
+
+
+@pytest.mark.parametrize("shards, overrides, message", [
+    ("two", ["data.pair_batching=same_task"], "data.pair_batching: same_task draws each global batch from one task "
+     "of data.pair_mixture, which names 0 task(s); set data.pair_mixture to >= 2 tasks of {dir}, e.g. "
+     "{{continuations: 0.5, replies: 0.5}} (in proportion to their rows"),
+    ("two", ["data.pair_batching=same_task", "data.pair_mixture={replies: 1}"], "data.pair_batching: same_task "
+     "draws each global batch from one task of data.pair_mixture, which names 1 task(s)"),
+    ("one", ["data.pair_batching=same_task", "data.pair_mixture={replies: 1}"], "data.pair_batching: same_task "
+     "draws each global batch from one task of data.pair_mixture, but data.pair_shards {dir} holds one task "
+     "('replies'; "),
+    ("two", ["data.pair_mixture={replies: 0.5, sonnets: 0.5}"], "data.pair_mixture: 'sonnets' not among the "
+     "sources of {dir}: continuations (128 samples), replies (128 samples); name its sources (pairs shards built "
+     "before they recorded their rows' tasks"),
+    ("two", ["data.pair_mixture={continuations: 0.25, replies: 0.75}", "train.steps=300"], "data.pair_mixture: "
+     "source 'replies' cannot supply its share of the run: ratio 0.75 of 300 steps x 4 samples x 48 tokens"),
+    ("none", [], "phases[0].objectives[0].in_batch_negatives: false scores each query against its own hard "
+     "negatives only, but data.pair_shards {dir} holds none (built with --negatives 0); rebuild them with "
+     "--negatives 1 or more, or set phases[0].objectives[0].in_batch_negatives=true"),
+])
+def test_preflight_refuses_pair_batching_and_negatives_the_pairs_cannot_serve(pair_shards, build_shards, tmp_path,
+                                                                            shards, overrides, message):
+    directory = {"two": pair_shards,
+                 "one": lambda: build_shards((os.path.join(PAIRS, "replies.jsonl"),), pairs=True, seq_len=16),
+                 "none": lambda: build_shards((os.path.join(PAIRS, "*.jsonl"),), pairs=True, seq_len=16,
+                                              negatives=0)}[shards]
+    directory = directory if isinstance(directory, str) else directory()
+    exp = load_experiment(None, [*PAIRS_RUN, f"data.shards={directory}", f"data.pair_shards={directory}",
+                                 f"data.seq_len={load_index(directory).seq_len}", f"run_dir={tmp_path / 'run'}",
+                                 *overrides])
+    with pytest.raises(ConfigError) as e, preflight(exp, rank=0, world=2):
+        pass
+    assert str(e.value).startswith(message.format(dir=directory)) and "\n" not in str(e.value)
+    assert "cannot supply" not in message or "raise data.pair_mixture.replies.max_repetition" in str(e.value)
+
+
+def test_preflight_hands_the_pairs_loader_its_task_plan_and_same_task_batches(pair_shards, tmp_path):
+    exp = load_experiment(None, [*PAIRS_RUN, f"data.shards={pair_shards}", f"data.pair_shards={pair_shards}",
+                                 "data.seq_len=48", f"run_dir={tmp_path / 'run'}", "data.pair_batching=same_task",
+                                 "data.pair_mixture={continuations: 0.25, replies: 0.75}"])
+    with preflight(exp, rank=0, world=2) as prepared:
+        pass
+    spec = prepared.loaders["pairs"]
+    assert spec.same_task and dict(spec.mixture) == TASKS and spec.plan.names == ("continuations", "replies")
+    assert prepared.notes[0] == "mixture of 2 tasks over 8 steps x 4 samples x 48 tokens (1,536 tokens):"
+    assert prepared.notes[1].startswith("  continuations: ratio 0.25, 8 samples (384 tokens) of its 128")
