@@ -39,7 +39,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if _tags(tp):
             return from_tagged(tp, value, key)
         errors = []
-        for arg in (a for a in args if a is not type(None)):
+        options = [a for a in args if a is not type(None)]
+        if isinstance(value, dict) and any(dataclasses.is_dataclass(a) for a in options):
+            options = [a for a in options if dataclasses.is_dataclass(a)]  # a mapping is one of them: its error alone
+        for arg in options:
             try:
                 return _coerce(arg, value, key)
             except ConfigError as e:

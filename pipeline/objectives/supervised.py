@@ -23,7 +23,8 @@ ranks`` rows, on the memory of one micro-batch (GradCache, ``pipeline/train/grad
 (:meth:`Supervised.embed`) each micro-batch without a graph, computes the loss of all of them
 (:meth:`Supervised.loss`) and its gradient with respect to the embeddings, then re-runs each micro-batch with
 its RNG state restored and back-propagates the cached gradient. Without it, ``grad_accum`` > 1 is refused: each
-micro-step would be its own contrastive batch, with fewer negatives than the step has rows.
+micro-step would be its own contrastive batch, with fewer negatives than the step has rows. ``grad_cache: {tokens:
+N}`` cuts the chunks by a token budget instead of by micro-batch (:class:`TokenChunks`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ from pipeline.objectives.simcse import mean_pool
 
 
 @dataclass
+class TokenChunks:
+    """GradCache's chunks cut by tokens, not by micro-batch (sentence-transformers' ``mini_batch_num_tokens``): the
+    step's rows in order, each chunk as many as fit in ``tokens`` real (unpadded) tokens, a longer row alone, so a
+    chunk of short rows holds more of them and long and short rows cost alike (``pipeline/train/grad_cache.py``)."""
+
+    tokens: int | None = None  # a chunk's budget: its rows' real tokens, all slots (query, positive, negatives)
+    RANGES: ClassVar[dict[str, str]] = {"tokens": ">= 1"}
+
+
+@dataclass
 class SupervisedConfig(ContrastiveConfig):
     name: Literal["supervised"] = "supervised"
     scale: float = 50.0  # InfoNCE logit scale, 1 / temperature (LLM2Vec's supervised loss_scale)
@@ -51,7 +62,9 @@ class SupervisedConfig(ContrastiveConfig):
     # false: each query against its own positive and hard negatives only, no other row's (NV-Embed's stage 2)
     in_batch_negatives: bool = True
     mask_collisions: bool = True  # leave a query's false negatives (its positive's text elsewhere) out of its softmax
-    grad_cache: bool = False  # the step's grad_accum micro-batches form one contrastive batch (GradCache)
+    # the step's grad_accum micro-batches form one contrastive batch (GradCache), chunked by micro-batch (true) or
+    # by a token budget ({tokens: N})
+    grad_cache: bool | TokenChunks = False
     # how the pair shards joined instructions to texts (checked against their manifest); recorded in the export
     # so encode(), sentence-transformers and MTEB format a task's instruction the same way
     instruction_format: str = DEFAULT_FORMAT
@@ -74,6 +87,10 @@ class SupervisedConfig(ContrastiveConfig):
                               f"(or {where}.in_batch_negatives=true)")
 
     def check_step(self, grad_accum: int, objectives: int, where: str) -> None:
+        if isinstance(self.grad_cache, TokenChunks) and self.grad_cache.tokens is None:
+            raise ConfigError(f"{where}.grad_cache.tokens: missing; give each chunk's token budget, e.g. "
+                              f"{where}.grad_cache={{tokens: 4096}}, or set {where}.grad_cache=true (a chunk per "
+                              f"micro-batch)")
         if self.grad_cache and objectives > 1:
             raise ConfigError(f"{where} (supervised): grad_cache runs the step's micro-batches itself, so it must be "
                               f"the phase's only objective; give the other objectives a phase of their own")
@@ -100,7 +117,8 @@ class Supervised(Objective):
         super().__init__(config, document_masking)
         self.scale, self.hard_negatives = config.scale, config.hard_negatives
         self.in_batch_negatives = config.in_batch_negatives
-        self.mask_collisions, self.grad_cache = config.mask_collisions, config.grad_cache
+        self.mask_collisions, self.grad_cache = config.mask_collisions, bool(config.grad_cache)
+        self.chunk_tokens = config.grad_cache.tokens if isinstance(config.grad_cache, TokenChunks) else None
         self.matryoshka = config.matryoshka
 
     def num_targets(self, batch: Batch) -> dict[str, torch.Tensor]:

@@ -11,6 +11,10 @@ accumulation over micro-batches would train smaller batches with fewer negatives
 By the chain rule the parameters then hold the gradient of the whole batch's loss; only one chunk's activations
 are alive at a time, at the cost of one more forward per chunk. The RNG state after the call is the one after the
 first pass, as a single forward of the whole batch would have left it.
+
+The chunks are the step's micro-batches, or (``grad_cache: {tokens: N}``) the step's rows cut by a token budget
+(:func:`token_ranges`), so a chunk of short rows holds more rows than one of long rows. Each chunk pads to its own
+longest text, and the gradient is the whole batch's whatever the cut.
 """
 
 from __future__ import annotations
@@ -64,3 +68,38 @@ def grad_cache(embed: Callable[[int], torch.Tensor], chunks: int, loss: Callable
         backward(m, (embed(m).float() * g).sum())
     set_rng_state(after)
     return value.detach()
+
+
+def token_ranges(tokens: list[int], budget: int) -> list[tuple[int, int]]:
+    """(begin, end) row ranges covering ``tokens`` (each row's real token count) in order, each as many rows as fit
+    in ``budget`` tokens, a row above it alone: sentence-transformers' ``_minibatch_ranges`` with
+    ``mini_batch_num_tokens``."""
+    ranges, begin, total = [], 0, 0
+    for row, n in enumerate(tokens):
+        if row > begin and total + n > budget:
+            ranges.append((begin, row))
+            begin, total = row, 0
+        total += n
+    return ranges + [(begin, len(tokens))] if tokens else ranges
+
+
+def split_ranges(ranges: list[tuple[int, int]], tokens: list[int], count: int) -> list[tuple[int, int]]:
+    """``ranges`` split until there are ``count``: each time the one of most tokens (the first such) among those of
+    two rows or more, where its tokens are halved. Every rank must run as many chunks as the rank that needs most:
+    under ZeRO-3 each chunk's forward and backward gather and reduce the parameters with all ranks."""
+    ranges = list(ranges)
+    while len(ranges) < count:
+        cuttable = [i for i, (b, e) in enumerate(ranges) if e - b > 1]
+        if not cuttable:
+            raise ValueError(f"GradCache: {len(tokens)} rows cannot make the {count} chunks another rank cut; give "
+                             f"every rank as many rows a step")
+        i = max(cuttable, key=lambda k: sum(tokens[ranges[k][0]:ranges[k][1]]))
+        begin, end = ranges[i]
+        half, total, cut = sum(tokens[begin:end]) / 2, 0, end - 1
+        for row in range(begin, end - 1):
+            total += tokens[row]
+            if total >= half:
+                cut = row + 1
+                break
+        ranges[i : i + 1] = [(begin, cut), (cut, end)]
+    return ranges

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pipeline.data.loading.batch import Batch, cat_rows
 from pipeline.model.flops import Work
 from pipeline.model.moe import ROUTER_AUX
-from pipeline.train.grad_cache import EmbedPass, grad_cache
+from pipeline.train.grad_cache import EmbedPass, grad_cache, split_ranges, token_ranges
 from pipeline.train.phases import WeightedObjective
 
 
@@ -157,12 +158,28 @@ def _micro_steps(engine, step_objs: list[WeightedObjective], batches: dict[str, 
     return grad_norm
 
 
+def _token_chunks(micro: list[Batch], budget: int, device: torch.device) -> list[Batch]:
+    """The rows of ``micro`` in order, cut into chunks of at most ``budget`` real tokens (``grad_cache: {tokens:
+    N}``), counted on the host copies; as many chunks as the rank that needs most (``split_ranges``). Reads one
+    number back from the device: that count."""
+    whole = cat_rows(micro)
+    tokens = (whole.host_values().doc_ids >= 0).sum(-1).tolist()
+    ranges = token_ranges(tokens, budget)
+    count = torch.tensor([len(ranges)], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return [whole.rows(begin, end) for begin, end in split_ranges(ranges, tokens, int(count))]
+
+
 def _cached_micro_steps(engine, o: WeightedObjective, micro: list, factor: torch.Tensor, sums: torch.Tensor):
-    """The micro-batches as one contrastive batch (``grad_cache``): embedded without a graph, the loss of all of
-    them and its embedding gradient, then each re-run with its RNG state and back-propagated through the engine,
-    which accumulates, clips and steps as for any micro-step. ``factor`` is the loss's weight times its
-    normalisation (``world * grad_accum / global queries``)."""
-    objective, result, grad_norm, micro_steps = o.objective, {}, None, len(micro)
+    """The micro-batches as one contrastive batch (``grad_cache``): embedded without a graph in chunks (the
+    micro-batches, or token-budget chunks of their rows), the loss of all of them and its embedding gradient, then
+    each chunk re-run with its RNG state and back-propagated through the engine, which accumulates, clips and steps
+    as for any micro-step. ``factor`` is the loss's weight times its normalisation (``world * grad_accum / global
+    queries``); DeepSpeed divides every backward by ``grad_accum``, whatever the number of chunks."""
+    objective, result, grad_norm = o.objective, {}, None
+    budget = getattr(objective, "chunk_tokens", None)
+    chunks = micro if budget is None else _token_chunks(micro, budget, factor.device)
+    micro_steps = len(chunks)
 
     def loss(embeddings: torch.Tensor) -> torch.Tensor:
         result["out"] = out = objective.loss(embeddings, micro)
@@ -176,7 +193,7 @@ def _cached_micro_steps(engine, o: WeightedObjective, micro: list, factor: torch
             grad_norm = _unreported_grad_norm(engine)
         engine.step()
 
-    grad_cache(lambda m: engine(EmbedPass(objective), micro[m]), micro_steps, loss, backward)
+    grad_cache(lambda m: engine(EmbedPass(objective), chunks[m]), micro_steps, loss, backward)
     sums += torch.stack([result["out"].loss_sum.detach().float(), result["out"].num_correct.float()])
     return grad_norm
 

@@ -54,6 +54,22 @@ class Batch:
         """Called by DataLoader(pin_memory=True) so host-to-GPU copies can be asynchronous."""
         return self._map(torch.Tensor.pin_memory)
 
+    def rows(self, begin: int, end: int) -> Batch:
+        """Rows ``begin:end`` (views), their host copy's too (GradCache's token-budget chunks)."""
+        out = self._map(lambda t: t[begin:end])
+        out.keys, out.host = self.keys[begin:end], None if self.host is None else self.host.rows(begin, end)
+        return out
+
+
+def cat_rows(batches: list[Batch]) -> Batch:
+    """The rows of ``batches`` (one seq_len, the same fields set) in order in one batch, their host copies' too
+    where every batch has one."""
+    values = {f.name: None if getattr(batches[0], f.name) is None else torch.cat([getattr(b, f.name) for b in batches])
+              for f in fields(Batch) if f.name not in ("keys", "host")}
+    hosts = [b.host for b in batches]
+    return Batch(**values, keys=[k for b in batches for k in b.keys],
+                 host=cat_rows(hosts) if all(h is not None for h in hosts) else None)
+
 
 def _interval_ids(intervals: np.ndarray, out: np.ndarray) -> None:
     """Write into ``out`` (pre-filled with -1) the index of the [start, end) interval holding each position."""

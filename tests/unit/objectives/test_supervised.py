@@ -30,7 +30,7 @@ from pipeline.experiment import load_experiment
 from pipeline.export.record import from_experiment
 from pipeline.objectives import Supervised, SupervisedConfig
 from pipeline.objectives.infonce import Matryoshka, info_nce
-from pipeline.train.grad_cache import grad_cache
+from pipeline.train.grad_cache import grad_cache, split_ranges, token_ranges
 
 PAIRS = os.path.join(REPO, "data", "sample", "pairs")
 TOKENIZER = os.path.join(REPO, "data", "sample", "tokenizer")
@@ -245,18 +245,26 @@ def test_objective_pools_each_text_alone_and_masks_real_collisions(pair_dir, tok
                                                    rel=1e-5)
 
 
+def token_chunks(batch, budget: int) -> list:
+    """``batch``'s rows in chunks of at most ``budget`` real tokens, as the step cuts them (``grad_cache: {tokens:
+    N}``)."""
+    return [batch.rows(b, e) for b, e in token_ranges((batch.doc_ids >= 0).sum(-1).tolist(), budget)]
+
+
 def cached_and_reference(tokenizer, batch, dropout: float, replay: bool = True, reference: str = "graph",
-                         matryoshka: Matryoshka | None = None, **config):
-    """(loss, grads) of GradCache over 3 chunks of ``batch``'s rows and of the reference: ``graph`` keeps the three
-    chunks' graphs (the same RNG sequence) and runs one backward, ``one`` embeds the whole batch in one pass."""
+                         matryoshka: Matryoshka | None = None, budget: int | None = None, **config):
+    """(loss, grads) of GradCache over chunks of ``batch``'s rows (3 of 2 rows, or cut by a token ``budget``) and
+    of the reference: ``graph`` keeps the chunks' graphs (the same RNG sequence) and runs one backward, ``one``
+    embeds the whole batch in one pass."""
     objective = Supervised(SupervisedConfig(matryoshka=matryoshka, **config))
-    chunks = [collate_rows(batch, list(range(i, i + 2))) for i in range(0, 6, 2)]
+    chunks = ([collate_rows(batch, list(range(i, i + 2))) for i in range(0, 6, 2)] if budget is None
+              else token_chunks(batch, budget))
     results = []
     for mode in ("cached", reference):
         model = tiny_llama(tokenizer, attention_dropout=dropout).train()
         torch.manual_seed(7)
         if mode == "cached":
-            loss = grad_cache(lambda m, model=model: objective.embed(model, chunks[m]), 3,
+            loss = grad_cache(lambda m, model=model: objective.embed(model, chunks[m]), len(chunks),
                               lambda e: objective.loss(e, chunks).loss_sum,
                               lambda m, surrogate: surrogate.backward(), replay_rng=replay)
         elif mode == "graph":
@@ -299,6 +307,36 @@ def test_grad_cache_equals_one_big_batch_and_replays_dropout(pair_dir, tokenizer
     assert unreplayed[0] == pytest.approx(graph[0], rel=1e-6)  # the first pass is the reference's forward ...
     with pytest.raises(AssertionError):  # ... but the re-run draws other dropout masks: wrong gradients
         assert_same(unreplayed, graph, tol=1e-4)
+    # token-budget chunks (rows of 120, 46, 75, 91, 64, 81 tokens in 160 a chunk): 4 chunks of uneven row counts,
+    # each padded to its own longest text; the same gradient, with and without dropout (replayed), every run alike
+    assert [len(c.keys) for c in token_chunks(batch, 160)] == [1, 2, 2, 1]
+    cached, one = cached_and_reference(tokenizer, batch, 0.0, reference="one", budget=160)
+    assert_same(cached, one)
+    cached, graph = cached_and_reference(tokenizer, batch, 0.1, budget=160)
+    assert_same(cached, graph)
+    again, _ = cached_and_reference(tokenizer, batch, 0.1, budget=160)
+    assert again[0] == cached[0] and all(torch.equal(g, again[1][n]) for n, g in cached[1].items())
+
+
+def test_token_budget_chunks_are_sentence_transformers_mini_batches():
+    """``token_ranges`` cuts as sentence-transformers' cached losses do with ``mini_batch_num_tokens`` (its own
+    ``_minibatch_ranges`` on the same per-row token counts, rows above the budget alone); ``split_ranges`` then
+    splits the chunk of most tokens until a rank has as many chunks as another: in order, nothing lost, deterministic."""
+    from sentence_transformers.base.losses.gradcache import _minibatch_ranges
+    generator = torch.Generator().manual_seed(0)
+    for budget in (1, 50, 160, 300, 10_000):
+        tokens = torch.randint(0, 200, (37,), generator=generator)
+        mask = (torch.arange(200)[None, :] < tokens[:, None]).long()
+        ranges = token_ranges(tokens.tolist(), budget)
+        assert ranges == [tuple(r) for r in _minibatch_ranges({"attention_mask": mask}, 1, budget)]
+        count = min(len(ranges) + 5, 37)
+        split = split_ranges(ranges, tokens.tolist(), count)
+        assert len(split) == count and [b for b, _ in split[1:]] == [e for _, e in split[:-1]]
+        assert split[0][0] == 0 and split[-1][1] == 37 and split == split_ranges(ranges, tokens.tolist(), len(split))
+        assert all(e - b == 1 or sum(tokens[b:e]) <= budget for b, e in split)
+    assert split_ranges([(0, 2), (2, 5)], [5, 5, 1, 1, 9], 3) == [(0, 2), (2, 4), (4, 5)]  # the 11 tokens' chunk: 1 1 | 9
+    with pytest.raises(ValueError, match="2 rows cannot make the 3 chunks another rank cut"):
+        split_ranges([(0, 1), (1, 2)], [5, 5], 3)
 
 
 def test_without_in_batch_negatives_each_query_scores_its_own_candidates_alone(pair_dir, tokenizer):
@@ -367,6 +405,17 @@ def test_config_checks_and_the_export_record(tokenizer):
         with pytest.raises(ConfigError, match=rf"^phases\[0\]\.objectives\[0\]\.{message}"):
             load_experiment(None, ["model.attention_dropout=0.1",
                                    f"phases=[{{objectives: [{{name: {objective}, matryoshka: {bad}}}]}}]"])
+    for bad, message in (("{tokens: 0}", r"grad_cache\.tokens: 0 is out of range; it must be >= 1$"),
+                         ("{}", r"grad_cache\.tokens: missing; give each chunk's token budget, e\.g\. "),
+                         ("{token: 8}", r"grad_cache\.token: unknown key; did you mean "),
+                         ("8", r"grad_cache: expected true/false, got 8 / .*expected a mapping for TokenChunks")):
+        with pytest.raises(ConfigError, match=rf"^phases(\[0\]|\.0)\.objectives(\[0\]|\.0)\.{message}"):
+            load_experiment(None, [f"phases=[{{objectives: [{{name: supervised, grad_cache: {bad}}}]}}]"])
+    for setting, tokens in (("true", None), ("{tokens: 4096}", 4096)):
+        exp = load_experiment(None, ["train.grad_accum=3", f"phases=[{{objectives: [{{name: supervised, "
+                                                             f"grad_cache: {setting}}}]}}]"])
+        objective = Supervised(exp.phases[0].objectives[0])
+        assert (objective.grad_cache, objective.chunk_tokens) == (True, tokens)
     exp = load_experiment(None, ["train.grad_accum=3", "phases=[{objectives: [{name: supervised, grad_cache: true, "
                                  "instruction: Retrieve semantically similar text}]}]"])
     record = from_experiment(exp, tokenizer)
@@ -374,8 +423,10 @@ def test_config_checks_and_the_export_record(tokenizer):
         "Retrieve semantically similar text", "{instruction}: ", "mean", "bidirectional")
 
 
-# Rank r of 2 under ZeRO-3: 3 micro-batches of 2 rows of the pairs shards (rows 6r..6r+5), one grad-cache step;
-# prints the loss and writes the full (averaged) gradients at the accumulation boundary.
+# Rank r of 2 under ZeRO-3: 3 micro-batches of 2 rows of the pairs shards (rows 6r..6r+5), a grad-cache step with a
+# chunk per micro-batch, then one with chunks of at most 160 tokens (optim.lr 1e-30: the first step leaves the fp32
+# weights as they were); prints each step's chunks (engine steps) and writes the losses and the full (averaged)
+# gradients at the accumulation boundaries.
 ZERO3_STEP = """
 import json, os, sys
 import deepspeed, torch
@@ -395,13 +446,16 @@ rank = int(os.environ["RANK"])
 exp = load_experiment(None, json.loads(sys.argv[1]))
 tok = load_tokenizer(exp.data.tokenizer)
 objectives = build_objectives(exp.phases[0], tok)
+budget = load_experiment(None, json.loads(sys.argv[1]) + [
+    "phases=[{objectives: [{name: supervised, grad_cache: {tokens: 160}}]}]"]).phases[0]
 ds = resolve_ds_config(load_ds_config(sys.argv[3]), exp, 2, False)
 _, engine = build_engine(ds, check_model(exp, tok, ds, cuda=False), engine_spec(exp, cuda=False),
                          [o.objective for o in objectives])
 micro = [real_batch(sys.argv[2], [f"f000000s{6 * rank + i:08d}" for i in range(m, m + 2)]) for m in (0, 2, 4)]
-grads = {}
+grads, chunks = {}, []
 step = engine.step
 def capture():
+    chunks[-1] += 1
     if engine.is_gradient_accumulation_boundary():
         for name, p in engine.module.lm.named_parameters():
             g = safe_get_full_grad(p)
@@ -409,21 +463,27 @@ def capture():
                 grads[name] = g.clone()
     step()
 engine.step = capture
-result = train_step(engine, objectives, {"pairs": micro}, 2, 3)
+results = {}
+for name, objs in (("rows", objectives), ("tokens", build_objectives(budget, tok))):
+    chunks.append(0)
+    result = train_step(engine, objs, {"pairs": micro}, 2, 3)
+    results[name] = {"loss": result.losses["supervised"], "grads": dict(grads)}
 if rank == 0:
-    torch.save({"loss": result.losses["supervised"], "grads": grads}, sys.argv[5])
-print("done", flush=True)
+    torch.save(results, sys.argv[5])
+print("chunks", *chunks, flush=True)
 os._exit(0)
 """
 
 
 @pytest.mark.e2e
 def test_grad_cache_under_zero3_on_two_ranks_equals_one_big_batch(pair_dir, tokenizer, init_dir, tmp_path):
-    """2 ranks x micro 2 x grad_accum 3 with grad_cache: the logged loss and the gradients DeepSpeed reduces are
-    those of one process embedding the 12 rows in one batch, without cache (dropout off, so the split is the only
-    difference)."""
+    """2 ranks x micro 2 x grad_accum 3 with grad_cache, chunked by micro-batch and by 160 tokens: the logged loss
+    and the gradients DeepSpeed reduces are those of one process embedding the 12 rows in one batch, without cache
+    (dropout off, so the split is the only difference). The token budget cuts rank 0's rows (120, 46, 75, 91, 64,
+    81 tokens) into 4 chunks and rank 1's (67, 91, 120, 95, 104, 77) into 5, so rank 0 splits one to run 5 too."""
     overrides = [f"model.init={init_dir}", f"data.tokenizer={TOKENIZER}", "train.micro_batch=2", "train.grad_accum=3",
-                 "optim.grad_clip=0.0", "phases=[{objectives: [{name: supervised, grad_cache: true}]}]"]
+                 "optim.grad_clip=0.0", "optim.lr=1e-30",
+                 "phases=[{objectives: [{name: supervised, grad_cache: true}]}]"]
     out = str(tmp_path / "rank0.pt")
     with rendezvous(2) as rdzv:
         procs = []
@@ -434,18 +494,20 @@ def test_grad_cache_under_zero3_on_two_ranks_equals_one_big_batch(pair_dir, toke
                                            REPO, out], env=env, cwd=REPO, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
         for proc in procs:
-            _, err = proc.communicate(timeout=600)
+            stdout, err = proc.communicate(timeout=600)
             assert proc.returncode == 0, err[-3000:]
-    ranks = torch.load(out)
+            assert "chunks 3 5" in stdout, stdout[-3000:]
+    steps = torch.load(out)
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(init_dir).train()
     batch = real_batch(pair_dir, [f"f000000s{i:08d}" for i in range(12)])
     loss = Supervised(SupervisedConfig())(model, batch)["supervised"].loss_sum / 12
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    unused = {n: g for n, g in ranks["grads"].items() if n not in grads}
-    assert list(unused) == ["lm_head.weight"] and not unused["lm_head.weight"].any()  # ZeRO-3 holds zeros for it
-    assert_same((ranks["loss"], {n: g for n, g in ranks["grads"].items() if n in grads}), (loss.item(), grads))
+    for ranks in steps.values():
+        unused = {n: g for n, g in ranks["grads"].items() if n not in grads}
+        assert list(unused) == ["lm_head.weight"] and not unused["lm_head.weight"].any()  # ZeRO-3 holds zeros for it
+        assert_same((ranks["loss"], {n: g for n, g in ranks["grads"].items() if n in grads}), (loss.item(), grads))
 
 
 @pytest.mark.slow
