@@ -24,7 +24,7 @@ from transformers import PretrainedConfig
 from pipeline.data.format.instructions import LAYOUTS
 from pipeline.experiment import ExperimentConfig
 from pipeline.objectives import OBJECTIVES, SSCLConfig, SupervisedConfig
-from pipeline.objectives.infonce import ContrastiveConfig
+from pipeline.objectives.configs import ContrastiveConfig
 from pipeline.tokenizer import Tokenizer
 
 KEY = "decoder_encoders"

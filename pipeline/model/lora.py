@@ -14,10 +14,12 @@ model the run started from, as LLM2Vec publishes its stages.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-from transformers import PretrainedConfig
+if TYPE_CHECKING:  # annotations only: the experiment's LLM2VEC_TARGETS must not import torch
+    import torch
+    from torch import nn
+    from transformers import PretrainedConfig
 
 LLM2VEC_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _A, _B, _BASE = ".lora_A.default.weight", ".lora_B.default.weight", ".base_layer.weight"

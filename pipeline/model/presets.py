@@ -10,8 +10,10 @@ comes from and its parameter count.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from transformers import LlamaConfig, MixtralConfig
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, MixtralConfig
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,10 @@ class ModelPreset:
     experts_per_token: int = 2
 
     def to_config(self, vocab_size: int, **special_ids: int | None) -> LlamaConfig | MixtralConfig:
-        """The HF config of this shape; ``special_ids`` are ``pad_token_id``, ``bos_token_id``, ``eos_token_id``."""
+        """The HF config of this shape; ``special_ids`` are ``pad_token_id``, ``bos_token_id``, ``eos_token_id``.
+        transformers is imported here, not with the presets, so checking an experiment's preset imports none of it."""
+        from transformers import LlamaConfig, MixtralConfig
+
         if self.experts:
             return MixtralConfig(**self._shape(vocab_size), num_local_experts=self.experts,
                                  num_experts_per_tok=self.experts_per_token, **special_ids)

@@ -1,29 +1,34 @@
-"""Training objectives by name; the trainer builds them once from their typed configs and the tokenizer."""
+"""Training objectives by name; the trainer builds them once from their typed configs and the tokenizer.
+
+The configs (:mod:`pipeline.objectives.configs`) load eagerly and light; the objectives, which import torch and
+transformers, load on first use of their names (PEP 562), so checking an experiment imports neither."""
 
 from __future__ import annotations
 
-from pipeline.objectives.base import (
-    BaseConfig,
-    MaskedConfig,
-    MaskedObjective,
-    Masking,
-    MaskingConfig,
-    Objective,
-    ObjectiveOutput,
-)
-from pipeline.objectives.clm import CLM, CLMConfig
-from pipeline.objectives.magnet import Magnet, MagnetConfig
-from pipeline.objectives.mlm import MLM, MLMConfig
-from pipeline.objectives.mntp import MNTP, MNTPConfig
-from pipeline.objectives.simcse import SimCSE, SimCSEConfig
-from pipeline.objectives.sscl import SSCL, SSCLConfig
-from pipeline.objectives.supervised import Supervised, SupervisedConfig
-from pipeline.tokenizer import Tokenizer
+import importlib
+from typing import TYPE_CHECKING, Any
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (CLM, MLM, MNTP, Magnet, SSCL, SimCSE, Supervised)}
-# an experiment's objective: its ``name`` picks the config (pipeline.config.from_tagged)
-ObjectiveConfig = (CLMConfig | MLMConfig | MNTPConfig | MagnetConfig | SSCLConfig | SimCSEConfig
-                   | SupervisedConfig)
+from pipeline.objectives.configs import (
+    BaseConfig,
+    CLMConfig,
+    MagnetConfig,
+    MaskedConfig,
+    MLMConfig,
+    MNTPConfig,
+    ObjectiveConfig,
+    SimCSEConfig,
+    SSCLConfig,
+    SupervisedConfig,
+)
+
+if TYPE_CHECKING:
+    from pipeline.objectives.base import Objective
+    from pipeline.tokenizer import Tokenizer
+
+# each heavy name: the module that defines it
+_LAZY = {"CLM": "clm", "MLM": "mlm", "MNTP": "mntp", "Magnet": "magnet", "SSCL": "sscl", "SimCSE": "simcse",
+         "Supervised": "supervised", "MaskedObjective": "base", "Masking": "base", "MaskingConfig": "base",
+         "Objective": "base", "ObjectiveOutput": "base"}
 
 __all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "SSCL", "BaseConfig", "CLMConfig", "MLMConfig", "MNTPConfig", "Magnet",
            "MagnetConfig", "MaskedConfig", "MaskedObjective", "Masking", "MaskingConfig", "Objective",
@@ -31,7 +36,20 @@ __all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "SSCL", "BaseConfig", "CLMConfig"
            "SupervisedConfig", "make_objective"]
 
 
+def __getattr__(name: str) -> Any:
+    """An objective's class (or ``OBJECTIVES``, each by its name), imported on first use."""
+    if name == "OBJECTIVES":
+        value: Any = {cls.name: cls for cls in (__getattr__(n) for n in
+                                                ("CLM", "MLM", "MNTP", "Magnet", "SSCL", "SimCSE", "Supervised"))}
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(f"pipeline.objectives.{_LAZY[name]}"), name)
+    else:
+        raise AttributeError(f"module 'pipeline.objectives' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
 def make_objective(config: ObjectiveConfig, tokenizer: Tokenizer | None = None,
                    document_masking: bool = True) -> Objective:
     """The objective of ``config``; objectives that mask or encode text need the data's ``tokenizer``."""
-    return OBJECTIVES[config.name].build(config, tokenizer, document_masking)
+    return __getattr__("OBJECTIVES")[config.name].build(config, tokenizer, document_masking)

@@ -10,7 +10,6 @@ and micro-batches of an optimizer step.
 
 from __future__ import annotations
 
-import math
 from abc import ABC
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
@@ -19,136 +18,14 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.config import ConfigError
 from pipeline.data.format.masking import POLICIES, apply_mask_plan
 from pipeline.data.loading.batch import Batch
 from pipeline.model.attention import attention_inputs
 from pipeline.model.flops import body_work, segment_lengths
 from pipeline.model.lm_head import ChunkedLMHead, cross_entropy
 from pipeline.model.moe import record, routing
+from pipeline.objectives.configs import BaseConfig, MaskedConfig
 from pipeline.tokenizer import Tokenizer
-
-
-@dataclass
-class BaseConfig:
-    """The fields of every objective's config. Each objective's module defines its config on top, with ``name``
-    fixed to one ``Literal`` so the experiment's ``{name: ..., ...}`` picks it (``pipeline.config.from_tagged``)."""
-
-    name: str
-    weight: float = 1.0  # weight of the objective's loss in the phase's sum
-    log_as: str = ""  # the name its loss is logged (and normalised) under: set it for two objectives of one phase
-    RANGES: ClassVar[dict[str, str]] = {"weight": "> 0"}
-
-    def check_attention_dropout(self, dropout: float, where: str) -> None:
-        """Refuse a ``model.attention_dropout`` this objective cannot train with (a config error at load time;
-        contrastive objectives whose views differ by dropout alone need it > 0)."""
-        return None
-
-    def check_step(self, grad_accum: int, objectives: int, where: str) -> None:
-        """Refuse a ``train.grad_accum`` or a phase of ``objectives`` objectives this objective cannot train with
-        (a config error at load time; the supervised objective's contrastive batch spans the step)."""
-        return None
-
-    def check_schedule(self, where: str) -> None:
-        """Refuse a schedule whose fields contradict its shape (a config error at load time; the masking ratio's)."""
-        return None
-
-    def check_embedding(self, where: str, hidden_size: int | None = None) -> None:
-        """Refuse embedding options the model cannot train (a config error at load time, and again against the
-        model's ``hidden_size`` once preflight knows it; contrastive objectives' Matryoshka dims)."""
-        return None
-
-
-def phase_fraction(step: int, steps: int) -> float:
-    """Where step ``step`` (from 0) of a phase of ``steps`` steps lies in it: its first step at 0, its last at 1."""
-    return step / (steps - 1) if steps > 1 else 0.0
-
-
-@dataclass
-class RatioSchedule:
-    """The masking ratio across a phase (Ettin decays MLM's from 30 % to 15 % over its decay phase): a function of
-    the step's place in its phase alone, so a resume, or a stop at any step, masks as the uninterrupted run does;
-    the shards' plans serve any ratio, so no data is rebuilt.
-
-    ``linear`` and ``cosine`` go from the objective's ``ratio`` to ``final`` between fractions ``start`` and ``end``
-    of the phase (``ratio`` before, ``final`` after); ``step`` masks at the ratio of the last ``[fraction, ratio]``
-    of ``steps`` the phase has reached (``ratio`` before the first); ``constant`` keeps ``ratio``."""
-
-    shape: Literal["constant", "linear", "cosine", "step"] = "constant"
-    final: float | None = None  # linear, cosine: the ratio at fraction ``end`` of the phase
-    start: float | None = None  # linear, cosine: fraction of the phase where the change begins (unset: 0)
-    end: float | None = None  # linear, cosine: fraction where it reaches ``final`` (unset: 1)
-    steps: list[tuple[float, float]] = field(default_factory=list)  # step: [fraction, ratio] pairs, fractions rising
-    RANGES: ClassVar[dict[str, str]] = {"final": "(0, 1]", "start": "[0, 1]", "end": "[0, 1]"}
-
-    def check(self, where: str) -> None:
-        """Refuse fields the shape does not use, or lacks (one line naming ``where``, the schedule's key)."""
-        smooth = self.shape in ("linear", "cosine")
-        unused = [k for k in ("final", "start", "end") if getattr(self, k) is not None and not smooth]
-        unused += ["steps"] if self.steps and self.shape != "step" else []
-        if unused:
-            uses = {"constant": "keeps the objective's ratio", "step": "takes its ratios from steps"}.get(
-                self.shape, "goes from ratio to final between start and end")
-            raise ConfigError(f"{where}.{unused[0]}: shape {self.shape} {uses}; drop {unused[0]} or pick the shape "
-                              f"that uses it (linear/cosine: final, start, end; step: steps)")
-        if smooth and self.final is None:
-            raise ConfigError(f"{where}.final: missing; shape {self.shape} goes from the objective's ratio to final, "
-                              f"e.g. {where}.final=0.15")
-        if smooth and not self.window[0] < self.window[1]:
-            raise ConfigError(f"{where}: start {self.window[0]:g} must come before end {self.window[1]:g} (fractions "
-                              f"of the phase), e.g. start: 0.5, end: 1.0 for its second half")
-        if self.shape == "step" and not self.steps:
-            raise ConfigError(f"{where}.steps: missing; shape step needs [fraction, ratio] pairs, e.g. "
-                              f"steps: [[0.5, 0.2], [0.75, 0.15]]")
-        for i, (fraction, ratio) in enumerate(self.steps):
-            if not (0.0 <= fraction <= 1.0 and 0.0 < ratio <= 1.0) or (i and fraction <= self.steps[i - 1][0]):
-                raise ConfigError(f"{where}.steps.{i}: [{fraction:g}, {ratio:g}] is not allowed; each pair is "
-                                  f"[fraction in [0, 1], ratio in (0, 1]], each fraction above the one before")
-
-    @property
-    def window(self) -> tuple[float, float]:
-        """(start, end): the fractions of the phase a linear or cosine change spans."""
-        return (0.0 if self.start is None else self.start), (1.0 if self.end is None else self.end)
-
-    def ratio_at(self, ratio: float, fraction: float) -> float:
-        """The masking ratio at ``fraction`` of the phase, starting from the objective's ``ratio``."""
-        if self.shape == "constant":
-            return ratio
-        if self.shape == "step":
-            return next((r for f, r in reversed(self.steps) if fraction >= f), ratio)
-        start, end = self.window
-        t = min(max((fraction - start) / (end - start), 0.0), 1.0)
-        if self.shape == "cosine":
-            t = (1.0 - math.cos(math.pi * t)) / 2.0
-        return ratio * (1.0 - t) + self.final * t  # ratio at t = 0 and final at t = 1 exactly
-
-
-@dataclass
-class MaskedConfig(BaseConfig):
-    """The config fields of an objective that reads the batch's masking plan (MLM, MNTP, MAGNET)."""
-
-    ratio: float = 0.3  # masking ratio (a schedule's start value); any value in (0, 1] from the same shards
-    policy: Literal["80-10-10", "mask"] = "80-10-10"  # replacement of masked tokens: BERT's split, or all [MASK]
-    mask_token: str | None = None  # None: the tokenizer's mask token; or an ordinary token such as "_" (LLM2Vec)
-    ratio_schedule: RatioSchedule = field(default_factory=RatioSchedule)  # the ratio across the phase
-    RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "ratio": "(0, 1]"}
-
-    @property
-    def masking(self) -> MaskingConfig:
-        return MaskingConfig(self.ratio, self.policy, self.mask_token)
-
-    def check_schedule(self, where: str) -> None:
-        self.ratio_schedule.check(f"{where}.ratio_schedule")
-
-    def ratio_at_step(self, step: int, steps: int) -> float:
-        """The masking ratio of step ``step`` (from 0) of a phase of ``steps`` steps."""
-        return self.ratio_schedule.ratio_at(self.ratio, phase_fraction(step, steps))
-
-    def mean_ratio(self, steps: int) -> float:
-        """The mean masking ratio over a phase of ``steps`` steps (the planner's share of tokens through the head)."""
-        if self.ratio_schedule.shape == "constant":
-            return self.ratio
-        return math.fsum(self.ratio_at_step(i, steps) for i in range(steps)) / steps
 
 
 @dataclass
@@ -392,7 +269,8 @@ class MaskedObjective(Objective):
 
     @classmethod
     def from_tokenizer(cls, config: MaskedConfig, tokenizer: Tokenizer, document_masking: bool) -> Objective:
-        return cls(config, Masking.resolve(config.masking, tokenizer), document_masking)
+        masking = MaskingConfig(config.ratio, config.policy, config.mask_token)
+        return cls(config, Masking.resolve(masking, tokenizer), document_masking)
 
     @property
     def masked_losses(self) -> list[str]:

@@ -7,16 +7,8 @@ signal. Padding is never a target.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 from pipeline.data.loading.batch import Batch
-from pipeline.objectives.base import BaseConfig, Objective, Targets, next_token_targets
-
-
-@dataclass
-class CLMConfig(BaseConfig):
-    name: Literal["clm"] = "clm"
+from pipeline.objectives.base import Objective, Targets, next_token_targets
 
 
 class CLM(Objective):

@@ -13,56 +13,13 @@ with the gather and with GradCache (which caches the gradient of the whole loss 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipeline.config import ConfigError
-from pipeline.objectives.base import BaseConfig, ObjectiveOutput
-
-
-@dataclass
-class Matryoshka:
-    """Embedding dims trained to stand alone (sentence-transformers' ``matryoshka_dims`` / ``matryoshka_weights``),
-    so an export can be cut to any of them (``encode(..., dim=)``, ``truncate_dim``)."""
-
-    dims: tuple[int, ...] = ()  # strictly descending, each <= the model's hidden size (e.g. [768, 256, 64])
-    weights: tuple[float, ...] = ()  # one per dim (empty: 1 each, sentence-transformers' default)
-    RANGES: ClassVar[dict[str, str]] = {"dims": ">= 1", "weights": "> 0"}
-
-    def check(self, where: str, hidden_size: int | None = None) -> None:
-        """One line naming ``where`` (the ``matryoshka`` key) and the fix; ``hidden_size`` where the model is known."""
-        if not self.dims:
-            raise ConfigError(f"{where}.dims: missing; list the embedding dims to train, largest first, e.g. "
-                              f"{where}.dims=[256,128,64]")
-        if any(a <= b for a, b in zip(self.dims, self.dims[1:])):
-            raise ConfigError(f"{where}.dims: {list(self.dims)} must descend strictly; write them largest first, "
-                              f"e.g. {sorted(set(self.dims), reverse=True)}")
-        if self.weights and len(self.weights) != len(self.dims):
-            raise ConfigError(f"{where}.weights: {len(self.weights)} weight(s) for {len(self.dims)} dims; give one "
-                              f"per dim, e.g. {[1.0] * len(self.dims)}, or leave weights out (1 each)")
-        if hidden_size is not None and self.dims[0] > hidden_size:
-            fitting = [d for d in self.dims if d <= hidden_size] or [hidden_size]
-            raise ConfigError(f"{where}.dims: {self.dims[0]} is above the model's hidden size {hidden_size}; use "
-                              f"dims of at most {hidden_size}, e.g. {fitting}")
-
-    def terms(self) -> list[tuple[int, float]]:
-        """(dim, weight) of each InfoNCE term."""
-        return list(zip(self.dims, self.weights or [1.0] * len(self.dims)))
-
-
-@dataclass
-class ContrastiveConfig(BaseConfig):
-    """The fields every InfoNCE objective shares (SimCSE, SSCL, supervised)."""
-
-    matryoshka: Matryoshka | None = None  # None: one InfoNCE on the full embedding
-
-    def check_embedding(self, where: str, hidden_size: int | None = None) -> None:
-        if self.matryoshka is not None:
-            self.matryoshka.check(f"{where}.matryoshka", hidden_size)
+from pipeline.objectives.base import ObjectiveOutput
+from pipeline.objectives.configs import Matryoshka
 
 
 class _GatherRows(torch.autograd.Function):

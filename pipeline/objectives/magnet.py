@@ -17,16 +17,13 @@ attention (identical to ``mntp`` at the same ratio).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.config import ConfigError
 from pipeline.data.format.sample import UNMASKABLE
 from pipeline.data.loading.batch import Batch
 from pipeline.objectives.base import (
-    MaskedConfig,
     MaskedObjective,
     ObjectiveOutput,
     Targets,
@@ -52,24 +49,6 @@ def context_ranks(mask_rank: torch.Tensor, in_span: torch.Tensor) -> torch.Tenso
     rank = mask_rank.masked_fill(in_span, int(UNMASKABLE))
     dense = rank.argsort(-1).argsort(-1).to(rank.dtype)  # ranks are distinct except the UNMASKABLE ones
     return torch.where(rank == int(UNMASKABLE), rank, dense)
-
-
-@dataclass
-class MagnetConfig(MaskedConfig):
-    """``mntp_weight`` / ``msg_weight`` are the paper's lambda1 / lambda3 (the trainer multiplies them by ``weight``);
-    0 turns a loss off. ``own_span_only``: span tokens attend to earlier tokens of their own span only, instead of
-    all earlier span tokens of the document."""
-
-    name: Literal["magnet"] = "magnet"
-    mntp_weight: float = 1.0
-    msg_weight: float = 1.0
-    own_span_only: bool = False
-
-    def validate(self) -> None:
-        if min(self.mntp_weight, self.msg_weight) < 0 or self.mntp_weight + self.msg_weight == 0:
-            raise ConfigError(f"magnet: mntp_weight and msg_weight must be >= 0 and not both 0, got "
-                              f"{self.mntp_weight} and {self.msg_weight}; drop the objective instead")
-
 
 class Magnet(MaskedObjective):
     name = "magnet"

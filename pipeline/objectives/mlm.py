@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 from pipeline.data.loading.batch import Batch
-from pipeline.objectives.base import MaskedConfig, MaskedObjective, Targets
-
-
-@dataclass
-class MLMConfig(MaskedConfig):
-    name: Literal["mlm"] = "mlm"
+from pipeline.objectives.base import MaskedObjective, Targets
 
 
 class MLM(MaskedObjective):

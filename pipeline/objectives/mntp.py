@@ -7,16 +7,8 @@ its document and is not a target; it stays masked in the input, so the corruptio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 from pipeline.data.loading.batch import Batch
-from pipeline.objectives.base import MaskedConfig, MaskedObjective, Targets, next_token_targets
-
-
-@dataclass
-class MNTPConfig(MaskedConfig):
-    name: Literal["mntp"] = "mntp"
+from pipeline.objectives.base import MaskedObjective, Targets, next_token_targets
 
 
 class MNTP(MaskedObjective):

@@ -18,17 +18,14 @@ There is no projection head and no instruction: the embedding is the model's own
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Literal
-
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.config import ConfigError
 from pipeline.data.loading.batch import Batch
 from pipeline.objectives.base import Objective, ObjectiveOutput
-from pipeline.objectives.infonce import ContrastiveConfig, info_nce
+from pipeline.objectives.configs import SimCSEConfig
+from pipeline.objectives.infonce import info_nce
 from pipeline.tokenizer import Tokenizer
 
 
@@ -52,20 +49,6 @@ def mean_pool(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """[B, d] mean of ``hidden`` [B, L, d] over the positions where ``keep`` [B, L] is True (zero for none)."""
     weights = keep.to(hidden.dtype).unsqueeze(-1)
     return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1)
-
-
-@dataclass
-class SimCSEConfig(ContrastiveConfig):
-    name: Literal["simcse"] = "simcse"
-    scale: float = 20.0  # InfoNCE logit scale, 1 / temperature
-    RANGES: ClassVar[dict[str, str]] = {**ContrastiveConfig.RANGES, "scale": "> 0"}
-
-    def check_attention_dropout(self, dropout: float, where: str) -> None:
-        if not dropout:
-            raise ConfigError(f"{where} (simcse): the two views of a unit differ by dropout alone, but "
-                              f"model.attention_dropout is 0, so they would be identical; set model.attention_dropout "
-                              f"(LLM2Vec: 0.3)")
-
 
 class SimCSE(Objective):
     name = "simcse"

@@ -25,50 +25,24 @@ x+ (``augment``):
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass
-from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from pipeline.config import ConfigError
 from pipeline.data.loading.batch import Batch
 from pipeline.model.flops import body_work
 from pipeline.objectives.augment import edit_tokens
 from pipeline.objectives.base import Objective, ObjectiveOutput
-from pipeline.objectives.infonce import ContrastiveConfig, info_nce
+from pipeline.objectives.configs import INSTRUCTION as INSTRUCTION
+from pipeline.objectives.configs import SSCLConfig
+from pipeline.objectives.infonce import info_nce
 from pipeline.objectives.simcse import check_units, rows_index
 from pipeline.tokenizer import Tokenizer
 
-INSTRUCTION = "Given the sentence, find its representation:"
-Augment = Literal["dropout", "delete", "crop", "swap", "paraphrase"]  # dropout, the token EDITS, paraphrase
-AUGMENTS = typing.get_args(Augment)
 HEAD = "sscl_head"
-
-
-@dataclass
-class SSCLConfig(ContrastiveConfig):
-    """``scale`` is 1 / temperature (20: tau = 0.05, as SimCSE and LLM2Vec); ``seed`` seeds the token edits."""
-
-    name: Literal["sscl"] = "sscl"
-    augment: Augment = "dropout"  # how x+ is made (module docstring)
-    edit_ratio: float = 0.1  # share of tokens a token edit changes
-    scale: float = 20.0
-    instruction: str = INSTRUCTION
-    seed: int = 0
-    RANGES: ClassVar[dict[str, str]] = {**ContrastiveConfig.RANGES, "edit_ratio": "(0, 1)", "scale": "> 0",
-                                        "seed": ">= 0"}
-
-    def check_attention_dropout(self, dropout: float, where: str) -> None:
-        if self.augment == "dropout" and not dropout:
-            raise ConfigError(f"{where} (sscl): augment 'dropout' makes x+ differ from x by dropout alone, but "
-                              f"model.attention_dropout is 0, so both views would be identical; set "
-                              f"model.attention_dropout (e.g. 0.1; LLM2Vec's SimCSE uses 0.3) or pick another "
-                              f"augment ({', '.join(a for a in AUGMENTS if a != 'dropout')})")
-
 
 @dataclass
 class SentenceViews:

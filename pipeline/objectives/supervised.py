@@ -29,76 +29,15 @@ N}`` cuts the chunks by a token budget instead of by micro-batch (:class:`TokenC
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Literal
-
 import torch
 from transformers import PreTrainedModel
 
-from pipeline.config import ConfigError
-from pipeline.data.format.instructions import DEFAULT_FORMAT, check_format
 from pipeline.data.loading.batch import Batch
 from pipeline.model.flops import body_work, segment_lengths
 from pipeline.objectives.base import Objective, ObjectiveOutput
-from pipeline.objectives.infonce import ContrastiveConfig, info_nce
+from pipeline.objectives.configs import SupervisedConfig, TokenChunks
+from pipeline.objectives.infonce import info_nce
 from pipeline.objectives.simcse import mean_pool
-
-
-@dataclass
-class TokenChunks:
-    """GradCache's chunks cut by tokens, not by micro-batch (sentence-transformers' ``mini_batch_num_tokens``): the
-    step's rows in order, each chunk as many as fit in ``tokens`` real (unpadded) tokens, a longer row alone, so a
-    chunk of short rows holds more of them and long and short rows cost alike (``pipeline/train/grad_cache.py``)."""
-
-    tokens: int | None = None  # a chunk's budget: its rows' real tokens, all slots (query, positive, negatives)
-    RANGES: ClassVar[dict[str, str]] = {"tokens": ">= 1"}
-
-
-@dataclass
-class SupervisedConfig(ContrastiveConfig):
-    name: Literal["supervised"] = "supervised"
-    scale: float = 50.0  # InfoNCE logit scale, 1 / temperature (LLM2Vec's supervised loss_scale)
-    hard_negatives: bool = True  # score every row's hard negatives too (LLM2Vec); false: in-batch positives only
-    # false: each query against its own positive and hard negatives only, no other row's (NV-Embed's stage 2)
-    in_batch_negatives: bool = True
-    mask_collisions: bool = True  # leave a query's false negatives (its positive's text elsewhere) out of its softmax
-    # the step's grad_accum micro-batches form one contrastive batch (GradCache), chunked by micro-batch (true) or
-    # by a token budget ({tokens: N})
-    grad_cache: bool | TokenChunks = False
-    # how the pair shards joined instructions to texts (checked against their manifest); recorded in the export
-    # so encode(), sentence-transformers and MTEB format a task's instruction the same way
-    instruction_format: str = DEFAULT_FORMAT
-    instruction: str = ""  # the export's default query instruction ("": none), formatted as above
-    RANGES: ClassVar[dict[str, str]] = {**ContrastiveConfig.RANGES, "scale": "> 0"}
-
-    def validate(self) -> None:
-        try:
-            check_format(self.instruction_format)
-        except ValueError as e:
-            raise ConfigError(f"instruction_format: {e}") from None
-
-    def check_embedding(self, where: str, hidden_size: int | None = None) -> None:
-        """Matryoshka's dims, and that the negatives leave something to score: without in-batch negatives only the
-        hard ones are left. (Whether the pair shards hold hard negatives is preflight's check.)"""
-        super().check_embedding(where, hidden_size)
-        if not self.in_batch_negatives and not self.hard_negatives:
-            raise ConfigError(f"{where}.in_batch_negatives: false leaves each query its own hard negatives only, and "
-                              f"{where}.hard_negatives is false: no negative is left; set {where}.hard_negatives=true "
-                              f"(or {where}.in_batch_negatives=true)")
-
-    def check_step(self, grad_accum: int, objectives: int, where: str) -> None:
-        if isinstance(self.grad_cache, TokenChunks) and self.grad_cache.tokens is None:
-            raise ConfigError(f"{where}.grad_cache.tokens: missing; give each chunk's token budget, e.g. "
-                              f"{where}.grad_cache={{tokens: 4096}}, or set {where}.grad_cache=true (a chunk per "
-                              f"micro-batch)")
-        if self.grad_cache and objectives > 1:
-            raise ConfigError(f"{where} (supervised): grad_cache runs the step's micro-batches itself, so it must be "
-                              f"the phase's only objective; give the other objectives a phase of their own")
-        if grad_accum > 1 and not self.grad_cache:
-            raise ConfigError(f"{where} (supervised): train.grad_accum {grad_accum} would make each micro-step its "
-                              f"own contrastive batch, with fewer negatives than the step's rows; set "
-                              f"{where}.grad_cache=true (one contrastive batch over the micro-steps) or "
-                              f"train.grad_accum=1")
 
 
 def check_pairs(batch: Batch, objective: str) -> None:

@@ -3,13 +3,16 @@ phases' boundaries, and the batch warmup's fields checked against the world size
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 from pipeline.config import ConfigError
 from pipeline.data.loading.order import BatchWarmup
-from pipeline.experiment import load_experiment
+from pipeline.experiment import REPO, load_experiment
 from pipeline.train.batch_warmup import batch_warmup
 from pipeline.train.phases import build_objectives
 
@@ -95,3 +98,28 @@ def test_every_suggested_setting_is_one_set_takes(overrides, tokenizer):
     assert suggestions, message
     for suggestion in suggestions:
         assert error([*overrides, suggestion]) is None, (message, suggestion)
+
+
+def test_a_config_refusal_imports_no_torch_transformers_or_deepspeed():
+    """A refusal is as quick as parsing: loading and checking an experiment (every objective's config, a preset,
+    LoRA's targets; the launcher's own path too) imports none of the ~6 s of torch, transformers and DeepSpeed."""
+    code = """if True:
+        import sys
+        from pipeline.config import ConfigError
+        from pipeline.experiment import load_experiment
+        from pipeline.train.entry import main
+        for path in ("experiments/magnet/magnet.yaml", "experiments/llm2vec/supervised-lora.yaml",
+                     "experiments/llm2vec/simcse-lora.yaml", "experiments/ettin/ettin-210m.yaml"):
+            load_experiment(path, ["train.log_every=1"])  # loads whole: its objectives' configs, checked
+            try:
+                load_experiment(path, ["train.steps=0"])
+                raise SystemExit(path + ": train.steps=0 was not refused")
+            except ConfigError:
+                pass
+        assert main(["--set", "train.steps=0"]) == 2
+        print(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers", "deepspeed"}))
+    """
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "[]", run.stdout
