@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.objectives.configs import (
     BaseConfig,
     CLMConfig,
+    DistillConfig,
     MagnetConfig,
     MaskedConfig,
     MLMConfig,
@@ -26,21 +27,21 @@ if TYPE_CHECKING:
     from pipeline.tokenizer import Tokenizer
 
 # each heavy name: the module that defines it
-_LAZY = {"CLM": "clm", "MLM": "mlm", "MNTP": "mntp", "Magnet": "magnet", "SSCL": "sscl", "SimCSE": "simcse",
-         "Supervised": "supervised", "MaskedObjective": "base", "Masking": "base", "MaskingConfig": "base",
-         "Objective": "base", "ObjectiveOutput": "base"}
+_LAZY = {"CLM": "clm", "Distill": "distill", "MLM": "mlm", "MNTP": "mntp", "Magnet": "magnet", "SSCL": "sscl",
+         "SimCSE": "simcse", "Supervised": "supervised", "MaskedObjective": "base", "Masking": "base",
+         "MaskingConfig": "base", "Objective": "base", "ObjectiveOutput": "base"}
 
-__all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "SSCL", "BaseConfig", "CLMConfig", "MLMConfig", "MNTPConfig", "Magnet",
-           "MagnetConfig", "MaskedConfig", "MaskedObjective", "Masking", "MaskingConfig", "Objective",
-           "ObjectiveConfig", "ObjectiveOutput", "SSCLConfig", "SimCSE", "SimCSEConfig", "Supervised",
+__all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "SSCL", "BaseConfig", "CLMConfig", "Distill", "DistillConfig",
+           "MLMConfig", "MNTPConfig", "Magnet", "MagnetConfig", "MaskedConfig", "MaskedObjective", "Masking",
+           "MaskingConfig", "Objective", "ObjectiveConfig", "ObjectiveOutput", "SSCLConfig", "SimCSE", "SimCSEConfig", "Supervised",
            "SupervisedConfig", "make_objective"]
 
 
 def __getattr__(name: str) -> Any:
     """An objective's class (or ``OBJECTIVES``, each by its name), imported on first use."""
     if name == "OBJECTIVES":
-        value: Any = {cls.name: cls for cls in (__getattr__(n) for n in
-                                                ("CLM", "MLM", "MNTP", "Magnet", "SSCL", "SimCSE", "Supervised"))}
+        names = ("CLM", "Distill", "MLM", "MNTP", "Magnet", "SSCL", "SimCSE", "Supervised")
+        value: Any = {cls.name: cls for cls in (__getattr__(n) for n in names)}
     elif name in _LAZY:
         value = getattr(importlib.import_module(f"pipeline.objectives.{_LAZY[name]}"), name)
     else:

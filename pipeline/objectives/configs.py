@@ -304,6 +304,26 @@ class SupervisedConfig(ContrastiveConfig):
                               f"train.grad_accum=1")
 
 
+@dataclass
+class DistillConfig(BaseConfig):
+    name: Literal["distill"] = "distill"
+    teacher: str = ""  # the teacher directory data_prep/teacher_embed.py wrote (default <pair shards>/teacher)
+    embedding_loss: Literal["cosine", "mse"] = "cosine"  # student-to-teacher term (projected where dims differ)
+    embedding_weight: float = 1.0  # weight of that term
+    kl_weight: float = 1.0  # weight of KL(teacher || student) over each query's in-batch similarities
+    temperature: float = 0.05  # of both softmaxes over cosine similarities
+    RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "embedding_weight": ">= 0", "kl_weight": ">= 0",
+                                        "temperature": "> 0"}
+
+    def validate(self) -> None:
+        if not self.teacher:
+            raise ConfigError("distill.teacher: missing; name the directory data_prep/teacher_embed.py wrote, e.g. "
+                              "teacher=data/pairs-shards/teacher")
+        if self.embedding_weight == 0 and self.kl_weight == 0:
+            raise ConfigError("distill.embedding_weight and distill.kl_weight are both 0: nothing to train; set "
+                              "either above 0")
+
+
 # an experiment's objective: its ``name`` picks the config (pipeline.config.from_tagged)
-ObjectiveConfig = (CLMConfig | MLMConfig | MNTPConfig | MagnetConfig | SSCLConfig | SimCSEConfig
+ObjectiveConfig = (CLMConfig | DistillConfig | MLMConfig | MNTPConfig | MagnetConfig | SSCLConfig | SimCSEConfig
                    | SupervisedConfig)

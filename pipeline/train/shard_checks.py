@@ -24,6 +24,7 @@ from pipeline.data.format.index import (
     check_shard_sizes,
     load_index,
 )
+from pipeline.data.format.teacher import TeacherError, check_teacher
 from pipeline.data.loading.holdout import Holdout, ValidationSamples, split
 from pipeline.data.loading.mixture import Budget, MixtureError, MixturePlan, check_budget
 from pipeline.data.loading.order import BatchWarmup
@@ -146,14 +147,16 @@ def _build_config(p: PackedDir, d: DataConfig, tokenizer: Tokenizer, output: str
                        progress=False, source_field=d.build_source_field, source_default=d.build_source_default)
 
 
-def data_shards_fingerprint(exp: ExperimentConfig, tokenizer: Tokenizer, to_build: list[PackedDir]) -> str:
-    """The fingerprint of the shards data.shards holds when the run starts: its manifest's, or that of the build
-    in ``to_build`` (:func:`shards_to_build`) rank 0 is to make, which its settings alone fix."""
+def packed_fingerprints(exp: ExperimentConfig, tokenizer: Tokenizer, to_build: list[PackedDir]
+                        ) -> dict[str, tuple[str, str]]:
+    """(directory, fingerprint) of each of :func:`packed_dirs` when the run starts, by its loader's name (data.shards:
+    ``packed``, a phase's own: ``phases[i]``): its manifest's, or that of the build in ``to_build``
+    (:func:`shards_to_build`) rank 0 is to make, which its settings alone fix."""
     d = exp.data
-    building = next((p for p in to_build if p.directory == d.shards), None)
-    if building is None:
-        return shards_fingerprint(d.shards, d)
-    return shard_fingerprint(_build_config(building, d, tokenizer, building.directory), tokenizer)
+    names = ["packed", *(pd.loader for _, pd in own_phase_data(exp))]
+    return {name: (p.directory, shard_fingerprint(_build_config(p, d, tokenizer, p.directory), tokenizer)
+                   if p in to_build else shards_fingerprint(p.directory, d))
+            for name, p in zip(names, packed_dirs(exp), strict=True)}
 
 
 def _swap_in(new: str, directory: str) -> None:
@@ -236,6 +239,7 @@ def check_pairs(exp: ExperimentConfig, index: DatasetIndex, objectives: tuple[tu
     d, t = exp.data, exp.train
     check_instruction_format(exp, index)
     check_hard_negatives(exp, index)
+    check_teachers(exp, index)
     mixture = d.task_mixture
     if d.pair_batching == "same_task" and len(mixture.names) < 2:
         counts = {name: c["samples"] for name, c in index.source_counts().items()}
@@ -326,6 +330,18 @@ def check_hard_negatives(exp: ExperimentConfig, index: DatasetIndex) -> None:
                                   f"its own hard negatives only, but data.pair_shards {index.directory} holds none "
                                   f"(built with --negatives 0); rebuild them with --negatives 1 or more, or set "
                                   f"phases[{i}].objectives[{j}].in_batch_negatives=true")
+
+
+def check_teachers(exp: ExperimentConfig, index: DatasetIndex) -> None:
+    """A ``distill`` objective's teacher directory must hold the embeddings of these very shards: its record's
+    fingerprint and row count theirs, a file per text column."""
+    for i, phase in enumerate(exp.phases):
+        for j, o in enumerate(phase.objectives):
+            if o.name == "distill":
+                try:
+                    check_teacher(o.teacher, index.fingerprint, index.num_samples, index.pairs["slots"])
+                except TeacherError as e:
+                    raise ConfigError(f"phases[{i}].objectives[{j}].teacher: {e}") from None
 
 
 def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer, packed: DatasetIndex,

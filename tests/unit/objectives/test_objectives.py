@@ -327,14 +327,17 @@ def test_each_objective_declares_what_it_is(tokenizer):
     assert facts == {"clm": (False, True, True, False, "packed"), "mlm": (True, False, False, True, "packed"),
                      "mntp": (True, True, False, True, "packed"), "magnet": (True, True, False, True, "packed"),
                      "sscl": (False, False, False, True, "units"), "simcse": (False, False, False, True, "units"),
-                     "supervised": (False, False, False, False, "pairs")}
-    built = {name: make_objective(from_tagged(ObjectiveConfig, {"name": name}), tokenizer) for name in OBJECTIVES}
+                     "supervised": (False, False, False, False, "pairs"), "distill": (False, False, False, False, "pairs")}
+    required = {"distill": {"teacher": "runs/shards/pairs/teacher"}}  # read at attach, not at build
+    built = {name: make_objective(from_tagged(ObjectiveConfig, {"name": name, **required.get(name, {})}), tokenizer)
+             for name in OBJECTIVES}
     assert {n: o.attention_mode for n, o in built.items()} == {
         "clm": "causal", "mlm": "bidirectional", "mntp": "bidirectional", "magnet": "magnet",
-        "sscl": "bidirectional", "simcse": "bidirectional", "supervised": "bidirectional"}
+        "sscl": "bidirectional", "simcse": "bidirectional", "supervised": "bidirectional", "distill": "bidirectional"}
     assert {n: o.loss_weights for n, o in built.items()} == {
         "clm": {"clm": 1.0}, "mlm": {"mlm": 1.0}, "mntp": {"mntp": 1.0}, "magnet": {"mntp": 1.0, "msg": 1.0},
-        "sscl": {"sscl": 1.0}, "simcse": {"simcse": 1.0}, "supervised": {"supervised": 1.0}}
+        "sscl": {"sscl": 1.0}, "simcse": {"simcse": 1.0}, "supervised": {"supervised": 1.0},
+        "distill": {"distill_embedding": 1.0, "distill_kl": 1.0}}
     magnet = [make_objective(MagnetConfig(**w), tokenizer) for w in ({"msg_weight": 0.0}, {"own_span_only": True},
                                                                     {"mntp_weight": 0.0, "msg_weight": 2.0})]
     assert [(o.attention_mode, o.loss_weights) for o in magnet] == [
