@@ -325,5 +325,5 @@ class DistillConfig(BaseConfig):
 
 
 # an experiment's objective: its ``name`` picks the config (pipeline.config.from_tagged)
-ObjectiveConfig = (CLMConfig | DistillConfig | MLMConfig | MNTPConfig | MagnetConfig | SSCLConfig | SimCSEConfig
-                   | SupervisedConfig)
+ObjectiveConfig = (CLMConfig | MLMConfig | MNTPConfig | MagnetConfig | SSCLConfig | SimCSEConfig | SupervisedConfig
+                   | DistillConfig)
