@@ -3,10 +3,12 @@ contrastive views, loss weights), on which data, for how many steps, and the opt
 
 from __future__ import annotations
 
+from pipeline.data.format.teacher import RECORD, TeacherError, read_record
 from pipeline.experiment import ExperimentConfig
 from pipeline.export.hub import local_name
 from pipeline.objectives import (
     OBJECTIVES,
+    DistillConfig,
     MagnetConfig,
     MaskedConfig,
     ObjectiveConfig,
@@ -57,9 +59,27 @@ def objective_words(o: ObjectiveConfig) -> str:
                      "the batch's other positives")
         text = (f"supervised contrastive learning: each query against its positive, {negatives} the negatives "
                 f"(InfoNCE, scale {o.scale:g})")
+    elif isinstance(o, DistillConfig):
+        distance = "1 - cosine" if o.embedding_loss == "cosine" else "mean squared error"
+        text = (f"embedding distillation from {teacher_words(o.teacher)}: each text's {distance} to the teacher's "
+                f"embedding (weight {o.embedding_weight:g}) and the KL divergence of the student's in-batch "
+                f"query-candidate similarities from the teacher's at temperature {o.temperature:g} (weight "
+                f"{o.kl_weight:g})")
     else:  # an objective added without words here still gets a line
         text = o.name
     return text + (f"; loss weight {o.weight:g}" if o.weight != 1 else "")
+
+
+def teacher_words(directory: str) -> str:
+    """The teacher as its record names it (its path, how it was read, its width), or its directory when the record
+    is not where the run read it (an export made elsewhere)."""
+    try:
+        record = read_record(directory)
+    except (TeacherError, OSError):
+        return f"the teacher embeddings in `{local_name(directory)}` ({RECORD} not found at export)"
+    t = record["teacher"]
+    return (f"the teacher `{local_name(t['path'])}` ({t['encoder']} encoder, {record['dim']} dims, "
+            f"{record['pooling']} pooling)")
 
 
 def _data(exp: ExperimentConfig, i: int, o: ObjectiveConfig) -> str:

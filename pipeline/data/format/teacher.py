@@ -78,18 +78,22 @@ def check_teacher(directory: str, fingerprint: str, samples: int, slots: int) ->
     return record
 
 
+def read_record(directory: str) -> dict:
+    """``directory``'s teacher.json (a TeacherError where it is missing or not JSON)."""
+    path = os.path.join(directory, RECORD)
+    if not os.path.isfile(path):
+        raise TeacherError(f"{path}: no teacher record; run data_prep/teacher_embed.py on the pair shards")
+    return read_json(path, "run data_prep/teacher_embed.py on the pair shards", error=TeacherError)
+
+
 def teacher_dim(directory: str) -> int:
     """The teacher's embedding width, from its record alone."""
-    return int(read_json(os.path.join(directory, RECORD), "run data_prep/teacher_embed.py on the pair shards",
-                         error=TeacherError)["dim"])
+    return int(read_record(directory)["dim"])
 
 
 def load_teacher(directory: str, slots: int) -> TeacherEmbeddings:
     """The embeddings of ``directory`` (its record's own checks: files present, every column N rows of one dim)."""
-    path = os.path.join(directory, RECORD)
-    if not os.path.isfile(path):
-        raise TeacherError(f"{path}: no teacher record; run data_prep/teacher_embed.py on the pair shards")
-    record = read_json(path, error=TeacherError)
+    record = read_record(directory)
     check_teacher(directory, record.get("shards_fingerprint", ""), record.get("samples"), slots)
     keys = np.load(os.path.join(directory, KEYS))
     columns = [np.load(os.path.join(directory, f"{n}.npy"), mmap_mode="r") for n in slot_names(slots)]

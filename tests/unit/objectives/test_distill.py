@@ -24,6 +24,7 @@ from pipeline.data.loading.batch import collate
 from pipeline.experiment import ExperimentConfig
 from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord
+from pipeline.export.summary import objective_words, phases
 from pipeline.mining.teacher import embed_shards, main
 from pipeline.objectives import Distill, DistillConfig
 from pipeline.objectives.distill import PROJECTION, embedding_term, similarity_kl
@@ -181,3 +182,15 @@ def test_a_teacher_that_does_not_match_the_shards_is_refused_in_one_line(pairs, 
         from_dict(DistillConfig, {})
     with pytest.raises(ConfigError, match="both 0"):
         from_dict(DistillConfig, {"teacher": teacher, "embedding_weight": 0, "kl_weight": 0})
+
+
+def test_the_model_card_names_the_teacher(teacher, tmp_path):
+    """The card's account of a distill phase names the teacher its record names (path, encoder, width), and says
+    so when the record is not where the run read it."""
+    exp = from_dict(ExperimentConfig, {"phases": [{"objectives": [{"name": "distill", "teacher": teacher,
+                                                                   "embedding_loss": "mse"}]}]})
+    words = phases(exp)
+    assert "embedding distillation from the teacher `model` (pipeline encoder, 64 dims, mean pooling)" in words
+    assert "mean squared error" in words and "temperature 0.05 (weight 1)" in words
+    assert f"`{os.path.basename(tmp_path)}` (teacher.json not found at export)" in \
+        objective_words(DistillConfig(teacher=str(tmp_path)))
