@@ -307,7 +307,7 @@ class SupervisedConfig(ContrastiveConfig):
 @dataclass
 class DistillConfig(BaseConfig):
     name: Literal["distill"] = "distill"
-    teacher: str = ""  # the teacher directory data_prep/teacher_embed.py wrote (default <pair shards>/teacher)
+    teacher: str = ""  # required: the directory data_prep/teacher_embed.py wrote (its default: <pair shards>/teacher)
     embedding_loss: Literal["cosine", "mse"] = "cosine"  # student-to-teacher term (projected where dims differ)
     embedding_weight: float = 1.0  # weight of that term
     kl_weight: float = 1.0  # weight of KL(teacher || student) over each query's in-batch similarities
