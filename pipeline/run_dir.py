@@ -24,7 +24,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.config import ConfigError, from_dict, to_dict
 from pipeline.experiment import ExperimentConfig
@@ -43,11 +43,13 @@ def tag(step: int) -> str:
 
 @dataclass(frozen=True)
 class DataRecord:
-    """``data.json``: the shard directory a run trained on."""
+    """``data.json``: the shard directory a run trained on (data.shards), and each phase's own by its loader's name
+    (``phases[i]``: directory, fingerprint), which a resume is held to before anything is built."""
     directory: str
     fingerprint: str
     samples: int
     tokens: int
+    phase_shards: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 class RunDir:

@@ -47,6 +47,7 @@ from pipeline.model.build import (
 from pipeline.model.moe import router_aux_coef
 from pipeline.model.presets import PRESETS
 from pipeline.objectives.base import MaskTokenError
+from pipeline.run_dir import DataRecord
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 from pipeline.train import errors
 from pipeline.train.agreement import PreflightFailed, agreed, check_same_run
@@ -72,7 +73,7 @@ from pipeline.train.shard_checks import (
     build_missing_shards,
     check_packed_sources,
     check_shards,
-    data_shards_fingerprint,
+    packed_fingerprints,
 )
 from pipeline.train.trackers import check_trackers
 from pipeline.train.validation import probes
@@ -111,6 +112,14 @@ class Prepared:
     def ds_config(self) -> dict:
         """The resolved DeepSpeed config, a copy: DeepSpeed and the run files take it."""
         return copy.deepcopy(self.resolved_ds)
+
+    def data_record(self) -> DataRecord:
+        """``data.json`` (written into every checkpoint): the shards of data.shards and of each phase's own, which
+        :func:`~pipeline.train.run_setup.check_resumable` holds a resume to."""
+        packed = self.indexes["packed"]
+        phases = {name: {"directory": i.directory, "fingerprint": i.fingerprint}
+                  for name, i in self.indexes.items() if name.startswith("phases[")}
+        return DataRecord(packed.directory, packed.fingerprint, packed.num_samples, packed.num_tokens, phases)
 
 
 def check_lora_start(exp: ExperimentConfig) -> None:
@@ -186,7 +195,7 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, ds: di
     to_build = check_packed_sources(exp, tokenizer)
     resume = resume_point(exp, world)
     if resume is not None:
-        check_resumable(exp, resume, model.config.to_dict(), data_shards_fingerprint(exp, tokenizer, to_build))
+        check_resumable(exp, resume, model.config.to_dict(), packed_fingerprints(exp, tokenizer, to_build))
     if d.shards in {p.directory for p in to_build} and set(d.source_mixture.names) - {UNNAMED_SOURCE} and not (d.build_source_field or
                                                                     d.build_source_default):
         raise ConfigError(f"data.mixture: mixes sources, but the shards data.build_if_missing would build into "

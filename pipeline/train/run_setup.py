@@ -110,20 +110,29 @@ def resume_point(exp: ExperimentConfig, world: int) -> ResumePoint | None:
     return point
 
 
-def check_resumable(exp: ExperimentConfig, point: ResumePoint, model_config: dict, fingerprint: str) -> None:
+def check_resumable(exp: ExperimentConfig, point: ResumePoint, model_config: dict,
+                    shards: dict[str, tuple[str, str]]) -> None:
     """The checkpoint this run resumes from (``point``) was trained on what a resume cannot change: the same shards
-    (``fingerprint``: data.shards' when the run starts, built or to be built), a model of the same shape
-    (``model_config``, this run's) and LoRA rank, the same objectives in each phase. Else a ConfigError naming the
-    run directory, the difference and a new name; the resume would otherwise fail only once the shards and the
+    (``shards``: (directory, fingerprint) of data.shards, ``packed``, and of each phase's own, ``phases[i]``, when
+    the run starts, built or to be built; a phase's own where the checkpoint records them), a model of the same
+    shape (``model_config``, this run's) and LoRA rank, the same objectives in each phase. Else a ConfigError naming
+    the run directory, the difference and a new name; the resume would otherwise fail only once the shards and the
     model are built, naming neither."""
     run, d = RunDir(exp.run_dir), exp.data
     saved = run.checkpoint_experiment(point.step)
     differences = []
-    record = run.checkpoint_run_file(point.step, DATA)
-    if record is not None and record["fingerprint"] != fingerprint:
+    record = run.checkpoint_run_file(point.step, DATA) or {}
+    fingerprint = shards["packed"][1]
+    if record and record["fingerprint"] != fingerprint:
         inputs = f" (from data.build_inputs {d.build_inputs})" if d.build_inputs else ""
         differences.append(f"on {record['directory']} (fingerprint {record['fingerprint'][:12]}), while this run's "
                            f"data.shards {d.shards}{inputs} has {fingerprint[:12]}")
+    for name, trained in sorted(record.get("phase_shards", {}).items()):  # none recorded: an older checkpoint
+        now = shards.get(name)
+        if now is None or now[1] != trained["fingerprint"]:
+            differences.append(f"with {name}.shards {trained['directory']} (fingerprint {trained['fingerprint'][:12]}"
+                               f"), while this run's " + (f"{name} reads data.shards" if now is None else
+                                                         f"{name}.shards {now[0]} has {now[1][:12]}"))
     saved_config = run.checkpoint_run_file(point.step, MODEL_CONFIG) or {}
     shape = [k for k in SHAPE_KEYS if k in saved_config and k in model_config and saved_config[k] != model_config[k]]
     if shape:

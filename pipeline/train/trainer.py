@@ -28,7 +28,7 @@ from pipeline.experiment import ExperimentConfig
 from pipeline.export.record import EncoderRecord
 from pipeline.model.flops import device_peak_tflops, work_flops
 from pipeline.model.rope import rope_parameter_sets, set_rope
-from pipeline.run_dir import DataRecord, RunDir, tag
+from pipeline.run_dir import RunDir, tag
 from pipeline.train.checkpoint import Checkpointer
 from pipeline.train.ds_config import sharding_note
 from pipeline.train.evaluators import TrainingEvaluators
@@ -95,8 +95,7 @@ class Trainer:
             if note:
                 print(note, flush=True)
         run = RunDir(exp.run_dir)
-        files = run.run_files(exp, ds, lm.config.to_dict(), DataRecord(index.directory, index.fingerprint,
-                                                                       index.num_samples, index.num_tokens))
+        files = run.run_files(exp, ds, lm.config.to_dict(), prepared.data_record())
         if rank == 0:
             run.write_run_files(files)
         t, pin = exp.train, device.type == "cuda"

@@ -244,3 +244,35 @@ def test_a_run_directory_of_another_model_or_objectives_is_refused(build_shards,
     assert line == (f"config error: name: runs/sample-tiny-clm holds run sample-tiny-clm's checkpoint of step 5, "
                     f"trained {difference}, which this run cannot resume; start a new run with --set name=NEW, or "
                     f"resume with that run's settings")
+
+
+def test_a_phases_own_shards_changed_under_a_resume_are_refused(build_shards, inputs, tmp_path, monkeypatch, capsys):
+    """A context extension's phase reads shards of its own. Resumed on other shards there, the run passed --check
+    and failed only on the loader state's fingerprint once the model was built, naming neither the field nor the fix;
+    the checkpoint's data.json now records each phase's shards (what the trainer writes: Prepared.data_record), and
+    preflight refuses as it does for data.shards."""
+    monkeypatch.chdir(tmp_path)
+    a, b = inputs
+    shards, trained, other = (build_shards(inputs=(x,), seq_len=n) for x, n in ((a, 64), (a, 128), (b, 128)))
+
+    def settings(longer: str) -> list[str]:  # prebuilt shards, no inputs named: the fingerprints alone differ
+        return [f"data.shards={shards}", "data.build_inputs=[]", "phases=[{share: 0.5, objectives: [{name: clm}]}, "
+                f"{{share: 0.5, seq_len: 128, shards: {longer}, objectives: [{{name: clm}}]}}]"]
+
+    exp = load_experiment(None, [*BASE, *settings(trained)])
+    with preflight(exp, 0, 1) as prepared:
+        record = prepared.data_record()
+    fingerprints = [load_index(x).fingerprint for x in (trained, other)]
+    assert record.phase_shards == {"phases[1]": {"directory": trained, "fingerprint": fingerprints[0]}}
+    step = RunDir(exp.run_dir).checkpoint(5)
+    os.makedirs(step)
+    for name, content in {**RunDir(exp.run_dir).run_files(exp, {}, {}, record), MARKER: {"world_size": 1}}.items():
+        write_json_atomic(os.path.join(step, name), content)
+    rc, out, err = start(capsys, settings(trained), True)
+    assert rc == 0 and "resume: from step 5 (runs/sample-tiny-clm/checkpoints/step00000005)" in out, err
+    for check in (True, False):
+        assert refusal(capsys, settings(other), check) == (
+            f"config error: name: runs/sample-tiny-clm holds run sample-tiny-clm's checkpoint of step 5, trained with "
+            f"phases[1].shards {trained} (fingerprint {fingerprints[0][:12]}), while this run's phases[1].shards "
+            f"{other} has {fingerprints[1][:12]}, which this run cannot resume; start a new run with --set name=NEW, "
+            f"or resume with that run's settings")
