@@ -92,6 +92,11 @@ class RunDir:
         """A kept checkpoint's results go under ``eval/stepN/``, where the run's own (final) results are not read."""
         return os.path.join(self.eval if step is None else os.path.join(self.eval, tag(step)), f"{name}.json")
 
+    def training_eval_results(self, step: int) -> str:
+        """What ``eval.evaluators`` scored at a validation step (``eval/training/stepN.json``), which the card of that
+        step's export (``hf-best``) carries where no ``launch/evaluate.py`` file of the step has it."""
+        return os.path.join(self.eval, "training", f"{tag(step)}.json")
+
     def all_eval_results(self) -> list[str]:
         return sorted(glob.glob(os.path.join(self.eval, "*.json")))
 

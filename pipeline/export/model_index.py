@@ -1,7 +1,9 @@
 """The evaluation results of an exported step as the Hub's ``model-index`` (huggingface_hub's ``EvalResult``s),
 so the model page shows them: the results files ``launch/evaluate.py`` wrote for that step of the run
-(``RUN/eval/*.json``, ``RUN/eval/stepN/*.json``) whose model was read as the export's record says. An offline export
-puts them in its card; ``launch/evaluate.py`` puts them in the card of the export it evaluated."""
+(``RUN/eval/*.json``, ``RUN/eval/stepN/*.json``) whose model was read as the export's record says, and what the
+training-time evaluators scored at that step (``RUN/eval/training/stepN.json``: ``hf-best``'s card carries the
+best step's scores without an evaluation). An offline export puts them in its card; ``launch/evaluate.py`` puts them
+in the card of the export it evaluated."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from huggingface_hub import EvalResult, ModelCard
 
+from pipeline.io import read_json
 from pipeline.run_dir import RunDir
 
 if TYPE_CHECKING:
@@ -49,28 +52,41 @@ def _scores(task: str, result: dict, headline: dict[str, float]) -> list[tuple[s
 
 def eval_results(results: EvalResults) -> list[EvalResult]:
     """One ``EvalResult`` per task, dataset and metric of ``results``."""
+    return [r for task, result in results.results.items()
+            for r in task_results(task, result, results.options.get(task, {}).get("split"))]
+
+
+def task_results(task: str, result: dict, split: str | None) -> list[EvalResult]:
+    """One ``EvalResult`` per dataset and metric of one task's ``result`` (as a results file holds it)."""
     from pipeline.eval.registry import TASKS  # pipeline.eval imports the exports: not at import time
 
-    out = []
-    for task, result in results.results.items():
-        task_type, task_name = HUB_TASKS.get(task, (task, task))
-        headline = TASKS[task].headline(result) if task in TASKS else {}
-        split = results.options.get(task, {}).get("split")
-        for dataset, metric, value in _scores(task, result, headline):
-            dataset = os.path.basename(dataset)  # a dataset named by a path: never the machine's layout
-            out.append(EvalResult(task_type=task_type, task_name=task_name, dataset_type=dataset,
-                                  dataset_name=dataset, dataset_split=split, metric_type=metric,
-                                  metric_value=float(value)))
-    return out
+    task_type, task_name = HUB_TASKS.get(task, (task, task))
+    headline = TASKS[task].headline(result) if task in TASKS else {}
+    return [EvalResult(task_type=task_type, task_name=task_name, dataset_type=os.path.basename(dataset),
+                       dataset_name=os.path.basename(dataset),  # a dataset named by a path: never the machine's
+                       dataset_split=split, metric_type=metric, metric_value=float(value))
+            for dataset, metric, value in _scores(task, result, headline)]
+
+
+def training_results(run: RunDir, step: int, attention: str) -> list[EvalResult]:
+    """What ``eval.evaluators`` scored at step ``step`` during training, read with ``attention``: the same numbers
+    ``launch/evaluate.py --step`` gives (``pipeline.train.evaluators``); none where the step was not validated."""
+    path = run.training_eval_results(step)
+    if not os.path.isfile(path):
+        return []
+    record = read_json(path, "written by the training-time evaluators (eval.evaluators)")
+    if record["attention"] != attention:
+        return []
+    return [r for t in record["tasks"] for r in task_results(t["task"], t["result"], t["split"])]
 
 
 def results_at(run: RunDir, step: int, attention: str) -> list[EvalResult]:
     """The results of ``run``'s evaluations of step ``step`` read with ``attention`` (the export's) and its default
-    dims (no ``--dim``: a cut embedding scores another model); for one task, dataset and metric in several files,
-    the newest file's."""
+    dims (no ``--dim``: a cut embedding scores another model), the training-time evaluators' of the step first; for
+    one task, dataset and metric in several files, the newest file's."""
     from pipeline.eval.results import EvalResults
 
-    by_key = {}
+    by_key = {(*r.unique_identifier, r.metric_type): r for r in training_results(run, step, attention)}
     for path in sorted([*run.all_eval_results(), *run.step_eval_results()], key=os.path.getmtime):
         results = EvalResults.read(path)
         if results.model.step != step or results.model.attention != attention or results.config.dim is not None:

@@ -13,11 +13,13 @@ evaluating does not change what the run trains on.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pipeline.eval.data import dataset_name
 from pipeline.eval.encode import MAX_TOKENS
@@ -26,6 +28,8 @@ from pipeline.eval.registry import TASKS
 from pipeline.eval.task import EvalContext
 from pipeline.experiment import EvaluatorConfig
 from pipeline.export.record import EncoderRecord
+from pipeline.io import write_json_atomic
+from pipeline.run_dir import RunDir
 from pipeline.tokenizer import Tokenizer
 
 BATCH_SIZE, SEED = 16, 0  # launch/evaluate.py's --batch-size and --seed defaults
@@ -69,19 +73,28 @@ class TrainingEvaluators:
     @torch.no_grad()
     def run(self, engine, lm: torch.nn.Module, step: int, device: torch.device) -> dict[str, float]:
         """Collective: every rank calls it at the same step. The tasks' headline scores as ``eval/<key>`` and
-        ``eval/evaluators_seconds``; dropout is off while they run and the engine is back in train mode after."""
+        ``eval/evaluators_seconds``; dropout is off while they run and the engine is back in train mode after. Rank 0
+        keeps the tasks' whole results (:meth:`RunDir.training_eval_results`) for the model-index of the step's card,
+        should it become ``hf-best``."""
         started = time.time()
         model = EvalModel(lm=lm, tokenizer=self.tokenizer, hf_dir="", run_dir=self.run_dir, step=step,
                           record=self.record, attention=self.record.attention)
         ctx = EvalContext(model, "", BATCH_SIZE, progress=False, seed=SEED, max_tokens=MAX_TOKENS)
         scalars: dict[str, float] = {}
+        tasks = []  # each task's result as launch/evaluate.py's results file holds it, with its split
         engine.eval()
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 for config, options in zip(self.configs, self.options):
                     torch.manual_seed(SEED)  # as launch/evaluate.py seeds each task
                     task = TASKS[config.task]
-                    scalars |= {f"eval/{k}": float(v) for k, v in task.headline(task.run(ctx, options)).items()}
+                    result = task.run(ctx, options)
+                    scalars |= {f"eval/{k}": float(v) for k, v in task.headline(result).items()}
+                    tasks.append({"task": config.task, "split": getattr(options, "split", None), "result": result})
         finally:
             engine.train()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            path = RunDir(self.run_dir).training_eval_results(step)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write_json_atomic(path, {"step": step, "attention": self.record.attention, "tasks": tasks})
         return scalars | {"eval/evaluators_seconds": time.time() - started}

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from helpers import REPO, tiny_llama
 from huggingface_hub import ModelCard, metadata_load
@@ -196,3 +197,33 @@ def test_an_export_shows_only_its_steps_results_read_as_it_reads(tokenizer, tmp_
     got = {r.dataset_type: r.metric_value for r in results_at(run, 7, "bidirectional")}
     assert got == {name: r["spearman"] + 4.0 for name, r in read.results["sts"]["datasets"].items()}
     assert results_at(run, 5, "bidirectional") == []
+
+
+def test_the_scores_evaluators_logged_at_a_step_are_its_exports_model_index(tokenizer, tmp_path):
+    """Issue 51, item 6: hf-best's card had no model-index (only ``evaluate.py --step <best>`` wrote one). What
+    eval.evaluators scored at a validation step is kept with the run, so the card of that step's export (results_at,
+    which export_checkpoint writes into hf-best/README.md) carries the logged eval/sts/<dataset> numbers, read as the
+    export reads; a launch/evaluate.py file of the step, written later, wins."""
+    from pipeline.experiment import EvaluatorConfig
+    from pipeline.train.evaluators import TrainingEvaluators
+
+    run, lm = RunDir(str(tmp_path / "run")), tiny_llama(tokenizer, seed=3)
+    sts = [os.path.join(FIXTURES, "sts", name) for name in ("stsb.tsv", "sickr.tsv")]
+    evaluators = TrainingEvaluators.build([EvaluatorConfig("sts", sts), EvaluatorConfig("clustering", [
+        os.path.join(FIXTURES, "clustering", "mteb-topics.jsonl")])], tokenizer, MNTP, run.path)
+    scalars = evaluators.run(lm, lm, 4, torch.device("cpu"))  # the engine: what switches dropout off and on
+    card_dir = export(tokenizer, run.hf_best, MNTP, results=results_at(run, 4, "bidirectional"))
+    _, parsed = model_index_to_eval_results(metadata_load(os.path.join(card_dir, "README.md"))["model-index"])
+    got = {(r.task_type, r.dataset_type, r.metric_type, r.dataset_split): r.metric_value for r in parsed}
+    assert {k: v for k, v in got.items() if k[0] == "sentence-similarity"} == {
+        ("sentence-similarity", name, "cos_sim_spearman", "test"): scalars[f"eval/sts/{name}"]
+        for name in ("stsb", "sickr")}
+    assert {k[:3] for k in got if k[0] == "Clustering"} == {("Clustering", "mteb-topics", "v_measure")}
+    assert results_at(run, 2, "bidirectional") == results_at(run, 4, "causal") == []  # another step, another reading
+    later = evaluate(EvalConfig(model=card_dir, tasks=["sts"], data_dir=FIXTURES, progress=False))
+    replace(later, model=replace(later.model, step=4, attention="bidirectional"),
+            results={"sts": {**later.results["sts"], "datasets": {"stsb": {**later.results["sts"]["datasets"]["stsb"],
+                                                                           "spearman": 12.5}}}}
+            ).write(run.eval_results(step=4))
+    assert {(r.dataset_type, r.metric_value) for r in results_at(run, 4, "bidirectional")
+            if r.task_type == "sentence-similarity"} == {("stsb", 12.5), ("sickr", scalars["eval/sts/sickr"])}
