@@ -24,7 +24,10 @@ from pipeline.train.deepspeed_ops import use_install_ops_dir
 use_install_ops_dir()
 skip_autotuner_mlflow()
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)  # make test's two workers (pytest -n 2) one core each, as the ranks they launch get
+    # make test's two workers (pytest -n 2) one core each, and so every process a test starts: two threads beside
+    # the other worker's process spin on one core (OpenMP's barriers), up to 5x slower; inductor compiles in-process
+    torch.set_num_threads(1)
+    os.environ.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
 
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
 SAMPLE_TRAIN = os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")

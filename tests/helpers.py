@@ -21,6 +21,7 @@ import threading
 
 import numpy as np
 import torch
+import warm
 
 from pipeline.constraints import canonical  # noqa: F401  (the tests' too)
 from pipeline.data.format.index import MANIFEST, job_manifest_name, settings_fingerprint
@@ -34,6 +35,7 @@ from pipeline.io import write_json_atomic
 from pipeline.model.build import build_model, model_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_SCRIPT = os.path.join(REPO, "launch", "train.py")
 PAD, BOS, EOS, MASK = 0, 1, 2, 3
 SPECIAL_IDS = (PAD, BOS, EOS, MASK)
 
@@ -174,8 +176,16 @@ ZERO0 = os.path.join(REPO, "ds_configs", "zero0.json")
 ZERO1 = os.path.join(REPO, "ds_configs", "zero1.json")
 # The fastest CPU layout (BENCHMARKS.md, "CPU layouts"): one rank with both cores' threads and no ZeRO. The real-model
 # runs of the slow suite use it (doubling grad_accum keeps the 2-rank global batch); the 2-rank ZeRO-3 path stays
-# tested everywhere else.
-ONE_RANK = {"nproc": 1, "ds_config": ZERO0, "env": {"OMP_NUM_THREADS": "2"}}
+# tested everywhere else. Under make test's two workers a test has one core: one thread (tests/conftest.py).
+ONE_RANK = {"nproc": 1, "ds_config": ZERO0,
+            "env": {"OMP_NUM_THREADS": "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"}}
+
+
+def train_args(run_dir: str, experiment: str | None, *overrides: str, ds_config: str = ZERO3) -> list[str]:
+    """The arguments of ``launch/train.py``: the DeepSpeed JSON ``ds_config``, the experiment, ``run_dir`` and the
+    ``--set`` overrides."""
+    args = ["--config", ds_config, *(["--experiment", experiment] if experiment else [])]
+    return args + [arg for item in (f"run_dir={run_dir}", *overrides) for arg in ("--set", item)]
 
 
 def train_command(run_dir: str, experiment: str | None, *overrides: str, nproc: int = 2,
@@ -190,12 +200,7 @@ def train_command(run_dir: str, experiment: str | None, *overrides: str, nproc: 
     else:
         where = f"--master_port={port}" if port else "--standalone"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", where]
-    cmd += [os.path.join(REPO, "launch", "train.py"), "--config", ds_config]
-    if experiment:
-        cmd += ["--experiment", experiment]
-    for item in (f"run_dir={run_dir}", *overrides):
-        cmd += ["--set", item]
-    return cmd
+    return [*cmd, TRAIN_SCRIPT, *train_args(run_dir, experiment, *overrides, ds_config=ds_config)]
 
 
 def cpu_env(env: dict | None = None) -> dict:
@@ -219,14 +224,21 @@ def training_launch(run_dir: str, experiment: str | None, *overrides: str, nproc
 
 
 def launch_training(run_dir: str, experiment: str | None, *overrides: str, nproc: int = 2, env: dict | None = None,
-                    check: bool = True, launcher: str = "torchrun", port: int | None = None,
+                    check: bool = True, launcher: str | None = None, port: int | None = None,
                     ds_config: str = ZERO3) -> subprocess.CompletedProcess:
     """``launch/train.py`` on ``nproc`` CPU ranks (gloo, DeepSpeed's CPU accelerator), with ZeRO-3 unless
-    ``ds_config`` names another JSON (see :func:`training_launch`); raises with the output's tail when it fails and
-    ``check``."""
-    with training_launch(run_dir, experiment, *overrides, nproc=nproc, env=env, launcher=launcher, port=port,
-                         ds_config=ds_config) as (cmd, launch_env):
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=launch_env)
+    ``ds_config`` names another JSON; raises with the output's tail when it fails and ``check``. The ranks are
+    forked from a warm process (``launcher="warm"``, :mod:`warm`: torchrun's rank environment without ~10 CPU
+    seconds of imports a launch) unless the test is about a launcher: "torchrun" or "deepspeed" start the real one
+    (:func:`training_launch`). ``PIPELINE_TEST_LAUNCHER=torchrun`` starts every default launch with torchrun."""
+    launcher = launcher or os.environ.get("PIPELINE_TEST_LAUNCHER", "warm")
+    if launcher == "warm":
+        proc = warm.run(TRAIN_SCRIPT, train_args(run_dir, experiment, *overrides, ds_config=ds_config), nproc=nproc,
+                        env=cpu_env(env))
+    else:
+        with training_launch(run_dir, experiment, *overrides, nproc=nproc, env=env, launcher=launcher, port=port,
+                             ds_config=ds_config) as (cmd, launch_env):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO, env=launch_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+import warm
 from helpers import ONE_RANK, launch_training, logged_steps
 
 from pipeline.planner import report as plan_cli
@@ -29,9 +30,8 @@ spec.loader.exec_module(bench_gpu)
 
 
 def dry_run(out, *options: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, BENCH_GPU, "--dry-run", "--out", str(out), *options], capture_output=True,
-                          text=True, timeout=600, cwd=REPO, env={**os.environ, "DS_ACCELERATOR": "cpu",
-                                                                 "OMP_NUM_THREADS": "1"})
+    proc = warm.run(BENCH_GPU, ["--dry-run", "--out", str(out), *options], timeout=600,
+                    env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -114,9 +114,8 @@ def test_run_until_kills_the_process_group_at_the_deadline():
 def test_encode_bench_dry_run_checks_agreement_then_times_all_three(tmp_path):
     """bench/bench_encode.py's dry run (~20 s): the exported tiny model embeds alike in encode() and
     sentence-transformers before any timing, then encode(), sentence-transformers' encode and its pool are timed."""
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_encode.py"), "--dry-run", "--out",
-                           str(tmp_path / "encode.json")], capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+    proc = warm.run(os.path.join(REPO, "bench", "bench_encode.py"), ["--dry-run", "--out", str(tmp_path / "encode.json")],
+                    timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "agreement on 64 sentences: max |diff|" in proc.stdout
     results = json.loads((tmp_path / "encode.json").read_text())

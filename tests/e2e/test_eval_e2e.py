@@ -8,11 +8,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+import warm
 from PIL import Image
 from test_eval_tasks import make_data_dir
 from test_train_e2e import launch
@@ -30,9 +30,7 @@ FAST_TASKS = ["perplexity", "mlm", "sts", "repetition"]
 
 
 def cli(script: str, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", script), *args], capture_output=True,
-                          text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
-    return proc
+    return warm.run(os.path.join(REPO, "launch", script), args, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def train(root, data_dir: str, name: str, *overrides: str, nproc: int = 1) -> str:

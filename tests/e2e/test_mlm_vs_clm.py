@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import launch_training
 
 from pipeline.experiment import REPO, SAMPLE_DIR
 from pipeline.grid import load_grid
@@ -86,17 +87,6 @@ def sweep(out: str, shards: str, *args: str, env: dict | None = None) -> subproc
     return proc
 
 
-def train(experiment: str, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "launch", "train.py"), "--config", os.path.join(REPO, "ds_configs", "zero3.json"),
-           "--experiment", experiment]
-    for item in overrides:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600, env={**os.environ, **CPU})
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
-
-
 @pytest.mark.e2e
 def test_two_phase_twin_switches_at_the_right_step_and_resumes_across_the_switch(shards, tmp_path):
     out = str(tmp_path / "runs")
@@ -112,10 +102,10 @@ def test_two_phase_twin_switches_at_the_right_step_and_resumes_across_the_switch
     assert modes == ["causal", "bidirectional"]
 
     resumed = str(tmp_path / "resumed")
-    first = train(exp_file, f"run_dir={resumed}", "train.stop_at_step=3")  # the last CLM step
+    first = launch_training(resumed, exp_file, "train.stop_at_step=3")  # the last CLM step
     assert "stopped at step 3" in first.stdout
     assert RunDir(resumed).complete_steps() == [3]
-    second = train(exp_file, f"run_dir={resumed}")
+    second = launch_training(resumed, exp_file)
     assert "resumed from step00000003" in second.stdout
     again = metrics(resumed)
     assert [again[s]["phase"] for s in range(1, 13)] == [ours[s]["phase"] for s in range(1, 13)]

@@ -12,11 +12,11 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
+import warm
 from helpers import ZERO3, launch_training, logged_steps
 
 from pipeline.data.format.index import load_index
@@ -33,6 +33,7 @@ from pipeline.train.schedule import lr_multiplier
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "../.."))
 TOKENIZER = os.path.join(SAMPLE_DIR, "tokenizer")
+EXPORT = os.path.join(REPO, "launch", "export_hf.py")
 STEPS = 20
 COMMON = ["train.steps=20", "train.micro_batch=2", "train.grad_accum=2", "train.log_every=5",
           "optim.warmup_steps=4", "optim.decay_steps=6", "optim.lr=0.002", "checkpoint.every=10",
@@ -180,8 +181,8 @@ def test_hf_export_reloads_with_the_trained_weights(baseline, shards, init_dir, 
     ids = torch.randint(4, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
     exported = _logits(os.path.join(baseline, "hf"), ids)
     offline = str(tmp_path / "offline")
-    subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", baseline,
-                    "--output", offline], check=True, capture_output=True, cwd=REPO)
+    proc = warm.run(EXPORT, ["--run", baseline, "--output", offline])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.equal(_logits(offline, ids), exported)  # 16-bit gather in training == offline fp32 export
     records = [json.load(open(os.path.join(d, "config.json")))["decoder_encoders"] for d in (offline, baseline + "/hf")]
     assert records[0] == records[1] and records[0]["attention"] == "causal"  # both routes record the same training
@@ -196,6 +197,5 @@ def test_hf_export_reloads_with_the_trained_weights(baseline, shards, init_dir, 
 
 @pytest.mark.e2e
 def test_export_without_checkpoint_says_so(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", str(tmp_path),
-                           "--output", str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
+    proc = warm.run(EXPORT, ["--run", str(tmp_path), "--output", str(tmp_path / "out")])
     assert proc.returncode == 2 and "no complete checkpoint" in proc.stderr

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+import warm
 from helpers import REPO, launch_training, logged_steps
 from test_trainer import FakeEngine
 
@@ -190,9 +189,8 @@ def test_a_phase_that_does_not_log_the_metric_and_a_repetition_with_nothing_to_s
 def _evaluate(run_dir: str, step: int, tasks: dict[str, list[str]]) -> dict:
     """``launch/evaluate.py`` on the run's checkpoint of ``step``, each task on its files; its results."""
     sets = [f"--set={task}.{option}" for task, options in tasks.items() for option in options]
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "evaluate.py"), "--model", run_dir, "--step",
-                           str(step), "--tasks", ",".join(tasks), "--no-progress", *sets], capture_output=True,
-                          text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    proc = warm.run(os.path.join(REPO, "launch", "evaluate.py"), ["--model", run_dir, "--step", str(step), "--tasks",
+                    ",".join(tasks), "--no-progress", *sets], env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(RunDir(run_dir).eval_results(step=step)) as f:
         return json.load(f)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import warm
 from deepspeed.accelerator import get_accelerator
 from helpers import REPO, ZERO1, ZERO3, one_rank_env, rendezvous
 
@@ -78,12 +79,15 @@ os._exit(0)
 
 def engine_steps(overrides: list[str], dtype: str = "fp32", ds_config: str = ZERO3, cuda: bool = False) -> dict:
     """ENGINE_STEPS on one rank: DeepSpeed's CPU accelerator, or with ``cuda`` the GPU's."""
+    args = [json.dumps(["train.micro_batch=2", *overrides]), dtype, ds_config]
     with rendezvous() as rdzv:
         env = one_rank_env(rdzv)
         if cuda:
             del env["DS_ACCELERATOR"]
-        proc = subprocess.run([sys.executable, "-c", ENGINE_STEPS, json.dumps(["train.micro_batch=2", *overrides]),
-                               dtype, ds_config], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run([sys.executable, "-c", ENGINE_STEPS, *args], env=env, cwd=REPO, capture_output=True,
+                                  text=True, timeout=900)
+        else:  # forked from the warm process (tests/warm.py): the same fresh rank without its imports
+            proc = warm.run(code=ENGINE_STEPS, args=args, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
