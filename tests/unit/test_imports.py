@@ -131,8 +131,6 @@ NOT_COMMANDS = {
     "launch/_repo.py": "not a script: what every launch/ script imports first (the checkout's root on sys.path)",
     "data_prep/make_sample_corpus.py": "regenerates the checkout's data/sample",
     "data_prep/make_pairs_sample.py": "regenerates the checkout's data/sample/pairs",
-    "data_prep/teacher_embed.py": "its pipeline-teacher-embed line (pipeline.mining.teacher:main) waits for "
-                                  "pyproject.toml, another engineer's file today: add it and drop this entry",
 }
 
 
