@@ -315,12 +315,12 @@ class DistillConfig(BaseConfig):
     RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "embedding_weight": ">= 0", "kl_weight": ">= 0",
                                         "temperature": "> 0"}
 
-    def validate(self) -> None:
+    def check_embedding(self, where: str, hidden_size: int | None = None) -> None:
         if not self.teacher:
-            raise ConfigError("distill.teacher: missing; name the directory data_prep/teacher_embed.py wrote, e.g. "
-                              "teacher=data/pairs-shards/teacher")
+            raise ConfigError(f"{where}.teacher: missing; name the directory data_prep/teacher_embed.py wrote, e.g. "
+                              f"{where}.teacher=data/pairs-shards/teacher")
         if self.embedding_weight == 0 and self.kl_weight == 0:
-            raise ConfigError("distill.embedding_weight and distill.kl_weight are both 0: nothing to train; set "
+            raise ConfigError(f"{where}.embedding_weight and {where}.kl_weight are both 0: nothing to train; set "
                               "either above 0")
 
 

@@ -178,10 +178,11 @@ def test_a_teacher_that_does_not_match_the_shards_is_refused_in_one_line(pairs, 
         check_teachers(exp, index)
     check_teachers(replace(exp, phases=(replace(exp.phases[0], objectives=(DistillConfig(teacher=teacher),)),)),
                    index)
-    with pytest.raises(ConfigError, match="distill.teacher: missing"):
-        from_dict(DistillConfig, {})
-    with pytest.raises(ConfigError, match="both 0"):
-        from_dict(DistillConfig, {"teacher": teacher, "embedding_weight": 0, "kl_weight": 0})
+    for objective, message in (({"name": "distill"}, r"^phases\[0\].objectives\[0\].teacher: missing"),
+                               ({"name": "distill", "teacher": teacher, "embedding_weight": 0, "kl_weight": 0},
+                                r"^phases\[0\].objectives\[0\].embedding_weight and .*both 0")):
+        with pytest.raises(ConfigError, match=message):
+            from_dict(ExperimentConfig, {"phases": [{"objectives": [objective]}]})
 
 
 def test_the_model_card_names_the_teacher(teacher, tmp_path):
