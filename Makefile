@@ -100,7 +100,7 @@ test: setup real-data
 # MLM-vs-CLM twins the chain and the two-phase twin cover, the full-parameter chain the quick reproduction trains),
 # whose checks other tests make at another scale, run with make test-extended
 test-slow: setup real-model real-data
-	$(PYTEST) -m "slow and not extended"
+	$(PYTEST) -n 2 --dist worksteal -m "slow and not extended"
 
 test-extended: setup real-model real-data
 	$(PYTEST) -m extended

@@ -3,13 +3,17 @@ checkpoint) are session-scoped: every module reads the same files, built once; a
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from unittest import mock
 
 import pytest
 import torch
+from filelock import FileLock
 
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
@@ -34,6 +38,14 @@ SAMPLE_TRAIN = os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# the slow tier's longest test (~7 min), first: on two workers it would otherwise start late and run on alone
+LONGEST_FIRST = ("test_reproduce_quick_magnet_end_to_end",)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.originalname not in LONGEST_FIRST)  # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True)
 def _environ_per_test():
     """Each test's changes to os.environ end with it: an in-process rank's RANK or MASTER_PORT=0 must not reach a
@@ -42,13 +54,27 @@ def _environ_per_test():
         yield
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[str], object]) -> str:
+    """The path ``name`` of this session, made by ``build(path)`` once for all its workers (make test's two): the
+    first builds it under a lock, the others wait for it and read it."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # a worker's base folder is one of the session's
+    path = root / "shared" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        if not os.path.exists(f"{path}.done"):
+            build(str(path))
+            open(f"{path}.done", "w").close()
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> str:
     """The real SmolLM2-135M as an HF directory (launch/import_gguf.py), imported once for the slow suite's runs."""
-    out = str(tmp_path_factory.mktemp("smollm2") / "hf")
-    subprocess.run([sys.executable, os.path.join(REPO, "launch", "import_gguf.py"), "--output", out], check=True,
-                   capture_output=True, cwd=REPO)
-    return out
+    return built_once(tmp_path_factory, "smollm2/hf", lambda out: subprocess.run(
+        [sys.executable, os.path.join(REPO, "launch", "import_gguf.py"), "--output", out], check=True,
+        capture_output=True, cwd=REPO))
 
 
 @pytest.fixture(scope="session")
@@ -61,16 +87,13 @@ def tokenizer():
 def build_shards(tmp_path_factory):
     """``build_shards(inputs=..., **BuildConfig fields)`` -> shards in the sample tokenizer (64-token samples of the
     sample corpus's train split unless told), built once a session for each distinct set of settings."""
-    built: dict[tuple, str] = {}
 
     def build(inputs: tuple[str, ...] = (SAMPLE_TRAIN,), **settings) -> str:
-        key = (tuple(inputs), tuple(sorted(settings.items())))
-        if key not in built:
-            out = str(tmp_path_factory.mktemp("data") / "shards")
-            run_job(BuildConfig(**{"inputs": tuple(inputs), "tokenizer": TOKENIZER, "output": out, "seq_len": 64,
-                                   "progress": False, **settings}))
-            built[key] = out
-        return built[key]
+        config = BuildConfig(**{"inputs": tuple(inputs), "tokenizer": TOKENIZER, "output": "", "seq_len": 64,
+                                "progress": False, **settings})
+        key = hashlib.sha256(repr((tuple(inputs), sorted(settings.items()))).encode()).hexdigest()[:16]
+        return built_once(tmp_path_factory, f"shards-{key}",
+                          lambda out: run_job(dataclasses.replace(config, output=out)))
     return build
 
 

@@ -131,10 +131,9 @@ def test_encode_bench_dry_run_checks_agreement_then_times_all_three(tmp_path):
 def test_trainer_bench_times_trainer_fit_against_a_bare_engine(tmp_path):
     """bench/bench_trainer.py on one rank, 1 + 2 steps, validating at step 3: ``Trainer.fit`` trains every step
     (its metrics.jsonl), a bare step runs before each, and the report has each part and both ratios."""
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_trainer.py"), "--nproc", "1",
-                           "--steps", "2", "--warmup", "1", "--eval-every", "3", "--eval-samples", "8",
-                           "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": REPO})
+    proc = warm.run(os.path.join(REPO, "bench", "bench_trainer.py"), ["--nproc", "1", "--steps", "2", "--warmup", "1",
+                    "--eval-every", "3", "--eval-samples", "8", "--work-dir", str(tmp_path)], timeout=600,
+                    env={**os.environ, "PYTHONPATH": REPO})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     history = [json.loads(line) for line in open(tmp_path / "tiny" / "run" / "metrics.jsonl")]
     assert [r["step"] for r in history] == [1, 2, 3] and "eval/loss/clm" in history[-1]

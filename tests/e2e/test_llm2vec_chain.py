@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+import warm
 from helpers import ONE_RANK, REPO, launch_training, logged_steps
 from safetensors.torch import load_file
 from shard_corpus import TRAIN, documents, write_jsonl_zst
@@ -84,9 +83,8 @@ def test_mntp_simcse_supervised_chain_from_smollm2(smollm2, data, tmp_path, lora
             assert moved - adapted, "full-parameter training moved only the projections"
 
     st_dir = str(tmp_path / "supervised-st")  # mean pooling over the text tokens: sentence-transformers' text layout
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", runs["supervised"],
-                           "--output", st_dir, "--sentence-transformers", "--layout", "text"],
-                          capture_output=True, text=True, cwd=REPO)
+    proc = warm.run(os.path.join(REPO, "launch", "export_hf.py"), ["--run", runs["supervised"], "--output", st_dir,
+                                                                  "--sentence-transformers", "--layout", "text"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     from mteb.mocks.mock_tasks.sts import MockSTSTask
     from sentence_transformers import SentenceTransformer

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+import warm
 from helpers import REPO
 from shard_corpus import TOKENIZER
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
@@ -179,10 +178,8 @@ def test_families_build_partitioned_and_step_under_zero3(checkpoints, tmp_path):
     under ZeRO-3 (an MoE model's experts partitioned too), then one step of four objectives, each with the
     router loss of an MoE model."""
     families = {f: path for f, path in checkpoints.items() if f not in TINY_MOE or f == "mixtral"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           "--no-python", sys.executable, "-c", ZERO3_STEP, REPO, TOKENIZER, json.dumps(families)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+    proc = warm.run(code=ZERO3_STEP, args=[REPO, TOKENIZER, json.dumps(families)], nproc=2, cwd=str(tmp_path),
+                    env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert sorted(results) == sorted(families)

@@ -4,11 +4,10 @@ alone, a resumed LoRA run continues exactly, and the planner counts the adapter'
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+import warm
 from helpers import REPO, launch_training, logged_steps
 from safetensors.torch import load_file
 from transformers import AutoConfig
@@ -83,8 +82,7 @@ def test_a_zero3_lora_run_exports_merged_weights_and_resumes_exactly(shards, ini
         adapted = ".q_proj." in name or ".v_proj." in name
         assert torch.equal(engine[name], weight) != adapted, name  # only the adapted projections moved
     offline = str(tmp_path / "offline")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "launch", "export_hf.py"), "--run", straight,
-                           "--output", offline], capture_output=True, text=True, cwd=REPO)
+    proc = warm.run(os.path.join(REPO, "launch", "export_hf.py"), ["--run", straight, "--output", offline])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name, weight in load_file(os.path.join(offline, "model.safetensors")).items():
         torch.testing.assert_close(weight, engine[name], atol=1e-6, rtol=0)  # fp32 master vs the 16-bit gather

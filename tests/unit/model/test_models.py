@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+import warm
 from helpers import one_rank_env, rendezvous
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import BertConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
@@ -153,8 +152,7 @@ def test_zero3_build_is_partitioned_and_keeps_hf_init():
         print(json.dumps({"local": up.numel(), "ds_numel": up.ds_numel, "full": full}))
     """)
     with rendezvous() as rdzv:
-        proc = subprocess.run([sys.executable, "-c", script], env=one_rank_env(rdzv), capture_output=True, text=True,
-                              timeout=600)
+        proc = warm.run(code=script, env=one_rank_env(rdzv), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["local"] == 0 and result["ds_numel"] == 128 * 64  # partitioned: nothing materialised locally

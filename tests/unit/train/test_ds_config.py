@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+import warm
 from helpers import REPO, one_rank_env, rendezvous
 
 from pipeline.config import ConfigError
@@ -89,9 +88,8 @@ def test_ds_config_optimizer_skips_weight_decay_on_norms(tokenizer):
     """ds_configs/zero3_offload.json builds DeepSpeed's CPU Adam (a JIT build of a few minutes the first time)
     over the trainer's parameter groups: the norms' elements are exactly those without weight decay."""
     with rendezvous() as rdzv:
-        proc = subprocess.run([sys.executable, "-c", ENGINE_OPTIMIZER,
-                               os.path.join(REPO, "ds_configs", "zero3_offload.json")],
-                              env=one_rank_env(rdzv), cwd=REPO, capture_output=True, text=True, timeout=900)
+        proc = warm.run(code=ENGINE_OPTIMIZER, args=[os.path.join(REPO, "ds_configs", "zero3_offload.json")],
+                        env=one_rank_env(rdzv))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     lm = build_model(model_spec("tiny", tokenizer.info.vocab_size))
