@@ -88,19 +88,21 @@ demo: setup
 	  --master_port $$($(BIN)/python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])') \
 	  launch/train.py --config ds_configs/zero3.json
 
-# the fast tier on both cores (pytest-xdist: two workers of one thread each, tests handed out as workers free up);
-# each tier prints its 30 slowest tests (docs/testing.md)
+# the fast tier on both cores (pytest-xdist: two workers of one thread each, tests handed out as workers free up; the
+# ranks a test starts are forked from a warm process, tests/warm.py); each tier prints its 30 slowest tests
+# (docs/testing.md)
 PYTEST := $(BIN)/python -m pytest -q --durations=30
 test: setup real-data
 	$(PYTEST) -n 2 --dist worksteal -m "not slow"
 
 # the slow suite: the real SmolLM2 checkpoint and LLM2Vec's chain from it, the smoke twins, SLURM requeue, study 3's
-# quick reproduction (~35 min on 2 cores); its `extended` tests (~40 min: the three studies' quick reproduction, the
+# quick reproduction (~32 min on 2 cores, on one worker: two made study 3's quick reproduction, which splits the
+# cores itself, the long pole); its `extended` tests (~40 min: the three studies' quick reproduction, the
 # other MAGNET ablation twins, the grid report, compiling in both ranks, SmolLM2's eval numbers, the LLM2Vec and
 # MLM-vs-CLM twins the chain and the two-phase twin cover, the full-parameter chain the quick reproduction trains),
 # whose checks other tests make at another scale, run with make test-extended
 test-slow: setup real-model real-data
-	$(PYTEST) -n 2 --dist worksteal -m "slow and not extended"
+	$(PYTEST) -m "slow and not extended"
 
 test-extended: setup real-model real-data
 	$(PYTEST) -m extended
