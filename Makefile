@@ -97,12 +97,13 @@ test: setup real-data
 
 # the slow suite: the real SmolLM2 checkpoint and LLM2Vec's chain from it, the smoke twins, SLURM requeue, study 3's
 # quick reproduction (~32 min on 2 cores, on one worker: two made study 3's quick reproduction, which splits the
-# cores itself, the long pole); its `extended` tests (~40 min: the three studies' quick reproduction, the
+# cores itself, the long pole; its runs start under torchrun, the fast tier's forked: both paths run in CI); its
+# `extended` tests (~40 min: the three studies' quick reproduction, the
 # other MAGNET ablation twins, the grid report, compiling in both ranks, SmolLM2's eval numbers, the LLM2Vec and
 # MLM-vs-CLM twins the chain and the two-phase twin cover, the full-parameter chain the quick reproduction trains),
 # whose checks other tests make at another scale, run with make test-extended
 test-slow: setup real-model real-data
-	$(PYTEST) -m "slow and not extended"
+	PIPELINE_TEST_LAUNCHER=torchrun $(PYTEST) -m "slow and not extended"
 
 test-extended: setup real-model real-data
 	$(PYTEST) -m extended
