@@ -19,7 +19,7 @@ import platform
 import re
 import sys
 
-# the checkout, as pipeline.experiment's REPO (not imported: it costs seconds, and `check` should not)
+# the checkout, as pipeline.io's REPO (not imported: the two stand apart on the bottom row of the house)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCK = os.path.join(ROOT, "constraints.txt")
 GPU_PINS = os.path.join(ROOT, "bench", "gpu", "requirements.txt")

@@ -11,20 +11,13 @@ from typing import Any, ClassVar, Literal
 
 from pipeline.config import ConfigError, apply_overrides, check_ranges, from_dict, load_experiment_file
 from pipeline.data.prep.input_shards import input_shards
+from pipeline.io import REPO, repo_relative
 from pipeline.model.lora import LLM2VEC_TARGETS
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import CLMConfig, ObjectiveConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_DIR = os.path.join(REPO, "data", "sample")
 SAMPLE_INPUTS = (os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),)
-
-
-def repo_relative(path: str) -> str:
-    """``path`` as records hold it: relative to the repository root when inside the repository (the commands run
-    from there), so committed records read the same in every clone; absolute when outside it."""
-    full = os.path.abspath(path)
-    return os.path.relpath(full, REPO) if full.startswith(REPO + os.sep) else full
 
 
 def sample_shards(seq_len: int) -> str:

@@ -31,7 +31,8 @@ import re
 from dataclasses import dataclass, field
 
 from pipeline.config import ConfigError, from_dict, load_experiment_file, load_yaml, set_path, to_dict
-from pipeline.experiment import REPO, ExperimentConfig
+from pipeline.experiment import ExperimentConfig
+from pipeline.io import REPO
 from pipeline.model.presets import PRESETS
 
 RUN_REF = re.compile(r"\$\{run:([^}]*)\}")

@@ -1,5 +1,5 @@
 """The project's JSON, JSONL and YAML files: readers whose errors name the file, what is wrong and the fix, and the
-atomic JSON writer.
+atomic JSON writer; the checkout (``REPO``) and the paths records keep relative to it (:func:`repo_relative`).
 
 A reader raises ``missing`` when the file does not exist and ``error`` when it is not valid JSON/YAML or its top
 level is not ``top``; a caller passes its own classes (``ConfigError`` for experiment files, ``DataError`` for
@@ -19,7 +19,15 @@ from typing import Any
 
 import yaml
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TOP_NAMES = {dict: "a mapping", list: "a list"}
+
+
+def repo_relative(path: str) -> str:
+    """``path`` as records hold it: relative to the repository root when inside the repository (the commands run
+    from there), so committed records read the same in every clone; absolute when outside it."""
+    full = os.path.abspath(path)
+    return os.path.relpath(full, REPO) if full.startswith(REPO + os.sep) else full
 
 
 def _fail(error: type[Exception], path: str, problem: str, fix: str) -> Exception:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from pipeline.experiment import REPO, repo_relative
 from pipeline.export.record import EncoderRecord
+from pipeline.io import REPO, repo_relative
 
 
 def recorded_path(path: str, root: str = REPO) -> str:

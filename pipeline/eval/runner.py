@@ -25,8 +25,8 @@ from pipeline.eval.ranks import init_from_env, world
 from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.results import EvalResults
 from pipeline.eval.task import EvalContext
-from pipeline.experiment import REPO, repo_relative
 from pipeline.export.model_index import refresh_card
+from pipeline.io import REPO, repo_relative
 from pipeline.model.build import DTYPES
 from pipeline.run_dir import RunDir
 

@@ -9,7 +9,8 @@ import os
 from huggingface_hub import metadata_load
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from pipeline.experiment import REPO, ExperimentConfig
+from pipeline.experiment import ExperimentConfig
+from pipeline.io import REPO
 from pipeline.model.presets import PRESETS
 
 PRESET_LICENSE = "apache-2.0"  # a run from a preset: the weights are the project's own work, under its license

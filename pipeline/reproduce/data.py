@@ -52,7 +52,7 @@ import zipfile
 
 from pipeline.data.prep.pairs_sample import retrieval_rows, task_rows, write_instructions, write_tasks
 from pipeline.data.prep.sources import RecordStats, read_texts
-from pipeline.experiment import REPO
+from pipeline.io import REPO
 
 VERSION = 2  # 2: STS-B, the Shakespeare pairs and retrieval sets
 SAMPLE = os.path.join(REPO, "data", "sample")

@@ -45,8 +45,8 @@ from pipeline.eval.config import EvalConfig
 from pipeline.eval.report.write import write_report
 from pipeline.eval.results import EvalResults
 from pipeline.eval.reuse import evaluate_missing, missing_tasks
-from pipeline.experiment import REPO, repo_relative
 from pipeline.grid import SMOKE_SUFFIX
+from pipeline.io import REPO, repo_relative
 from pipeline.reproduce.curves import Curve, kept_steps, plot_curves, run_curve
 from pipeline.reproduce.data import RealDataError
 from pipeline.reproduce.inputs import REAL, prepare_inputs

@@ -10,7 +10,7 @@ import os
 from pipeline.data.format.index import MANIFEST
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
-from pipeline.experiment import REPO
+from pipeline.io import REPO
 from pipeline.model.gguf_import import import_gguf, packaged_gguf
 from pipeline.reproduce.data import extract, is_extracted
 from pipeline.reproduce.invocation import Reproduction, variants

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.experiment import REPO, repo_relative
 from pipeline.grid import Variant, load_grid
+from pipeline.io import REPO, repo_relative
 from pipeline.reproduce.studies import STUDIES, Study
 
 SCALES = ("full", "quick", "paper", "gpu-short")

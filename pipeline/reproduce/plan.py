@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 
 from pipeline.data.format.index import MANIFEST
 from pipeline.eval.registry import task_options
-from pipeline.experiment import REPO, repo_relative
+from pipeline.io import REPO, repo_relative
 from pipeline.reproduce.data import FINETUNE_DATASETS, SDIST, is_extracted
 from pipeline.reproduce.inputs import DOWNLOADS, REAL, inputs, shard_builds, size_mb
 from pipeline.reproduce.invocation import Reproduction, chosen_runs

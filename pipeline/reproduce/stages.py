@@ -11,8 +11,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 
-from pipeline.experiment import REPO
-from pipeline.io import read_json, write_json_atomic
+from pipeline.io import REPO, read_json, write_json_atomic
 from pipeline.reproduce.invocation import Reproduction
 
 

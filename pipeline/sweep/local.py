@@ -9,8 +9,8 @@ import sys
 from collections.abc import Mapping
 
 from pipeline.config import ConfigError
-from pipeline.experiment import REPO
 from pipeline.grid import Resources, Variant
+from pipeline.io import REPO
 from pipeline.sweep.status import run_dir
 
 

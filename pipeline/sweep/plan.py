@@ -11,9 +11,9 @@ from typing import Literal
 import yaml
 
 from pipeline.config import ConfigError, load_yaml, parse_overrides, to_dict
-from pipeline.experiment import REPO, repo_relative
 from pipeline.grid import SMOKE_SUFFIX, Grid, Variant, load_grid
 from pipeline.inputs import check_buildable, under
+from pipeline.io import REPO, repo_relative
 from pipeline.sweep.local import run_local
 from pipeline.sweep.slurm import job_script, queued_jobs, submit_all
 from pipeline.sweep.status import RunState, run_dir, run_states, table

@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
-from pipeline.experiment import REPO
 from pipeline.grid import Grid, Variant
+from pipeline.io import REPO
 from pipeline.sweep.status import RunState, run_dir
 
 TRAIN_SBATCH = os.path.join(REPO, "launch", "slurm", "train.sbatch")

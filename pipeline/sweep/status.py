@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pipeline.experiment import REPO
 from pipeline.grid import Variant
+from pipeline.io import REPO
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import OBJECTIVES
 from pipeline.run_dir import RunDir

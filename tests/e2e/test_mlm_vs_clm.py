@@ -13,8 +13,9 @@ import sys
 import pytest
 from helpers import launch_training
 
-from pipeline.experiment import REPO, SAMPLE_DIR
+from pipeline.experiment import SAMPLE_DIR
 from pipeline.grid import load_grid
+from pipeline.io import REPO
 from pipeline.run_dir import RunDir
 from pipeline.sweep.status import is_finished
 from pipeline.tokenizer import load_tokenizer

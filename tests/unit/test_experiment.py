@@ -12,7 +12,8 @@ import pytest
 
 from pipeline.config import ConfigError
 from pipeline.data.loading.order import BatchWarmup
-from pipeline.experiment import REPO, load_experiment
+from pipeline.experiment import load_experiment
+from pipeline.io import REPO
 from pipeline.train.batch_warmup import batch_warmup
 from pipeline.train.phases import build_objectives
 

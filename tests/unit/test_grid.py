@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from pipeline.config import ConfigError, load_yaml, to_dict
-from pipeline.experiment import REPO, load_experiment
+from pipeline.experiment import load_experiment
 from pipeline.grid import Resources, load_grid
+from pipeline.io import REPO
 from pipeline.sweep.local import local_env
 from pipeline.sweep.plan import SweepRequest, check_inputs, in_order, prepare, recorded, select, write_run
 from pipeline.sweep.slurm import job_script

@@ -10,7 +10,7 @@ import shutil
 
 from pipeline.eval.report.plots import log_scale, mean_line, series
 from pipeline.eval.report.runs import Recipe, RunSummary, recipe_of
-from pipeline.experiment import REPO
+from pipeline.io import REPO
 from pipeline.run_dir import RunDir
 
 

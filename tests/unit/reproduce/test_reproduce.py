@@ -19,8 +19,8 @@ import pytest
 import torch
 import warm
 
-from pipeline.experiment import REPO, repo_relative
 from pipeline.grid import load_grid
+from pipeline.io import REPO, repo_relative
 from pipeline.reproduce.data import (
     FINETUNE_DATASETS,
     STSB_WHEEL,

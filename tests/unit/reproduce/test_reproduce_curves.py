@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 
-from pipeline.experiment import REPO
+from pipeline.io import REPO
 from pipeline.reproduce.curves import kept_steps, over_steps, plot_curves, run_curve
 from pipeline.reproduce.results import study_markdown
 from pipeline.reproduce.studies import STUDIES
