@@ -15,6 +15,7 @@ from pipeline.io import REPO, repo_relative
 from pipeline.model.lora import LLM2VEC_TARGETS
 from pipeline.model.presets import PRESETS
 from pipeline.objectives import CLMConfig, ObjectiveConfig
+from pipeline.tasks import IN_TRAINING, SPECS
 
 SAMPLE_DIR = os.path.join(REPO, "data", "sample")
 SAMPLE_INPUTS = (os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),)
@@ -387,15 +388,6 @@ class CheckpointConfig:
     RANGES: ClassVar[dict[str, str]] = {"every": ">= 1", "keep_last": ">= 1", "keep_every": ">= 0"}
 
 
-# the tasks of launch/evaluate.py that run during training (eval.evaluators), each with the prefixes of the headline
-# scores it logs (as eval/<headline key>) and whether higher or lower is better
-EVALUATOR_METRICS: dict[str, dict[str, str]] = {
-    "sts": {"sts_avg": "max", "sts/": "max"},
-    "zero_shot_retrieval": {"zs_ndcg_avg": "max", "zs_ndcg/": "max", "zs_mrr/": "max"},
-    "clustering": {"clustering_avg": "max"},
-    "infilling": {"infill_ppl_": "min"},
-    "repetition": {"rep_sen/": "min", "rep_4/": "min"},
-}
 # the validation's own scalars (pipeline.train.validation)
 VALIDATION_METRICS = {"loss/": "min", "acc/": "max", "probe/": "min", "probe_acc/": "max", "probe_ppl/": "min",
                       "source_loss/": "min", "source_probe/": "min"}
@@ -403,11 +395,12 @@ VALIDATION_METRICS = {"loss/": "min", "acc/": "max", "probe/": "min", "probe_acc
 
 def metric_mode(metric: str, tasks: list[str]) -> str | None:
     """"max" or "min": which way ``metric`` (``eval/...``) improves, when the validation or one of the evaluator
-    ``tasks`` logs it; None for a name none of them logs."""
+    ``tasks`` logs it (as ``eval/<headline key>``, each task's spec: pipeline.tasks); None for a name none of them
+    logs."""
     key = metric.removeprefix("eval/")
     if key == metric:
         return None
-    known = VALIDATION_METRICS | {k: v for t in tasks for k, v in EVALUATOR_METRICS.get(t, {}).items()}
+    known = VALIDATION_METRICS | {k: h.better for t in tasks if t in IN_TRAINING for k, h in SPECS[t].keys.items()}
     return next((mode for prefix, mode in known.items() if key.startswith(prefix)), None)
 
 
@@ -416,23 +409,21 @@ class EvaluatorConfig:
     """One task of ``launch/evaluate.py`` run on the model being trained at every validation (``eval.evaluators``,
     docs/training.md "Evaluators during training"); it logs that task's headline scores as ``eval/<key>``."""
 
-    task: str  # one of EVALUATOR_METRICS: sts, zero_shot_retrieval, clustering, infilling, repetition
+    task: str  # one of pipeline.tasks.IN_TRAINING: sts, zero_shot_retrieval, clustering, infilling, repetition
     datasets: list[str] = field(default_factory=list)  # its data files (launch/evaluate.py --set TASK.datasets=...)
     options: dict[str, Any] = field(default_factory=dict)  # its other options, as --set TASK.KEY=VALUE
 
     def task_options(self, where: str) -> Any:
         """The task's typed options dataclass (``where``: the entry's config key, for errors)."""
-        from pipeline.eval.registry import TASKS  # here: the evaluation modules import this one
-
-        return from_dict(TASKS[self.task].options, {**self.options, "datasets": list(self.datasets)},
+        return from_dict(SPECS[self.task].options, {**self.options, "datasets": list(self.datasets)},
                          f"{where}.options")
 
     def check(self, where: str) -> None:
         """The task runs during training, it names data files and its options parse; else a ConfigError. Whether
         the files exist is preflight's check (:meth:`check_files`): a finished run's experiment loads without them."""
-        if self.task not in EVALUATOR_METRICS:
+        if self.task not in IN_TRAINING:
             raise ConfigError(f"{where}.task: {self.task!r} does not run during training; choose one of "
-                              f"{list(EVALUATOR_METRICS)} (launch/evaluate.py runs the others on an export)")
+                              f"{list(IN_TRAINING)} (launch/evaluate.py runs the others on an export)")
         if "datasets" in self.options:
             raise ConfigError(f"{where}.options.datasets: name the task's files in {where}.datasets instead")
         if not self.datasets:
@@ -585,7 +576,7 @@ class ExperimentConfig:
         derived = metric_mode(metric, [e.task for e in v.evaluators])
         if not metric.startswith("eval/") or (derived is None and c.keep_best_mode == "auto"):
             tasks = [e.task for e in v.evaluators]
-            names = [f"eval/{k}..." for k in [*VALIDATION_METRICS, *(k for t in tasks for k in EVALUATOR_METRICS[t])]]
+            names = [f"eval/{k}..." for k in [*VALIDATION_METRICS, *(k for t in tasks for k in SPECS[t].keys)]]
             raise ConfigError(f"checkpoint.keep_best: {metric!r} is not a validation scalar this run logs; name one "
                               f"of {names} (eval.evaluators add theirs), or set checkpoint.keep_best_mode to max "
                               f"or min for another eval/ name")

@@ -14,9 +14,6 @@ but ``supervised``) reads it as ``instruction_format`` joins it, LLM2Vec's ``"{i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
-
 import numpy as np
 
 from pipeline.data.format.instructions import format_instruction
@@ -25,23 +22,9 @@ from pipeline.eval.encode import encode
 from pipeline.eval.metrics import spearman, v_measure
 from pipeline.eval.ranking import mrr, ndcg, ranking_pool
 from pipeline.eval.task import EvalContext, Task
+from pipeline.tasks import SPECS, EmbeddingOptions
 
 EXTS = (".tsv", ".csv", ".txt", ".jsonl", ".json")
-
-
-@dataclass
-class EmbeddingOptions:
-    datasets: list[str] = field(default_factory=list)  # files or HF names; default: all of DATA_DIR/<task>
-    pooling: Literal["mean", "last", "weighted_mean"] | None = None  # None: the model's recorded pooling
-    layout: Literal["bos_eos", "special", "text", "echo"] | None = None  # None: the model's recorded one
-    instruction: str | None = None  # None: the model's recorded one ("" for none); left out of pooling
-    attention: Literal["causal", "bidirectional"] | None = None  # None: the model's
-    max_length: int = 512
-    max_examples: int = 0  # 0: all
-    split: str = "test"  # split of an HF dataset
-    # zero-shot retrieval: how a query's instruction is joined for a model without a recorded instruction_format
-    instruction_format: str = "{instruction}: "
-    k: int = 10  # zero-shot retrieval: NDCG and MRR cut-off
 
 
 def _embed(ctx: EvalContext, texts: list[str], opts: EmbeddingOptions, instruction: str | None = None
@@ -164,16 +147,5 @@ def _run(family: str, per_file):
     return run
 
 
-TASKS = (
-    Task("sts", "sts", "STS: Spearman x100 of cosine similarity against gold scores", EmbeddingOptions,
-         _run("sts", sts_file),
-         lambda r: {"sts_avg": r["average"], **{f"sts/{k}": v["spearman"] for k, v in r["datasets"].items()}}),
-    Task("clustering", "clustering", "clustering: V-measure x100 of k-means on embeddings", EmbeddingOptions,
-         _run("clustering", clustering_file),
-         lambda r: {"clustering_avg": r["average"]}),
-    Task("zero_shot_retrieval", "zero_shot_retrieval",
-         "zero-shot retrieval: NDCG@k x100 of the cosine ranking, instructed queries", EmbeddingOptions,
-         _run("zero_shot_retrieval", retrieval_file),
-         lambda r: {"zs_ndcg_avg": r["average"], **{f"zs_ndcg/{k}": v["ndcg"] for k, v in r["datasets"].items()},
-                    **{f"zs_mrr/{k}": v["mrr"] for k, v in r["datasets"].items()}}),
-)
+TASKS = (Task(SPECS["sts"], _run("sts", sts_file)), Task(SPECS["clustering"], _run("clustering", clustering_file)),
+         Task(SPECS["zero_shot_retrieval"], _run("zero_shot_retrieval", retrieval_file)))

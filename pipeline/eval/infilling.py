@@ -19,7 +19,7 @@ before it are filled (span tokens never influence the context or earlier slots u
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -29,16 +29,7 @@ from pipeline.eval.data import DataError, Row, dataset_name, read_rows
 from pipeline.eval.forward import encode_with_offsets, hidden_states, pad_id, pad_rows, token_owner, wrap
 from pipeline.eval.task import EvalContext, Task
 from pipeline.objectives.base import next_token_targets, target_loss
-
-MODES = ("magnet", "causal")
-
-
-@dataclass
-class InfillOptions:
-    datasets: list[str] = field(default_factory=list)  # files or HF names; default: all of DATA_DIR/infilling
-    max_examples: int = 0  # 0: all
-    generate: int = 20  # examples whose span is also generated (0: none)
-    max_length: int = 512  # longer examples are skipped and counted
+from pipeline.tasks import INFILLING_MODES, SPECS, InfillOptions
 
 
 @dataclass
@@ -124,7 +115,7 @@ def evaluate_file(ctx: EvalContext, dataset: str, opts: InfillOptions) -> dict:
         raise DataError(f"{dataset}: no example fits max_length {opts.max_length}")
     result: dict = {"examples": len(examples), "skipped_too_long": len(rows) - len(examples)}
     chunks = [examples[i:i + ctx.batch_size] for i in range(0, len(examples), ctx.batch_size)]
-    for mode in MODES:
+    for mode in INFILLING_MODES:
         nll = tokens = 0
         for chunk in tqdm(chunks, desc=f"infill {mode}", disable=not ctx.progress, leave=False):
             n, t = span_nll(ctx, chunk, mode)
@@ -134,12 +125,12 @@ def evaluate_file(ctx: EvalContext, dataset: str, opts: InfillOptions) -> dict:
     if shown:
         decode = ctx.model.tokenizer.decode
         generated = {mode: [g for i in range(0, len(shown), ctx.batch_size)
-                            for g in fill_spans(ctx, shown[i:i + ctx.batch_size], mode)] for mode in MODES}
-        for mode in MODES:
+                            for g in fill_spans(ctx, shown[i:i + ctx.batch_size], mode)] for mode in INFILLING_MODES}
+        for mode in INFILLING_MODES:
             hits = sum(a == b for e, g in zip(shown, generated[mode]) for a, b in zip(e.ids[e.start:e.end], g))
             result[mode]["generated_token_accuracy"] = hits / sum(e.end - e.start for e in shown)
         result["samples"] = [{"where": e.where, "left": decode(e.ids[:e.start]), "gold": decode(e.ids[e.start:e.end]),
-                              **{mode: decode(generated[mode][k]) for mode in MODES}}
+                              **{mode: decode(generated[mode][k]) for mode in INFILLING_MODES}}
                              for k, e in enumerate(shown)]
     return result
 
@@ -149,10 +140,4 @@ def run(ctx: EvalContext, opts: InfillOptions) -> dict:
     return {"datasets": {dataset_name(s): evaluate_file(ctx, s, opts) for s in datasets}}
 
 
-def headline(result: dict) -> dict[str, float]:
-    return {f"infill_ppl_{mode}/{name}": r[mode]["perplexity"] for name, r in result["datasets"].items()
-            for mode in MODES}
-
-
-TASKS = (Task("infilling", "infilling", "perplexity and generation of a missing span (MAGNET vs causal)",
-              InfillOptions, run, headline),)
+TASKS = (Task(SPECS["infilling"], run),)

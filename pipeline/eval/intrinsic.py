@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from tqdm import tqdm
@@ -20,20 +18,7 @@ from pipeline.data.format.index import check_compatible, load_index
 from pipeline.data.loading.loader import iter_eval
 from pipeline.eval.task import EvalContext, Task
 from pipeline.objectives import CLMConfig, MaskedConfig, MLMConfig, MNTPConfig, make_objective
-
-
-@dataclass
-class HeldOutOptions:
-    shards: str = "heldout"  # shard directory, relative to --data-dir or absolute
-    max_batches: int = 0  # 0: every sample
-    document_masking: bool = True
-
-
-@dataclass
-class MaskedHeldOutOptions(HeldOutOptions):
-    ratio: float = 0.3
-    policy: Literal["80-10-10", "mask"] = "80-10-10"
-    mask_token: str | None = None  # None: the model's recorded mask token, else the tokenizer's mask token
+from pipeline.tasks import SPECS, HeldOutOptions, MaskedHeldOutOptions
 
 
 @torch.no_grad()
@@ -73,11 +58,5 @@ def masked(config_type: type[MaskedConfig]):
     return run
 
 
-TASKS = (
-    Task("perplexity", "heldout", "held-out CLM loss and perplexity", HeldOutOptions, perplexity,
-         lambda r: {"ppl": r["perplexity"]}),
-    Task("mlm", "heldout", "held-out MLM loss and accuracy at a masking ratio", MaskedHeldOutOptions, masked(MLMConfig),
-         lambda r: {"mlm_acc": 100 * r["accuracy"]}),
-    Task("mntp", "heldout", "held-out MNTP loss and accuracy at a masking ratio", MaskedHeldOutOptions,
-         masked(MNTPConfig), lambda r: {"mntp_acc": 100 * r["accuracy"]}),
-)
+TASKS = (Task(SPECS["perplexity"], perplexity), Task(SPECS["mlm"], masked(MLMConfig)),
+         Task(SPECS["mntp"], masked(MNTPConfig)))

@@ -13,8 +13,6 @@ the test file: word accuracy, plus entity F1 (conlleval / seqeval rules) for BIO
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
@@ -25,26 +23,11 @@ from pipeline.eval.data import DataError, Sentence, read_conll, split_file
 from pipeline.eval.forward import length_batches, pad_id, row_states, tokenize_words
 from pipeline.eval.metrics import entity_f1
 from pipeline.eval.task import EvalContext, Task
+from pipeline.tasks import SPECS, ProbingOptions
 
 SPLIT_NAMES = {"train": ("train.txt", "eng.train", "train.conll", "train"),
                "dev": ("dev.txt", "valid.txt", "eng.testa", "dev.conll", "dev", "valid"),
                "test": ("test.txt", "eng.testb", "test.conll", "test")}
-
-
-@dataclass
-class ProbingOptions:
-    directory: str = "conll"  # under --data-dir, or absolute
-    columns: dict[str, int] = field(default_factory=lambda: {"pos": 1, "chunk": 2, "ner": 3})  # tag columns (token = 0)
-    read: Literal["auto", "same", "previous"] = "auto"  # auto: previous for MNTP-trained models
-    attention: Literal["causal", "bidirectional"] | None = None  # None: the model's
-    lr: float = 5e-4
-    batch_size: int = 32  # words per step
-    max_epochs: int = 10
-    max_steps: int = 4000
-    patience: int = 2  # epochs without a better dev accuracy before stopping
-    dropout: float = 0.1
-    max_length: int = 512  # longer sentences are skipped (in every split) and counted
-    max_train_sentences: int = 0  # the probe trains on the train file's first N sentences (0: all)
 
 
 def load_splits(ctx: EvalContext, opts: ProbingOptions) -> dict[str, list[Sentence]]:
@@ -154,5 +137,4 @@ def run(ctx: EvalContext, opts: ProbingOptions) -> dict:
             "skipped_too_long": skipped}
 
 
-TASKS = (Task("probing", "conll", "linear probes of frozen word states on CoNLL (POS, chunk, NER)", ProbingOptions,
-              run, lambda r: {f"probe_{name}": v["accuracy"] for name, v in r["tasks"].items()}),)
+TASKS = (Task(SPECS["probing"], run),)

@@ -1,4 +1,5 @@
-"""Every evaluation task by name, and their options from ``--set TASK.KEY=VALUE`` overrides."""
+"""Every evaluation task by name, how it runs (its spec: :data:`pipeline.tasks.SPECS`, in its family module's
+order), and their options from ``--set TASK.KEY=VALUE`` overrides."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from pipeline.eval import embeddings, infilling, intrinsic, probing, repetition
 from pipeline.eval.finetune import classification, qa, retrieval, token_classification
 from pipeline.eval.task import Task
 
-TASKS: dict[str, Task] = {t.name: t for module in (intrinsic, infilling, repetition, embeddings, probing,
-                                                  classification, token_classification, qa, retrieval)
+TASKS: dict[str, Task] = {t.spec.name: t for module in (intrinsic, infilling, repetition, embeddings, probing,
+                                                       classification, token_classification, qa, retrieval)
                           for t in module.TASKS}
 
 
@@ -21,4 +22,4 @@ def task_options(names: list[str], overrides: list[str]) -> dict[str, object]:
     stray = sorted(set(data) - set(names))
     if stray:
         raise ConfigError(f"--set for {stray}, which are not among --tasks {names}")
-    return {n: from_dict(TASKS[n].options, data.get(n, {}), n) for n in names}
+    return {n: from_dict(TASKS[n].spec.options, data.get(n, {}), n) for n in names}

@@ -12,8 +12,7 @@ much each continuation repeats itself.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Literal
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -24,28 +23,9 @@ from pipeline.eval.data import DataError, dataset_name, read_rows
 from pipeline.eval.forward import pad_id
 from pipeline.eval.metrics import rep_n, rep_sen
 from pipeline.eval.task import EvalContext, Task
+from pipeline.tasks import SPECS, Decoding, RepetitionOptions
 
 NGRAMS = (2, 3, 4)
-
-
-@dataclass
-class Decoding:
-    max_new_tokens: int = 128
-    do_sample: bool = False  # False: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    temperature: float = 1.0
-    seed: int = 0  # seeds sampling
-
-
-@dataclass
-class RepetitionOptions:
-    datasets: list[str] = field(default_factory=list)  # files or HF names; default: all of DATA_DIR/repetition
-    prefix: Literal["words", "sentence"] = "words"
-    prefix_words: int = 5
-    max_examples: int = 0  # 0: all
-    decoding: Decoding = field(default_factory=Decoding)
-    samples: int = 5  # continuations kept in the result, to read
 
 
 def prefix_of(text: str, opts: RepetitionOptions) -> str:
@@ -106,10 +86,4 @@ def run(ctx: EvalContext, opts: RepetitionOptions) -> dict:
             "decoding": asdict(opts.decoding), "prefix": opts.prefix}
 
 
-def headline(result: dict) -> dict[str, float]:
-    return {f"{key}/{name}": r[key] for name, r in result["datasets"].items() for key in ("rep_sen", "rep_4")
-            if r[key] is not None}
-
-
-TASKS = (Task("repetition", "repetition", "Rep-Sen and Rep-2/3/4 of open-ended continuations", RepetitionOptions,
-              run, headline),)
+TASKS = (Task(SPECS["repetition"], run),)

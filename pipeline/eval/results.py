@@ -19,6 +19,7 @@ from pipeline.eval.config import EvalConfig
 from pipeline.eval.description import ModelDescription
 from pipeline.export.record import WRITTEN_WHEN_SET, EncoderRecord
 from pipeline.io import read_json, write_json_atomic
+from pipeline.tasks import SPECS
 
 
 @dataclass
@@ -81,13 +82,13 @@ class EvalResults:
         """One line per failed task."""
         return [f"task {name} failed: {why['error']} (raised at {why['where']})" for name, why in self.failed.items()]
 
-    def with_task_of(self, other: EvalResults, task: str, results_file: str, headline: dict[str, float]) -> None:
-        """Take ``task`` from ``other`` (the results file ``results_file``, by name): its options, results and seconds, and
-        ``headline`` (the task's headline numbers of those results)."""
+    def with_task_of(self, other: EvalResults, task: str, results_file: str) -> None:
+        """Take ``task`` from ``other`` (the results file ``results_file``, by name): its options, results and
+        seconds, and the headline numbers its spec reads from those results."""
         self.options[task] = other.options[task]
         self.results[task] = other.results[task]
         self.seconds[task] = other.seconds[task]
-        self.headline.update(headline)
+        self.headline.update(SPECS[task].headline(other.results[task]))
         self.reused[task] = results_file
 
     def merge(self, older: EvalResults | None, order: list[str]) -> EvalResults:

@@ -9,7 +9,7 @@ import os
 from dataclasses import asdict, replace
 
 from pipeline.eval.config import EvalConfig
-from pipeline.eval.registry import TASKS, task_options
+from pipeline.eval.registry import task_options
 from pipeline.eval.results import EvalResults
 from pipeline.eval.runner import evaluate
 
@@ -58,7 +58,7 @@ def evaluate_missing(config: EvalConfig, out: str, siblings: list[str], root: st
                               unwritten=tuple(k for k in other.unwritten if k.startswith("model.")))
     for task, (path, other) in reused.items():
         print(f"{task}: the results of {path} (the same model and options)")
-        results.with_task_of(other, task, os.path.basename(path), TASKS[task].headline(other.results[task]))
+        results.with_task_of(other, task, os.path.basename(path))
     results = results.merge(before, config.tasks)
     if results.write(out):
         print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in results.headline.items()))

@@ -85,10 +85,10 @@ def _evaluate(config: EvalConfig, options: dict, root: str) -> EvalResults:
         torch.manual_seed(config.seed)
         start = time.time()
         if config.progress:
-            print(f"[evaluate] {name}: {TASKS[name].description}", file=sys.stderr, flush=True)
+            print(f"[evaluate] {name}: {TASKS[name].spec.description}", file=sys.stderr, flush=True)
         try:
             results[name] = TASKS[name].run(ctx, options[name])
-            headline.update(TASKS[name].headline(results[name]))
+            headline.update(TASKS[name].spec.headline(results[name]))
         except Exception as e:  # any error: the finished tasks' results must still be written
             results.pop(name, None)
             failed[name] = failure(e)
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.list:
-        for task in TASKS.values():
-            print(f"{task.name:22} DATA_DIR/{task.family:22} {task.description}")
+        for spec in (task.spec for task in TASKS.values()):
+            print(f"{spec.name:22} DATA_DIR/{spec.family:22} {spec.description}")
         return 0
     if not args.model or not args.tasks:
         p.error("--model and --tasks are required (or --list)")

@@ -1,8 +1,8 @@
 """What every evaluation task shares: its registry entry and the context it runs in.
 
-A task is a name, a typed options dataclass (set from the command line as ``--set TASK.KEY=VALUE``), a ``run``
-that returns a JSON-able dict, and a ``headline`` that picks from that dict the few numbers the ablation report
-tabulates and plots (``launch/report.py``).
+A task is its description (:class:`pipeline.tasks.TaskSpec`: name, options type, headline, Hub labels, ...) and a
+``run`` that takes the context and the typed options and returns a JSON-able dict, from which the spec's
+``headline`` picks the few numbers the ablation report tabulates and plots (``launch/report.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from pipeline.eval.data import find_files
 from pipeline.eval.load import EvalModel
+from pipeline.tasks import TaskSpec
 
 
 @dataclass
@@ -36,9 +37,5 @@ class EvalContext:
 
 @dataclass(frozen=True)
 class Task:
-    name: str
-    family: str  # the module, and the DATA_DIR sub-directory it reads by default
-    description: str
-    options: type  # dataclass of the task's settings
-    run: Callable[[EvalContext, Any], dict]
-    headline: Callable[[dict], dict[str, float]]
+    spec: TaskSpec  # what the task is (pipeline.tasks.SPECS)
+    run: Callable[[EvalContext, Any], dict]  # how it runs: its result from the context and its typed options

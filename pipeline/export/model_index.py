@@ -61,7 +61,7 @@ def task_results(task: str, result: dict, split: str | None) -> list[EvalResult]
     from pipeline.eval.registry import TASKS  # pipeline.eval imports the exports: not at import time
 
     task_type, task_name = HUB_TASKS.get(task, (task, task))
-    headline = TASKS[task].headline(result) if task in TASKS else {}
+    headline = TASKS[task].spec.headline(result) if task in TASKS else {}
     return [EvalResult(task_type=task_type, task_name=task_name, dataset_type=os.path.basename(dataset),
                        dataset_name=os.path.basename(dataset),  # a dataset named by a path: never the machine's
                        dataset_split=split, metric_type=metric, metric_value=float(value))

@@ -30,11 +30,12 @@ from pipeline.experiment import EvaluatorConfig
 from pipeline.export.record import EncoderRecord
 from pipeline.io import write_json_atomic
 from pipeline.run_dir import RunDir
+from pipeline.tasks import SPECS
 from pipeline.tokenizer import Tokenizer
 
 BATCH_SIZE, SEED = 16, 0  # launch/evaluate.py's --batch-size and --seed defaults
 # tasks whose headline leaves a score out when nothing was scored: repetition's Rep-Sen and Rep-4 of a dataset whose
-# continuations are all too short (pipeline.eval.repetition.headline)
+# continuations are all too short (pipeline.tasks.repetition_headline)
 LEAVES_OUT = frozenset({"repetition"})
 
 
@@ -51,7 +52,7 @@ def logged(configs: list[EvaluatorConfig]) -> tuple[set[str], set[str]]:
     always, sometimes = set(), set()
     for config in configs:
         result = _AnyResult(datasets={dataset_name(d): _AnyResult() for d in config.datasets})
-        names = {f"eval/{k}" for k in TASKS[config.task].headline(result)}
+        names = {f"eval/{k}" for k in SPECS[config.task].headline(result)}
         (sometimes if config.task in LEAVES_OUT else always).update(names)
     return always, sometimes
 
@@ -89,7 +90,7 @@ class TrainingEvaluators:
                     torch.manual_seed(SEED)  # as launch/evaluate.py seeds each task
                     task = TASKS[config.task]
                     result = task.run(ctx, options)
-                    scalars |= {f"eval/{k}": float(v) for k, v in task.headline(result).items()}
+                    scalars |= {f"eval/{k}": float(v) for k, v in task.spec.headline(result).items()}
                     tasks.append({"task": config.task, "split": getattr(options, "split", None), "result": result})
         finally:
             engine.train()

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import to_dict
-from pipeline.experiment import EVALUATOR_METRICS, ExperimentConfig
+from pipeline.experiment import ExperimentConfig
 from pipeline.run_dir import RunDir
+from pipeline.tasks import SPECS
 from pipeline.train.fit_summary import FitSummary
 from pipeline.train.trackers import Trackers
 
-EVALUATOR_SCALARS = tuple(f"eval/{key}" for keys in EVALUATOR_METRICS.values() for key in keys)  # on the eval line
+# on the eval line: the headline scores of every task that runs during training (eval.evaluators)
+EVALUATOR_SCALARS = tuple(f"eval/{key}" for spec in SPECS.values() if spec.in_training for key in spec.keys)
 
 
 def memory_gib() -> float:

@@ -13,9 +13,10 @@ from torch import nn
 
 from pipeline.eval.data import DataError, Row
 from pipeline.eval.encode import pool, rows_for
-from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, eval_batches, run_family
+from pipeline.eval.finetune.protocol import FinetuneTask, eval_batches, run_family
 from pipeline.eval.forward import pad_id, row_states
 from pipeline.eval.task import Task
+from pipeline.tasks import SPECS
 
 TEXT_FIELDS = (("sentence1", "sentence2"), ("premise", "hypothesis"), ("question1", "question2"),
                ("question", "sentence"), ("sentence",), ("text",))
@@ -81,5 +82,4 @@ class SequenceClassification(FinetuneTask):
         return 100.0 * correct / len(examples)
 
 
-TASKS = (Task("classification", "classification", "fine-tuned sequence classification (accuracy), LR x seed sweep",
-              FinetuneOptions, run_family(SequenceClassification), lambda r: {"sc_acc": r["average"]}),)
+TASKS = (Task(SPECS["classification"], run_family(SequenceClassification)),)

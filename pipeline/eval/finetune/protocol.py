@@ -20,8 +20,7 @@ import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,28 +32,10 @@ from pipeline.eval.forward import length_batches
 from pipeline.eval.metrics import mean_ci
 from pipeline.eval.task import EvalContext
 from pipeline.model.weight_decay import param_groups
+from pipeline.tasks import FinetuneOptions
 
 SPLITS = {"train": ("train",), "validation": ("dev", "validation", "valid", "val"), "test": ("test",)}
 EXTS = (".tsv", ".csv", ".jsonl", ".json", ".txt")
-
-
-@dataclass
-class FinetuneOptions:
-    datasets: list[str] = field(default_factory=list)  # sub-directories of DATA_DIR/<family> or HF names
-    lrs: list[float] = field(default_factory=lambda: [1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4])
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
-    max_steps: int = 1000
-    max_epochs: float = 1.0
-    batch_size: int = 32
-    warmup: float = 0.1  # fraction of the steps
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-5
-    grad_clip: float = 1.0
-    attention: Literal["auto", "causal", "bidirectional"] = "bidirectional"  # auto: the model's
-    max_length: int = 512
-    max_examples: int = 0  # per split, 0: all
-    eval_batch_size: int = 32
 
 
 def dataset_splits(directory: str) -> dict[str, str]:

@@ -18,15 +18,11 @@ import torch
 from torch import nn
 
 from pipeline.eval.data import DataError, Row
-from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, eval_batches, run_family
+from pipeline.eval.finetune.protocol import FinetuneTask, eval_batches, run_family
 from pipeline.eval.forward import encode_with_offsets, pad_id, row_states, wrap
 from pipeline.eval.metrics import squad_scores
 from pipeline.eval.task import Task
-
-
-@dataclass
-class QAOptions(FinetuneOptions):
-    max_answer_tokens: int = 30
+from pipeline.tasks import SPECS
 
 
 @dataclass
@@ -127,5 +123,4 @@ class ExtractiveQA(FinetuneTask):
         return 100.0 * f1 / len(examples)
 
 
-TASKS = (Task("qa", "qa", "fine-tuned extractive QA (SQuAD F1), LR x seed sweep", QAOptions,
-              run_family(ExtractiveQA), lambda r: {"qa_f1": r["average"]}),)
+TASKS = (Task(SPECS["qa"], run_family(ExtractiveQA)),)

@@ -16,17 +16,12 @@ from torch import nn
 
 from pipeline.eval.data import DataError, Row
 from pipeline.eval.encode import pool, rows_for
-from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, eval_batches, run_family
+from pipeline.eval.finetune.protocol import FinetuneTask, eval_batches, run_family
 from pipeline.eval.forward import pad_id, row_states
 from pipeline.eval.ranking import DOCUMENT, QUERY, ndcg, ranking_pool
 from pipeline.eval.task import Task
 from pipeline.objectives.infonce import info_nce
-
-
-@dataclass
-class RetrievalOptions(FinetuneOptions):
-    scale: float = 20.0  # InfoNCE logit scale, 1 / temperature
-    k: int = 10  # NDCG cut-off
+from pipeline.tasks import SPECS
 
 
 @dataclass
@@ -79,5 +74,4 @@ class Retrieval(FinetuneTask):
         return ndcg(embed_all(pool_.queries), embed_all(pool_.documents), pool_.relevance, self.opts.k)
 
 
-TASKS = (Task("retrieval", "retrieval", "fine-tuned bi-encoder retrieval (NDCG@10), LR x seed sweep",
-              RetrievalOptions, run_family(Retrieval), lambda r: {"ir_ndcg10": r["average"]}),)
+TASKS = (Task(SPECS["retrieval"], run_family(Retrieval)),)

@@ -14,15 +14,11 @@ import torch
 from torch import nn
 
 from pipeline.eval.data import DataError, Sentence, read_conll
-from pipeline.eval.finetune.protocol import FinetuneOptions, FinetuneTask, eval_batches, run_family
+from pipeline.eval.finetune.protocol import FinetuneTask, eval_batches, run_family
 from pipeline.eval.forward import pad_id, row_states, tokenize_words
 from pipeline.eval.metrics import entity_f1
 from pipeline.eval.task import Task
-
-
-@dataclass
-class TokenOptions(FinetuneOptions):
-    tag_column: int = -1  # column of the tag (the token is column 0; -1: the last)
+from pipeline.tasks import SPECS
 
 
 @dataclass
@@ -85,6 +81,4 @@ class TokenClassification(FinetuneTask):
         return 100.0 * sum(g == p for g, p in pairs) / len(pairs)
 
 
-TASKS = (Task("token_classification", "token_classification",
-              "fine-tuned token classification (entity F1), LR x seed sweep", TokenOptions,
-              run_family(TokenClassification), lambda r: {"tc_f1": r["average"]}),)
+TASKS = (Task(SPECS["token_classification"], run_family(TokenClassification)),)

@@ -10,10 +10,10 @@ import pytest
 from pipeline.config import ConfigError
 from pipeline.eval.data import DataError, find_files, read_conll, read_rows
 from pipeline.eval.finetune.classification import SequenceClassification
-from pipeline.eval.finetune.protocol import FinetuneOptions
 from pipeline.eval.load import ModelError, load_model
 from pipeline.eval.registry import task_options
 from pipeline.eval.task import EvalContext
+from pipeline.tasks import FinetuneOptions
 
 
 def write(path, text: str) -> str:

@@ -79,16 +79,18 @@ def results(tasks: list[str], **fields) -> EvalResults:
 
 def test_merge_keeps_the_older_tasks_under_the_newer_and_orders_the_config_tasks():
     older = results(["sts"], environment={"torch": "old"}, options={"sts": {"max_length": 32}},
-                    results={"sts": {"score": 1.0}}, headline={"sts_avg": 1.0}, failed={"sts": {"error": "gone"}},
+                    results={"sts": {"average": 1.0, "datasets": {}}}, headline={"sts_avg": 1.0},
+                    failed={"sts": {"error": "gone"}},
                     seconds={"sts": 2.0})
     newer = results(["clustering"], environment={"torch": "new"}, options={"clustering": {}},
                     results={"clustering": {"v": 0.5}}, headline={"clustering_avg": 0.5}, seconds={"clustering": 3.0})
     merged = newer.merge(older, ["clustering", "probing", "sts"])
     assert merged.config.tasks == ["clustering", "sts"] and newer.config.tasks == ["clustering"]
-    assert merged.results == {"sts": {"score": 1.0}, "clustering": {"v": 0.5}}
+    assert merged.results == {"sts": {"average": 1.0, "datasets": {}}, "clustering": {"v": 0.5}}
     assert merged.headline == {"sts_avg": 1.0, "clustering_avg": 0.5} and merged.seconds == {"sts": 2.0, "clustering": 3.0}
     assert merged.failed == {} and merged.environment == {"torch": "new"} and "reused" not in merged.to_json()
-    newer.with_task_of(older, "sts", "other.json", {"sts_avg": 1.0})
+    newer.with_task_of(older, "sts", "other.json")
     again = newer.merge(None, ["sts", "clustering"])
     assert again.reused == {"sts": "other.json"} and again.config.tasks == ["sts", "clustering"]
+    assert again.headline == {"clustering_avg": 0.5, "sts_avg": 1.0}  # the sts spec's headline of the copied result
     assert EvalResults.from_json(again.to_json()) == again and not results([], environment={}).write("unwritten.json")

@@ -18,7 +18,7 @@ from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
 from pipeline.eval import encode, load_model
 from pipeline.eval.encode import pool
-from pipeline.eval.finetune.protocol import FinetuneOptions, linear_warmup_decay, split_train
+from pipeline.eval.finetune.protocol import linear_warmup_decay, split_train
 from pipeline.eval.finetune.qa import ExtractiveQA, Question
 from pipeline.eval.forward import tokenize_words
 from pipeline.eval.infilling import Example, span_nll
@@ -27,6 +27,7 @@ from pipeline.eval.repetition import repetition_scores
 from pipeline.eval.task import EvalContext
 from pipeline.experiment import SAMPLE_DIR
 from pipeline.objectives import MagnetConfig, make_objective
+from pipeline.tasks import FinetuneOptions, ProbingOptions
 from pipeline.tokenizer import load_tokenizer
 
 FIXTURES = os.path.join(os.path.abspath(os.path.join(os.path.dirname(__file__), "../..")), "fixtures", "eval")
@@ -269,7 +270,7 @@ def test_probing_task_reads_mntp_models_one_position_earlier(model, data_dir):
 def test_probe_features_of_a_sentence_do_not_depend_on_its_batch(model, data_dir):
     """Sentences are batched by length (less padding): each keeps its own features, in the input's order."""
     from pipeline.eval.data import read_conll
-    from pipeline.eval.probing import ProbingOptions, word_features
+    from pipeline.eval.probing import word_features
 
     sentences = read_conll(os.path.join(data_dir, "conll", "train.txt"))
     assert len({len(s.words) for s in sentences}) > 1  # lengths differ, so sorting reorders them

@@ -20,6 +20,7 @@ from pipeline.eval.load import ModelError, resolve
 from pipeline.experiment import SAMPLE_DIR, CheckpointConfig, load_experiment
 from pipeline.model.build import build_model, model_spec
 from pipeline.run_dir import RunDir
+from pipeline.tasks import SPECS
 from pipeline.train.checkpoint import Best, Checkpointer
 from pipeline.train.keep_best import KeepBest
 from pipeline.train.module import TrainModule
@@ -178,7 +179,7 @@ def test_a_phase_that_does_not_log_the_metric_and_a_repetition_with_nothing_to_s
     clm.observe(2, 0, {"eval/loss/clm": 3.0})
     clm.observe(6, 1, {"eval/loss/mlm": 1.0})
     assert clm.best == Best(2, 3.0)
-    short = repetition.headline({"datasets": {"wiki": repetition.repetition_scores(["too short", "also"])}})
+    short = SPECS["repetition"].headline({"datasets": {"wiki": repetition.repetition_scores(["too short", "also"])}})
     assert "eval/rep_4/wiki" not in {f"eval/{k}" for k in short}
     rep = Checkpointer(_engine(), run, CheckpointConfig(), {}, KeepBest("eval/rep_4/wiki", "min", (0,), True))
     rep.observe(2, 0, {f"eval/{k}": v for k, v in short.items()} | {"eval/loss/clm": 3.0})
