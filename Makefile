@@ -96,14 +96,14 @@ test: setup real-data
 	$(PYTEST) -n 2 --dist worksteal -m "not slow"
 
 # the slow suite: the real SmolLM2 checkpoint and LLM2Vec's chain from it, the smoke twins, SLURM requeue, study 3's
-# quick reproduction (~32 min on 2 cores, on one worker: two made study 3's quick reproduction, which splits the
-# cores itself, the long pole; its runs start under torchrun, the fast tier's forked: both paths run in CI); its
+# quick reproduction, on one worker (two made study 3's quick reproduction, which splits the cores itself, the long
+# pole); its launches are forked like the fast tier's, the real launchers run where a test names one; its
 # `extended` tests (~40 min: the three studies' quick reproduction, the
 # other MAGNET ablation twins, the grid report, compiling in both ranks, SmolLM2's eval numbers, the LLM2Vec and
 # MLM-vs-CLM twins the chain and the two-phase twin cover, the full-parameter chain the quick reproduction trains),
 # whose checks other tests make at another scale, run with make test-extended
 test-slow: setup real-model real-data
-	PIPELINE_TEST_LAUNCHER=torchrun $(PYTEST) -m "slow and not extended"
+	$(PYTEST) -m "slow and not extended"
 
 test-extended: setup real-model real-data
 	$(PYTEST) -m extended
