@@ -3,69 +3,38 @@ so the model page shows them: the results files ``launch/evaluate.py`` wrote for
 (``RUN/eval/*.json``, ``RUN/eval/stepN/*.json``) whose model was read as the export's record says, and what the
 training-time evaluators scored at that step (``RUN/eval/training/stepN.json``: ``hf-best``'s card carries the
 best step's scores without an evaluation). An offline export puts them in its card; ``launch/evaluate.py`` puts them
-in the card of the export it evaluated."""
+in the card of the export it evaluated. How each task is listed is its spec's (:class:`pipeline.tasks.HubTask`); a
+results file is read as the JSON ``pipeline.eval.results.EvalResults`` writes, since evaluation stands above the
+export."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from huggingface_hub import EvalResult, ModelCard
 
 from pipeline.io import read_json
 from pipeline.run_dir import RunDir
-
-if TYPE_CHECKING:
-    from pipeline.eval.results import EvalResults
-
-# evaluation task -> (the Hub's task type, its pretty name): pipeline tags where one fits, MTEB's names elsewhere
-HUB_TASKS = {"sts": ("sentence-similarity", "Semantic textual similarity"),
-             "clustering": ("Clustering", "Clustering"),
-             "zero_shot_retrieval": ("Retrieval", "Zero-shot retrieval"),
-             "retrieval": ("Retrieval", "Fine-tuned retrieval"),
-             "classification": ("text-classification", "Fine-tuned classification"),
-             "token_classification": ("token-classification", "Fine-tuned token classification"),
-             "qa": ("question-answering", "Fine-tuned extractive QA"),
-             "probing": ("token-classification", "Linear probing"),
-             "perplexity": ("text-generation", "Held-out perplexity"),
-             "mlm": ("fill-mask", "Held-out MLM"),
-             "mntp": ("fill-mask", "Held-out MNTP"),
-             "infilling": ("text-generation", "Infilling"),
-             "repetition": ("text-generation", "Repetition")}
-# embedding tasks: the per-dataset score and its metric id (MTEB's)
-EMBEDDING_METRICS = {"sts": ("spearman", "cos_sim_spearman"), "clustering": ("v_measure", "v_measure"),
-                     "zero_shot_retrieval": ("ndcg", "ndcg_at_{k}")}
-FINETUNED = ("classification", "token_classification", "qa", "retrieval")
+from pipeline.tasks import SPECS
 
 
-def _scores(task: str, result: dict, headline: dict[str, float]) -> list[tuple[str, str, float]]:
-    """(dataset, metric id, value) of one task's results: each dataset's score where the results name datasets,
-    else the task's headline numbers ("metric/dataset" or "metric")."""
-    if task in EMBEDDING_METRICS:
-        key, metric = EMBEDDING_METRICS[task]
-        return [(name, metric.format(k=r.get("k")), r[key]) for name, r in result["datasets"].items()]
-    if task in FINETUNED:
-        return [(name, r["metric"].replace("@", "_at_"), r["test"]["mean"]) for name, r in result["datasets"].items()]
-    return [(key.split("/", 1)[1] if "/" in key else task, key.split("/", 1)[0], value)
-            for key, value in headline.items()]
-
-
-def eval_results(results: EvalResults) -> list[EvalResult]:
-    """One ``EvalResult`` per task, dataset and metric of ``results``."""
-    return [r for task, result in results.results.items()
-            for r in task_results(task, result, results.options.get(task, {}).get("split"))]
+def eval_results(results: dict) -> list[EvalResult]:
+    """One ``EvalResult`` per task, dataset and metric of a results file's JSON ``results``."""
+    return [r for task, result in results["results"].items()
+            for r in task_results(task, result, results["options"].get(task, {}).get("split"))]
 
 
 def task_results(task: str, result: dict, split: str | None) -> list[EvalResult]:
-    """One ``EvalResult`` per dataset and metric of one task's ``result`` (as a results file holds it)."""
-    from pipeline.eval.registry import TASKS  # pipeline.eval imports the exports: not at import time
-
-    task_type, task_name = HUB_TASKS.get(task, (task, task))
-    headline = TASKS[task].spec.headline(result) if task in TASKS else {}
-    return [EvalResult(task_type=task_type, task_name=task_name, dataset_type=os.path.basename(dataset),
+    """One ``EvalResult`` per dataset and metric of one task's ``result`` (as a results file holds it), as its spec
+    lists them; none for a task no spec describes."""
+    spec = SPECS.get(task)
+    if spec is None:
+        return []
+    return [EvalResult(task_type=spec.hub.task_type, task_name=spec.hub.task_name,
+                       dataset_type=os.path.basename(dataset),
                        dataset_name=os.path.basename(dataset),  # a dataset named by a path: never the machine's
                        dataset_split=split, metric_type=metric, metric_value=float(value))
-            for dataset, metric, value in _scores(task, result, headline)]
+            for dataset, metric, value in spec.model_index(result)]
 
 
 def training_results(run: RunDir, step: int, attention: str) -> list[EvalResult]:
@@ -84,12 +53,11 @@ def results_at(run: RunDir, step: int, attention: str) -> list[EvalResult]:
     """The results of ``run``'s evaluations of step ``step`` read with ``attention`` (the export's) and its default
     dims (no ``--dim``: a cut embedding scores another model), the training-time evaluators' of the step first; for
     one task, dataset and metric in several files, the newest file's."""
-    from pipeline.eval.results import EvalResults
-
     by_key = {(*r.unique_identifier, r.metric_type): r for r in training_results(run, step, attention)}
     for path in sorted([*run.all_eval_results(), *run.step_eval_results()], key=os.path.getmtime):
-        results = EvalResults.read(path)
-        if results.model.step != step or results.model.attention != attention or results.config.dim is not None:
+        results = read_json(path, "results of launch/evaluate.py")
+        model = results["model"]
+        if model["step"] != step or model["attention"] != attention or results["config"].get("dim") is not None:
             continue
         for r in eval_results(results):
             by_key[(*r.unique_identifier, r.metric_type)] = r

@@ -28,6 +28,7 @@ from pipeline.export.hf import save_hf
 from pipeline.export.model_index import eval_results, results_at
 from pipeline.export.record import EncoderRecord
 from pipeline.export.sentence_transformers import st_record
+from pipeline.io import read_json
 from pipeline.run_dir import RunDir
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "eval")
@@ -162,7 +163,7 @@ def test_evaluation_results_become_the_model_index(tokenizer, tmp_path):
     assert results.write(str(tmp_path / "results.json"))
     read = EvalResults.read(str(tmp_path / "results.json"))
     card_dir = export(tokenizer, str(tmp_path / "hf"), MNTP, {**MNTP_PHASE, "name": "tiny-mntp"},
-                      results=eval_results(read))
+                      results=eval_results(read_json(str(tmp_path / "results.json"))))
     meta = metadata_load(os.path.join(card_dir, "README.md"))
     name, parsed = model_index_to_eval_results(meta["model-index"])
     assert name == "tiny-mntp"
