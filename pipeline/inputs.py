@@ -63,12 +63,14 @@ def check_buildable(directory: str, setting: str, inputs_setting: str, inputs: l
     return False
 
 
-def built_from_others(directory: str, inputs: Sequence[str], seq_len: int, d: DataConfig, tokenizer: str) -> list[str]:
+def built_from_others(directory: str, inputs: Sequence[str], seq_len: int, d: DataConfig,
+                      tokenizer: str | None) -> list[str]:
     """How the shards in ``directory`` differ from those its named ``inputs`` build with the tokenizer of fingerprint
-    ``tokenizer`` at ``seq_len`` (:func:`~pipeline.data.prep.manifest.built_otherwise`); empty when they are those,
-    when no inputs are named, and for a directory a run never builds: without shards, at a URL, or of sentence
-    units or pairs (``build_shards.py --units/--pairs``, which a units or pairs stage names as data.shards beside
-    the packed inputs it inherits)."""
+    ``tokenizer`` (None: not loaded yet, not compared) at ``seq_len``
+    (:func:`~pipeline.data.prep.manifest.built_otherwise`); empty when they are those, when no inputs are named,
+    and for a directory a run never builds: without shards, at a URL, or of sentence units or pairs
+    (``build_shards.py --units/--pairs``, which a units or pairs stage names as data.shards beside the packed inputs
+    it inherits)."""
     if not inputs or is_url(directory) or not has_shards(directory, d):
         return []
     manifest = load_manifest(directory)
@@ -79,7 +81,7 @@ def built_from_others(directory: str, inputs: Sequence[str], seq_len: int, d: Da
 
 
 def check_named_inputs(directory: str, setting: str, inputs_setting: str, inputs: Sequence[str], seq_len: int,
-                       d: DataConfig, tokenizer: str) -> None:
+                       d: DataConfig, tokenizer: str | None) -> None:
     """Each pattern of ``inputs`` matches a file, whatever ``directory`` holds, and shards there are the ones they
     build (:func:`built_from_others`) or data.rebuild rebuilds them: a run never trains on other data than the
     inputs it names (and its records claim)."""

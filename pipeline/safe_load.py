@@ -6,7 +6,7 @@ with ``weights_only=True`` and only the types these files hold allowed; anything
 naming the file and the type. Before any file of a checkpoint directory is read (a resume's preflight, an export,
 so an evaluation's export) and so before DeepSpeed's own unpickling loaders get it, :func:`check_directory` checks
 the whole directory: its links stay inside, every file's list of types is read without unpickling, parameter names
-are no paths.
+are no paths. torch is imported where a file is read: a start's first checks (:func:`check_links`) come before it.
 docs/reliability.md says what DeepSpeed unpickles itself.
 """
 
@@ -18,7 +18,6 @@ import pickle
 import re
 
 import numpy as np
-import torch
 
 # numpy's array rebuilder: numpy.core.multiarray._reconstruct before numpy 2, numpy._core... since (either name
 # may be in a file: the numpy that wrote it)
@@ -52,6 +51,8 @@ def _refusal(path: str, what: str) -> UnsafeCheckpoint:
 
 def load_weights_only(path: str, map_location=None):
     """``torch.load(path)`` allowing only :func:`allowed_types`; raises :class:`UnsafeCheckpoint` naming the file."""
+    import torch
+
     try:
         with torch.serialization.safe_globals(list(allowed_types())):
             return torch.load(path, map_location=map_location, weights_only=True)
@@ -63,25 +64,37 @@ def load_weights_only(path: str, map_location=None):
 
 def check_directory(directory: str) -> None:
     """The one check of a checkpoint directory before anything of it is read (a resume's preflight, an export, an
-    evaluation's export): every entry, followed to its real path, stays inside the directory (a link out of it, as
-    ``universal -> ../../elsewhere``, is refused: ``os.walk`` alone does not enter a linked directory); every
-    ``.pt`` file names only :func:`allowed_types`, read without unpickling; and every parameter name a ZeRO model
-    state gives the universal conversion, which makes each a folder, is a name and not a path (``..``). DeepSpeed's
-    own loaders (the universal conversion and load, ``zero_to_fp32``) unpickle with ``weights_only=False``."""
-    root = os.path.realpath(directory)
+    evaluation's export): :func:`check_links`; every ``.pt`` file names only :func:`allowed_types`, read without
+    unpickling; and every parameter name a ZeRO model state gives the universal conversion, which makes each a
+    folder, is a name and not a path (``..``). DeepSpeed's own loaders (the universal conversion and load,
+    ``zero_to_fp32``) unpickle with ``weights_only=False``."""
+    import torch
+
+    check_links(directory)
     with torch.serialization.safe_globals(list(allowed_types())):
-        for here, dirs, files in os.walk(root):
-            dirs.sort()
-            for name in sorted(dirs + files):
-                path = os.path.join(here, name)
-                if os.path.commonpath([root, os.path.realpath(path)]) != root:
-                    raise _refusal(path, f"it links to {os.path.realpath(path)}, outside the checkpoint directory "
-                                         f"{directory}")
+        for here, _, files in os.walk(os.path.realpath(directory)):
             for name in sorted(n for n in files if n.endswith(".pt")):
                 _check_file(os.path.join(here, name))
 
 
+def check_links(directory: str) -> None:
+    """Every entry of ``directory``, followed to its real path, stays inside it (a link out of it, as ``universal
+    -> ../../elsewhere``, is refused: ``os.walk`` alone does not enter a linked directory). What a start checks
+    before torch is imported, so that it reads the checkpoint's JSON records (its experiment, global batch, shards)
+    from the directory itself; :func:`check_directory` makes it again with the rest."""
+    root = os.path.realpath(directory)
+    for here, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(dirs + files):
+            path = os.path.join(here, name)
+            if os.path.commonpath([root, os.path.realpath(path)]) != root:
+                raise _refusal(path, f"it links to {os.path.realpath(path)}, outside the checkpoint directory "
+                                     f"{directory}")
+
+
 def _check_file(path: str) -> None:
+    import torch
+
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception as e:  # noqa: BLE001 - not a zip of a pickle: torch raises several kinds

@@ -96,15 +96,20 @@ def run(ds_config: str, experiment: str | None, overrides: list[str], stop: Stop
 
 def local_checks(exp, ds: dict, rank: int, stop: StopRequest):
     """This rank's :func:`~pipeline.train.preflight.local_preflight` (the DeepSpeed JSON ``ds`` resolved against
-    the experiment among its checks), before any process group: the Prepared, or the failure for the agreed preflight to report (rank 0's is
-    reported now, and the rank returns None: the launcher then stops the others while they start up)."""
-    import torch
-
+    the experiment among its checks), before any process group and, where they need neither, before torch and
+    DeepSpeed (:mod:`~pipeline.train.first_checks`): the Prepared, or the failure for the agreed preflight to report
+    (rank 0's is reported now, and the rank returns None: the launcher then stops the others while they start
+    up)."""
     from pipeline.train.agreement import failure_line
-    from pipeline.train.preflight import local_preflight
+    from pipeline.train.first_checks import first_checks
 
     world = int(os.environ["WORLD_SIZE"])
     try:
+        first_checks(exp, rank, world)
+        import torch
+
+        from pipeline.train.preflight import local_preflight
+
         return local_preflight(exp, rank, world, torch.cuda.is_available(), ds)
     except Exception as e:  # noqa: BLE001 - one line, whatever failed
         if rank != 0:  # rank 0 may pass (files differ between nodes): the agreed preflight reports this one
@@ -117,9 +122,12 @@ def local_checks(exp, ds: dict, rank: int, stop: StopRequest):
 def checked(exp, ds: dict, rank: int, check: tuple[str | None, int, int | None], stop: StopRequest) -> int:
     """``--check``: the report (rank 0 prints it) and 0, or one line and :data:`CONFIG_ERROR`."""
     from pipeline.train.agreement import failure_line
-    from pipeline.train.check import report, target
+    from pipeline.train.first_checks import first_checks
 
     try:
+        first_checks(exp, rank, None)
+        from pipeline.train.check import report, target
+
         lines = report(exp, ds, target(*check))
     except Exception as e:  # noqa: BLE001 - one line, whatever failed
         stop.failing()

@@ -15,7 +15,7 @@ from pipeline.config import ConfigError
 from pipeline.experiment import ExperimentConfig
 from pipeline.lock import DirLock, describe
 from pipeline.run_dir import DATA, MODEL_CONFIG, RunDir
-from pipeline.safe_load import check_directory
+from pipeline.safe_load import check_directory, check_links
 
 # the keys of a model config that fix its parameters' shapes: a checkpoint loads only into a model that has its
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -81,17 +81,19 @@ def batch_keeping(global_batch: int, world: int, micro_batch: int) -> tuple[int,
     return micro, share // micro
 
 
-def resume_point(exp: ExperimentConfig, world: int) -> ResumePoint | None:
+def resume_point(exp: ExperimentConfig, world: int | None, scan: bool = True) -> ResumePoint | None:
     """The newest complete checkpoint a resume starts from (None: a fresh start, or ``checkpoint.resume: false``),
-    its directory checked (links, code in files, parameter names: :func:`~pipeline.safe_load.check_directory`).
-    A resume that changes the global batch changes the optimisation: refused unless asked for."""
+    its directory checked (links, code in files, parameter names: :func:`~pipeline.safe_load.check_directory`; its
+    links alone without ``scan``, before torch: :mod:`pipeline.train.first_checks`, which reads only its JSON
+    records). A resume that changes the global batch changes the optimisation: refused unless asked for (``world``
+    None: the ranks are not known yet, not checked)."""
     run = RunDir(exp.run_dir)
     step = run.latest_complete() if exp.checkpoint.resume else None
     if step is None:
         return None
-    check_directory(run.checkpoint(step))  # before any file of it is read (pipeline.safe_load)
+    (check_directory if scan else check_links)(run.checkpoint(step))  # before any file of it is read
     point = ResumePoint(step, run.checkpoint_world_size(step))
-    if exp.checkpoint.allow_global_batch_change:
+    if exp.checkpoint.allow_global_batch_change or world is None:
         return point
     path = run.checkpoint(step)
     saved_train = run.checkpoint_experiment(step).train
@@ -110,30 +112,32 @@ def resume_point(exp: ExperimentConfig, world: int) -> ResumePoint | None:
     return point
 
 
-def check_resumable(exp: ExperimentConfig, point: ResumePoint, model_config: dict,
-                    shards: dict[str, tuple[str, str]]) -> None:
+def check_resumable(exp: ExperimentConfig, point: ResumePoint, model_config: dict | None,
+                    shards: dict[str, tuple[str, str | None]]) -> None:
     """The checkpoint this run resumes from (``point``) was trained on what a resume cannot change: the same shards
     (``shards``: (directory, fingerprint) of data.shards, ``packed``, and of each phase's own, ``phases[i]``, when
     the run starts, built or to be built; a phase's own where the checkpoint records them), a model of the same
     shape (``model_config``, this run's) and LoRA rank, the same objectives in each phase. Else a ConfigError naming
     the run directory, the difference and a new name; the resume would otherwise fail only once the shards and the
-    model are built, naming neither."""
+    model are built, naming neither. A fingerprint or ``model_config`` of None is not known yet (before the
+    tokenizer and the model's config are read: :mod:`pipeline.train.first_checks`) and not compared."""
     run, d = RunDir(exp.run_dir), exp.data
     saved = run.checkpoint_experiment(point.step)
     differences = []
     record = run.checkpoint_run_file(point.step, DATA) or {}
     fingerprint = shards["packed"][1]
-    if record and record["fingerprint"] != fingerprint:
+    if record and fingerprint is not None and record["fingerprint"] != fingerprint:
         inputs = f" (from data.build_inputs {d.build_inputs})" if d.build_inputs else ""
         differences.append(f"on {record['directory']} (fingerprint {record['fingerprint'][:12]}), while this run's "
                            f"data.shards {d.shards}{inputs} has {fingerprint[:12]}")
     for name, trained in sorted(record.get("phase_shards", {}).items()):  # none recorded: an older checkpoint
         now = shards.get(name)
-        if now is None or now[1] != trained["fingerprint"]:
+        if now is None or now[1] not in (None, trained["fingerprint"]):
             differences.append(f"with {name}.shards {trained['directory']} (fingerprint {trained['fingerprint'][:12]}"
                                f"), while this run's " + (f"{name} reads data.shards" if now is None else
                                                          f"{name}.shards {now[0]} has {now[1][:12]}"))
     saved_config = run.checkpoint_run_file(point.step, MODEL_CONFIG) or {}
+    model_config = model_config or {}
     shape = [k for k in SHAPE_KEYS if k in saved_config and k in model_config and saved_config[k] != model_config[k]]
     if shape:
         differences.append(f"with a model of {', '.join(f'{k} {saved_config[k]}' for k in shape)}, while this run's "

@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from pipeline.config import ConfigError
 from pipeline.data.format.index import (
@@ -28,7 +29,6 @@ from pipeline.data.format.teacher import TeacherError, check_teacher
 from pipeline.data.loading.holdout import Holdout, ValidationSamples, split
 from pipeline.data.loading.mixture import Budget, MixtureError, MixturePlan, check_budget
 from pipeline.data.loading.order import BatchWarmup
-from pipeline.data.prep.build import run_job, shard_fingerprint
 from pipeline.data.prep.build_config import BuildConfig
 from pipeline.data.prep.sources import InputError, expand_inputs
 from pipeline.experiment import DataConfig, ExperimentConfig, PhaseData, SourceMixture
@@ -40,8 +40,10 @@ from pipeline.inputs import (
     shard_store,
     shards_fingerprint,
 )
-from pipeline.tokenizer import Tokenizer
-from pipeline.train.phases import WeightedObjective, shard_kind_readers
+
+if TYPE_CHECKING:  # the build, the tokenizer and the objectives import torch: first_checks' part imports none
+    from pipeline.tokenizer import Tokenizer
+    from pipeline.train.phases import WeightedObjective
 
 
 @dataclass(frozen=True)
@@ -94,23 +96,27 @@ def packed_dirs(exp: ExperimentConfig) -> list[PackedDir]:
                         pd.build_inputs) for i, pd in own_phase_data(exp))]
 
 
-def check_packed_sources(exp: ExperimentConfig, tokenizer: Tokenizer) -> list[PackedDir]:
+def check_packed_sources(exp: ExperimentConfig, tokenizer: Tokenizer | None) -> list[PackedDir]:
     """Each of :func:`packed_dirs` holds shards or can be built, and its named inputs exist and are what it was
-    built from (``pipeline.inputs``); returns :func:`shards_to_build`."""
+    built from (``pipeline.inputs``; with ``tokenizer`` None, before it is loaded, all but the tokenizer); returns
+    :func:`shards_to_build`."""
     d = exp.data
     for p in packed_dirs(exp):
         check_buildable(p.directory, p.setting, p.inputs_setting, list(p.inputs), p.seq_len, d)
-        check_named_inputs(p.directory, p.setting, p.inputs_setting, p.inputs, p.seq_len, d,
-                           tokenizer.info.fingerprint)
+        check_named_inputs(p.directory, p.setting, p.inputs_setting, p.inputs, p.seq_len, d, _fingerprint(tokenizer))
     return shards_to_build(exp, tokenizer)
 
 
-def shards_to_build(exp: ExperimentConfig, tokenizer: Tokenizer) -> list[PackedDir]:
+def _fingerprint(tokenizer: Tokenizer | None) -> str | None:
+    return None if tokenizer is None else tokenizer.info.fingerprint
+
+
+def shards_to_build(exp: ExperimentConfig, tokenizer: Tokenizer | None) -> list[PackedDir]:
     """The packed directories rank 0 builds: those without shards, and with data.rebuild those built otherwise
-    than their named inputs build them."""
+    than their named inputs build them (``tokenizer`` None: other than by the tokenizer)."""
     d = exp.data
     return [p for p in packed_dirs(exp) if not has_shards(p.directory, d) or
-            (d.rebuild and built_from_others(p.directory, p.inputs, p.seq_len, d, tokenizer.info.fingerprint))]
+            (d.rebuild and built_from_others(p.directory, p.inputs, p.seq_len, d, _fingerprint(tokenizer)))]
 
 
 def build_input_files(exp: ExperimentConfig, tokenizer: Tokenizer) -> list[tuple[PackedDir, list[str]]]:
@@ -125,6 +131,8 @@ def build_input_files(exp: ExperimentConfig, tokenizer: Tokenizer) -> list[tuple
 def build_missing_shards(exp: ExperimentConfig, tokenizer: Tokenizer) -> None:
     """Rank 0's job: the directories of :func:`shards_to_build`, built; one that holds other shards is rebuilt
     beside itself and swapped in once complete, so a failed rebuild leaves the old shards as they were."""
+    from pipeline.data.prep.build import run_job
+
     d = exp.data
     sources = f", sources from {d.build_source_field or d.build_source_default!r}" if d.build_source_field or \
         d.build_source_default else ""
@@ -147,16 +155,25 @@ def _build_config(p: PackedDir, d: DataConfig, tokenizer: Tokenizer, output: str
                        progress=False, source_field=d.build_source_field, source_default=d.build_source_default)
 
 
-def packed_fingerprints(exp: ExperimentConfig, tokenizer: Tokenizer, to_build: list[PackedDir]
-                        ) -> dict[str, tuple[str, str]]:
+def packed_fingerprints(exp: ExperimentConfig, tokenizer: Tokenizer | None, to_build: list[PackedDir]
+                        ) -> dict[str, tuple[str, str | None]]:
     """(directory, fingerprint) of each of :func:`packed_dirs` when the run starts, by its loader's name (data.shards:
     ``packed``, a phase's own: ``phases[i]``): its manifest's, or that of the build in ``to_build``
-    (:func:`shards_to_build`) rank 0 is to make, which its settings alone fix."""
+    (:func:`shards_to_build`) rank 0 is to make, which its settings alone fix. With ``tokenizer`` None (not loaded
+    yet) a build's is not known (None), nor, with data.rebuild, any: another tokenizer may rebuild a directory."""
     d = exp.data
+
+    def fingerprint(p: PackedDir) -> str | None:
+        if p not in to_build and not (tokenizer is None and d.rebuild):
+            return shards_fingerprint(p.directory, d)
+        if tokenizer is None:
+            return None
+        from pipeline.data.prep.build import shard_fingerprint  # imports torch (the masking plan's module)
+
+        return shard_fingerprint(_build_config(p, d, tokenizer, p.directory), tokenizer)
+
     names = ["packed", *(pd.loader for _, pd in own_phase_data(exp))]
-    return {name: (p.directory, shard_fingerprint(_build_config(p, d, tokenizer, p.directory), tokenizer)
-                   if p in to_build else shards_fingerprint(p.directory, d))
-            for name, p in zip(names, packed_dirs(exp), strict=True)}
+    return {name: (p.directory, fingerprint(p)) for name, p in zip(names, packed_dirs(exp), strict=True)}
 
 
 def _swap_in(new: str, directory: str) -> None:
@@ -275,6 +292,8 @@ def check_shards(exp: ExperimentConfig, tok: Tokenizer, objectives: tuple[tuple[
     """The index of each shard kind the run reads, checked against the tokenizer, the ``objectives``, the batch and
     the mixture, the held-out split and validation samples, and the loader of each (``warmup`` on those the first
     phase reads)."""
+    from pipeline.train.phases import shard_kind_readers
+
     readers = shard_kind_readers(objectives)
     t, d = exp.train, exp.data
     micro = loader_micro_batches(exp)

@@ -139,12 +139,13 @@ def _shown(paths: list[str]) -> str:
     return f"[{', '.join(rel)}]" if len(rel) <= 3 else f"[{', '.join(rel[:2])}, ... {len(rel) - 2} more]"
 
 
-def built_otherwise(manifest: dict, inputs: list[str], tokenizer: str, seq_len: int,
+def built_otherwise(manifest: dict, inputs: list[str], tokenizer: str | None, seq_len: int,
                     source: tuple[str, str]) -> list[str]:
     """How the directory of ``manifest`` differs from the shards that ``inputs`` (expanded input paths) build with
-    the tokenizer of fingerprint ``tokenizer`` at ``seq_len`` with ``source`` (field, default), each a phrase that
-    follows "was built": another input list, an input changed since (size or modification time), another
-    tokenizer, sequence length or source setting. Empty when they match (or the manifest names no inputs)."""
+    the tokenizer of fingerprint ``tokenizer`` (None: not loaded yet, not compared) at ``seq_len`` with ``source``
+    (field, default), each a phrase that follows "was built": another input list, an input changed since (size or
+    modification time), another tokenizer, sequence length or source setting. Empty when they match (or the
+    manifest names no inputs)."""
     settings, out = manifest["settings"], []
     recorded = _recorded_inputs(manifest)
     now = [input_record(p) for p in inputs]
@@ -156,7 +157,7 @@ def built_otherwise(manifest: dict, inputs: list[str], tokenizer: str, seq_len: 
         if changed:
             out.append(f"from {_shown(changed)} before {'they' if len(changed) > 1 else 'it'} changed (size or "
                        f"modification time)")
-    if settings["tokenizer"].get("fingerprint") != tokenizer:
+    if tokenizer is not None and settings["tokenizer"].get("fingerprint") != tokenizer:
         out.append(f"with another tokenizer ({manifest.get('tokenizer_path') or 'fingerprint'} "
                    f"{settings['tokenizer'].get('fingerprint')!r}, data.tokenizer has {tokenizer!r})")
     if settings["seq_len"] != seq_len:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from conftest import TOKENIZER
@@ -276,3 +278,34 @@ def test_a_phases_own_shards_changed_under_a_resume_are_refused(build_shards, in
             f"phases[1].shards {trained} (fingerprint {fingerprints[0][:12]}), while this run's phases[1].shards "
             f"{other} has {fingerprints[1][:12]}, which this run cannot resume; start a new run with --set name=NEW, "
             f"or resume with that run's settings")
+
+
+def test_these_refusals_come_before_torch_transformers_and_deepspeed(build_shards, inputs, tmp_path, monkeypatch):
+    """A refusal of the run's inputs is as quick as a config error's: a named input that matches nothing, shards
+    built from other inputs and a taken run name (its shards built), with --check and without, and a resume's other
+    global batch (--check's ranks are the GPUs torch finds), in one fresh process that imports none of torch,
+    transformers and DeepSpeed (each took 7-9 s a start: preflight imported all three first)."""
+    monkeypatch.chdir(tmp_path)  # the taken run's runs/sample-tiny-clm, and the subprocess's working directory
+    a, b = inputs
+    shards = taken_run(build_shards, inputs)
+    checks = [["--check"], []]
+    starts = [("matches no file", [f"data.shards={shards}", f"data.build_inputs=[{tmp_path / 'no-such.jsonl'}]"],
+               checks),
+              ("was built from", [f"data.shards={shards}", f"data.build_inputs=[{b}]", "name=other"], checks),
+              ("holds run sample-tiny-clm's checkpoint", [f"data.shards={build_shards(inputs=(b,))}",
+                                                          f"data.build_inputs=[{b}]"], checks),
+              ("global batch of", [f"data.shards={shards}", f"data.build_inputs=[{a}]", "train.grad_accum=2"], [[]])]
+    argvs = [["--config", ZERO3, *check, *[x for o in [*BASE, *overrides] for x in ("--set", o)]]
+             for _, overrides, each in starts for check in each]
+    code = f"""if True:
+        import sys
+        from pipeline.train.entry import main
+        print([main(argv) for argv in {argvs!r}])
+        print(sorted({{m.split(".")[0] for m in sys.modules}} & {{"torch", "transformers", "deepspeed"}}))
+    """
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": REPO, "DS_ACCELERATOR": "cpu"})
+    assert run.stdout.splitlines() == [str([2] * len(argvs)), "[]"], (run.stdout, run.stderr)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("config error: ")]
+    assert [next(k for k, _, _ in starts if k in line) for line in lines] == [k for k, _, each in starts
+                                                                            for _ in each], lines
