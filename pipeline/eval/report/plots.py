@@ -3,7 +3,8 @@ CLM share and against the masking ratio. Each figure says so when it has nothing
 
 A line joins only runs that differ in the plotted setting alone: same model scale, same non-CLM objectives, same
 other setting (``series``), through the mean of the runs (seeds) at each x; its legend names what varies between the
-lines. Each run is a point, labelled once per name without its seed. Perplexities are drawn on a log axis."""
+lines. Each run is a point, labelled once per name without its seed. A number's axis (its unit, a log scale for
+perplexities) is its task's spec's (:class:`pipeline.tasks.HeadlineKey`)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from pipeline.eval.report.papers import PAPERS  # noqa: E402
 from pipeline.eval.report.runs import RunSummary  # noqa: E402
+from pipeline.tasks import headline_key  # noqa: E402
 
 MAX_PANELS = 12
 # the papers' numbers first, so they get panels when there are more than MAX_PANELS numbers
 FIRST = ("ppl", "mlm_acc", "mntp_acc", *dict.fromkeys(key for p in PAPERS for _, key in p.columns))
 HEADERS = {key: header for p in PAPERS for header, key in p.columns}
-# the y axis of a headline number, by its key before "/" (only where the unit is certain)
-UNITS = {"sc_acc": "accuracy (%)", "tc_f1": "F1 (%)", "qa_f1": "F1 (%)", "sts": "Spearman x100",
-         "sts_avg": "Spearman x100", "clustering_avg": "V-measure x100", "rep_sen": "share of repeated sentences",
-         "rep_4": "share of repeated 4-grams", "infill_ppl_magnet": "perplexity", "infill_ppl_causal": "perplexity",
-         "ppl": "perplexity"}
 SEED = re.compile(r"-s\d+(?=-smoke$|$)")  # the shipped grids name their seed values sN: runs NAME-sN
 
 
@@ -74,8 +71,16 @@ def loss_curves(runs: list[RunSummary], path: str) -> str:
 
 
 def log_scale(key: str) -> bool:
-    """Perplexities (``ppl``, ``infill_ppl_*``) span orders of magnitude across runs: a log axis."""
-    return "ppl" in key.split("/")[0]
+    """Perplexities (``ppl``, ``infill_ppl_*``) span orders of magnitude across runs: a log axis, where the task's
+    spec says so."""
+    declared = headline_key(key)
+    return declared is not None and declared.log
+
+
+def unit(key: str) -> str:
+    """The y axis of a headline number: its unit where the task's spec is certain of it, else the key itself."""
+    declared = headline_key(key)
+    return declared.unit if declared is not None and declared.unit else key
 
 
 def series(points: list[tuple[float, float, RunSummary]], axis: str) -> dict[str, list[tuple[float, float]]]:
@@ -129,7 +134,7 @@ def metric_against(runs: list[RunSummary], path: str, axis: str) -> str:
         for (base, x), y in named.items():
             ax.annotate(base, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.set_title(f"{HEADERS[key]} ({key})" if key in HEADERS else key)
-        ax.set_ylabel(UNITS.get(key.split("/")[0], key))
+        ax.set_ylabel(unit(key))
         ax.set_xlabel(label)
         ax.set_xlim(-0.05, 1.05)
         ax.legend(fontsize=7)
