@@ -3,9 +3,9 @@ on this machine, started by tests/slurm/cluster.sh (root and the Debian packages
 munge; the tests are skipped only when the packages are missing).
 
 prep.sbatch runs as a 3-task array job; its shards must be byte-identical to the same 3 jobs run locally, and the
-training jobs read them. train.sbatch trains on 2 nodes x 1 rank with ZeRO-3 once straight through; a second run
-is stopped by USR1 through the batch shell (as ``--signal=B:USR1@N`` does before the time limit), then requeued,
-and must resume from its checkpoint and reproduce the straight run's losses exactly. Without a cluster: what
+training jobs read them. train.sbatch trains on 2 nodes x 1 rank with ZeRO-3, stopped by USR1 through the batch
+shell (as ``--signal=B:USR1@N`` does before the time limit), then requeued: it must resume from its checkpoint and
+reproduce the losses of the same training run straight through (2 local ranks) exactly. Without a cluster: what
 train.sbatch refuses before it starts a step.
 """
 
@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import launch_training
 from shard_corpus import HOLDOUT, TOKENIZER, split_corpus
 from slurm.cluster import Cluster, missing_packages
 
@@ -126,25 +127,43 @@ def finished(cluster: Cluster, job: int, run_dir: str, timeout: float = 600) -> 
 
 
 @pytest.fixture(scope="module")
-def straight_run(cluster, array_shards, tmp_path_factory) -> tuple[int, str, str]:
-    """An uninterrupted 2-node run: (job id, run directory, job output)."""
+def straight_losses(array_shards, tmp_path_factory) -> dict[int, float]:
+    """The losses of the same training straight through, 2 ranks of ZeRO-3 on this machine (forked: the job's
+    launchers are what the cluster tests): gloo's sums over two ranks are the same on one node or two."""
     run_dir = str(tmp_path_factory.mktemp("train") / "straight")
-    job = submit_training(cluster, run_dir, array_shards[0])
+    launch_training(run_dir, None, *TRAIN_SETTINGS, f"data.shards={array_shards[0]}")
+    return losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def stopped_then_requeued(cluster, array_shards, tmp_path_factory) -> tuple[int, str, str, int, str]:
+    """A 2-node run stopped by USR1 through the batch shell after two steps (as ``--signal=B:USR1@N`` does before
+    the time limit), then requeued by hand: (job id, run directory, the first run's output, the step it stopped
+    at, the requeued run's output)."""
+    run_dir = str(tmp_path_factory.mktemp("train") / "stopped")
+    job = submit_training(cluster, run_dir, array_shards[0], REQUEUE_ON_STOP="0")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    cluster.wait("two training steps", lambda: os.path.exists(metrics) and len(open(metrics).readlines()) >= 2, 300)
+    cluster.signal(job, "USR1", batch=True)
+    record, first = finished(cluster, job, run_dir)
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), first[-5000:]
+    (stopped,) = RunDir(run_dir).complete_steps()
+    cluster.requeue(job)
+    cluster.wait("the requeued run", lambda: cluster.job(job)["Restarts"] == "1", 60)
     record, log = finished(cluster, job, run_dir)
     assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log[-5000:]
-    return job, run_dir, log
+    return job, run_dir, first, stopped, log
 
 
 @pytest.mark.e2e
-def test_train_sbatch_runs_one_launcher_per_node_and_both_ranks_train(straight_run):
-    job, run_dir, log = straight_run
-    assert f"2 nodes x 1 ranks, master n1:{20000 + job % 10000}" in log  # first host, port from the job id
-    assert "launcher on n1: node_rank 0 of 2" in log and "launcher on n2: node_rank 1 of 2" in log
-    curve = losses(run_dir)
-    assert sorted(curve) == list(range(1, STEPS + 1))
-    assert curve[STEPS] < curve[1] - 0.5  # it learns
+def test_train_sbatch_runs_one_launcher_per_node_and_both_ranks_train(stopped_then_requeued, straight_losses):
+    job, run_dir, first, _, log = stopped_then_requeued
+    for output in first, log:
+        assert f"2 nodes x 1 ranks, master n1:{20000 + job % 10000}" in output  # first host, port from the job id
+        assert "launcher on n1: node_rank 0 of 2" in output and "launcher on n2: node_rank 1 of 2" in output
+    assert sorted(straight_losses) == list(range(1, STEPS + 1))
+    assert straight_losses[STEPS] < straight_losses[1] - 0.5  # it learns
     # the final checkpoint is collective: both ranks wrote their ZeRO-3 partitions and RNG state at the last step
-    assert RunDir(run_dir).complete_steps() == [STEPS]
     final = RunDir(run_dir).checkpoint(STEPS)
     with open(os.path.join(final, MARKER)) as f:
         assert json.load(f)["world_size"] == 2
@@ -154,27 +173,15 @@ def test_train_sbatch_runs_one_launcher_per_node_and_both_ranks_train(straight_r
 
 
 @pytest.mark.e2e
-def test_usr1_checkpoints_and_exits_cleanly_then_requeue_resumes(cluster, array_shards, straight_run, tmp_path):
-    run_dir = str(tmp_path / "stopped")
-    job = submit_training(cluster, run_dir, array_shards[0], REQUEUE_ON_STOP="0")
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    cluster.wait("two training steps", lambda: os.path.exists(metrics) and len(open(metrics).readlines()) >= 2, 300)
-    cluster.signal(job, "USR1", batch=True)
-    record, log = finished(cluster, job, run_dir)
-    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log[-5000:]
-    assert "USR1: asking the ranks to checkpoint and stop" in log
-    (stopped,) = RunDir(run_dir).complete_steps()
+def test_usr1_checkpoints_and_exits_cleanly_then_requeue_resumes(stopped_then_requeued, straight_losses):
+    job, run_dir, first, stopped, log = stopped_then_requeued
+    assert "USR1: asking the ranks to checkpoint and stop" in first
     assert 2 <= stopped < STEPS
-    assert f"stopped at step {stopped} (checkpointed)" in log
-
-    cluster.requeue(job)
-    cluster.wait("the requeued run", lambda: cluster.job(job)["Restarts"] == "1", 60)
-    record, log = finished(cluster, job, run_dir)
-    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log[-5000:]
+    assert f"stopped at step {stopped} (checkpointed)" in first
     assert f"job {job} restart 1:" in log
     assert f"resumed from {tag(stopped)}" in log
     assert RunDir(run_dir).latest_complete() == STEPS
-    assert losses(run_dir) == losses(straight_run[1])  # same curve as the uninterrupted run, bit for bit
+    assert losses(run_dir) == straight_losses  # the uninterrupted run's curve, bit for bit
 
 
 @pytest.mark.e2e
