@@ -33,7 +33,7 @@ class Baseline:
     def tasks(self, study_tasks: str) -> str:
         """The study's tasks this reading is evaluated on: a layout is a way to embed, so only the embedding tasks
         take it."""
-        embedding = {t.name for t in EMBEDDING_TASKS}
+        embedding = {t.spec.name for t in EMBEDDING_TASKS}
         return ",".join(t for t in study_tasks.split(",") if not self.layout or t in embedding)
 
     def describe(self, study_tasks: str) -> str:
