@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from test_tasks import check_against_spec
 
 from pipeline.data.format.sample import UNMASKABLE
 from pipeline.data.loading.batch import Batch
@@ -71,8 +72,11 @@ def ctx_for(model, data_dir, **kw) -> EvalContext:
 
 
 def run_task(name: str, model, data_dir, *overrides: str, batch_size: int = 4) -> dict:
+    """Task ``name``'s result, checked against its spec (tests/unit/test_tasks.py)."""
     options = task_options([name], [f"{name}.{o}" for o in overrides])[name]
-    return TASKS[name].run(ctx_for(model, data_dir, batch_size=batch_size), options)
+    result = TASKS[name].run(ctx_for(model, data_dir, batch_size=batch_size), options)
+    check_against_spec(name, result, getattr(options, "split", None))
+    return result
 
 
 def test_load_model_reads_a_plain_hf_dir_as_causal(model, hf_dir):
