@@ -130,10 +130,6 @@ def build_engine(ds: dict, model: ModelSpec, engine: EngineSpec,
     initialized, *_ = deepspeed.initialize(model=module, **optimizer, config=ds,
                                            lr_scheduler=lr_scheduler(engine.steps, engine.optim))
     initialized.checkpoint_engine = WeightsOnlyLoads(initialized.checkpoint_engine)  # a resume runs no code from files
-    if initialized.zero_optimization_stage() == 0 and initialized.dp_world_size == 1:
-        # DeepSpeed's stage-0 reduction flattens every gradient, all-reduces it over a group of one and copies it
-        # back: a quarter of a one-rank CPU step of SmolLM2 (the reproduction's layout), for the gradient it had
-        initialized.enable_backward_allreduce = False
     if deepcompile(ds):
         initialized.compile()
     return lm, initialized

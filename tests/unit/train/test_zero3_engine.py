@@ -13,7 +13,7 @@ import pytest
 import torch
 import warm
 from deepspeed.accelerator import get_accelerator
-from helpers import REPO, ZERO0, ZERO1, ZERO3, one_rank_env, rendezvous
+from helpers import REPO, ZERO1, ZERO3, one_rank_env, rendezvous
 
 from pipeline.config import ConfigError
 from pipeline.experiment import load_experiment
@@ -26,8 +26,8 @@ from pipeline.train.module import build_device
 ZERO1_DEEPCOMPILE = os.path.join(REPO, "ds_configs", "zero1_deepcompile.json")
 
 # Builds the engine from the DeepSpeed JSON argv[3] for the default experiment plus argv[1]'s overrides (bf16 when
-# argv[2] == "bf16"; DeepSpeed's gradient reduction on whatever the trainer chose when argv[4] == "reduce"), takes 3 CLM steps on one fixed packed batch (two documents in a row: the dense-mask path) and
-# prints the losses, dynamo's graph breaks, the optimizer, whether the engine reduces gradients, the dtypes it reduces and accumulates gradients and keeps
+# argv[2] == "bf16"), takes 3 CLM steps on one fixed packed batch (two documents in a row: the dense-mask path) and
+# prints the losses, dynamo's graph breaks, the optimizer, the dtypes it reduces and accumulates gradients and keeps
 # master weights in, and which decoder layers are ZeRO-3 leaf modules.
 ENGINE_STEPS = """
 import json, os, sys
@@ -51,8 +51,6 @@ objectives = build_objectives(exp.phases[0], tok)
 ds = resolve_ds_config(load_ds_config(sys.argv[3]), exp, 1, bf16)
 torch.manual_seed(0)
 lm, engine = build_engine(ds, check_model(exp, tok, ds, cuda), engine_spec(exp, cuda), [o.objective for o in objectives])
-reduces = engine.enable_backward_allreduce
-engine.enable_backward_allreduce |= sys.argv[4:] == ["reduce"]  # DeepSpeed's own reduction put back on
 g = torch.Generator().manual_seed(1)
 ids = torch.randint(10, tok.info.vocab_size, (2, 48), generator=g)
 doc_ids = torch.zeros(2, 48, dtype=torch.int32)
@@ -62,17 +60,15 @@ batch = Batch(input_ids=ids, doc_ids=doc_ids, mask_rank=none, mask_draw=none.lon
               keys=["a", "b"]).to(next(engine.module.parameters()).device)
 losses = [train_step(engine, objectives, {"packed": [batch]}, 1, 1).losses["clm"] for _ in range(3)]
 opt = engine.optimizer
-zero3, bf16_optimizer = type(opt).__name__ == "DeepSpeedZeroOptimizer_Stage3", hasattr(opt, "bf16_groups_flat")
-first = next(engine.module.parameters())  # a client optimizer's (no ZeRO, fp32): gradients of the parameters' dtype
+zero3 = type(opt).__name__ == "DeepSpeedZeroOptimizer_Stage3"
 grads, master = ((opt.grad_partitions_flat_buffer, opt.fp32_partitioned_groups_flat[0]) if zero3 else
-                 (opt.fp32_groups_gradients_flat[0], opt.fp32_groups_flat_partition[0]) if bf16_optimizer else
-                 (first, first))
+                 (opt.fp32_groups_gradients_flat[0], opt.fp32_groups_flat_partition[0]))
 # the BF16 optimizer's model states: flat bf16 weights, fp32 gradients, fp32 master weights, Adam's moments
-states = [] if not bf16_optimizer else (opt.bf16_groups_flat + opt.fp32_groups_gradients_flat + opt.fp32_groups_flat_partition
+states = [] if zero3 else (opt.bf16_groups_flat + opt.fp32_groups_gradients_flat + opt.fp32_groups_flat_partition
                            + [t for s in opt.optimizer.state.values() for t in s.values() if t.dim()])
 print(json.dumps({"losses": losses, "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
                   "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-                  "optimizer": type(opt).__name__, "reduces": reduces, "communication": str(engine.communication_data_type),
+                  "optimizer": type(opt).__name__, "communication": str(engine.communication_data_type),
                   "accumulation": str(grads.dtype), "master": str(master.dtype),
                   "leaf_layers": [z3_leaf_module(layer) for layer in lm.model.layers],
                   "state_bytes": sum(t.numel() * t.element_size() for t in states),
@@ -81,10 +77,9 @@ os._exit(0)
 """
 
 
-def engine_steps(overrides: list[str], dtype: str = "fp32", ds_config: str = ZERO3, cuda: bool = False,
-                 reduce: bool = False) -> dict:
+def engine_steps(overrides: list[str], dtype: str = "fp32", ds_config: str = ZERO3, cuda: bool = False) -> dict:
     """ENGINE_STEPS on one rank: DeepSpeed's CPU accelerator, or with ``cuda`` the GPU's."""
-    args = [json.dumps(["train.micro_batch=2", *overrides]), dtype, ds_config, *(["reduce"] if reduce else [])]
+    args = [json.dumps(["train.micro_batch=2", *overrides]), dtype, ds_config]
     with rendezvous() as rdzv:
         env = one_rank_env(rdzv)
         if cuda:
@@ -131,18 +126,6 @@ def test_bf16_engines_keep_fp32_gradients_and_master_weights(init_dir):
     assert zero1["losses"] == pytest.approx(zero3["losses"], rel=1e-4, abs=0)
     planned = model_states(zero1["params"], 0, 1, False, 1, 1).gpu  # the planner's ZeRO-1: 18 B/param on one GPU
     assert zero1["state_bytes"] == pytest.approx(planned, rel=1e-3)  # (flat buffers pad to an aligned size)
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_one_rank_without_zero_skips_the_reduction_over_itself_and_trains_the_same(dtype):
-    """At a world of one, DeepSpeed's stage-0 reduction flattens every gradient, all-reduces it over one rank and
-    copies it back (a quarter of a SmolLM2 step on CPU, BENCHMARKS.md): the engine skips it, and its steps are
-    bit for bit those of the engine that reduces; ZeRO-1's reduction, which feeds its optimizer, stays."""
-    ours, theirs = (engine_steps([], dtype, ZERO0, reduce=reduce) for reduce in (False, True))
-    assert ours["reduces"] is False and ours["losses"] == theirs["losses"]
-    assert ours["losses"][2] < ours["losses"][0]
-    assert engine_steps([], dtype, ZERO1)["reduces"] is True
 
 
 def test_models_below_zero3_are_built_on_the_engines_device():
