@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pipeline.config import ConfigError
 from pipeline.data.format.index import MANIFEST, load_manifest
 from pipeline.data.format.remote import ShardStore, is_url
-from pipeline.data.prep.manifest import built_otherwise
+from pipeline.data.prep.manifest import built_otherwise, fingerprinted_otherwise
 from pipeline.data.prep.sources import InputError, expand_inputs
 from pipeline.experiment import DataConfig
 
@@ -78,6 +78,15 @@ def built_from_others(directory: str, inputs: Sequence[str], seq_len: int, d: Da
         return []
     return built_otherwise(manifest, expand_inputs(inputs), tokenizer, seq_len,
                            (d.build_source_field, d.build_source_default))
+
+
+def builds_other_shards(directory: str, inputs: Sequence[str], seq_len: int, d: DataConfig) -> bool:
+    """Whether the shards that ``inputs`` build at ``seq_len`` cannot be those in ``directory`` (a checkpoint's),
+    whatever the tokenizer (:func:`~pipeline.data.prep.manifest.fingerprinted_otherwise`); False where that cannot
+    be told: no inputs named, ``directory`` gone or at a URL."""
+    if not inputs or is_url(directory) or not has_shards(directory, d):
+        return False
+    return fingerprinted_otherwise(load_manifest(directory), expand_inputs(inputs), seq_len)
 
 
 def check_named_inputs(directory: str, setting: str, inputs_setting: str, inputs: Sequence[str], seq_len: int,

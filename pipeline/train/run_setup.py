@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pipeline.config import ConfigError
 from pipeline.experiment import ExperimentConfig
+from pipeline.inputs import builds_other_shards
 from pipeline.lock import DirLock, describe
 from pipeline.run_dir import DATA, MODEL_CONFIG, RunDir
 from pipeline.safe_load import check_directory, check_links
@@ -120,16 +121,20 @@ def check_resumable(exp: ExperimentConfig, point: ResumePoint, model_config: dic
     shape (``model_config``, this run's) and LoRA rank, the same objectives in each phase. Else a ConfigError naming
     the run directory, the difference and a new name; the resume would otherwise fail only once the shards and the
     model are built, naming neither. A fingerprint or ``model_config`` of None is not known yet (before the
-    tokenizer and the model's config are read: :mod:`pipeline.train.first_checks`) and not compared."""
+    tokenizer and the model's config are read: :mod:`pipeline.train.first_checks`) and not compared, but shards
+    still to build from other inputs or at another length than the checkpoint's cannot be its shards."""
     run, d = RunDir(exp.run_dir), exp.data
     saved = run.checkpoint_experiment(point.step)
     differences = []
     record = run.checkpoint_run_file(point.step, DATA) or {}
     fingerprint = shards["packed"][1]
+    inputs = f" (from data.build_inputs {d.build_inputs})" if d.build_inputs else ""
     if record and fingerprint is not None and record["fingerprint"] != fingerprint:
-        inputs = f" (from data.build_inputs {d.build_inputs})" if d.build_inputs else ""
         differences.append(f"on {record['directory']} (fingerprint {record['fingerprint'][:12]}), while this run's "
                            f"data.shards {d.shards}{inputs} has {fingerprint[:12]}")
+    elif record and fingerprint is None and builds_other_shards(record["directory"], d.build_inputs, d.seq_len, d):
+        differences.append(f"on {record['directory']} (fingerprint {record['fingerprint'][:12]}), while this run's "
+                           f"data.shards {d.shards}{inputs} are to be built from other inputs or data.seq_len")
     for name, trained in sorted(record.get("phase_shards", {}).items()):  # none recorded: an older checkpoint
         now = shards.get(name)
         if now is None or now[1] not in (None, trained["fingerprint"]):

@@ -27,7 +27,7 @@ import os
 from pipeline.data.format.index import INDEX, MANIFEST, job_manifest_name, settings_fingerprint
 from pipeline.data.format.sample import FORMAT_VERSION
 from pipeline.data.prep.build_config import BuildConfig, BuildError
-from pipeline.data.prep.sources import input_record
+from pipeline.data.prep.sources import input_record, input_size
 from pipeline.io import read_json, write_json_atomic
 
 
@@ -166,3 +166,12 @@ def built_otherwise(manifest: dict, inputs: list[str], tokenizer: str | None, se
     if built_source != source:
         out.append(f"with sources from field/default {built_source}, not data.build_source_field/default {source}")
     return out
+
+
+def fingerprinted_otherwise(manifest: dict, inputs: list[str], seq_len: int) -> bool:
+    """Whether every build from ``inputs`` (expanded) at ``seq_len`` has another fingerprint than the directory of
+    ``manifest``, whatever its tokenizer: the settings a fingerprint hashes differ in the inputs (their paths as
+    given, their sizes) or the sequence length. Told without the tokenizer, unlike the fingerprint itself."""
+    hashed = manifest["settings"].get("inputs")
+    now = [{"path": p, "bytes": input_size(p)} for p in inputs]
+    return manifest["settings"]["seq_len"] != seq_len or (hashed is not None and hashed != now)

@@ -208,18 +208,19 @@ def test_a_taken_run_name_is_refused_before_anything_is_built(build_shards, inpu
                                                               check):
     """The README's own-data command after the demo: it built the shards and the model, then exited 1 on the loader
     state's fingerprint, naming neither the run directory nor a new name, and --check passed it. The fingerprint
-    this run's shards will have is the one a build of b.jsonl gives."""
+    this run's shards, still to build from b.jsonl, cannot have the checkpoint's: their settings name another
+    input, which is told before the tokenizer loads (test_these_refusals_come_before_torch_transformers_and_deepspeed)."""
     monkeypatch.chdir(tmp_path)
     shards = taken_run(build_shards, inputs)
     b = inputs[1]
-    trained, planned = (load_index(build_shards(inputs=(x,))).fingerprint for x in inputs)
+    trained = load_index(shards).fingerprint
     before, _ = snapshot(tmp_path, shards), capsys.readouterr()
     new = load_experiment(None, [*BASE, f"data.build_inputs=[{b}]"]).data.shards
     line = refusal(capsys, [f"data.build_inputs=[{b}]"], check)
     assert line == (f"config error: name: runs/sample-tiny-clm holds run sample-tiny-clm's checkpoint of step 5, "
                     f"trained on {shards} (fingerprint {trained[:12]}), while this run's data.shards {new} (from "
-                    f"data.build_inputs ['{b}']) has {planned[:12]}, which this run cannot resume; start a new run "
-                    f"with --set name=NEW, or resume with that run's settings")
+                    f"data.build_inputs ['{b}']) are to be built from other inputs or data.seq_len, which this run "
+                    f"cannot resume; start a new run with --set name=NEW, or resume with that run's settings")
     assert snapshot(tmp_path, shards) == before and not os.path.exists(new)
     rc, out, err = start(capsys, [f"data.build_inputs=[{b}]", "name=mine"], True)  # the fix the line gives
     assert rc == 0 and "resume: no complete checkpoint in runs/mine/checkpoints" in out, err
@@ -282,7 +283,8 @@ def test_a_phases_own_shards_changed_under_a_resume_are_refused(build_shards, in
 
 def test_these_refusals_come_before_torch_transformers_and_deepspeed(build_shards, inputs, tmp_path, monkeypatch):
     """A refusal of the run's inputs is as quick as a config error's: a named input that matches nothing, shards
-    built from other inputs and a taken run name (its shards built), with --check and without, and a resume's other
+    built from other inputs and a taken run name (its shards built, or still to build from other inputs: the
+    README's own-data command after the demo), with --check and without, and a resume's other
     global batch (--check's ranks are the GPUs torch finds), in one fresh process that imports none of torch,
     transformers and DeepSpeed (each took 7-9 s a start: preflight imported all three first)."""
     monkeypatch.chdir(tmp_path)  # the taken run's runs/sample-tiny-clm, and the subprocess's working directory
@@ -292,6 +294,8 @@ def test_these_refusals_come_before_torch_transformers_and_deepspeed(build_shard
     starts = [("matches no file", [f"data.shards={shards}", f"data.build_inputs=[{tmp_path / 'no-such.jsonl'}]"],
                checks),
               ("was built from", [f"data.shards={shards}", f"data.build_inputs=[{b}]", "name=other"], checks),
+              ("are to be built from other inputs", [f"data.shards={tmp_path / 'to-build'}",  # (first: it is
+                                                     f"data.build_inputs=[{b}]"], checks),  # a taken name's line too)
               ("holds run sample-tiny-clm's checkpoint", [f"data.shards={build_shards(inputs=(b,))}",
                                                           f"data.build_inputs=[{b}]"], checks),
               ("global batch of", [f"data.shards={shards}", f"data.build_inputs=[{a}]", "train.grad_accum=2"], [[]])]
