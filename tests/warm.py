@@ -121,11 +121,10 @@ def run(script: str | None = None, args: list[str] = (), *, code: str | None = N
         procs = [ctx.Process(target=_child, args=(script, code, list(args), e, cwd, out, err)) for e in envs]
         for p in procs:
             p.start()
-        try:
-            codes = _wait(procs, time.monotonic() + timeout)
-        except subprocess.TimeoutExpired:
+        codes = _wait(procs, time.monotonic() + timeout)
+        if codes is None:
             _end(procs, signal.SIGKILL)
-            raise subprocess.TimeoutExpired([script or "-c", *args], timeout) from None
+            raise subprocess.TimeoutExpired([script or "-c", *args], timeout)
         with open(out) as o, open(err) as e:
             stdout, stderr = o.read(), e.read()
     rc = (1 if any(codes) else 0) if nproc else codes[0]
@@ -143,8 +142,9 @@ def _check_env(env: dict[str, str]) -> None:
         raise ValueError("a warm process runs DeepSpeed's CPU accelerator (the server's): start a GPU run for real")
 
 
-def _wait(procs: list, deadline: float) -> list[int]:
-    """Each process's exit code; once one fails, the others get SIGTERM, then SIGKILL after the grace."""
+def _wait(procs: list, deadline: float) -> list[int] | None:
+    """Each process's exit code (None: some still ran at ``deadline``); once one fails, the others get SIGTERM,
+    then SIGKILL after the grace."""
     failed_at = None
     while any(p.exitcode is None for p in procs):
         until = deadline if failed_at is None else min(deadline, failed_at + GRACE_S)
@@ -155,7 +155,7 @@ def _wait(procs: list, deadline: float) -> list[int]:
         elif failed_at is not None and time.monotonic() >= failed_at + GRACE_S:
             _end(procs, signal.SIGKILL)
         if time.monotonic() >= deadline and any(p.exitcode is None for p in procs):
-            raise subprocess.TimeoutExpired("", 0)
+            return None
     for p in procs:
         p.join()
     return [p.exitcode for p in procs]
