@@ -23,8 +23,8 @@ from transformers import PretrainedConfig
 
 from pipeline.data.format.instructions import LAYOUTS
 from pipeline.experiment import ExperimentConfig
-from pipeline.objectives import OBJECTIVES, SSCLConfig, SupervisedConfig
-from pipeline.objectives.configs import ContrastiveConfig
+from pipeline.objectives import OBJECTIVES, ObjectiveConfig
+from pipeline.objectives.configs import Reading
 from pipeline.tokenizer import Tokenizer
 
 KEY = "decoder_encoders"
@@ -76,6 +76,18 @@ def start_record(init: str) -> EncoderRecord | None:
         return read_record(json.load(f))
 
 
+def last_reading(objectives: list[ObjectiveConfig]) -> Reading:
+    """How the last phase's ``objectives`` read text, as each declares (``ObjectiveConfig.reading``): a pooling
+    other than the mean wins over the mean (SSCL's last token beside SimCSE); an instruction whose objective
+    formats it (supervised's task instructions) wins over a verbatim one (SSCL's); mean pooling, no instruction
+    when none declares one (CLM, MLM, MNTP, MAGNET)."""
+    readings = [r for o in objectives if (r := o.reading()) is not None]
+    pooling = next((r.pooling for r in readings if r.pooling != "mean"), "mean")
+    told = next((r for r in readings if r.instruction_format is not None),
+                next((r for r in readings if r.instruction is not None), Reading(pooling)))
+    return Reading(pooling, told.instruction, told.instruction_format)
+
+
 def from_experiment(exp: ExperimentConfig, tokenizer: Tokenizer) -> EncoderRecord:
     """The record of a run from its typed experiment and its tokenizer: the objectives' own configs decide (the
     mask token, SSCL's instruction); a run that continues an export (SimCSE after MNTP) keeps that export's
@@ -87,19 +99,14 @@ def from_experiment(exp: ExperimentConfig, tokenizer: Tokenizer) -> EncoderRecor
     mask_token = masked[-1].mask_token if masked else start.mask_token
     if masked and mask_token is None and tokenizer.mask_id is not None:
         mask_token = tokenizer.hf.convert_ids_to_tokens(tokenizer.mask_id)
-    sscl = next((o for o in last if isinstance(o, SSCLConfig)), None)
-    nested = next((o.matryoshka for o in last if isinstance(o, ContrastiveConfig) and o.matryoshka), None)
-    supervised = next((o for o in last if isinstance(o, SupervisedConfig)), None)
-    if supervised is not None:
-        instruction, instruction_format = supervised.instruction or None, supervised.instruction_format
-    else:
-        instruction, instruction_format = (sscl.instruction if sscl else None), None
+    reading = last_reading(last)
+    nested = next((m for o in last if (m := o.nesting())), None)
     return EncoderRecord(attention="causal" if all(OBJECTIVES[o.name].causal for o in last) else "bidirectional",
                          reads_previous=start.reads_previous or any(OBJECTIVES[o.name].masks
                                                                     and OBJECTIVES[o.name].predicts_next
                                                                     for o in trained),
-                         mask_token=mask_token, pooling="last" if sscl else "mean", layout="bos_eos",
-                         instruction=instruction, instruction_format=instruction_format,
+                         mask_token=mask_token, pooling=reading.pooling, layout="bos_eos",
+                         instruction=reading.instruction, instruction_format=reading.instruction_format,
                          objectives=start.objectives + tuple("+".join(o.name for o in p.objectives) for p in exp.phases),
                          matryoshka_dims=nested.dims if nested else ())
 

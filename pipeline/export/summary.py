@@ -3,6 +3,9 @@ contrastive views, loss weights), on which data, for how many steps, and the opt
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from pipeline.data.format.teacher import RECORD, TeacherError, read_record
 from pipeline.experiment import ExperimentConfig
 from pipeline.export.hub import local_name
@@ -17,6 +20,7 @@ from pipeline.objectives import (
     SupervisedConfig,
 )
 
+POOLED = {"mean": "mean-pooled states", "last": "the last token"}  # an objective's declared POOLING in words
 POLICIES = {"80-10-10": "80% replaced by the mask token, 10% by a random token, 10% kept",
             "mask": "all replaced by the mask token"}
 PREDICTS = {"mlm": "each predicted at its own position (BERT)",
@@ -38,35 +42,51 @@ def _masking(o: MaskedConfig) -> str:
     return f"{o.ratio:.0%} of the tokens masked{change}, {POLICIES[o.policy]}{token}"
 
 
+def _masked(o: MaskedConfig) -> str:
+    return f"{o.name.upper()}: {_masking(o)}, {PREDICTS[o.name]}"
+
+
+def _magnet(o: MagnetConfig) -> str:
+    return (f"MAGNET: masked next-token prediction on the context ({_masking(o)}; weight {o.mntp_weight:g}) and "
+            f"generation of the missing spans from the context (weight {o.msg_weight:g}) in one pass")
+
+
+def _simcse(o: SimCSEConfig) -> str:
+    return (f"unsupervised SimCSE: each sentence against its own copy under other dropout, the batch's other "
+            f"sentences the negatives (InfoNCE on {POOLED[o.POOLING]}, scale {o.scale:g})")
+
+
+def _sscl(o: SSCLConfig) -> str:
+    return (f"MAGNET's self-supervised contrastive learning: each sentence against its {o.augment} view, "
+            f"both after the instruction {o.instruction!r} (InfoNCE on {POOLED[o.POOLING]}, scale {o.scale:g})")
+
+
+def _supervised(o: SupervisedConfig) -> str:
+    negatives = ("its own hard negatives (no other rows')" if not o.in_batch_negatives else
+                 "its hard negatives and the batch's other positives" if o.hard_negatives else
+                 "the batch's other positives")
+    return (f"supervised contrastive learning: each query against its positive, {negatives} the negatives "
+            f"(InfoNCE, scale {o.scale:g})")
+
+
+def _distill(o: DistillConfig) -> str:
+    distance = "1 - cosine" if o.embedding_loss == "cosine" else "mean squared error"
+    return (f"embedding distillation from {teacher_words(o.teacher)}: each text's {distance} to the teacher's "
+            f"embedding (weight {o.embedding_weight:g}) and the KL divergence of the student's in-batch "
+            f"query-candidate similarities from the teacher's at temperature {o.temperature:g} (weight "
+            f"{o.kl_weight:g})")
+
+
+# each objective's words by its name; its pooling in words is the one its config declares (POOLING)
+WORDS: dict[str, Callable[[Any], str]] = {
+    "clm": lambda o: "causal language modelling: every token predicted from the ones before it",
+    "magnet": _magnet, "mlm": _masked, "mntp": _masked, "simcse": _simcse, "sscl": _sscl,
+    "supervised": _supervised, "distill": _distill}
+
+
 def objective_words(o: ObjectiveConfig) -> str:
-    """One objective as a sentence fragment."""
-    if o.name == "clm":
-        text = "causal language modelling: every token predicted from the ones before it"
-    elif isinstance(o, MagnetConfig):
-        text = (f"MAGNET: masked next-token prediction on the context ({_masking(o)}; weight {o.mntp_weight:g}) and "
-                f"generation of the missing spans from the context (weight {o.msg_weight:g}) in one pass")
-    elif isinstance(o, MaskedConfig):
-        text = f"{o.name.upper()}: {_masking(o)}, {PREDICTS[o.name]}"
-    elif isinstance(o, SimCSEConfig):
-        text = (f"unsupervised SimCSE: each sentence against its own copy under other dropout, the batch's other "
-                f"sentences the negatives (InfoNCE on mean-pooled states, scale {o.scale:g})")
-    elif isinstance(o, SSCLConfig):
-        text = (f"MAGNET's self-supervised contrastive learning: each sentence against its {o.augment} view, "
-                f"both after the instruction {o.instruction!r} (InfoNCE on the last token, scale {o.scale:g})")
-    elif isinstance(o, SupervisedConfig):
-        negatives = ("its own hard negatives (no other rows')" if not o.in_batch_negatives else
-                     "its hard negatives and the batch's other positives" if o.hard_negatives else
-                     "the batch's other positives")
-        text = (f"supervised contrastive learning: each query against its positive, {negatives} the negatives "
-                f"(InfoNCE, scale {o.scale:g})")
-    elif isinstance(o, DistillConfig):
-        distance = "1 - cosine" if o.embedding_loss == "cosine" else "mean squared error"
-        text = (f"embedding distillation from {teacher_words(o.teacher)}: each text's {distance} to the teacher's "
-                f"embedding (weight {o.embedding_weight:g}) and the KL divergence of the student's in-batch "
-                f"query-candidate similarities from the teacher's at temperature {o.temperature:g} (weight "
-                f"{o.kl_weight:g})")
-    else:  # an objective added without words here still gets a line
-        text = o.name
+    """One objective as a sentence fragment; an objective added without words in ``WORDS`` gets its name."""
+    text = WORDS[o.name](o) if o.name in WORDS else o.name
     return text + (f"; loss weight {o.weight:g}" if o.weight != 1 else "")
 
 

@@ -13,15 +13,37 @@ from pipeline.config import ConfigError
 from pipeline.data.format.instructions import DEFAULT_FORMAT, check_format
 
 
+@dataclass(frozen=True)
+class Reading:
+    """How a model this objective trained reads a text into one embedding: the pooling it trained (``encode()``'s
+    and the export's default) and the instruction it trained before each text, if any. The export's record
+    (``pipeline.export.record``) and the model card read it, so an embedding objective declares it here once."""
+
+    pooling: str  # "mean" (over the text tokens) or "last" (the last token)
+    instruction: str | None = None  # None: the objective trained without one
+    instruction_format: str | None = None  # how an instruction joins a query, e.g. "{instruction}: "; None: verbatim
+
+
 @dataclass
 class BaseConfig:
     """The fields of every objective's config. Each objective's module defines its config on top, with ``name``
-    fixed to one ``Literal`` so the experiment's ``{name: ..., ...}`` picks it (``pipeline.config.from_tagged``)."""
+    fixed to one ``Literal`` so the experiment's ``{name: ..., ...}`` picks it (``pipeline.config.from_tagged``).
+    Each config declares ``POOLING``: the pooling its objective trains embeddings with, None for an objective that
+    trains no embedding (tests/unit/objectives/test_objectives.py holds every registered objective to it)."""
 
     name: str
     weight: float = 1.0  # weight of the objective's loss in the phase's sum
     log_as: str = ""  # the name its loss is logged (and normalised) under: set it for two objectives of one phase
     RANGES: ClassVar[dict[str, str]] = {"weight": "> 0"}
+    POOLING: ClassVar[str | None]  # declared by each objective's config, no default: forgetting it fails the test
+
+    def reading(self) -> Reading | None:
+        """How the model this objective trains reads text into an embedding; None when it trains none."""
+        return None if self.POOLING is None else Reading(self.POOLING)
+
+    def nesting(self) -> Matryoshka | None:
+        """The embedding dims this objective trains to stand alone (Matryoshka), None when it trains none."""
+        return None
 
     def check_attention_dropout(self, dropout: float, where: str) -> None:
         """Refuse a ``model.attention_dropout`` this objective cannot train with (a config error at load time;
@@ -171,20 +193,26 @@ class ContrastiveConfig(BaseConfig):
         if self.matryoshka is not None:
             self.matryoshka.check(f"{where}.matryoshka", hidden_size)
 
+    def nesting(self) -> Matryoshka | None:
+        return self.matryoshka
+
 
 @dataclass
 class CLMConfig(BaseConfig):
     name: Literal["clm"] = "clm"
+    POOLING: ClassVar[str | None] = None
 
 
 @dataclass
 class MLMConfig(MaskedConfig):
     name: Literal["mlm"] = "mlm"
+    POOLING: ClassVar[str | None] = None
 
 
 @dataclass
 class MNTPConfig(MaskedConfig):
     name: Literal["mntp"] = "mntp"
+    POOLING: ClassVar[str | None] = None
 
 
 @dataclass
@@ -197,6 +225,7 @@ class MagnetConfig(MaskedConfig):
     mntp_weight: float = 1.0
     msg_weight: float = 1.0
     own_span_only: bool = False
+    POOLING: ClassVar[str | None] = None
 
     def validate(self) -> None:
         if min(self.mntp_weight, self.msg_weight) < 0 or self.mntp_weight + self.msg_weight == 0:
@@ -209,6 +238,7 @@ class SimCSEConfig(ContrastiveConfig):
     name: Literal["simcse"] = "simcse"
     scale: float = 20.0  # InfoNCE logit scale, 1 / temperature
     RANGES: ClassVar[dict[str, str]] = {**ContrastiveConfig.RANGES, "scale": "> 0"}
+    POOLING: ClassVar[str | None] = "mean"  # over the unit's text tokens, as LLM2Vec's encode()
 
     def check_attention_dropout(self, dropout: float, where: str) -> None:
         if not dropout:
@@ -238,6 +268,10 @@ class SSCLConfig(ContrastiveConfig):
     seed: int = 0
     RANGES: ClassVar[dict[str, str]] = {**ContrastiveConfig.RANGES, "edit_ratio": "(0, 1)", "scale": "> 0",
                                         "seed": ">= 0"}
+    POOLING: ClassVar[str | None] = "last"  # MAGNET's: the last token, after the instruction
+
+    def reading(self) -> Reading:
+        return Reading(self.POOLING, self.instruction)  # type: ignore[arg-type]
 
     def check_attention_dropout(self, dropout: float, where: str) -> None:
         if self.augment == "dropout" and not dropout:
@@ -273,6 +307,10 @@ class SupervisedConfig(ContrastiveConfig):
     instruction_format: str = DEFAULT_FORMAT
     instruction: str = ""  # the export's default query instruction ("": none), formatted as above
     RANGES: ClassVar[dict[str, str]] = {**ContrastiveConfig.RANGES, "scale": "> 0"}
+    POOLING: ClassVar[str | None] = "mean"  # each slot over its text tokens, the instruction left out
+
+    def reading(self) -> Reading:
+        return Reading(self.POOLING, self.instruction or None, self.instruction_format)  # type: ignore[arg-type]
 
     def validate(self) -> None:
         try:
@@ -314,6 +352,7 @@ class DistillConfig(BaseConfig):
     temperature: float = 0.05  # of both softmaxes over cosine similarities
     RANGES: ClassVar[dict[str, str]] = {**BaseConfig.RANGES, "embedding_weight": ">= 0", "kl_weight": ">= 0",
                                         "temperature": "> 0"}
+    POOLING: ClassVar[str | None] = "mean"  # each text over its text tokens (pool_spans), as supervised
 
     def check_embedding(self, where: str, hidden_size: int | None = None) -> None:
         if not self.teacher:

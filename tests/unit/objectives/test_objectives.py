@@ -16,11 +16,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import PreTrainedTokenizerFast
 
 from pipeline.config import ConfigError, from_tagged
+from pipeline.data.format.instructions import DEFAULT_FORMAT
 from pipeline.data.format.sample import UNMASKABLE
 from pipeline.data.loading.batch import Batch, collate
 from pipeline.data.prep.build_sample import PlanSettings, make_sample
 from pipeline.data.prep.packing import Packer
 from pipeline.experiment import load_experiment
+from pipeline.export.record import POOLINGS, last_reading
 from pipeline.model.attention import attention_inputs
 from pipeline.model.build import build_model, model_spec
 from pipeline.model.flops import Work, work_flops
@@ -46,6 +48,7 @@ from pipeline.objectives import (
     make_objective,
 )
 from pipeline.objectives.base import resolve_mask_id
+from pipeline.objectives.configs import Reading
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 
 SEQ_LEN = 32
@@ -342,6 +345,25 @@ def test_each_objective_declares_what_it_is(tokenizer):
                                                                     {"mntp_weight": 0.0, "msg_weight": 2.0})]
     assert [(o.attention_mode, o.loss_weights) for o in magnet] == [
         ("bidirectional", {"mntp": 1.0}), ("magnet_own_span", {"mntp": 1.0, "msg": 1.0}), ("magnet", {"msg": 2.0})]
+
+
+def test_each_objective_declares_how_its_model_reads_text():
+    """Every registered objective's config declares its pooling (None: it trains no embedding) and the instruction
+    it trains with, which the export's record and card read: one added without POOLING fails here."""
+    required = {"distill": {"teacher": "runs/shards/pairs/teacher"}}
+    configs = {name: from_tagged(ObjectiveConfig, {"name": name, **required.get(name, {})}) for name in OBJECTIVES}
+    undeclared = [name for name, c in configs.items() if not hasattr(type(c), "POOLING")]
+    assert not undeclared, f"{undeclared}: declare POOLING on each config (pipeline/objectives/configs.py)"
+    assert {name: c.reading() for name, c in configs.items()} == {
+        "clm": None, "mlm": None, "mntp": None, "magnet": None, "simcse": Reading("mean"),
+        "sscl": Reading("last", SSCLConfig().instruction), "supervised": Reading("mean", None, DEFAULT_FORMAT),
+        "distill": Reading("mean")}
+    assert all(c.POOLING in (None, *POOLINGS) for c in configs.values())
+    assert SupervisedConfig(instruction="Find it").reading() == Reading("mean", "Find it", DEFAULT_FORMAT)
+    # one phase of several: the last token beats the mean, a formatted instruction a verbatim one
+    assert last_reading([CLMConfig(), SimCSEConfig(), SSCLConfig(instruction="Q:")]) == Reading("last", "Q:")
+    assert last_reading([SSCLConfig(), SupervisedConfig()]) == Reading("last", None, DEFAULT_FORMAT)
+    assert last_reading([MNTPConfig()]) == Reading("mean")
 
 
 @pytest.mark.parametrize("config", [MLMConfig(), MNTPConfig(), SimCSEConfig(), SSCLConfig(augment="swap")],
