@@ -32,6 +32,8 @@ from pipeline.data.format.index import MANIFEST
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig, BuildError
 from pipeline.data.prep.sources import JSONL_SUFFIXES, InputError, RecordStats, input_record, read_objects
+from pipeline.eval.encode import MAX_TOKENS
+from pipeline.eval.ranks import init_from_env, world
 from pipeline.io import fsync_replace, read_json, write_json_atomic
 from pipeline.mining.negatives import Mined, MiningError, MiningSettings, mine, unit
 
@@ -52,6 +54,7 @@ class MineConfig:
     query_instruction: str | None = None  # None: the model's default (its record / default prompt); "": none
     document_instruction: str | None = None
     max_length: int = 512
+    max_tokens: int = MAX_TOKENS  # this project's encode: padded tokens per batch
     batch_size: int = 32  # sentence-transformers' encode batch; this project's encode batches by tokens
     shards: str = ""
     tokenizer: str = ""
@@ -157,7 +160,9 @@ class Embedder:
 
             self.model = load_model(cfg.model)
 
-    def __call__(self, texts: list[str], query: bool) -> torch.Tensor:
+    def __call__(self, texts: list[str], query: bool) -> torch.Tensor | None:
+        """Embeddings of ``texts`` as queries or documents; across ranks (this project's ``encode``), rank 0 gets
+        them all and the other ranks None."""
         cfg = self.cfg
         instruction = cfg.query_instruction if query else cfg.document_instruction
         if self.kind == "sentence-transformers":
@@ -166,8 +171,34 @@ class Embedder:
                                       convert_to_numpy=True, show_progress_bar=cfg.progress, prompt=instruction))
         from pipeline.eval import encode
 
-        return unit(torch.from_numpy(encode(self.model, texts, instruction=instruction, max_length=cfg.max_length,
-                                            progress=cfg.progress)))
+        out = encode(self.model, texts, instruction=instruction, max_length=cfg.max_length, max_tokens=cfg.max_tokens,
+                     progress=cfg.progress and world()[0] == 0, gather="rank0")
+        return None if out is None else unit(torch.from_numpy(out))
+
+    def task(self, task: Task) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(queries, corpus) embeddings (None on ranks other than 0). With this project's ``encode`` and one prefix
+        for both sides, the corpus and the queries that are not in it go through one length-sorted pass, so a query
+        that is also a document (a chain of pairs, a query that is another row's positive) is embedded once, and
+        the batches are fuller; sentence-transformers' encoder gets its two calls, as ``mine_hard_negatives``."""
+        if self.kind == "sentence-transformers" or self.prefix(query=True) != self.prefix(query=False):
+            corpus = self(task.corpus, query=False)
+            queries = self(task.queries, query=True)
+            return None if corpus is None else (queries, corpus)
+        extra = [q for q, i in zip(task.queries, task.query_in_corpus) if i < 0]
+        both = self(task.corpus + extra, query=False)
+        if both is None:
+            return None
+        at, n = [], len(task.corpus)
+        for i in task.query_in_corpus:
+            at.append(i if i >= 0 else n)
+            n += i < 0
+        return both[at], both[:len(task.corpus)]
+
+    def prefix(self, query: bool) -> str:
+        """What this project's ``encode`` puts before a query's or a document's text."""
+        from pipeline.eval.encode import query_prefix
+
+        return query_prefix(self.model, self.cfg.query_instruction if query else self.cfg.document_instruction)
 
     def describe(self) -> dict:
         """The model as the record names it: its path, how it was read, and its record or its prompts."""
@@ -190,10 +221,12 @@ def encoder_kind(path: str, encoder: str) -> str:
     return "sentence-transformers" if st and "decoder_encoders" not in config else "pipeline"
 
 
-def mine_file(task: Task, embed: Embedder, settings: MiningSettings, progress: bool) -> Mined:
-    corpus = embed(task.corpus, query=False)
-    queries = embed(task.queries, query=True)
-    return mine(queries, corpus, task.positives, task.query_in_corpus, task.max_positives, settings, progress)
+def mine_file(task: Task, embed: Embedder, settings: MiningSettings, progress: bool) -> Mined | None:
+    """The file's negatives: embedded across the ranks, searched and filtered once, on rank 0 (None elsewhere)."""
+    embedded = embed.task(task)
+    if embedded is None:
+        return None
+    return mine(*embedded, task.positives, task.query_in_corpus, task.max_positives, settings, progress)
 
 
 def mined_rows(rows: list[tuple[str, dict]], task: Task, mined: Mined) -> list[dict]:
@@ -216,14 +249,14 @@ def record_of(cfg: MineConfig, files: list[PairsFile]) -> dict:
     """What fixes the mined bytes (the model's path and every setting; the inputs' sizes and times)."""
     settings = dataclasses.asdict(cfg.settings)
     settings |= {"query_instruction": cfg.query_instruction, "document_instruction": cfg.document_instruction,
-                 "max_length": cfg.max_length, "encoder": cfg.encoder, "sampling_strategy": "top",
+                 "max_length": cfg.max_length, "max_tokens": cfg.max_tokens, "encoder": cfg.encoder, "sampling_strategy": "top",
                  "output_format": "n-tuple"}
     return {"miner": MINER, "model": os.path.abspath(cfg.model), "settings": settings,
             "inputs": [input_record(f.path) for f in files]}
 
 
-def mine_files(cfg: MineConfig, files: list[PairsFile]) -> dict:
-    """Mine every file not yet in ``OUTPUT/mining.json`` (a different record there is refused), and return it."""
+def _done(cfg: MineConfig, files: list[PairsFile]) -> dict:
+    """``OUTPUT/mining.json`` as far as it goes, or a new record; a different record there is refused."""
     os.makedirs(cfg.output, exist_ok=True)
     path, record = os.path.join(cfg.output, RECORD), record_of(cfg, files)
     done = read_json(path) if os.path.exists(path) else {**record, "files": {}}
@@ -231,22 +264,47 @@ def mine_files(cfg: MineConfig, files: list[PairsFile]) -> dict:
         diff = [k for k in record if done.get(k) != record[k]]
         raise MiningError(f"{path}: {cfg.output} was mined with another {', '.join(diff)}; use a new --output, or "
                           "delete it to mine again with these settings")
+    return done
+
+
+def mine_files(cfg: MineConfig, files: list[PairsFile]) -> dict:
+    """Mine every file not yet in ``OUTPUT/mining.json`` (a different record there is refused), and return it.
+
+    Across ranks (a process group, :func:`main` under ``torchrun``): rank 0 reads the record and tells the others
+    what is left; every rank encodes its share of each file's texts (``encode``'s batches, gathered on rank 0, bit
+    for bit those of one process), and rank 0 alone searches, filters and writes, so the bytes are one process's."""
+    rank, size = world()
+    done, error = None, None
+    if rank == 0:
+        try:
+            done = _done(cfg, files)
+        except MiningError as e:
+            error = e
+    if size > 1:
+        shared = [done, error]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        done, error = shared
+    if error is not None:
+        raise error
     todo = [f for f in files if os.path.basename(f.path) not in done["files"]]
     if not todo:
-        print(f"{cfg.output}: every file is mined already")
+        if rank == 0:
+            print(f"{cfg.output}: every file is mined already")
         return done
     embed = Embedder(cfg)
     done["model_read"] = embed.describe()
     for f in todo:
         task = Task.of(f.rows)
         mined = mine_file(task, embed, cfg.settings, cfg.progress)
+        if mined is None:  # another rank's share is encoded; rank 0 writes
+            continue
         rows = mined_rows(f.rows, task, mined)
         name = os.path.basename(f.path)
         write_rows(os.path.join(cfg.output, name), rows)
         done["files"][name] = {"rows": len(f.rows), "kept": len(rows), "queries": len(task.queries),
                                "corpus": len(task.corpus), "queries_short": int((~mined.complete).sum()),
                                "skipped": mined.skipped}
-        write_json_atomic(path, done)
+        write_json_atomic(os.path.join(cfg.output, RECORD), done)
         print(f"{name}: {len(rows)} of {len(f.rows)} rows with {cfg.settings.num_negatives} negatives "
               f"({len(task.queries)} queries, corpus {len(task.corpus)}; skipped {mined.skipped})")
     return done
@@ -297,6 +355,8 @@ def parse_args(argv: list[str] | None = None) -> MineConfig:
                         "query_prompt, formatted by an export of this project as it was trained")
     e.add_argument("--document-instruction", default=None, help="the corpus's (corpus_prompt)")
     e.add_argument("--max-length", type=int, default=d.max_length, help="tokens a text is cut to (this project)")
+    e.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="padded tokens per batch (this project's encode; the batches, and so the bits, depend on it)")
     e.add_argument("--batch-size", type=int, default=d.batch_size, help="texts a batch (sentence-transformers)")
     b = p.add_argument_group("pair shards of the mined rows (build_shards.py --pairs)")
     b.add_argument("--shards", default="", help="also build pair shards of the mined files here")
@@ -307,7 +367,7 @@ def parse_args(argv: list[str] | None = None) -> MineConfig:
     settings = MiningSettings(a.num_negatives, a.range_min, a.range_max, a.relative_margin, a.absolute_margin,
                               a.max_score, a.min_score, a.scores_per_block)
     return MineConfig(tuple(a.input), a.model, a.output, settings, a.encoder, a.query_instruction,
-                      a.document_instruction, a.max_length, a.batch_size, a.shards, a.tokenizer, a.max_text_tokens,
+                      a.document_instruction, a.max_length, a.max_tokens, a.batch_size, a.shards, a.tokenizer, a.max_text_tokens,
                       a.progress)
 
 
@@ -317,6 +377,7 @@ def check(cfg: MineConfig) -> list[PairsFile]:
     files = expand(cfg.inputs)
     for ok, message in [
         (cfg.max_length >= 1, f"--max-length must be >= 1, got {cfg.max_length}"),
+        (cfg.max_tokens >= 1, f"--max-tokens must be >= 1, got {cfg.max_tokens}"),
         (cfg.batch_size >= 1, f"--batch-size must be >= 1, got {cfg.batch_size}"),
         (os.path.isdir(cfg.model), f"--model {cfg.model}: no such directory; name an export, run or "
                                    "sentence-transformers directory"),
@@ -325,22 +386,31 @@ def check(cfg: MineConfig) -> list[PairsFile]:
             raise MiningError(message)
     if cfg.shards and not (cfg.tokenizer or any(f.shard_pairs for f in files)):
         raise MiningError("--shards needs --tokenizer (the input is no pair shard directory that names one)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and encoder_kind(cfg.model, cfg.encoder) != "pipeline":
+        raise MiningError(f"--model {cfg.model} is read with sentence-transformers' encoder, which runs on one "
+                          "process: launch without torchrun, or pass --encoder pipeline (this project's encode, "
+                          "split over the ranks)")
     return files
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; under ``torchrun --nproc-per-node N`` the texts are encoded across the N ranks (CPU, gloo) and
+    rank 0 mines and writes what one process would."""
     cfg = parse_args(argv)
     try:
         files = check(cfg)
     except MiningError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    init_from_env("cpu")
     try:
         record = mine_files(cfg, files)
-        if cfg.shards:
+        if cfg.shards and world()[0] == 0:
             build_mined_shards(cfg, files, record)
     except (MiningError, BuildError, InputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if world()[1] > 1:
+        torch.distributed.destroy_process_group()
     return 0
 

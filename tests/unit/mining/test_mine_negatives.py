@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
-from helpers import REPO, tiny_llama
+import warm
+from helpers import REPO, cpu_env, tiny_llama
+from shard_corpus import TOKENIZER
 
 from pipeline.config import from_dict
 from pipeline.data.format.index import load_index
+from pipeline.eval import load_model
+from pipeline.eval.encode import rows_for
+from pipeline.eval.forward import length_batches
 from pipeline.experiment import ExperimentConfig
 from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord
@@ -23,6 +29,7 @@ PAIRS = os.path.join(REPO, "data", "sample", "pairs")
 # (range_min, range_max, relative_margin, absolute_margin, max_score): no filter; skip the nearest two with
 # NV-Retriever's 5 % margin; a window and an absolute margin with a cap
 SETTINGS = [dict(), dict(range_min=2, relative_margin=0.05), dict(range_max=20, absolute_margin=0.0, max_score=0.9)]
+BUDGET = 256  # encode()'s padded tokens per batch in the 2-rank test: many batches of the sample's short texts
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +47,8 @@ def test_negatives_equal_sentence_transformers_mine_hard_negatives(st_dir):
     kept and each row's negatives, in order, are those of ``mine_hard_negatives(..., corpus=the rows' positives and
     negatives, output_format="n-tuple")`` on the same directory, through either encoder: sentence-transformers'
     (the same embeddings, so the same scores and ties, bit for bit) and this project's ``encode`` (embeddings within
-    ~1e-6 of its, so equal here; a near tie within that could rank the other way). Differences, not selections: the
+    ~1e-6 of its, so equal here; a near tie within that could rank the other way), called per side or as the
+    command calls it (``Embedder.task``: one pass over the corpus and the queries not in it). Differences, not selections: the
     mined rows keep their file order (sentence-transformers groups a repeated query's rows together), and a row
     keeps every field of its input."""
     from datasets import Dataset
@@ -57,6 +65,7 @@ def test_negatives_equal_sentence_transformers_mine_hard_negatives(st_dir):
     for encoder in ("sentence-transformers", "pipeline"):
         embed = Embedder(MineConfig((), st_dir, "", encoder=encoder, progress=False))
         embedded[encoder] = embed(task.queries, query=True), embed(task.corpus, query=False)
+    embedded["pipeline, one pass"] = embed.task(task)  # the command's: the corpus and the other queries at once
     kept = []
     for kw in SETTINGS:
         settings = MiningSettings(num_negatives=3, **kw)
@@ -130,3 +139,32 @@ def test_mining_a_pair_shard_directory_writes_rows_record_and_shards_and_resumes
     assert main(argv) == 0
     assert "every file is mined already" in capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_two_ranks_write_the_bytes_of_one_process(st_dir, tmp_path):
+    """``data_prep/mine_negatives.py`` on 2 CPU ranks (forked from the warm process, torchrun's environment):
+    each rank encodes every other batch of each file's texts (a small ``--max-tokens``, so there are many), rank 0
+    gathers them, mines and writes; the mined files, mining.json and the pair shards equal one process's, byte for
+    byte (the shards' manifest but for the mined files' mtimes, which it records), and only rank 0 reports."""
+    model = load_model(st_dir)
+    texts = Task.of(read_pairs(os.path.join(PAIRS, "replies.jsonl"))).corpus
+    assert len(length_batches([len(r[0]) for r in rows_for(model, texts, "", 512, "text")], BUDGET)) > 4
+    out, shards = tmp_path / "mined", tmp_path / "shards"
+    argv = ["--input", os.path.join(PAIRS, "*.jsonl"), "--model", st_dir, "--output", str(out), "--range-min", "1",
+            "--relative-margin", "0.05", "--max-tokens", str(BUDGET), "--shards", str(shards), "--tokenizer",
+            TOKENIZER, "--max-text-tokens", "32", "--no-progress"]
+
+    def written() -> dict[str, bytes]:
+        files = {str(p.relative_to(tmp_path)): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+        manifest = json.loads(files.pop("shards/manifest.json"))
+        assert [f.pop("mtime_ns") for f in manifest["input_files"]]  # when the mined files were written
+        return files | {"manifest": manifest}
+
+    assert main(argv) == 0
+    one = written()
+    assert {"mined/replies.jsonl", "mined/continuations.jsonl", "mined/mining.json", "shards/mining.json"} < set(one)
+    shutil.rmtree(out), shutil.rmtree(shards)
+    proc = warm.run(os.path.join(REPO, "data_prep", "mine_negatives.py"), argv, nproc=2, env=cpu_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert written() == one
+    assert proc.stdout.count("replies.jsonl: ") == 1
