@@ -3,6 +3,7 @@ mine_hard_negatives filters them (range_min, range_max, relative_margin, absolut
 
     python data_prep/mine_negatives.py --input 'data/sample/pairs/*.jsonl' --model runs/simcse/hf \
         --output runs/mined --num-negatives 3 --range-min 2 --relative-margin 0.05
+    torchrun --standalone --nproc-per-node 2 data_prep/mine_negatives.py ...   # encoded across 2 ranks, same bytes
 
 Also installed as ``pipeline-mine-negatives``; options: ``--help``. The command line and the job are
 pipeline/mining/cli.py, the search and filters pipeline/mining/negatives.py (docs/embedding-recipes.md).

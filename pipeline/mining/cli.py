@@ -13,7 +13,9 @@ manifest. The rows keep their order and every other field, in ``OUTPUT/<input na
 records the miner, the model, every setting, the inputs and each file's counts. A file is written whole before the
 manifest names it, so a killed run, run again, mines only the files it had not finished. ``--shards DIR`` then
 builds pair shards of the mined files (``build_shards.py --pairs --negatives N``): their manifest names the mined
-files as inputs, and ``mining.json`` lies beside it. docs/embedding-recipes.md, "Mining hard negatives".
+files as inputs, and ``mining.json`` lies beside it. Under ``torchrun --nproc-per-node N`` the texts are encoded
+across the ranks (``encode``'s batches) and rank 0 mines and writes, the bytes of one process (:func:`mine_files`).
+docs/embedding-recipes.md, "Mining hard negatives".
 """
 
 from __future__ import annotations
