@@ -510,6 +510,28 @@ def test_grad_cache_under_zero3_on_two_ranks_equals_one_big_batch(pair_dir, toke
         assert_same((ranks["loss"], {n: g for n, g in ranks["grads"].items() if n in grads}), (loss.item(), grads))
 
 
+@pytest.mark.e2e
+def test_same_task_batches_on_two_zero3_ranks_train_as_one_rank_reading_them_whole(tmp_path, init_dir):
+    """data.pair_batching: same_task through launch/train.py (issue 52 item 3; which task each batch holds and the
+    mid-epoch resume: test_mixture.py's loaders): 2 ZeRO-3 ranks, each reading its rows of a global batch, gather
+    them and train with the losses of one rank reading each batch whole (twice the micro-steps), so the two ranks'
+    loaders agreed on every batch and its task; rank 0 prints the plan of tasks."""
+    from helpers import launch_training, logged_steps
+
+    shards = build(str(tmp_path / "pairs"), (os.path.join(PAIRS, "*.jsonl"),), seq_len=32)
+    experiment = os.path.join(REPO, "experiments", "llm2vec", "supervised-smoke.yaml")
+    common = [f"data.shards={shards}", f"data.pair_shards={shards}", f"model.init={init_dir}", "train.steps=4",
+              "data.pair_batching=same_task", "data.pair_mixture={replies: 0.5, continuations: 0.5}",
+              "train.export_hf=false", "checkpoint.every=1000"]
+    two = launch_training(str(tmp_path / "two"), experiment, *common)
+    launch_training(str(tmp_path / "one"), experiment, *common, "train.grad_accum=4", nproc=1)
+    assert "mixture of 2 tasks over 4 steps" in two.stderr, two.stderr[-3000:]
+    ranks2, rank1 = (logged_steps(str(tmp_path / run)) for run in ("two", "one"))
+    assert sorted(ranks2) == sorted(rank1) == [1, 2, 3, 4]
+    for step, logged in ranks2.items():
+        assert logged["loss/supervised"] == pytest.approx(rank1[step]["loss/supervised"], rel=1e-5), step
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # tests/e2e/test_llm2vec_chain.py trains this stage from SmolLM2 and checks the export's instructions
 @pytest.mark.e2e
