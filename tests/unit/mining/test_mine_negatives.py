@@ -168,3 +168,14 @@ def test_two_ranks_write_the_bytes_of_one_process(st_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert written() == one
     assert proc.stdout.count("replies.jsonl: ") == 1
+
+
+def test_sentence_transformers_encoder_under_ranks_stops_in_one_line(st_dir, tmp_path, capsys, monkeypatch):
+    """Its encode runs on one process: under torchrun's WORLD_SIZE the command refuses before a model is loaded."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["--input", os.path.join(PAIRS, "replies.jsonl"), "--model", st_dir, "--output", str(tmp_path / "out"),
+            "--encoder", "sentence-transformers"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs on one process: launch without torchrun, or pass --encoder pipeline" in err
+    assert not os.path.exists(tmp_path / "out")
