@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.data.format.index import ShardKind
 from pipeline.data.format.teacher import RECORD, TeacherError, read_record
 from pipeline.experiment import ExperimentConfig
 from pipeline.export.hub import local_name
@@ -104,9 +105,9 @@ def teacher_words(directory: str) -> str:
 
 def _data(exp: ExperimentConfig, i: int, o: ObjectiveConfig) -> str:
     kind = OBJECTIVES[o.name].shard_kind
-    if kind == "units":
+    if kind == ShardKind.UNITS:
         return f"sentence units of `{local_name(exp.data.unit_shards)}`"
-    if kind == "pairs":
+    if kind == ShardKind.PAIRS:
         return f"training pairs of `{local_name(exp.data.pair_shards)}`"
     data = exp.phase_data(i)
     theta = f", RoPE θ {data.rope_theta:g}" if data.rope_theta is not None else ""

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from abc import ABC
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from pipeline.data.format.index import ShardKind
 from pipeline.data.format.masking import POLICIES, apply_mask_plan
 from pipeline.data.loading.batch import Batch
 from pipeline.model.attention import attention_inputs
@@ -175,7 +176,7 @@ class Objective(ABC):
     predicts_next: ClassVar[bool] = False  # token i is predicted from the hidden state at position i - 1
     needs_tokenizer: ClassVar[str] = ""  # what it needs the data's Tokenizer for ("": it does not)
     # the packed training shards, sentence-unit shards, or (query, positive, negatives) pairs shards
-    shard_kind: ClassVar[Literal["packed", "units", "pairs"]] = "packed"
+    shard_kind: ClassVar[ShardKind] = ShardKind.PACKED
     predicts_tokens: ClassVar[bool] = True  # its targets go through the LM head (contrastive ones count queries)
 
     def __init__(self, config: BaseConfig, document_masking: bool = True):

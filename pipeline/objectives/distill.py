@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from pipeline.data.format.index import ShardKind
 from pipeline.data.format.teacher import TeacherEmbeddings, load_teacher, teacher_dim
 from pipeline.data.loading.batch import Batch
 from pipeline.objectives.base import Objective, ObjectiveOutput
@@ -55,7 +56,7 @@ def similarity_kl(student_q: torch.Tensor, student_c: torch.Tensor, teacher_q: t
 
 class Distill(Objective):
     name = "distill"
-    shard_kind = "pairs"
+    shard_kind = ShardKind.PAIRS
     predicts_tokens = False
 
     def __init__(self, config: DistillConfig, document_masking: bool = True):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from pipeline.data.format.index import ShardKind
 from pipeline.data.loading.batch import Batch
 from pipeline.objectives.base import Objective, ObjectiveOutput
 from pipeline.objectives.configs import SimCSEConfig
@@ -52,7 +53,7 @@ def mean_pool(hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 class SimCSE(Objective):
     name = "simcse"
-    shard_kind = "units"
+    shard_kind = ShardKind.UNITS
     predicts_tokens = False
     needs_tokenizer = "to know which tokens are special (pooling leaves them out)"
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from pipeline.data.format.index import ShardKind
 from pipeline.data.loading.batch import Batch
 from pipeline.model.flops import body_work
 from pipeline.objectives.augment import edit_tokens
@@ -56,7 +57,7 @@ class SentenceViews:
 
 class SSCL(Objective):
     name = "sscl"
-    shard_kind = "units"
+    shard_kind = ShardKind.UNITS
     predicts_tokens = False
     needs_tokenizer = "to encode its instruction"
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from pipeline.data.format.index import ShardKind
 from pipeline.data.loading.batch import Batch
 from pipeline.model.flops import body_work, segment_lengths
 from pipeline.objectives.base import Objective, ObjectiveOutput
@@ -49,7 +50,7 @@ def check_pairs(batch: Batch, objective: str) -> None:
 
 class Supervised(Objective):
     name = "supervised"
-    shard_kind = "pairs"
+    shard_kind = ShardKind.PAIRS
     predicts_tokens = False
 
     def __init__(self, config: SupervisedConfig, document_masking: bool = True):

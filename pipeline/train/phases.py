@@ -6,6 +6,7 @@ import difflib
 from dataclasses import dataclass
 
 from pipeline.config import ConfigError
+from pipeline.data.format.index import ShardKind
 from pipeline.experiment import ExperimentConfig, PhaseSpec
 from pipeline.model.moe import ROUTER_AUX
 from pipeline.objectives import Objective, make_objective
@@ -82,7 +83,7 @@ def at_step(objectives: list[WeightedObjective], exp: ExperimentConfig, step: in
     return ratios
 
 
-def shard_kind_readers(objectives: list[list[WeightedObjective]]) -> dict[str, list[str]]:
-    """Shard kind ("packed", "units", "pairs") -> the objectives of any phase that read it."""
+def shard_kind_readers(objectives: list[list[WeightedObjective]]) -> dict[ShardKind, list[str]]:
+    """Each shard kind -> the objectives of any phase that read it."""
     return {kind: sorted({o.name for phase in objectives for o in phase if o.objective.shard_kind == kind})
-            for kind in ("packed", "units", "pairs")}
+            for kind in ShardKind}

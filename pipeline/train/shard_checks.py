@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from pipeline.config import ConfigError
 from pipeline.data.format.index import (
     DatasetIndex,
+    ShardKind,
     check_compatible,
     check_enough_samples,
     check_shard_kind,
@@ -186,12 +187,12 @@ def _swap_in(new: str, directory: str) -> None:
 
 
 def _load_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
-                kind: str, readers: list[str]) -> DatasetIndex:
+                kind: ShardKind, readers: list[str]) -> DatasetIndex:
     """The index of ``directory``: present, built with the tokenizer and sequence length, of the kind its
     ``readers`` read, every shard of its recorded size."""
     if not has_shards(directory, d):
         raise ConfigError(f"{setting}: {directory} is not a shard directory; build it with data_prep/build_shards.py"
-                          + {"units": " --units", "pairs": " --pairs"}.get(kind, ""))
+                          + {ShardKind.UNITS: " --units", ShardKind.PAIRS: " --pairs"}.get(kind, ""))
     index = load_index(directory, shard_store(d))
     try:  # the shards fit the experiment's settings, or the setting is wrong: a config error naming it
         check_compatible(index, tokenizer.info.fingerprint, index.seq_len if seq_len is None else seq_len)
@@ -213,7 +214,7 @@ def _check_enough(setting: str, index: DatasetIndex, global_batch: int, holdout:
 
 
 def _check_index(directory: str, setting: str, d: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
-                 kind: str, readers: list[str], global_batch: int) -> DatasetIndex:
+                 kind: ShardKind, readers: list[str], global_batch: int) -> DatasetIndex:
     """:func:`_load_index`, all of whose samples are read in batches of ``global_batch``."""
     index = _load_index(directory, setting, d, tokenizer, seq_len, kind, readers)
     _check_enough(setting, index, global_batch)
@@ -275,7 +276,7 @@ def check_pairs(exp: ExperimentConfig, index: DatasetIndex, objectives: tuple[tu
     if not mixture:
         return None, []
     steps = sum(n for n, objs in zip(exp.phase_lengths(), objectives)
-                if any(o.objective.shard_kind == "pairs" for o in objs))
+                if any(o.objective.shard_kind == ShardKind.PAIRS for o in objs))
     return _plan(mixture, "data.pair_mixture", "tasks", index, None, t.seed,
                  Budget(steps, t.global_batch(world), index.seq_len))
 
@@ -291,32 +292,37 @@ def check_shards(exp: ExperimentConfig, tok: Tokenizer, objectives: tuple[tuple[
                  warmup: BatchWarmup | None, world: int) -> Shards:
     """The index of each shard kind the run reads, checked against the tokenizer, the ``objectives``, the batch and
     the mixture, the held-out split and validation samples, and the loader of each (``warmup`` on those the first
-    phase reads)."""
+    phase reads). The loaders are named by plain strings, as checkpoints record their positions: each kind's by its
+    value ("packed", "units", "pairs"), a phase's own shards by the phase (``PhaseData.loader``)."""
     from pipeline.train.phases import shard_kind_readers
 
     readers = shard_kind_readers(objectives)
     t, d = exp.train, exp.data
     micro = loader_micro_batches(exp)
-    indexes = {"packed": _load_index(d.shards, "data.shards", d, tok, d.seq_len, "packed", readers["packed"])}
+    indexes = {"packed": _load_index(d.shards, "data.shards", d, tok, d.seq_len, ShardKind.PACKED,
+                                     readers[ShardKind.PACKED])}
     holdout = split(indexes["packed"], exp.eval.holdout)  # once: training, validation and the mixture take it
     _check_enough("data.shards", indexes["packed"], t.global_batch(world, micro["packed"]), holdout)
     for i, pd in own_phase_data(exp):
-        phase_readers = sorted({o.name for o in objectives[i] if o.objective.shard_kind == "packed"})
-        indexes[pd.loader] = _check_index(pd.shards, f"phases[{i}].shards", d, tok, pd.seq_len, "packed",
+        phase_readers = sorted({o.name for o in objectives[i] if o.objective.shard_kind == ShardKind.PACKED})
+        indexes[pd.loader] = _check_index(pd.shards, f"phases[{i}].shards", d, tok, pd.seq_len, ShardKind.PACKED,
                                           phase_readers, t.global_batch(world, micro[pd.loader]))
     validation = check_held_out(exp, tok, indexes["packed"], holdout)
     plan, notes = check_mixture(exp, indexes["packed"], holdout.limit, world) if d.source_mixture else (None, [])
     plans = {"packed": (d.source_mixture, plan)}
-    if readers["units"]:
-        indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, "units", readers["units"],
+    if readers[ShardKind.UNITS]:
+        indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, ShardKind.UNITS,
+                                        readers[ShardKind.UNITS],
                                         t.global_batch(world, micro["units"]))
-    if readers["pairs"]:
-        indexes["pairs"] = _check_index(d.pair_shards, "data.pair_shards", d, tok, None, "pairs", readers["pairs"],
+    if readers[ShardKind.PAIRS]:
+        indexes["pairs"] = _check_index(d.pair_shards, "data.pair_shards", d, tok, None, ShardKind.PAIRS,
+                                        readers[ShardKind.PAIRS],
                                         t.global_batch(world, micro["pairs"]))
         pair_plan, pair_notes = check_pairs(exp, indexes["pairs"], objectives, world)
         plans["pairs"], notes = (d.task_mixture, pair_plan), notes + pair_notes
     first = exp.phases_data[0].loader  # the batch warmup lies in the first phase: it warms that phase's loaders
-    warmed = {first if o.objective.shard_kind == "packed" else o.objective.shard_kind for o in objectives[0]}
+    warmed = {first if o.objective.shard_kind == ShardKind.PACKED else o.objective.shard_kind.value
+              for o in objectives[0]}
     mixtures = {name: (MappingProxyType(m.ratios), p) for name, (m, p) in plans.items() if m}
     loaders = {name: LoaderSpec(index, micro[name], holdout if name == "packed" else None,
                                 *mixtures.get(name, (None, None)), warmup if name in warmed else None,
@@ -372,7 +378,7 @@ def check_held_out(exp: ExperimentConfig, tokenizer: Tokenizer, packed: DatasetI
     if not v.every:
         return None
     if v.shards:
-        index = _check_index(v.shards, "eval.shards", exp.data, tokenizer, exp.data.seq_len, "packed",
+        index = _check_index(v.shards, "eval.shards", exp.data, tokenizer, exp.data.seq_len, ShardKind.PACKED,
                              ["validation"], 1)
         if index.fingerprint == packed.fingerprint:
             raise ConfigError(f"eval.shards: {v.shards} holds the samples of data.shards, all of which training "

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pipeline.data.format.index import ShardKind
 from pipeline.data.loading.batch import Batch, cat_rows
 from pipeline.model.flops import Work
 from pipeline.model.moe import ROUTER_AUX
@@ -149,7 +150,7 @@ def _micro_steps(engine, step_objs: list[WeightedObjective], batches: dict[str, 
                 i = names.index(name)
                 loss = loss + weights[name] * loss_sum * scale[i]
                 sums[i] += torch.stack([loss_sum.detach().float(), correct.float()])
-                if by_source is not None and o.objective.shard_kind == "packed" and len(out) == 5:
+                if by_source is not None and o.objective.shard_kind == ShardKind.PACKED and len(out) == 5:
                     by_source.add(name, batch, out[3], out[4])
         engine.backward(loss)
         if micro == micro_steps - 1:
@@ -243,7 +244,7 @@ def train_step(engine, step_objs: list[WeightedObjective], batches: dict[str, li
     sums = torch.zeros(len(names), 2, device=device)
     by_source = _SourceSums(sources, device) if sources else None
     if by_source is not None:
-        for b in batches.get("packed", []):
+        for b in batches.get(ShardKind.PACKED, []):
             by_source.add_tokens(b)
     lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside the last step()
     cached = [o for o in step_objs if getattr(o.objective, "grad_cache", False)]

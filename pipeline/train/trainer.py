@@ -23,6 +23,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from pipeline.data.format.index import ShardKind
 from pipeline.data.loading.loader import ShardLoader
 from pipeline.experiment import ExperimentConfig
 from pipeline.export.record import EncoderRecord
@@ -202,7 +203,7 @@ class Trainer:
         loader ``packed``, the phase's), this rank's non-padding tokens in them and the objectives' targets
         (``target_counts``), counted on the host copies (counting on the device would wait for it). The copies are
         asynchronous: the loaders pin the host memory on CUDA."""
-        host = {kind: self.state.loaders[packed if kind == "packed" else kind].next_global_step()
+        host = {kind: self.state.loaders[packed if kind == ShardKind.PACKED else kind].next_global_step()
                 for kind in sorted({o.objective.shard_kind for o in step_objs})}
         tokens = sum(int((b.doc_ids >= 0).sum()) for bs in host.values() for b in bs)
         return ({kind: [b.to(self.device, non_blocking=True) for b in bs] for kind, bs in host.items()}, tokens,

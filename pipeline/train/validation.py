@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipeline.data.format.index import ShardKind
 from pipeline.data.loading.holdout import ValidationSamples
 from pipeline.data.loading.loader import iter_eval
 from pipeline.experiment import ValidationConfig
@@ -42,7 +43,7 @@ def forward_of(o: WeightedObjective) -> str:
 def scored(phase: list[WeightedObjective], probes: list[WeightedObjective]) -> list[tuple[str, str, WeightedObjective]]:
     """What a validation scores, with the names of its loss and accuracy scalars: the phase's objectives that read
     packed samples (``loss``, ``acc``), and the probes (``probe``, ``probe_acc``)."""
-    return [("loss", "acc", o) for o in phase if o.objective.shard_kind == "packed"] + [
+    return [("loss", "acc", o) for o in phase if o.objective.shard_kind == ShardKind.PACKED] + [
         ("probe", "probe_acc", p) for p in probes]
 
 

@@ -13,6 +13,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import Enum
 
 from pipeline.data.format.remote import ShardStore, is_url
 from pipeline.data.format.sample import FORMAT_VERSION
@@ -164,21 +165,38 @@ def check_compatible(index: DatasetIndex, tokenizer_fingerprint: str, seq_len: i
         raise ValueError(f"{index.directory}: shards have seq_len {index.seq_len}, the experiment uses {seq_len}; {fix}")
 
 
-def check_shard_kind(index: DatasetIndex, kind: str, setting: str, readers: list[str]) -> None:
-    """Refuse shards of another kind than the objectives ``readers`` read (``Objective.shard_kind``: "packed",
-    "units", "pairs"): ``setting`` names the config key that chose the directory."""
-    if kind == "pairs" and index.pairs is None:
+class ShardKind(str, Enum):
+    """What a shard directory's samples are, and so which objectives read it (``Objective.shard_kind``): packed
+    token sequences (several documents a sample), sentence units (``--units``, one a sample) or (query, positive,
+    negatives) rows (``--pairs``). A ``str`` that formats as its value, so keys, JSON and messages read
+    "packed", "units", "pairs" as before."""
+
+    PACKED = "packed"
+    UNITS = "units"
+    PAIRS = "pairs"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def check_shard_kind(index: DatasetIndex, kind: ShardKind, setting: str, readers: list[str]) -> None:
+    """Refuse shards of another kind than the objectives ``readers`` read (``Objective.shard_kind``):
+    ``setting`` names the config key that chose the directory."""
+    if kind == ShardKind.PAIRS and index.pairs is None:
         raise ValueError(f"{setting} {index.directory} holds {'units' if index.units else 'packed samples'}, but "
                          f"{', '.join(readers)} reads (query, positive, negatives) rows; build pairs shards with "
                          f"data_prep/build_shards.py --pairs and set {setting} to them")
-    if kind != "pairs" and index.pairs is not None:
+    if kind != ShardKind.PAIRS and index.pairs is not None:
         raise ValueError(f"{setting} {index.directory} holds (query, positive, negatives) rows (built with --pairs), "
                          f"but {', '.join(readers)} reads {kind}; point {setting} at shards built without --pairs")
-    if kind == "units" and index.units is None:
+    if kind == ShardKind.UNITS and index.units is None:
         raise ValueError(f"{setting} {index.directory} holds packed samples (several documents a sample), but "
                          f"{', '.join(readers)} reads sentence units, one a sample; build unit shards with "
                          f"data_prep/build_shards.py --units sentence and set {setting} to them")
-    if kind == "packed" and index.units is not None:
+    if kind == ShardKind.PACKED and index.units is not None:
         raise ValueError(f"{setting} {index.directory} holds {index.units} units (built with --units), but "
                          f"{', '.join(readers)} reads packed samples; point {setting} at shards built without --units")
 

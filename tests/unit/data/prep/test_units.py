@@ -10,7 +10,7 @@ import pytest
 from helpers import make_shard_dir
 from shard_corpus import TOKENIZER, documents, write_jsonl_zst
 
-from pipeline.data.format.index import check_shard_kind, load_index
+from pipeline.data.format.index import ShardKind, check_shard_kind, load_index
 from pipeline.data.format.sample import Sample
 from pipeline.data.format.tar_shard import ShardReader, ShardWriter
 from pipeline.data.format.units import split_units
@@ -148,11 +148,16 @@ def test_bad_unit_options_are_named(tmp_path, capsys):
 def test_trainer_refuses_the_wrong_kind_of_shards(sentence_shards, tmp_path):
     units = load_index(sentence_shards[0])
     packed = load_index(make_shard_dir(str(tmp_path)))
-    check_shard_kind(units, "units", "data.unit_shards", ["simcse"])
-    check_shard_kind(packed, "packed", "data.shards", ["mntp"])
+    check_shard_kind(units, ShardKind.UNITS, "data.unit_shards", ["simcse"])
+    check_shard_kind(packed, ShardKind.PACKED, "data.shards", ["mntp"])
     with pytest.raises(ValueError, match=r"data.unit_shards .* holds packed samples .* but simcse reads sentence "
                                          r"units, one a sample; build unit shards with .*--units sentence"):
-        check_shard_kind(packed, "units", "data.unit_shards", ["simcse"])
+        check_shard_kind(packed, ShardKind.UNITS, "data.unit_shards", ["simcse"])
     with pytest.raises(ValueError, match=r"data.shards .* holds sentence units \(built with --units\), but clm, "
                                          r"mntp reads packed samples"):
-        check_shard_kind(units, "packed", "data.shards", ["clm", "mntp"])
+        check_shard_kind(units, ShardKind.PACKED, "data.shards", ["clm", "mntp"])
+    with pytest.raises(ValueError, match=r"data.pair_shards .* holds units, but supervised reads \(query, positive"):
+        check_shard_kind(units, ShardKind.PAIRS, "data.pair_shards", ["supervised"])
+    # a kind reads as its word wherever it is written: messages, JSON, dict keys
+    assert [f"{k}" for k in ShardKind] == json.loads(json.dumps(list(ShardKind))) == ["packed", "units", "pairs"]
+    assert {"units": 1}[ShardKind.UNITS] == 1 and ShardKind("pairs") is ShardKind.PAIRS
