@@ -68,7 +68,7 @@ def write_run(grid: Grid, variant: Variant, state: RunState) -> None:
     os.makedirs(run.path, exist_ok=True)
     path = run.experiment_yaml
     new = recorded(to_dict(exp))
-    if state.kind != "new" and os.path.exists(path):
+    if state.progress != "new" and os.path.exists(path):
         old, cur = _flat(load_yaml(path)), _flat(new)
         changed = sorted(k for k in old.keys() | cur.keys() if not _same(old.get(k), cur.get(k)) and k not in RESIZABLE)
         if changed:
@@ -107,8 +107,8 @@ def in_order(selected: list[Variant], everything: list[Variant], states: dict[st
         for dep in v.after:
             if dep in chosen:
                 visit(by_name[dep])
-            elif states[dep].kind not in ("finished", "queued"):
-                raise ConfigError(f"{v.name} starts from {dep}, which is {states[dep].kind} and not part of this "
+            elif states[dep].progress not in ("finished", "queued"):
+                raise ConfigError(f"{v.name} starts from {dep}, which is {states[dep].progress} and not part of this "
                                   f"sweep; add it (e.g. --only '{dep}' --only '{v.name}') or finish it first")
         ordered.append(v)
 
@@ -159,9 +159,9 @@ def prepare(request: SweepRequest) -> Sweep:
     states = run_states(everything, queued)
     print(table(selected, states))
     sweep = Sweep(request, grid, selected, states,
-                  in_order([v for v in selected if states[v.name].kind != "finished"], everything, states))
+                  in_order([v for v in selected if states[v.name].progress != "finished"], everything, states))
     for v in sweep.todo if request.action != "show" else ():
-        if states[v.name].kind != "queued":
+        if states[v.name].progress != "queued":
             write_run(grid, v, states[v.name])
     if request.action in ("submit", "local"):
         for v in sweep.todo:
@@ -173,7 +173,7 @@ def act(sweep: Sweep) -> None:
     """Print what the sweep holds, then submit its runs in order (each after the jobs of the runs it reads) or
     train them here one after another."""
     request, states = sweep.request, sweep.states
-    done = sum(states[v.name].kind == "finished" for v in sweep.selected)
+    done = sum(states[v.name].progress == "finished" for v in sweep.selected)
     print(f"\n{len(sweep.selected)} runs: {done} finished, {len(sweep.todo)} to do; " + (
         "nothing written (--write, --submit or --local to act)" if request.action == "show"
         else f"run directories under {request.out}/"))

@@ -83,9 +83,9 @@ def submit(variant: Variant, after_jobs: list[int]) -> int:
 
 def submit_all(todo: list[Variant], states: dict[str, RunState]) -> None:
     """Submit the runs in order, each after the jobs of the runs it reads; a queued run is left alone."""
-    jobs = {name: s.job for name, s in states.items() if s.kind == "queued"}
+    jobs = {name: s.job for name, s in states.items() if s.progress == "queued"}
     for v in todo:
-        if states[v.name].kind == "queued":
+        if states[v.name].progress == "queued":
             print(f"{v.name}: already queued as job {jobs[v.name]}")
             continue
         after = [jobs[d] for d in v.after if d in jobs]

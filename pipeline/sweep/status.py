@@ -14,14 +14,14 @@ from pipeline.run_dir import RunDir
 
 @dataclass(frozen=True)
 class RunState:
-    kind: str  # new | started | queued | finished
+    progress: str  # new | started | queued | finished
     step: int = 0  # newest complete checkpoint
     job: int | None = None  # SLURM job id of a queued run
 
     def describe(self, steps: int) -> str:
-        if self.kind == "queued":
+        if self.progress == "queued":
             return f"queued (job {self.job}, step {self.step}/{steps})"
-        return {"new": "new", "finished": "finished"}.get(self.kind, f"started (step {self.step}/{steps})")
+        return {"new": "new", "finished": "finished"}.get(self.progress, f"started (step {self.step}/{steps})")
 
 
 def run_dir(variant: Variant) -> RunDir:

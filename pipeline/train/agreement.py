@@ -1,5 +1,5 @@
 """Cross-rank agreement of preflight: every rank runs rank 0's experiment with rank 0's code
-(:func:`check_same_run`), and each stage of :func:`~pipeline.train.preflight.agreed_preflight` ends agreed
+(:func:`check_same_run`), and each check of :func:`~pipeline.train.preflight.agreed_preflight` ends agreed
 (:func:`agreed`): the first failure of any rank is reported once, by rank 0, as one line (:func:`failure_line`)."""
 
 from __future__ import annotations
@@ -61,14 +61,14 @@ def check_same_run(exp: ExperimentConfig, world: int) -> None:
                               f"and --set options")
 
 
-def agreed(rank: int, world: int, stage: Callable[[], object], on_failure: Callable[[], None]):
-    """``stage()`` on every rank; when any rank fails, rank 0 prints the first failure once, no rank leaves before
+def agreed(rank: int, world: int, check: Callable[[], object], on_failure: Callable[[], None]):
+    """``check()`` on every rank; when any rank fails, rank 0 prints the first failure once, no rank leaves before
     it has (a rank's exit makes the launcher signal the others), and every rank raises :class:`PreflightFailed`."""
     import torch.distributed as dist
 
     result, failure = None, None
     try:
-        result = stage()
+        result = check()
     except Exception as e:  # noqa: BLE001 - reported below, once
         failure = failure_line(e)
     failures: list = [None] * world

@@ -38,9 +38,9 @@ def attn_implementation(config: ModelConfig, cuda: bool) -> str:
     return impl
 
 
-def fused_kind(o: OptimConfig, cuda: bool) -> str:
+def adamw_kernel(o: OptimConfig, cuda: bool) -> str:
     """The AdamW kernel of ``optim.fused``: auto is torch's fused AdamW on CUDA, the default foreach AdamW on CPU."""
-    kind = o.fused if o.fused != "auto" else ("torch" if cuda else "none")
-    if kind != "none" and not cuda:
-        raise ConfigError(f"optim.fused: {kind} needs CUDA; use auto or none on CPU")
-    return kind
+    kernel = o.fused if o.fused != "auto" else ("torch" if cuda else "none")
+    if kernel != "none" and not cuda:
+        raise ConfigError(f"optim.fused: {kernel} needs CUDA; use auto or none on CPU")
+    return kernel

@@ -58,11 +58,11 @@ class TrainModule(nn.Module):
 BUILD_ERRORS = (RuntimeError, ImportError, OSError, subprocess.CalledProcessError)  # a failed JIT build of an op
 
 
-def build_optimizer(groups: list[dict], o: OptimConfig, kind: str) -> torch.optim.Optimizer:
-    """AdamW for the DeepSpeed engine with the kernel ``kind`` (:func:`fused_kind`). DeepSpeed's FusedAdam is built
+def build_optimizer(groups: list[dict], o: OptimConfig, kernel: str) -> torch.optim.Optimizer:
+    """AdamW for the DeepSpeed engine with the kernel ``kernel`` (:func:`adamw_kernel`). DeepSpeed's FusedAdam is built
     on first use; where that build fails (a CUDA toolkit whose headers DeepSpeed's op builder cannot compile against)
     the run trains with torch's fused AdamW, the same update, and says so."""
-    if kind == "deepspeed":
+    if kernel == "deepspeed":
         arch_list_for_deepspeed()  # its JIT build reads TORCH_CUDA_ARCH_LIST
         try:
             from deepspeed.ops.adam import FusedAdam
@@ -72,8 +72,8 @@ def build_optimizer(groups: list[dict], o: OptimConfig, kind: str) -> torch.opti
             reason = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
             print(f"warning: optim.fused: deepspeed: DeepSpeed's FusedAdam could not be built ({reason}); training "
                   "with torch's fused AdamW instead (optim.fused: torch)", file=sys.stderr, flush=True)
-            kind = "torch"
-    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True if kind == "torch" else None)
+            kernel = "torch"
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True if kernel == "torch" else None)
 
 
 def build_device(ds: dict) -> torch.device | None:

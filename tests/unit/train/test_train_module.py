@@ -13,7 +13,7 @@ from pipeline.model import varlen
 from pipeline.model.attention import FLEX, VARLEN
 from pipeline.train.compiling import body_compiles, check_compile, leaf_layers
 from pipeline.train.ds_config import load_ds_config, resolve_ds_config
-from pipeline.train.kernels import attn_implementation, fused_kind
+from pipeline.train.kernels import adamw_kernel, attn_implementation
 from pipeline.train.module import build_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -47,14 +47,14 @@ def test_attention_implementation_without_torch_varlen(monkeypatch):
 
 def test_adamw_kernel_choice():
     groups = [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.1}]
-    cpu = build_optimizer(groups, OptimConfig(), fused_kind(OptimConfig(), cuda=False))
+    cpu = build_optimizer(groups, OptimConfig(), adamw_kernel(OptimConfig(), cuda=False))
     assert type(cpu) is torch.optim.AdamW and not cpu.defaults["fused"]  # unchanged on CPU
     assert cpu.defaults["lr"] == OptimConfig().lr and cpu.defaults["betas"] == OptimConfig().betas
-    assert fused_kind(OptimConfig(), cuda=True) == "torch"
+    assert adamw_kernel(OptimConfig(), cuda=True) == "torch"
     assert build_optimizer(groups, OptimConfig(), "torch").defaults["fused"] is True
     for kind in ("torch", "deepspeed"):
         with pytest.raises(ConfigError, match=f"optim.fused: {kind} needs CUDA"):
-            fused_kind(OptimConfig(fused=kind), cuda=False)
+            adamw_kernel(OptimConfig(fused=kind), cuda=False)
 
 
 def test_speed_fields_are_validated():
