@@ -244,6 +244,15 @@ def launch_training(run_dir: str, experiment: str | None, *overrides: str, nproc
     return proc
 
 
+def gone(pid: int) -> bool:
+    """No process ``pid``, or only its zombie (ended, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def one_error(proc: subprocess.CompletedProcess, prefix: str) -> str:
     """The run failed with exactly one ``prefix:`` line and no traceback of ours; returns the line."""
     lines = [line for line in proc.stderr.splitlines() if line.startswith(f"{prefix}:")]

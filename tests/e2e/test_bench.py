@@ -18,7 +18,7 @@ import time
 
 import pytest
 import warm
-from helpers import ONE_RANK, launch_training, logged_steps
+from helpers import ONE_RANK, gone, launch_training, logged_steps
 
 from pipeline.planner import report as plan_cli
 
@@ -86,14 +86,6 @@ def test_the_budget_alarm_ends_what_runs_at_the_deadline():
         pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.e2e
 def test_run_until_kills_the_process_group_at_the_deadline():
     """As FusedAdam's JIT build runs the compilers: a child with its own child, both still running at the deadline."""
@@ -103,10 +95,10 @@ def test_run_until_kills_the_process_group_at_the_deadline():
     assert killed and output.strip().isdigit()  # what it printed before the deadline is kept
     grandchild = int(output)
     for _ in range(100):
-        if not _alive(grandchild):
+        if gone(grandchild):
             break
         time.sleep(0.1)
-    assert not _alive(grandchild)
+    assert gone(grandchild)
     assert bench_gpu.run_until([sys.executable, "-c", "print('done')"], time.time() + 60) == ("done\n", False)
 
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import warm
+from helpers import gone
 
 # a rank that writes its pid to argv[1]-RANK, then (rank 1) fails at once or (rank 0, one plain process) hangs
 RANK = """
@@ -21,15 +22,6 @@ if rank == 1:
     sys.exit(3)
 time.sleep(600)
 """
-
-
-def gone(pid: int) -> bool:
-    """No such process, or only its zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def wait_gone(pid: int) -> bool:

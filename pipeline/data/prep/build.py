@@ -122,6 +122,21 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _pool_worker(parent: int, *state) -> None:
+    """A pool worker's start: it ends with the build. A build killed by SIGKILL, which its pool cannot pass on, left
+    its workers writing into the killed run's work directory, where a rerun's clean-up (``_remove_stale``) could
+    find a file it had not listed, and kept it; on Linux the kernel now kills a worker when the build that started
+    it dies (``PR_SET_PDEATHSIG``), and a worker whose build died before that exits at once."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+    init_worker(*state)
+
+
 def _results(tasks: list[tuple[int, str]], spec: WorkerSpec, tok, workers: int, on_wait) -> Iterator[FileResult]:
     """FileResults in file order; ``on_wait`` runs every PROGRESS_INTERVAL_S while waiting for the next one."""
     fork = sys.platform == "linux"
@@ -133,7 +148,8 @@ def _results(tasks: list[tuple[int, str]], spec: WorkerSpec, tok, workers: int, 
             yield process_file(task)
             on_wait(docs.value, tokens.value)
         return
-    with ctx.Pool(min(workers, len(tasks)), init_worker, (spec, docs, tokens, tok if fork else None)) as pool:
+    with ctx.Pool(min(workers, len(tasks)), _pool_worker, (os.getpid(), spec, docs, tokens, tok if fork else None)
+                  ) as pool:
         it = pool.imap(process_file, tasks)
         while True:
             try:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard
+from helpers import gone
 from shard_corpus import HOLDOUT, ROOT, TOKENIZER, TRAIN, documents, split_corpus
 
 from pipeline.data.format.index import INDEX, MANIFEST, job_manifest_name, load_index
@@ -281,6 +282,44 @@ def test_slurm_array_defaults():
     assert build_cli.slurm_array_defaults({}) == (0, 1)
     assert build_cli.slurm_array_defaults({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "4",
                                               "SLURM_ARRAY_TASK_COUNT": "8"}) == (3, 8)
+
+
+# a build (this process) forks one pool worker as its pool starts them, writes the worker's pid to argv[1], and waits
+BUILD_WITH_A_WORKER = """
+import os, sys, time
+from pipeline.data.prep import build
+worker = os.fork()
+if worker == 0:
+    build._pool_worker(os.getppid(), None, None, None, "a tokenizer")
+    time.sleep(600)  # a file being tokenized
+    os._exit(0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(worker))
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_pool_worker_dies_with_its_build_when_that_is_killed(tmp_path):
+    """SIGKILL reaches the build alone, and its pool workers went on writing into the killed run's work directory,
+    beside a rerun that had cleaned it up (test_sigkill_midway_then_rerun_is_identical, now and then under load:
+    a .work directory left in the output): a worker now dies with the build."""
+    pid_file = tmp_path / "worker"
+    build = subprocess.Popen([sys.executable, "-c", BUILD_WITH_A_WORKER, str(pid_file)], env={**os.environ,
+                             "PYTHONPATH": ROOT})
+    deadline = time.monotonic() + 120
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = int(pid_file.read_text())
+    build.kill()
+    build.wait()
+    try:
+        while time.monotonic() < deadline and not gone(worker):
+            time.sleep(0.05)
+        assert gone(worker), "the worker outlived its killed build"
+    finally:
+        if not gone(worker):
+            os.kill(worker, signal.SIGKILL)
 
 
 @pytest.mark.e2e
