@@ -111,7 +111,7 @@ def _adapter_usage(path: str, encoder: bool, exp: ExperimentConfig) -> str:
             f"```python\n{adapter_snippet(path, encoder, bool(causal_lm_kwargs(exp.model.init)))}```\n")
 
 
-def _usage(path: str, record: EncoderRecord, sentence_transformers: bool, special: tuple[list[int], list[int]]
+def usage_snippet(path: str, record: EncoderRecord, sentence_transformers: bool, special: tuple[list[int], list[int]]
            ) -> str:
     if sentence_transformers:
         return ("```python\nfrom sentence_transformers import SentenceTransformer\n"
@@ -171,7 +171,7 @@ def body(record: EncoderRecord, exp: ExperimentConfig, step: int, tokens: int | 
             f"This export is step {step} of {exp.train.steps}{seen}, in {len(exp.phases)} phase(s):\n\n"
             f"{phases(exp)}\n\n{optimiser(exp)}\n\n{_data(exp)}\n\n"
             f"Read as trained ({reading}; `config.json` → `decoder_encoders`, `is_causal`).\n\n"
-            f"## Usage\n\n{_usage_note(exp)}{_usage(where, record, sentence_transformers, special)}"
+            f"## Usage\n\n{_usage_note(exp)}{usage_snippet(where, record, sentence_transformers, special)}"
             + (f"\n{_adapter_usage(where, is_encoder(record, sentence_transformers), exp)}" if exp.model.lora.r
                else ""))
 

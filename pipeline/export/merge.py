@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from pipeline.data.format.instructions import special_tokens
-from pipeline.export.card import _usage, is_encoder
+from pipeline.export.card import is_encoder, usage_snippet
 from pipeline.export.hub import is_hub_id, local_name
 from pipeline.export.record import KEY, EncoderRecord, read_record, write_record
 from pipeline.export.sentence_transformers import write_sentence_transformers
@@ -283,7 +283,7 @@ def card_body(out: str, models: list[Export], base: Export | None, method: str, 
             f"Read as its inputs were trained ({reading}; `config.json` → `decoder_encoders`, `is_causal`).{kept}\n\n"
             f"mergekit's configuration (`{MERGEKIT_CONFIG}`, the inputs by name):\n\n```yaml\n{source}\n```\n\n"
             "## Usage\n\nRun it from the directory this card is in; from elsewhere, put that directory's path in "
-            "place of `\".\"`.\n\n" + _usage(".", record, sentence_transformers, special))
+            "place of `\".\"`.\n\n" + usage_snippet(".", record, sentence_transformers, special))
 
 
 def merge(method: str, models: list[str], output: str, weights: list[float] | None = None, t: float | None = None,
