@@ -1,11 +1,14 @@
 """Training objectives by name; the trainer builds them once from their typed configs and the tokenizer.
 
 The configs (:mod:`pipeline.objectives.configs`) load eagerly and light; the objectives, which import torch and
-transformers, load on first use of their names (PEP 562), so checking an experiment imports neither."""
+transformers, load on first use of their names (PEP 562), so checking an experiment imports neither. An objective
+is registered by its config alone: ``OBJECTIVES`` takes each config of ``ObjectiveConfig`` to the objective class
+of its name in ``pipeline/objectives/<name>.py``."""
 
 from __future__ import annotations
 
 import importlib
+import typing
 from typing import TYPE_CHECKING, Any
 
 from pipeline.objectives.configs import (
@@ -40,14 +43,25 @@ __all__ = ["CLM", "MLM", "MNTP", "OBJECTIVES", "SSCL", "BaseConfig", "CLMConfig"
 def __getattr__(name: str) -> Any:
     """An objective's class (or ``OBJECTIVES``, each by its name), imported on first use."""
     if name == "OBJECTIVES":
-        names = ("CLM", "Distill", "MLM", "MNTP", "Magnet", "SSCL", "SimCSE", "Supervised")
-        value: Any = {cls.name: cls for cls in (__getattr__(n) for n in names)}
+        value: Any = {config.name: _objective(config.name) for config in typing.get_args(ObjectiveConfig)}
     elif name in _LAZY:
         value = getattr(importlib.import_module(f"pipeline.objectives.{_LAZY[name]}"), name)
     else:
         raise AttributeError(f"module 'pipeline.objectives' has no attribute {name!r}")
     globals()[name] = value
     return value
+
+
+def _objective(name: str) -> type[Objective]:
+    """The objective class named ``name`` in ``pipeline/objectives/<name>.py``, its config's name."""
+    base = __getattr__("Objective")
+    module = importlib.import_module(f"pipeline.objectives.{name}")
+    found = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, base)
+             and c.__module__ == module.__name__ and getattr(c, "name", None) == name]
+    if len(found) != 1:
+        raise TypeError(f"{module.__file__} defines {len(found)} Objective classes named {name!r}; its config "
+                        f"(ObjectiveConfig) needs exactly one")
+    return found[0]
 
 
 def make_objective(config: ObjectiveConfig, tokenizer: Tokenizer | None = None,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+import pkgutil
 
 import numpy as np
 import pytest
@@ -47,7 +49,7 @@ from pipeline.objectives import (
     SupervisedConfig,
     make_objective,
 )
-from pipeline.objectives.base import resolve_mask_id
+from pipeline.objectives.base import Objective, resolve_mask_id
 from pipeline.objectives.configs import Reading
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 
@@ -322,6 +324,20 @@ def test_configs_are_picked_by_name_and_build_their_objective(tokenizer):
         assert type(objective) is cls and objective.config is config
     magnet = from_tagged(ObjectiveConfig, {"name": "magnet", "ratio": 0.2, "mask_token": "<mask>", "msg_weight": 0.5})
     assert (magnet.ratio, magnet.mask_token, magnet.msg_weight, magnet.mntp_weight) == (0.2, "<mask>", 0.5, 1.0)
+
+
+def test_every_objective_is_registered_by_its_config():
+    """An objective is reached by its config's name alone (``OBJECTIVES`` finds each config's class in the module
+    of its name): an objective class whose config is left out of ``ObjectiveConfig``, or kept in another module
+    than its name's, fails here."""
+    defined = {}
+    for module in pkgutil.iter_modules([os.path.dirname(importlib.import_module("pipeline.objectives").__file__)]):
+        module = importlib.import_module(f"pipeline.objectives.{module.name}")
+        defined |= {c: module.__name__ for c in vars(module).values() if isinstance(c, type)
+                    and issubclass(c, Objective) and c.__module__ == module.__name__ and "name" in vars(c)}
+    assert defined == {cls: f"pipeline.objectives.{name}" for name, cls in OBJECTIVES.items()}
+    for name, cls in OBJECTIVES.items():
+        assert type(from_tagged(ObjectiveConfig, {"name": name})).__name__ == f"{cls.__name__}Config"
 
 
 def test_each_objective_declares_what_it_is(tokenizer):
