@@ -1,7 +1,7 @@
 """Reading documents from input files, with bad records counted instead of crashing the job.
 
-Supported inputs: ``.jsonl``, ``.jsonl.zst``, ``.jsonl.gz`` (one JSON object a line), ``.parquet`` and a local
-HF ``datasets`` directory (``datasets.save_to_disk``). With a :class:`SourceField` each record's source (its data
+Supported inputs (``READERS``, by suffix): ``.jsonl``, ``.jsonl.zst``, ``.jsonl.gz`` (one JSON object a line),
+``.parquet``, and a local HF ``datasets`` directory (``datasets.save_to_disk``). With a :class:`SourceField` each record's source (its data
 set, e.g. SlimPajama's ``meta.redpajama_set_name``) is read beside its text. Each bad record is counted under one of ``BAD_REASONS`` and the
 first few are kept as messages naming the file and line; the caller decides, through ``--max-bad-fraction``,
 whether there were too many. A truncated or corrupt compressed file yields every record decoded before the damage
@@ -16,11 +16,10 @@ import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import zstandard
 
-JSONL_SUFFIXES = (".jsonl", ".jsonl.zst", ".jsonl.gz")
-SUFFIXES = JSONL_SUFFIXES + (".parquet",)
 CHUNK_BYTES = 1 << 20
 MAX_EXAMPLES = 5
 
@@ -200,10 +199,14 @@ def _plain_chunks(f) -> Iterator[bytes]:
         yield data
 
 
+# a jsonl input's compression by its suffix: what yields its decompressed blocks (no suffix here: plain)
+COMPRESSIONS: dict[str, Callable[[BinaryIO], Iterator[bytes]]] = {".zst": _zstd_chunks, ".gz": _gzip_chunks}
+JSONL_SUFFIXES = (".jsonl", *(f".jsonl{suffix}" for suffix in COMPRESSIONS))
+
+
 def _lines(path: str, stats: RecordStats) -> Iterator[tuple[int, bytes]]:
     """(line number, line) of a jsonl file; decompression damage ends the file with one ``corrupt_file`` record."""
-    chunks: Callable = (_zstd_chunks if path.endswith(".zst") else _gzip_chunks if path.endswith(".gz")
-                        else _plain_chunks)
+    chunks = next((c for suffix, c in COMPRESSIONS.items() if path.endswith(suffix)), _plain_chunks)
     lineno, tail = 0, b""
     with open(path, "rb") as f:
         try:
@@ -349,6 +352,12 @@ def _read_hf_dataset(path: str, fields: tuple[str, ...], stats: RecordStats,
     yield from _read_columns(path, fields, ds.column_names, ds.num_rows, batches, stats, source)
 
 
+# each input type by how a file's name ends (a directory is a saved HF dataset): its reader of ``fields``
+READERS: dict[str, Callable[[str, tuple[str, ...], RecordStats, SourceField | None], Iterator[tuple]]] = {
+    **dict.fromkeys(JSONL_SUFFIXES, _read_jsonl), ".parquet": _read_parquet}
+SUFFIXES = tuple(READERS)
+
+
 def read_records(path: str, fields: tuple[str, ...], stats: RecordStats,
                  source: SourceField | None = None) -> Iterator[tuple[str, ...]]:
     """The values of ``fields`` (all non-empty strings) of each record of one input, in file order, followed by
@@ -356,9 +365,8 @@ def read_records(path: str, fields: tuple[str, ...], stats: RecordStats,
     ``stats`` and skipped."""
     if os.path.isdir(path):
         return _read_hf_dataset(path, fields, stats, source)
-    if path.endswith(".parquet"):
-        return _read_parquet(path, fields, stats, source)
-    return _read_jsonl(path, fields, stats, source)
+    reader = next((r for suffix, r in READERS.items() if path.endswith(suffix)), _read_jsonl)
+    return reader(path, fields, stats, source)
 
 
 def read_texts(path: str, text_field: str, stats: RecordStats) -> Iterator[str]:

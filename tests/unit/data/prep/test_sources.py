@@ -1,5 +1,5 @@
 """The input readers (pipeline/data/prep/sources.py): jsonl (plain, .zst, .gz), parquet and HF dataset directories read
-alike, damaged files and bad records counted by reason, globs expanded."""
+alike (every input type of ``READERS``), damaged files and bad records counted by reason, globs expanded."""
 
 import gzip
 import json
@@ -11,7 +11,16 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from pipeline.data.prep.sources import InputError, RecordStats, expand_inputs, input_size, read_texts
+from pipeline.data.prep.sources import (
+    SUFFIXES,
+    InputError,
+    RecordStats,
+    SourceField,
+    expand_inputs,
+    input_size,
+    read_records,
+    read_texts,
+)
 
 _rng = random.Random(0)
 MANY = [f"document {i}: " + " ".join(f"w{_rng.randrange(10**6)}" for _ in range(i % 40 + 1)) for i in range(6000)]
@@ -25,6 +34,43 @@ def jsonl_bytes(docs, field="text") -> bytes:
 def read(path, field="text"):
     stats = RecordStats()
     return list(read_texts(str(path), field, stats)), stats
+
+
+# one record each: a good one, an empty text, no text, no source, a good one
+RECORDS = [{"text": "one", "meta": {"set": "a"}}, {"text": "", "meta": {"set": "a"}}, {"text": None, "meta": {"set": "b"}},
+           {"text": "two", "meta": {"set": None}}, {"text": "three", "meta": {"set": "b"}}]
+
+
+def _jsonl(records) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in records)
+
+
+def _dataset(records):
+    import datasets
+
+    return datasets.Dataset.from_list(records)
+
+
+# how this test writes each input type ("": a saved HF dataset directory)
+WRITERS = {
+    ".jsonl": lambda path, records: path.write_bytes(_jsonl(records)),
+    ".jsonl.zst": lambda path, records: path.write_bytes(zstandard.ZstdCompressor().compress(_jsonl(records))),
+    ".jsonl.gz": lambda path, records: path.write_bytes(gzip.compress(_jsonl(records))),
+    ".parquet": lambda path, records: pq.write_table(pa.Table.from_pylist(records), path),
+    "": lambda path, records: _dataset(records).save_to_disk(str(path)),
+}
+
+
+@pytest.mark.parametrize("suffix", [*SUFFIXES, ""])
+def test_every_input_type_reads_the_same_records(tmp_path, suffix):
+    """Each input type prep reads (``READERS``) gives one corpus's texts, sources and bad records alike: a type
+    added without its writer in ``WRITERS`` fails here."""
+    path = tmp_path / f"in{suffix}"
+    WRITERS[suffix](path, RECORDS)
+    assert expand_inputs([str(path)]) == [str(path)]
+    stats = RecordStats()
+    assert list(read_records(str(path), ("text",), stats, SourceField("meta.set"))) == [("one", "a"), ("three", "b")]
+    assert stats.documents == 2 and stats.bad == {"empty": 1, "missing_field": 1, "missing_source": 1}
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.zst", ".jsonl.gz"])
