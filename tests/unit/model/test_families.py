@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -22,7 +23,14 @@ from pipeline.experiment import ExperimentConfig
 from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord
 from pipeline.model.attention import attention_inputs
-from pipeline.model.build import ARCHITECTURES, build_model, check_sliding_window, model_spec
+from pipeline.model.build import (
+    ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    build_model,
+    check_sliding_window,
+    model_spec,
+)
+from pipeline.model.moe import is_moe
 
 FAMILIES = [a for a in ARCHITECTURES if a != "llama"]  # llama: every other test
 IMPLEMENTATION = {"gemma2": "eager"}  # transformers has no SDPA path for Gemma 2
@@ -63,6 +71,15 @@ def batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     for i, r in enumerate(rows):
         ids[i, :len(r)], doc_ids[i, :len(r)] = torch.tensor(r), 0
     return ids, doc_ids
+
+
+def test_every_family_is_listed_as_what_it_is_and_in_the_docs():
+    """A family added to ``ARCHITECTURES`` is listed as mixture-of-experts exactly when its config is one (the MoE
+    tests, tests/unit/model/test_moe.py, then hold it to the router loss), and docs/models.md names its model_type."""
+    assert [f for f in ARCHITECTURES if is_moe(AutoConfig.for_model(f))] == list(MOE_ARCHITECTURES)
+    text = open(os.path.join(REPO, "docs", "models.md")).read()
+    listed = text.split("`model_type`", 1)[1].split("loaded with", 1)[0]
+    assert re.findall(r"`(\w+)`", listed) == list(ARCHITECTURES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
