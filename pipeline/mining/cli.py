@@ -37,11 +37,19 @@ from pipeline.data.prep.sources import JSONL_SUFFIXES, InputError, RecordStats, 
 from pipeline.eval.encode import MAX_TOKENS
 from pipeline.eval.ranks import init_from_env, world
 from pipeline.io import fsync_replace, read_json, write_json_atomic
-from pipeline.mining.negatives import Mined, MiningError, MiningSettings, mine, unit
+from pipeline.mining.negatives import (
+    Mined,
+    MiningError,
+    MiningSettings,
+    import_faiss,
+    mine,
+    search_name,
+    unit,
+)
 
 RECORD = "mining.json"
 ENCODERS = ("auto", "pipeline", "sentence-transformers")
-MINER = "pipeline.mining: sentence-transformers mine_hard_negatives semantics (top, n-tuple), exact torch top-k"
+MINER = "pipeline.mining: sentence-transformers mine_hard_negatives semantics (top, n-tuple)"  # + the search
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,8 +261,8 @@ def record_of(cfg: MineConfig, files: list[PairsFile]) -> dict:
     settings |= {"query_instruction": cfg.query_instruction, "document_instruction": cfg.document_instruction,
                  "max_length": cfg.max_length, "max_tokens": cfg.max_tokens, "encoder": cfg.encoder, "sampling_strategy": "top",
                  "output_format": "n-tuple"}
-    return {"miner": MINER, "model": os.path.abspath(cfg.model), "settings": settings,
-            "inputs": [input_record(f.path) for f in files]}
+    return {"miner": f"{MINER}, {search_name(cfg.settings)}", "model": os.path.abspath(cfg.model),
+            "settings": settings, "inputs": [input_record(f.path) for f in files]}
 
 
 def _done(cfg: MineConfig, files: list[PairsFile]) -> dict:
@@ -351,6 +359,10 @@ def parse_args(argv: list[str] | None = None) -> MineConfig:
     f.add_argument("--min-score", type=float, default=None, help="drop candidates below this cosine (min_score)")
     f.add_argument("--scores-per-block", type=int, default=s.scores_per_block,
                    help="similarity scores computed at once (memory: 4 bytes each)")
+    f.add_argument("--use-faiss", action="store_true",
+                   help="search with faiss' exact IndexFlatIP (use_faiss; the mining extra: faiss-cpu)")
+    f.add_argument("--faiss-batch-size", type=int, default=s.faiss_batch_size,
+                   help="queries a faiss search (faiss_batch_size)")
     e = p.add_argument_group("embedding")
     e.add_argument("--query-instruction", default=None,
                    help="queries' instruction (default: the model's own; '' for none): sentence-transformers' "
@@ -367,7 +379,7 @@ def parse_args(argv: list[str] | None = None) -> MineConfig:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     a = p.parse_args(argv)
     settings = MiningSettings(a.num_negatives, a.range_min, a.range_max, a.relative_margin, a.absolute_margin,
-                              a.max_score, a.min_score, a.scores_per_block)
+                              a.max_score, a.min_score, a.scores_per_block, a.use_faiss, a.faiss_batch_size)
     return MineConfig(tuple(a.input), a.model, a.output, settings, a.encoder, a.query_instruction,
                       a.document_instruction, a.max_length, a.max_tokens, a.batch_size, a.shards, a.tokenizer, a.max_text_tokens,
                       a.progress)
@@ -376,6 +388,8 @@ def parse_args(argv: list[str] | None = None) -> MineConfig:
 def check(cfg: MineConfig) -> list[PairsFile]:
     """Every setting and input, before a model is loaded: :class:`MiningError` names the first problem."""
     cfg.settings.check()
+    if cfg.settings.use_faiss:
+        import_faiss()
     files = expand(cfg.inputs)
     for ok, message in [
         (cfg.max_length >= 1, f"--max-length must be >= 1, got {cfg.max_length}"),

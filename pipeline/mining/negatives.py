@@ -3,7 +3,9 @@
 the negatives it would choose:
 
 - candidates: the ``range_max + max_positives + 1`` corpus documents nearest to the query by cosine (exact
-  ``torch.topk``, the query rows cut into blocks of at most ``scores_per_block`` scores, so memory stays bounded);
+  ``torch.topk``, the query rows cut into blocks of at most ``scores_per_block`` scores, so memory stays bounded;
+  or, ``use_faiss``, faiss' exact ``IndexFlatIP`` on the unit rows, ``faiss_batch_size`` queries a search, as
+  ``mine_hard_negatives(use_faiss=True)``: the same neighbours up to ties and float rounding);
 - never a negative: the query's own text, and any positive of the query (a query that repeats over rows has them
   all), nor a filtered candidate: ``absolute_margin`` (score + margin > the query's lowest positive score),
   ``relative_margin`` (score > lowest positive - |lowest positive| x margin), ``max_score``, ``min_score``;
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 SCORES_PER_BLOCK = 1 << 24  # similarity scores held at once (64 MiB of float32)
+FAISS_BATCH_SIZE = 16384  # queries a faiss search (sentence-transformers' faiss_batch_size default)
+INSTALL = "pip install 'decoder-encoders[mining]'"
 
 
 class MiningError(ValueError):
@@ -43,6 +47,8 @@ class MiningSettings:
     max_score: float | None = None
     min_score: float | None = None
     scores_per_block: int = SCORES_PER_BLOCK
+    use_faiss: bool = False
+    faiss_batch_size: int = FAISS_BATCH_SIZE
 
     def check(self) -> None:
         """Raise :class:`MiningError` for the first setting out of range (before any model is loaded)."""
@@ -65,6 +71,7 @@ class MiningSettings:
             (None in (self.min_score, self.max_score) or self.min_score < self.max_score,
              f"--min-score {self.min_score} must be below --max-score {self.max_score}"),
             (self.scores_per_block >= 1, f"--scores-per-block must be >= 1, got {self.scores_per_block}"),
+            (self.faiss_batch_size >= 1, f"--faiss-batch-size must be >= 1, got {self.faiss_batch_size}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -94,6 +101,23 @@ class Mined:
         return torch.isfinite(self.scores).all(1)
 
 
+def import_faiss():
+    """faiss, or :class:`MiningError` naming the install (an optional extra: the torch search needs nothing)."""
+    try:
+        import faiss
+    except ImportError:
+        raise MiningError(f"--use-faiss needs faiss-cpu, which is not installed: {INSTALL} (or pip install "
+                          "faiss-cpu), or leave --use-faiss out for the exact torch top-k") from None
+    return faiss
+
+
+def search_name(settings: MiningSettings) -> str:
+    """The search, as the record names it (faiss with its version: the ties' order is its own)."""
+    if not settings.use_faiss:
+        return "exact torch top-k"
+    return f"exact faiss IndexFlatIP search (faiss {import_faiss().__version__})"
+
+
 def unit(x: torch.Tensor) -> torch.Tensor:
     """Rows at length 1, as sentence-transformers' ``normalize_embeddings`` (an encoder's output and again in
     ``cos_sim``: each application is kept so the bits match)."""
@@ -116,14 +140,10 @@ def mine(queries: torch.Tensor, corpus: torch.Tensor, positives: list[list[int]]
     wanted = k_window + max_positives + 1
     k = min(wanted, n)
     lowest = _lowest_positive(queries, corpus, positives)
-    corpus_unit = unit(corpus)
-    block = max(1, settings.scores_per_block // max(n, 1))
     skipped = {"absolute_margin": 0, "relative_margin": 0, "max_score": 0, "min_score": 0}
     out_idx, out_scores = [], []
     inf = float("inf")
-    for start in tqdm(range(0, len(queries), block), desc="search", disable=not progress, leave=False):
-        stop = min(start + block, len(queries))
-        scores, idx = torch.topk(torch.mm(unit(queries[start:stop]), corpus_unit.T), k=k, dim=1)
+    for start, stop, scores, idx in _nearest(queries, corpus, k, settings, progress):
         if wanted > k:
             scores = torch.cat([scores, scores.new_full((len(scores), wanted - k), -inf)], 1)
             idx = torch.cat([idx, idx.new_full((len(idx), wanted - k), -1)], 1)
@@ -141,6 +161,24 @@ def mine(queries: torch.Tensor, corpus: torch.Tensor, positives: list[list[int]]
         out_scores.append(top[:, window])
         out_idx.append(idx.gather(1, local)[:, window])
     return Mined(torch.cat(out_idx), torch.cat(out_scores), lowest, skipped)
+
+
+def _nearest(queries: torch.Tensor, corpus: torch.Tensor, k: int, settings: MiningSettings, progress: bool):
+    """(start, stop, scores, indices) of the ``k`` nearest corpus rows to each query of a block, best first."""
+    corpus_unit = unit(corpus)
+    if settings.use_faiss:
+        index = import_faiss().IndexFlatIP(corpus.shape[1])
+        index.add(corpus_unit.float().contiguous().numpy())
+        block = settings.faiss_batch_size
+    else:
+        block = max(1, settings.scores_per_block // max(len(corpus), 1))
+    for start in tqdm(range(0, len(queries), block), desc="search", disable=not progress, leave=False):
+        stop = min(start + block, len(queries))
+        if settings.use_faiss:
+            scores, idx = index.search(unit(queries[start:stop]).float().contiguous().numpy(), k)
+            yield start, stop, torch.from_numpy(scores), torch.from_numpy(idx)
+        else:
+            yield start, stop, *torch.topk(torch.mm(unit(queries[start:stop]), corpus_unit.T), k=k, dim=1)
 
 
 def _filters(s: MiningSettings, scores: torch.Tensor, low: torch.Tensor):

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import pytest
+import torch
 import warm
 from helpers import REPO, cpu_env, tiny_llama
 from shard_corpus import TOKENIZER
@@ -23,13 +25,14 @@ from pipeline.export.hf import save_hf
 from pipeline.export.record import EncoderRecord
 from pipeline.export.sentence_transformers import st_record
 from pipeline.mining.cli import Embedder, MineConfig, Task, main, mined_rows, read_pairs
-from pipeline.mining.negatives import MiningSettings, mine
+from pipeline.mining.negatives import INSTALL, MiningError, MiningSettings, mine
 
 PAIRS = os.path.join(REPO, "data", "sample", "pairs")
 # (range_min, range_max, relative_margin, absolute_margin, max_score): no filter; skip the nearest two with
 # NV-Retriever's 5 % margin; a window and an absolute margin with a cap
 SETTINGS = [dict(), dict(range_min=2, relative_margin=0.05), dict(range_max=20, absolute_margin=0.0, max_score=0.9)]
 BUDGET = 256  # encode()'s padded tokens per batch in the 2-rank test: many batches of the sample's short texts
+NO_FAISS = "faiss-cpu is not installed (the mining extra, which dev includes, has it)"
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,66 @@ def test_negatives_equal_sentence_transformers_mine_hard_negatives(st_dir):
     assert kept[0] == len(rows) > kept[1] > 0 and kept[2] > 0  # the filters bite, and leave rows to compare
 
 
+def test_faiss_search_chooses_the_negatives_of_the_torch_search(st_dir):
+    """``use_faiss`` (faiss' IndexFlatIP on the unit rows, a few queries a search) on the rows and settings of the
+    test above: the same negatives, scores within float rounding, and the same candidates removed by each filter."""
+    faiss = pytest.importorskip("faiss", reason=NO_FAISS)
+    rows = read_pairs(os.path.join(PAIRS, "replies.jsonl"))
+    rows += [(f"extra:{i}", {**r, "positive": rows[i + 40][1]["positive"], "negative": []})
+             for i, (_, r) in enumerate(rows[:6])]
+    task = Task.of(rows)
+    embedded = Embedder(MineConfig((), st_dir, "", progress=False)).task(task)
+    for kw in SETTINGS:
+        torch_, faiss_ = (mine(*embedded, task.positives, task.query_in_corpus, task.max_positives,
+                               MiningSettings(num_negatives=3, use_faiss=use, faiss_batch_size=7, **kw))
+                          for use in (False, True))
+        assert torch_.indices.tolist() == faiss_.indices.tolist() and torch_.skipped == faiss_.skipped, kw
+        assert (torch_.scores - faiss_.scores).nan_to_num(posinf=0, neginf=0).abs().max() < 1e-6
+    assert faiss.__version__  # the record names it
+
+
+def test_use_faiss_writes_the_torch_searchs_rows_and_records_the_search(st_dir, tmp_path):
+    """The command with and without ``--use-faiss`` on the sample's pairs files: the mined files are equal byte for
+    byte; mining.json differs in the search it names (the miner, with faiss' version) and the setting alone."""
+    faiss = pytest.importorskip("faiss", reason=NO_FAISS)
+    argv = ["--input", os.path.join(PAIRS, "*.jsonl"), "--model", st_dir, "--range-min", "1", "--relative-margin",
+            "0.05", "--no-progress"]
+    assert main([*argv, "--output", str(tmp_path / "torch")]) == 0
+    assert main([*argv, "--output", str(tmp_path / "faiss"), "--use-faiss", "--faiss-batch-size", "16"]) == 0
+    records = {}
+    for search in ("torch", "faiss"):
+        records[search] = json.loads((tmp_path / search / "mining.json").read_text())
+        for name in ("continuations.jsonl", "replies.jsonl"):
+            assert records[search]["files"][name]["kept"] > 0
+    for name in ("continuations.jsonl", "replies.jsonl"):
+        assert (tmp_path / "torch" / name).read_bytes() == (tmp_path / "faiss" / name).read_bytes()
+    assert records["torch"]["miner"].endswith("(top, n-tuple), exact torch top-k")
+    assert records["faiss"]["miner"].endswith(f"(top, n-tuple), exact faiss IndexFlatIP search (faiss "
+                                              f"{faiss.__version__})")
+    assert records["faiss"]["settings"] == {**records["torch"]["settings"], "use_faiss": True, "faiss_batch_size": 16}
+    assert {k: v for k, v in records["faiss"].items() if k != "miner" and k != "settings"} == \
+        {k: v for k, v in records["torch"].items() if k != "miner" and k != "settings"}
+
+
+def test_use_faiss_without_faiss_stops_in_one_line_naming_the_install(tmp_path, capsys, monkeypatch):
+    """Where faiss is not installed, ``--use-faiss`` is refused before the inputs are read or a model is loaded (the
+    model named does not exist), one line naming the pip install, exit 2; ``mine(use_faiss=True)`` raises it too
+    (it searches with faiss, not torch's top-k again)."""
+    for name in [m for m in sys.modules if m == "faiss" or m.startswith("faiss.")] or ["faiss"]:
+        monkeypatch.setitem(sys.modules, name, None)  # import faiss raises ImportError, as where not installed
+    argv = ["--input", os.path.join(PAIRS, "replies.jsonl"), "--model", str(tmp_path / "none"), "--output",
+            str(tmp_path / "out"), "--use-faiss"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --use-faiss needs faiss-cpu, which is not installed: {INSTALL} (or pip install faiss-cpu), or leave "
+        "--use-faiss out for the exact torch top-k"]
+    assert INSTALL == "pip install 'decoder-encoders[mining]'" and not os.path.exists(tmp_path / "out")
+    x = torch.eye(4)
+    assert mine(x, x, [[0], [1], [2], [3]], [-1] * 4, 1, MiningSettings(num_negatives=1)).complete.all()
+    with pytest.raises(MiningError, match=r"--use-faiss needs faiss-cpu"):
+        mine(x, x, [[0], [1], [2], [3]], [-1] * 4, 1, MiningSettings(num_negatives=1, use_faiss=True))
+
+
 @pytest.mark.parametrize("args, message", [
     (["--num-negatives", "0"], "--num-negatives must be >= 1, got 0"),
     (["--range-min", "3", "--range-max", "4"], "--range-max 4 leaves 1 candidates after --range-min 3, fewer than "
@@ -89,6 +152,7 @@ def test_negatives_equal_sentence_transformers_mine_hard_negatives(st_dir):
     (["--relative-margin", "1.5"], "--relative-margin must be in [0, 1)"),
     (["--max-score", "2"], "--max-score must be a cosine in [-1, 1], got 2.0"),
     (["--min-score", "0.5", "--max-score", "0.2"], "--min-score 0.5 must be below --max-score 0.2"),
+    (["--faiss-batch-size", "0"], "--faiss-batch-size must be >= 1, got 0"),
     (["--input", "BAD.jsonl"], "BAD.jsonl:2: positive missing, empty or not text"),
 ])
 def test_settings_out_of_range_stop_in_one_line_before_a_model_is_loaded(tmp_path, capsys, args, message):
