@@ -52,14 +52,16 @@ def model_scale(run: RunDir, exp: ExperimentConfig) -> str:
 
 
 def continued_from(run: RunDir) -> RunDir | None:
-    """The run whose HF export this run started from (``model.init: RUN/hf``, as a grid's ``${run:NAME}/hf``), when
-    that run directory is still there, or a run of its name beside this one (records of runs, copied together)."""
+    """The run whose HF export this run started from (``model.init: RUN/hf``, as a grid's ``${run:NAME}/hf``): a run
+    of its name beside this one (the same directory for a grid's runs; for records of runs, copied together, the
+    record, even where a run directory of that path exists again), else that run directory where it is still
+    there."""
     init = run.experiment().model.init
     if not init or os.path.basename(os.path.normpath(init)) != "hf":
         return None
     name = os.path.dirname(os.path.normpath(init))
-    for start in RunDir(name), RunDir(os.path.join(os.path.dirname(os.path.normpath(run.path)),
-                                                    os.path.basename(name))):
+    beside = RunDir(os.path.join(os.path.dirname(os.path.normpath(run.path)), os.path.basename(name)))
+    for start in beside, RunDir(name):
         if start.exists():
             return start
     return None
