@@ -344,6 +344,7 @@ def write_records(r: RecipesRun, stages: Stages, record: dict) -> dict:
                 keep = os.path.join(target, "runs", os.path.relpath(path, OUT))
                 os.makedirs(os.path.dirname(keep), exist_ok=True)
                 shutil.copyfile(path, keep)
+    os.makedirs(os.path.join(target, "mining"), exist_ok=True)
     for kind in FILTERS:
         if os.path.isfile(source := os.path.join(mined(kind), "mining.json")):
             kept = read_json(source, what="mining record")

@@ -96,3 +96,15 @@ def test_every_evaluation_reads_a_run_or_merge_of_the_grid_and_each_width_has_it
     simcse = os.path.join(OUT, f"{NAME}-simcse-mrl-s1")
     assert {recipes.results_file(simcse, d) for d in DIMS} <= files
     assert len({recipes.results_file(simcse, d) for d in DIMS}) == len(DIMS)
+
+
+def test_the_page_has_the_study_block_and_a_study_with_nothing_run_says_so(tmp_path):
+    page = tmp_path / "results.md"
+    page.write_text(open(os.path.join(REPO, "docs", "results.md")).read())
+    record = {"rules": {"replies": {"queries": 10, "with_several_answers": 1}}}
+    recipes.write_block(str(page), recipes.markdown(record, {}))
+    block = page.read_text().split(f"<!-- BEGIN full {NAME} -->")[1].split(f"<!-- END full {NAME} -->")[0]
+    claims = [line for line in block.splitlines() if line.startswith("| ") and "| **" in line]
+    assert len(claims) == 3 + 4 + 4  # (a) the claim and its two parts, (b) three retrieval claims and the rate, (c)
+    assert all("| **inconclusive** |" in line for line in claims)
+    assert "1 of 10 replies queries have more than one answer" in block
