@@ -117,7 +117,7 @@ def clustering_file(ctx: EvalContext, dataset: str, opts: EmbeddingOptions) -> d
 def retrieval_file(ctx: EvalContext, dataset: str, opts: EmbeddingOptions) -> dict:
     rows = read_rows(dataset, opts.split)
     pool = ranking_pool(rows[: opts.max_examples] if opts.max_examples else rows, dataset)
-    queries = np.zeros((len(pool.queries), ctx.model.lm.config.hidden_size), dtype=np.float32)
+    queries = None  # [queries, width]: the width is encode()'s (a --dim or the record's truncate_dim cuts it)
     by_instruction: dict[str, list[int]] = {}
     for i, row in enumerate(pool.rows):
         given = opts.instruction if opts.instruction is not None else row.get(("instruction",), "instruction",
@@ -126,7 +126,10 @@ def retrieval_file(ctx: EvalContext, dataset: str, opts: EmbeddingOptions) -> di
     for instruction, which in by_instruction.items():
         if ctx.model.record.instruction_format is None:
             instruction = format_instruction(opts.instruction_format, instruction)
-        queries[which] = _embed(ctx, [pool.queries[i] for i in which], opts, instruction or "")
+        embedded = _embed(ctx, [pool.queries[i] for i in which], opts, instruction or "")
+        if queries is None:
+            queries = np.zeros((len(pool.queries), embedded.shape[1]), dtype=np.float32)
+        queries[which] = embedded
     documents = _embed(ctx, pool.documents, opts, "")
     return {"ndcg": ndcg(queries, documents, pool.relevance, opts.k),
             "mrr": mrr(queries, documents, pool.relevance, opts.k), "k": opts.k, "queries": len(pool.queries),

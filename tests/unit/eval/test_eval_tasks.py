@@ -23,6 +23,7 @@ from pipeline.eval.finetune.protocol import linear_warmup_decay, split_train
 from pipeline.eval.finetune.qa import ExtractiveQA, Question
 from pipeline.eval.forward import tokenize_words
 from pipeline.eval.infilling import Example, span_nll
+from pipeline.eval.ranking import ndcg
 from pipeline.eval.registry import TASKS, task_options
 from pipeline.eval.repetition import repetition_scores
 from pipeline.eval.task import EvalContext
@@ -351,3 +352,10 @@ def test_every_embedding_task_and_launch_evaluate_take_a_dimension(model, hf_dir
     for name, where in (("sts", data_dir), ("clustering", data_dir), ("zero_shot_retrieval", str(tmp_path))):
         with pytest.raises(ValueError, match="dim 65: the model's embeddings have 64 dims"):
             TASKS[name].run(ctx_for(model, where, dim=65), task_options([name], [])[name])
+    # retrieval at a width the model has: the queries' matrix is as wide as the cut (it was the model's: a broadcast
+    # error), and the ranking is the cut embeddings'
+    cut = TASKS["zero_shot_retrieval"].run(ctx_for(model, str(tmp_path), dim=16),
+                                           task_options(["zero_shot_retrieval"], [])["zero_shot_retrieval"])
+    queries = encode(model, [f"Question {i}?" for i in range(4)], dim=16)
+    documents = encode(model, [f"Answer {i}." for i in range(4)], dim=16)
+    assert cut["datasets"]["pairs"]["ndcg"] == pytest.approx(ndcg(queries, documents, [{i: 1} for i in range(4)], 10))
