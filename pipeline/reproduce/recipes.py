@@ -113,7 +113,7 @@ def train(stages: Stages, only: list[str], what: str) -> None:
                lambda: act(prepare(request)))
 
 
-def mine_negatives(stages: Stages, device: str) -> None:
+def mine_negatives(stages: Stages) -> None:
     """Each kind of mining (with and without the filters) of the given pairs with MINER's export; the filtered
     one's pair shards are what the supervised-mined runs read."""
     for kind, flags in FILTERS.items():
@@ -371,7 +371,7 @@ def run(r: RecipesRun) -> None:
     prepare_inputs(r, stages)
     train(stages, ["llm2vec-mntp", f"{NAME}-simcse-*"], "MNTP (the LLM2Vec study's) and SimCSE with and without "
           "Matryoshka")
-    mine_negatives(stages, r.device)
+    mine_negatives(stages)
     train(stages, [f"{NAME}-supervised-*"], "the supervised stage on given and mined negatives")
     merge_exports(stages)
     evaluate(stages, r.device)
