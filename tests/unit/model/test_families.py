@@ -79,7 +79,7 @@ def test_every_family_is_listed_as_what_it_is_and_in_the_docs():
     assert [f for f in ARCHITECTURES if is_moe(AutoConfig.for_model(f))] == list(MOE_ARCHITECTURES)
     text = open(os.path.join(REPO, "docs", "models.md")).read()
     listed = text.split("`model_type`", 1)[1].split("loaded with", 1)[0]
-    assert re.findall(r"`(\w+)`", listed) == list(ARCHITECTURES)
+    assert re.findall(r"`(\w+)`", listed) == list(ARCHITECTURES), "list each model_type in docs/models.md's init"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

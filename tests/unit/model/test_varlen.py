@@ -152,11 +152,11 @@ def test_varlen_inputs_per_mode():
 
 def model_pair(model_type: str, heads: int = 4, kv_heads: int = 2) -> dict[str, torch.nn.Module]:
     """The same tiny random model of ``model_type`` under SDPA (eager for Gemma 2, which SDPA cannot softcap)
-    and under VARLEN."""
+    and under VARLEN; its padding id inside the tiny vocabulary (a family's default may lie beyond it)."""
     def config():  # one each: from_config sets the implementation on the config it is given
         return AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=64,
                                     num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                    head_dim=8, max_position_embeddings=256)
+                                    head_dim=8, max_position_embeddings=256, pad_token_id=0)  # in VOCAB
 
     reference = "eager" if model_type == "gemma2" else "sdpa"
     torch.manual_seed(0)

@@ -335,6 +335,8 @@ def test_every_objective_is_registered_by_its_config():
         module = importlib.import_module(f"pipeline.objectives.{module.name}")
         defined |= {c: module.__name__ for c in vars(module).values() if isinstance(c, type)
                     and issubclass(c, Objective) and c.__module__ == module.__name__ and "name" in vars(c)}
+    unregistered = sorted(c.name for c in defined if c not in OBJECTIVES.values())
+    assert not unregistered, f"{unregistered}: add each one's config to ObjectiveConfig (pipeline/objectives/configs.py)"
     assert defined == {cls: f"pipeline.objectives.{name}" for name, cls in OBJECTIVES.items()}
     for name, cls in OBJECTIVES.items():
         assert type(from_tagged(ObjectiveConfig, {"name": name})).__name__ == f"{cls.__name__}Config"

@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import random
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -71,6 +72,13 @@ def test_every_input_type_reads_the_same_records(tmp_path, suffix):
     stats = RecordStats()
     assert list(read_records(str(path), ("text",), stats, SourceField("meta.set"))) == [("one", "a"), ("three", "b")]
     assert stats.documents == 2 and stats.bad == {"empty": 1, "missing_field": 1, "missing_source": 1}
+
+
+def test_the_docs_list_every_input_type():
+    """docs/data_prep.md's ``--input`` rows name the suffixes ``READERS`` reads, in its order."""
+    with open(os.path.join(os.path.dirname(__file__), "../../../../docs/data_prep.md")) as f:
+        rows = [line for line in f if line.startswith("| `--input GLOB...` |")]
+    assert rows and all(re.findall(r"`(\.[\w.]+)`", row) == list(SUFFIXES) for row in rows), rows
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.zst", ".jsonl.gz"])
