@@ -14,6 +14,7 @@ save's files and what the background writes take from the next steps. It prints 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -52,6 +53,7 @@ def main() -> None:
     from pipeline.train.engine_spec import engine_spec
     from pipeline.train.module import build_engine
     from pipeline.train.phases import build_objectives
+    from pipeline.train.plan import checkpoint_spec
     from pipeline.train.preflight import check_model
     from pipeline.train.state import TrainState
     from pipeline.train.step import train_step
@@ -81,9 +83,9 @@ def main() -> None:
         plain_engine = engine.checkpoint_engine
         checkpointers = {}
         for kind, on in (("sync", False), ("async", True)):
-            cfg = exp.checkpoint.__class__(**{**vars(exp.checkpoint), "async_save": on})
+            spec = dataclasses.replace(checkpoint_spec(exp.checkpoint), async_save=on)
             engine.checkpoint_engine = plain_engine
-            checkpointers[kind] = Checkpointer(engine, RunDir(os.path.join(tmp, kind)), cfg, {})
+            checkpointers[kind] = Checkpointer(engine, RunDir(os.path.join(tmp, kind)), spec, {})
         engines = {kind: engine.checkpoint_engine if kind == "async" else plain_engine for kind in checkpointers}
         plain, lost = [], {kind: [] for kind in checkpointers}
         step()  # warm-up

@@ -227,8 +227,8 @@ def run(args: argparse.Namespace) -> None:
     ds = prepared.ds_config()
     lm, _bare_module, optimizer = build_train_model(ds, prepared.model, prepared.engine,
                                                     [clm.objective])  # the module holds HfDeepSpeedConfig
-    bare_engine, *_ = deepspeed.initialize(model=lm, **optimizer, lr_scheduler=lr_scheduler(steps, exp.optim),
-                                           config=ds)
+    bare_engine, *_ = deepspeed.initialize(model=lm, **optimizer,
+                                           lr_scheduler=lr_scheduler(prepared.engine.schedule), config=ds)
     bare = TimedEngine(bare_engine)
     fixed = [b.input_ids for b in ShardLoader(index, shape.micro_batch, args.grad_accum, rank, world,
                                               exp.train.seed).next_global_step()]  # ours' first step's batch
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> None:
         return loss.item()
 
     # (b): the trainer as launch/train.py builds it; its engine, data, bookkeeping and validation timed in place
-    trainer = Trainer.build(exp, prepared, stop, device)
+    trainer = Trainer.build(prepared, stop, device)
     ours = TimedEngine(trainer.engine)
     trainer.engine = ours
     clock = StepClock(bare_step, bare, ours, args.warmup, args.steps)

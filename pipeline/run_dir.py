@@ -181,10 +181,11 @@ class RunDir:
 
         return AutoConfig.for_model(**read_json(self.model_config_json, "not a run directory of launch/train.py"))
 
-    def run_files(self, exp: ExperimentConfig, ds_config: dict, model_config: dict, data: DataRecord
+    def run_files(self, experiment: dict, ds_config: dict, model_config: dict, data: DataRecord
                   ) -> dict[str, dict]:
-        """The run's description, by file name, as written into the run and into every checkpoint."""
-        return {EXPERIMENT: to_dict(exp), DS_CONFIG: ds_config, MODEL_CONFIG: model_config, DATA: to_dict(data)}
+        """The run's description, by file name, as written into the run and into every checkpoint; ``experiment``:
+        the experiment as a dict (``to_dict``)."""
+        return {EXPERIMENT: experiment, DS_CONFIG: ds_config, MODEL_CONFIG: model_config, DATA: to_dict(data)}
 
     def write_run_files(self, files: dict[str, dict]) -> None:
         """Write :meth:`run_files` and ``experiment.yaml`` (the same experiment, for ``--experiment``)."""

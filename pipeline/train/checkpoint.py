@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.experiment import CheckpointConfig
 from pipeline.io import read_json, write_json_atomic
 from pipeline.run_dir import MARKER, RunDir, tag
 from pipeline.safe_load import load_weights_only
@@ -44,8 +43,8 @@ from pipeline.train.async_checkpoint import (
 from pipeline.train.run_setup import ResumePoint
 from pipeline.train.state import TrainState
 
-if TYPE_CHECKING:  # the decision's module imports the evaluators, which a checkpoint does not need
-    from pipeline.train.keep_best import KeepBest
+if TYPE_CHECKING:
+    from pipeline.train.plan import CheckpointSpec
 
 UNIVERSAL = "universal"  # sub-directory of a step with its universal-format copy
 
@@ -251,17 +250,16 @@ class Checkpointer:
     """The trainer's checkpoints: resume from the newest complete one, save at a step, and remember the last step
     saved. ``run_files`` (the run's description) are written into every checkpoint. With ``checkpoint.async_save``
     the engine's files are written in the background (:mod:`pipeline.train.async_checkpoint`): a save waits only for
-    the previous one's writes, and :meth:`wait` for the last. With ``keep`` (``checkpoint.keep_best`` as preflight
-    decided it) it follows the best step (:meth:`observe`), spares its checkpoint from pruning and carries it in the
-    client state with its metric and direction, so a resumed run with the same setting knows it."""
+    the previous one's writes, and :meth:`wait` for the last. With ``spec.keep`` (``checkpoint.keep_best`` as
+    preflight decided it) it follows the best step (:meth:`observe`), spares its checkpoint from pruning and carries
+    it in the client state with its metric and direction, so a resumed run with the same setting knows it."""
 
-    def __init__(self, engine, run: RunDir, cfg: CheckpointConfig, run_files: dict[str, dict],
-                 keep: KeepBest | None = None):
-        self.engine, self.run, self.cfg, self.run_files = engine, run, cfg, run_files
+    def __init__(self, engine, run: RunDir, spec: CheckpointSpec, run_files: dict[str, dict]):
+        self.engine, self.run, self.spec, self.run_files = engine, run, spec, run_files
         self.last_saved = 0
-        self.keep, self.best = keep, None
+        self.keep, self.best = spec.keep, None
         self.writer = self.completer = None
-        if cfg.async_save:
+        if spec.async_save:
             self.writer = BackgroundWriter()  # this rank's files, then its written-rank<r>
             self.completer = BackgroundWriter() if not dist.is_initialized() or dist.get_rank() == 0 else None
             engine.checkpoint_engine = AsyncCheckpointEngine(engine.checkpoint_engine, self.writer)
@@ -316,7 +314,7 @@ class Checkpointer:
         self._written()  # one state in host memory at a time, and the previous save's errors surface here
         best = dataclasses.asdict(self.best) | {"metric": self.keep.metric, "mode": self.keep.mode} if self.best else None
         save(self.engine, self.run, state.step, state.state_dict() | ({"best": best} if best else {}), self.run_files,
-             self.cfg.keep_last, self.cfg.keep_every, self.writer, self.completer, best)
+             self.spec.keep_last, self.spec.keep_every, self.writer, self.completer, best)
         self.last_saved = state.step
 
     def wait(self) -> None:

@@ -81,7 +81,7 @@ def run(ds_config: str, experiment: str | None, overrides: list[str], stop: Stop
         try:
             for note in prepared.notes:
                 print(note, file=sys.stderr, flush=True)
-            Trainer.build(exp, prepared, stop, device).fit()
+            Trainer.build(prepared, stop, device).fit()
         except Diverged as e:
             stop.failing()
             errors.report(e, exp.run_dir, rank, started, prefix="diverged")

@@ -57,19 +57,24 @@ def logged(configs: list[EvaluatorConfig]) -> tuple[set[str], set[str]]:
     return always, sometimes
 
 
+@dataclass(frozen=True)
+class EvaluatorTask:
+    """One entry of ``eval.evaluators`` as preflight parsed it: the task and its typed options."""
+
+    task: str
+    options: Any
+
+
+def evaluator_tasks(configs: list[EvaluatorConfig]) -> tuple[EvaluatorTask, ...]:
+    return tuple(EvaluatorTask(c.task, c.task_options(f"eval.evaluators[{i}]")) for i, c in enumerate(configs))
+
+
 @dataclass
 class TrainingEvaluators:
-    configs: list[EvaluatorConfig]
-    options: list[Any]  # each task's typed options
+    tasks: tuple[EvaluatorTask, ...]
     tokenizer: Tokenizer
     record: EncoderRecord  # how the run's export reads the model (pipeline.export.record.from_experiment)
     run_dir: str
-
-    @classmethod
-    def build(cls, configs: list[EvaluatorConfig], tokenizer: Tokenizer, record: EncoderRecord,
-              run_dir: str) -> TrainingEvaluators:
-        return cls(configs, [c.task_options(f"eval.evaluators[{i}]") for i, c in enumerate(configs)], tokenizer,
-                   record, run_dir)
 
     @torch.no_grad()
     def run(self, engine, lm: torch.nn.Module, step: int, device: torch.device) -> dict[str, float]:
@@ -86,12 +91,13 @@ class TrainingEvaluators:
         engine.eval()
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                for config, options in zip(self.configs, self.options):
+                for entry in self.tasks:
                     torch.manual_seed(SEED)  # as launch/evaluate.py seeds each task
-                    task = TASKS[config.task]
-                    result = task.run(ctx, options)
+                    task = TASKS[entry.task]
+                    result = task.run(ctx, entry.options)
                     scalars |= {f"eval/{k}": float(v) for k, v in task.spec.headline(result).items()}
-                    tasks.append({"task": config.task, "split": getattr(options, "split", None), "result": result})
+                    tasks.append({"task": entry.task, "split": getattr(entry.options, "split", None),
+                                  "result": result})
         finally:
             engine.train()
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -8,7 +8,6 @@ import contextlib
 from transformers import PreTrainedModel
 from transformers.integrations import deepspeed as hf_deepspeed
 
-from pipeline.experiment import ExperimentConfig
 from pipeline.export.hf import export_checkpoint, save_hf
 from pipeline.export.record import EncoderRecord
 from pipeline.export.sentence_transformers import st_record
@@ -16,20 +15,21 @@ from pipeline.run_dir import RunDir
 from pipeline.train.distributed import on_rank_0
 
 
-def export_engine(engine, lm: PreTrainedModel, tokenizer, out: str, record: EncoderRecord, exp: ExperimentConfig,
-                  step: int, tokens: int) -> str:
-    """Collective under ZeRO-3: every rank takes part in the 16-bit gather; rank 0 writes (a LoRA adapter merged),
-    with the sentence-transformers files when ``train.export_sentence_transformers``."""
+def export_engine(engine, lm: PreTrainedModel, tokenizer, run: RunDir, record: EncoderRecord, st: bool, step: int,
+                  tokens: int) -> str:
+    """Collective under ZeRO-3: every rank takes part in the 16-bit gather; rank 0 writes ``run``'s ``hf/`` (a
+    LoRA adapter merged), with the sentence-transformers files when ``st`` (``train.export_sentence_transformers``).
+    Its card describes the experiment the run recorded (``experiment.json``), as the export of a checkpoint
+    does."""
     stage3 = engine.zero_optimization_stage() == 3
     sd = engine._zero3_consolidated_16bit_state_dict() if stage3 else engine.module.state_dict()
 
     def write() -> None:
-        st = exp.train.export_sentence_transformers
-        save_hf(lm, sd, tokenizer, out, st_record(record) if st else record, exp, step, tokens, st)
-        print(f"exported HF model to {out}", flush=True)
+        save_hf(lm, sd, tokenizer, run.hf, st_record(record) if st else record, run.experiment(), step, tokens, st)
+        print(f"exported HF model to {run.hf}", flush=True)
 
     on_rank_0(write)
-    return out
+    return run.hf
 
 
 @contextlib.contextmanager

@@ -12,12 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.config import to_dict
-from pipeline.experiment import ExperimentConfig
 from pipeline.run_dir import RunDir
 from pipeline.tasks import SPECS
 from pipeline.train.fit_summary import FitSummary
-from pipeline.train.trackers import Trackers
+from pipeline.train.trackers import Trackers, TrackersSpec
 
 # on the eval line: the headline scores of every task that runs during training (eval.evaluators)
 EVALUATOR_SCALARS = tuple(f"eval/{key}" for spec in SPECS.values() if spec.in_training for key in spec.keys)
@@ -47,17 +45,16 @@ class Throughput:
 class MetricsLogger:
     """``start_step``: the step training continues from; lines of later steps (logged before the checkpoint the
     run resumes from was overtaken by a kill) are dropped, so a replayed step is in ``metrics.jsonl`` once.
-    ``exp``: the experiment whose ``train.trackers`` get the scalars too (None: TensorBoard alone)."""
+    ``trackers``: the trackers that get the scalars too (None: TensorBoard alone)."""
 
     def __init__(self, run: RunDir, enabled: bool, log_every: int, start_step: int = 0,
-                 exp: ExperimentConfig | None = None):
+                 trackers: TrackersSpec | None = None):
         self.run, self.enabled, self.log_every = run, enabled, log_every
         self.trackers = None
         self.history_path = run.metrics
         if enabled:
             logged_until = _drop_after(self.history_path, start_step)
-            exp = exp or ExperimentConfig(run_dir=run.path)
-            self.trackers = Trackers(exp, run, to_dict(exp), start_step, logged_until)
+            self.trackers = Trackers(trackers or TrackersSpec(), run, start_step, logged_until)
         self.start = time.time()
 
     def log(self, step: int, scalars: dict[str, float], phase: str) -> None:

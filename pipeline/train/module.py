@@ -16,14 +16,13 @@ from deepspeed.utils import set_z3_leaf_modules
 from torch import nn
 from transformers.integrations import HfDeepSpeedConfig
 
-from pipeline.experiment import OptimConfig
 from pipeline.model.build import ModelSpec, build_model
 from pipeline.model.moe import ROUTER_AUX, router_aux_scope
 from pipeline.model.weight_decay import param_groups
 from pipeline.train.async_checkpoint import WeightsOnlyLoads
 from pipeline.train.compiling import deepcompile
 from pipeline.train.deepspeed_ops import arch_list_for_deepspeed
-from pipeline.train.engine_spec import EngineSpec
+from pipeline.train.engine_spec import AdamWSpec, EngineSpec
 from pipeline.train.schedule import lr_scheduler
 
 
@@ -58,7 +57,7 @@ class TrainModule(nn.Module):
 BUILD_ERRORS = (RuntimeError, ImportError, OSError, subprocess.CalledProcessError)  # a failed JIT build of an op
 
 
-def build_optimizer(groups: list[dict], o: OptimConfig, kernel: str) -> torch.optim.Optimizer:
+def build_optimizer(groups: list[dict], o: AdamWSpec, kernel: str) -> torch.optim.Optimizer:
     """AdamW for the DeepSpeed engine with the kernel ``kernel`` (:func:`adamw_kernel`). DeepSpeed's FusedAdam is built
     on first use; where that build fails (a CUDA toolkit whose headers DeepSpeed's op builder cannot compile against)
     the run trains with torch's fused AdamW, the same update, and says so."""
@@ -105,9 +104,9 @@ def build_train_model(ds: dict, model: ModelSpec, engine: EngineSpec, objectives
         set_z3_leaf_modules(lm, list({type(layer) for layer in lm.model.layers}))
     module = TrainModule(lm, engine.router_aux_coef)
     module._hf_ds_config = hf_ds
-    groups = param_groups(module, engine.optim.weight_decay)
+    groups = param_groups(module, engine.adamw.weight_decay)
     optimizer = {"model_parameters": groups} if "optimizer" in ds else {
-        "optimizer": build_optimizer(groups, engine.optim, engine.fused)}
+        "optimizer": build_optimizer(groups, engine.adamw, engine.fused)}
     return lm, module, optimizer
 
 
@@ -128,7 +127,7 @@ def build_engine(ds: dict, model: ModelSpec, engine: EngineSpec,
     compiled by DeepCompile when the DeepSpeed config asks for it (preflight checked that it can)."""
     lm, module, optimizer = build_train_model(ds, model, engine, objectives)
     initialized, *_ = deepspeed.initialize(model=module, **optimizer, config=ds,
-                                           lr_scheduler=lr_scheduler(engine.steps, engine.optim))
+                                           lr_scheduler=lr_scheduler(engine.schedule))
     initialized.checkpoint_engine = WeightsOnlyLoads(initialized.checkpoint_engine)  # a resume runs no code from files
     if deepcompile(ds):
         initialized.compile()

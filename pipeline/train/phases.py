@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 from dataclasses import dataclass
 
 from pipeline.config import ConfigError
 from pipeline.data.format.index import ShardKind
-from pipeline.experiment import ExperimentConfig, PhaseSpec
+from pipeline.experiment import PhaseSpec
 from pipeline.model.moe import ROUTER_AUX
 from pipeline.objectives import Objective, make_objective
 from pipeline.objectives.base import MaskTokenError
@@ -47,7 +48,8 @@ def build_objectives(phase: PhaseSpec, tokenizer, key: str = "phase") -> list[We
     for j, spec in enumerate(phase.objectives):
         where = f"{key}.objectives[{j}]"
         try:  # a masking objective resolves its mask token (objectives.base.resolve_mask_id) as it is made
-            objective = make_objective(spec, tokenizer, phase.document_masking)
+            # from its own copy of its config: training reads the objective, never the experiment
+            objective = make_objective(copy.deepcopy(spec), tokenizer, phase.document_masking)
         except MaskTokenError as e:
             raise ConfigError(f"{where}.mask_token: {e.what}; set it to a token of its vocabulary, e.g. "
                               f"{where}.mask_token={suggest_mask_token(tokenizer, spec.mask_token)!r}") from None
@@ -70,14 +72,12 @@ def check_loss_names(objectives: list[WeightedObjective], key: str) -> None:
             seen[name] = j
 
 
-def at_step(objectives: list[WeightedObjective], exp: ExperimentConfig, step: int) -> dict[str, float]:
-    """Give the phase's objectives the settings of the global ``step`` (from 0) by its place in its phase (the
-    masking-ratio schedules); the ``mask_ratio/<loss>`` scalars of the step's masked losses."""
-    idx, _ = exp.phase_at(step)
-    start, steps = exp.phase_starts()[idx], exp.phase_lengths()[idx]
+def at_step(objectives: list[WeightedObjective], step: int, steps: int) -> dict[str, float]:
+    """Give the phase's objectives the settings of its ``step`` (from 0) of ``steps`` (the masking-ratio
+    schedules); the ``mask_ratio/<loss>`` scalars of the step's masked losses."""
     ratios = {}
     for o in objectives:
-        o.objective.at_phase_step(step - start, steps)
+        o.objective.at_phase_step(step, steps)
         ratios |= {f"mask_ratio/{o.loss_name(loss)}": o.objective.masking.ratio
                    for loss in (o.objective.masked_losses if o.objective.masks else ())}
     return ratios

@@ -10,8 +10,9 @@ Every config error of a run is raised here: nothing below it raises ``ConfigErro
 :func:`agreed_preflight` then runs the rest on every rank in agreed stages (the same run and code, each rank's local
 result, rank 0's lock, rank 0's build of missing shards, their checks); the first failure of any rank is reported
 once, by rank 0. What it returns, :class:`Prepared`, is what it built and decided (objectives, probes, the
-resolved DeepSpeed config, the model's spec, the resume point, the shards' indexes, the held-out split, each
-loader's spec), frozen: the trainer builds the run from it and neither checks nor derives any of it again. Rank 0
+resolved DeepSpeed config, the model's spec, the run's plan and each part's spec, the resume point, the shards'
+indexes, the held-out split, each loader's spec), frozen: the trainer builds the run from it and neither checks nor
+derives any of it again, nor reads the experiment. Rank 0
 takes the run directory's lock onto the caller's ``ExitStack`` (the entry's ``with``), which releases it once,
 however the run ends.
 
@@ -31,7 +32,7 @@ from types import MappingProxyType
 import torch
 from transformers import PretrainedConfig
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, to_dict
 from pipeline.data.format.index import UNNAMED_SOURCE, DatasetIndex
 from pipeline.data.loading.holdout import Holdout, ValidationSamples
 from pipeline.data.loading.order import BatchWarmup
@@ -47,7 +48,7 @@ from pipeline.model.build import (
 from pipeline.model.moe import router_aux_coef
 from pipeline.model.presets import PRESETS
 from pipeline.objectives.base import MaskTokenError
-from pipeline.run_dir import DataRecord
+from pipeline.run_dir import DataRecord, RunDir
 from pipeline.tokenizer import Tokenizer, load_tokenizer
 from pipeline.train import errors
 from pipeline.train.agreement import PreflightFailed, agreed, check_same_run
@@ -55,9 +56,11 @@ from pipeline.train.batch_warmup import batch_warmup
 from pipeline.train.compiling import body_compiles, check_compile
 from pipeline.train.ds_config import resolve_ds_config
 from pipeline.train.engine_spec import EngineSpec, engine_spec
-from pipeline.train.keep_best import KeepBest, keep_best
+from pipeline.train.evaluators import EvaluatorTask, evaluator_tasks
+from pipeline.train.keep_best import keep_best
 from pipeline.train.kernels import attn_implementation, model_dtype
 from pipeline.train.phases import WeightedObjective, build_objectives, shard_kind_readers
+from pipeline.train.plan import CheckpointSpec, RunPlan, checkpoint_spec, run_plan
 from pipeline.train.run_setup import (
     ResumePoint,
     check_resumable,
@@ -75,16 +78,17 @@ from pipeline.train.shard_checks import (
     check_shards,
     packed_fingerprints,
 )
-from pipeline.train.trackers import check_trackers
-from pipeline.train.validation import probes
+from pipeline.train.trackers import TrackersSpec, check_trackers, trackers_spec
+from pipeline.train.validation import ValidationSpec, probes
 
 
 @dataclass(frozen=True)
 class Prepared:
     """What preflight built, checked and decided, the trainer's whole hand-over: it builds the run from it and
-    neither checks nor derives any of it again. :func:`check_setup` fills the first part, the shards' checks
-    (:func:`~pipeline.train.shard_checks.check_shards`) the shards' part (a new ``Prepared``). Its containers are immutable; what it lends that others change is copied
-    (:meth:`ds_config`; the model's config by :func:`~pipeline.model.build.build_model`)."""
+    neither checks nor derives any of it again, nor reads the experiment. :func:`check_setup` fills the first part,
+    the shards' checks (:func:`~pipeline.train.shard_checks.check_shards`) the shards' part (a new ``Prepared``).
+    Its containers are immutable; what it lends that others change is copied (:meth:`ds_config`,
+    :meth:`run_files`; the model's config by :func:`~pipeline.model.build.build_model`)."""
 
     tokenizer: Tokenizer
     objectives: tuple[tuple[WeightedObjective, ...], ...]  # per phase
@@ -92,6 +96,11 @@ class Prepared:
     model: ModelSpec  # the model to build: config, weights, dtype, attention, LoRA, checkpointing, compile
     engine: EngineSpec  # the engine around it: optimizer, LR schedule, AdamW kernel, leaf layers, router loss
     resolved_ds: dict  # the DeepSpeed config resolved against the experiment: read it through :meth:`ds_config`
+    plan: RunPlan  # the phases and the steps of logs, validations, checkpoints, the stop and the export
+    checkpoint: CheckpointSpec  # how checkpoints are kept (with keep_best's decision once the shards are checked)
+    trackers: TrackersSpec
+    evaluators: tuple[EvaluatorTask, ...]  # eval.evaluators, parsed
+    experiment: Mapping  # the experiment as a dict (experiment.json): read it through :meth:`run_files`
     resume: ResumePoint | None = None  # where the run resumes (None: it starts at step 0)
     half_written: tuple[int, ...] = ()  # steps of checkpoint directories without COMPLETE, which a killed run left
     probes: tuple[WeightedObjective, ...] = ()  # validation's probes (eval.every and eval.probes)
@@ -101,8 +110,8 @@ class Prepared:
     indexes: Mapping[str, DatasetIndex] = field(default_factory=lambda: MappingProxyType({}))
     loaders: Mapping[str, LoaderSpec] = field(default_factory=lambda: MappingProxyType({}))  # one per index
     validation: ValidationSamples | None = None  # the samples validation scores (eval.every > 0)
+    validator: ValidationSpec | None = None  # what and how validation scores (None: no validation)
     holdout: Holdout | None = None  # eval.holdout's split of data.shards: which packed samples training reads
-    keep_best: KeepBest | None = None  # checkpoint.keep_best against what each phase logs (None: none)
 
     @property
     def train_samples(self) -> int | None:
@@ -112,6 +121,12 @@ class Prepared:
     def ds_config(self) -> dict:
         """The resolved DeepSpeed config, a copy: DeepSpeed and the run files take it."""
         return copy.deepcopy(self.resolved_ds)
+
+    def run_files(self, ds: dict, model_config: dict) -> dict[str, dict]:
+        """The run's description (:meth:`RunDir.run_files`) with the DeepSpeed config ``ds`` the engine took and
+        its model's config; the experiment's dict a copy."""
+        return RunDir(self.plan.run_dir).run_files(copy.deepcopy(dict(self.experiment)), ds, model_config,
+                                                   self.data_record())
 
     def data_record(self) -> DataRecord:
         """``data.json`` (written into every checkpoint): the shards of data.shards and of each phase's own, which
@@ -214,9 +229,11 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, ds: di
     validation_probes = _probes(exp.eval, tokenizer) if exp.eval.every and exp.eval.probes else []
     for i, evaluator in enumerate(exp.eval.evaluators):
         evaluator.check_files(f"eval.evaluators[{i}]")
+    as_dict = to_dict(exp)
     return Prepared(tokenizer, objectives, from_experiment(exp, tokenizer), model, engine_spec(exp, cuda, coef),
-                    resolved, resume, half_written(exp.run_dir), tuple(validation_probes),
-                    batch_warmup(exp.train, world))
+                    resolved, run_plan(exp), checkpoint_spec(exp.checkpoint), trackers_spec(exp, as_dict),
+                    evaluator_tasks(exp.eval.evaluators), as_dict, resume, half_written(exp.run_dir),
+                    tuple(validation_probes), batch_warmup(exp.train, world))
 
 
 def local_preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool, ds: dict | None = None) -> Prepared:
@@ -236,8 +253,11 @@ def _with_shards(exp: ExperimentConfig, prepared: Prepared, world: int, rank: in
     shards = check_shards(exp, prepared.tokenizer, prepared.objectives, prepared.warmup, world)
     best, best_notes = keep_best(exp, prepared.objectives, prepared.probes,
                                  shards.validation.index.sources if shards.validation else ())
+    v = exp.eval
+    validator = (ValidationSpec(shards.validation, prepared.probes, v.micro_batch or exp.train.micro_batch,
+                                exp.data.verify_shards) if v.every else None)
     return replace(prepared, indexes=shards.indexes, loaders=shards.loaders, validation=shards.validation,
-                   holdout=shards.holdout, keep_best=best,
+                   validator=validator, holdout=shards.holdout, checkpoint=replace(prepared.checkpoint, keep=best),
                    notes=prepared.notes + ((*shards.notes, *best_notes) if rank == 0 else ()))
 
 

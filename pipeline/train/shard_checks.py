@@ -50,10 +50,15 @@ if TYPE_CHECKING:  # the build, the tokenizer and the objectives import torch: f
 @dataclass(frozen=True)
 class LoaderSpec:
     """One loader of the run as preflight decided it: its shards, micro-batch, held-out samples, mixture, same-task
-    batches and batch warmup. The trainer opens it (``ShardLoader``) on its rank with the run's seed and workers."""
+    batches, batch warmup, and how the run reads (seed, workers, verification). The trainer opens it
+    (``ShardLoader``) on its rank."""
 
     index: DatasetIndex
     micro_batch: int
+    grad_accum: int  # train.grad_accum: micro-batches per optimizer step
+    seed: int  # train.seed
+    workers: int  # data.num_workers
+    verify: bool  # data.verify_shards
     holdout: Holdout | None = None  # the samples it stops short of (data.shards' eval.holdout)
     mixture: Mapping[str, float] | None = None  # data.mixture's ratios (data.shards'), data.pair_mixture's (pairs')
     plan: MixturePlan | None = None  # their plan over the samples training reads
@@ -324,7 +329,8 @@ def check_shards(exp: ExperimentConfig, tok: Tokenizer, objectives: tuple[tuple[
     warmed = {first if o.objective.shard_kind == ShardKind.PACKED else o.objective.shard_kind.value
               for o in objectives[0]}
     mixtures = {name: (MappingProxyType(m.ratios), p) for name, (m, p) in plans.items() if m}
-    loaders = {name: LoaderSpec(index, micro[name], holdout if name == "packed" else None,
+    loaders = {name: LoaderSpec(index, micro[name], t.grad_accum, t.seed, d.num_workers, d.verify_shards,
+                                holdout if name == "packed" else None,
                                 *mixtures.get(name, (None, None)), warmup if name in warmed else None,
                                 name == "pairs" and d.pair_batching == "same_task")
                for name, index in indexes.items()}

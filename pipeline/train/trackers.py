@@ -10,11 +10,14 @@ metrics.jsonl does. A tracker that fails mid-run is dropped with one warning: tr
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import os
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipeline.config import ConfigError
@@ -51,6 +54,24 @@ def check_trackers(train: TrainConfig) -> None:
                               "or set train.wandb_mode=offline to keep the run in RUN/wandb for `wandb sync`")
 
 
+@dataclass(frozen=True)
+class TrackersSpec:
+    """The run's trackers as preflight decided them (:func:`trackers_spec`); the default: TensorBoard alone."""
+
+    names: tuple[str, ...] = ("tensorboard",)
+    project: str = ""  # train.tracker_project
+    run_name: str = ""  # the experiment's name
+    wandb_mode: str = "online"
+    mlflow_uri: str = ""  # "": a local store in the run directory
+    config: Mapping = field(default_factory=dict)  # the experiment, as W&B and MLflow record it
+
+
+def trackers_spec(exp: ExperimentConfig, config: Mapping) -> TrackersSpec:
+    """``config``: the experiment as a dict (``to_dict``)."""
+    t = exp.train
+    return TrackersSpec(tuple(t.trackers), t.tracker_project, exp.name, t.wandb_mode, t.mlflow_tracking_uri, config)
+
+
 class TensorBoard:
     """``purge_step``: TensorBoard hides the events of the steps a resume replays, logged before the restart."""
 
@@ -73,12 +94,12 @@ class TensorBoard:
 class WandB:
     """A W&B run (id in ``trackers.json``, resumed with ``resume="allow"``), its files under ``RUN/wandb/``."""
 
-    def __init__(self, exp: ExperimentConfig, run: RunDir, config: dict, run_id: str | None):
+    def __init__(self, spec: TrackersSpec, run: RunDir, config: dict, run_id: str | None):
         import wandb
 
         self.continued = run_id is not None
-        self.run = wandb.init(project=exp.train.tracker_project, name=exp.name, id=run_id, resume="allow",
-                              mode=exp.train.wandb_mode, dir=run.path, config=config)
+        self.run = wandb.init(project=spec.project, name=spec.run_name, id=run_id, resume="allow",
+                              mode=spec.wandb_mode, dir=run.path, config=config)
         self.id = self.run.id  # W&B's new id when run_id is None
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
@@ -92,22 +113,22 @@ class MLflow:
     """An MLflow run (id in ``trackers.json`` with its store); the config as flattened params when the run is
     created (MLflow's params cannot change) and as the artifact ``experiment.json``."""
 
-    def __init__(self, exp: ExperimentConfig, run: RunDir, config: dict, stored: dict | None):
+    def __init__(self, spec: TrackersSpec, run: RunDir, config: dict, stored: dict | None):
         from mlflow.tracking import MlflowClient
 
-        local = not exp.train.mlflow_tracking_uri
-        self.uri = f"sqlite:///{os.path.abspath(run.mlflow_db)}" if local else exp.train.mlflow_tracking_uri
+        local = not spec.mlflow_uri
+        self.uri = f"sqlite:///{os.path.abspath(run.mlflow_db)}" if local else spec.mlflow_uri
         self.client = MlflowClient(self.uri)
         self.continued = bool(stored) and stored["tracking_uri"] == self.uri
         if self.continued:
             self.id = stored["run_id"]
             self.client.update_run(self.id, status="RUNNING")
         else:
-            project = exp.train.tracker_project
+            project = spec.project
             found = self.client.get_experiment_by_name(project)
             experiment = found.experiment_id if found else self.client.create_experiment(
                 project, artifact_location=f"file://{os.path.abspath(run.mlflow_artifacts)}" if local else None)
-            self.id = self.client.create_run(experiment, run_name=exp.name).info.run_id
+            self.id = self.client.create_run(experiment, run_name=spec.run_name).info.run_id
             self._log_params(_flat(config))
         self.client.log_dict(self.id, config, "experiment.json")
 
@@ -144,17 +165,18 @@ class Trackers:
     """The run's trackers behind one ``log``: a tracker that continues its run from before a restart is sent only
     the steps after ``logged_until`` (the newest step metrics.jsonl held at the restart)."""
 
-    def __init__(self, exp: ExperimentConfig, run: RunDir, config: dict, start_step: int, logged_until: int):
+    def __init__(self, spec: TrackersSpec, run: RunDir, start_step: int, logged_until: int):
         ids = _read_ids(run.trackers)
         self.open: list[tuple[str, Tracker, int]] = []
-        for name in exp.train.trackers:
+        config = copy.deepcopy(dict(spec.config))  # the trackers' own: W&B keeps and may change it
+        for name in spec.names:
             if name == "tensorboard":
                 tracker = TensorBoard(run, start_step)
             elif name == "wandb":
-                tracker = WandB(exp, run, config, ids.get("wandb"))
+                tracker = WandB(spec, run, config, ids.get("wandb"))
                 ids["wandb"] = tracker.id
             else:
-                tracker = MLflow(exp, run, config, ids.get("mlflow"))
+                tracker = MLflow(spec, run, config, ids.get("mlflow"))
                 ids["mlflow"] = {"run_id": tracker.id, "tracking_uri": tracker.uri}
             self.open.append((name, tracker, logged_until if tracker.continued else 0))
         if ids:

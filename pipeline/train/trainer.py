@@ -1,9 +1,10 @@
 """The trainer: one run's state and the loop over its optimizer steps.
 
 :meth:`Trainer.build` sets a run up from preflight's hand-over (:class:`~pipeline.train.preflight.Prepared`: the
-model spec, the DeepSpeed config, each loader's spec, the resume point): the DeepSpeed engine with the LR schedule,
-run files, loaders, resume;
-:meth:`Trainer.fit` is the loop. Each collaborator has one job: :func:`~pipeline.train.step.train_step` the
+model spec, the DeepSpeed config, the run's plan, each collaborator's spec, the resume point), each part by one call
+from its spec: the DeepSpeed engine with the LR schedule, run files, loaders, resume. :meth:`Trainer.fit` is the
+loop, its phases and cadences the plan's (:class:`~pipeline.train.plan.RunPlan`); neither reads the experiment.
+Each collaborator has one job: :func:`~pipeline.train.step.train_step` the
 optimizer step, :class:`~pipeline.train.checkpoint.Checkpointer` resume and save of the engine and the
 :class:`~pipeline.train.state.TrainState` (steps, tokens, loader positions),
 :class:`~pipeline.train.metrics.MetricsLogger` metrics.jsonl, the trackers and the console line,
@@ -25,7 +26,6 @@ import torch.distributed as dist
 
 from pipeline.data.format.index import ShardKind
 from pipeline.data.loading.loader import ShardLoader
-from pipeline.experiment import ExperimentConfig
 from pipeline.export.record import EncoderRecord
 from pipeline.model.flops import device_peak_tflops, work_flops
 from pipeline.model.rope import rope_parameter_sets, set_rope
@@ -39,6 +39,7 @@ from pipeline.train.guard import DivergenceGuard
 from pipeline.train.metrics import MetricsLogger, Throughput
 from pipeline.train.module import build_engine, parameter_line
 from pipeline.train.phases import WeightedObjective, at_step
+from pipeline.train.plan import RunPlan
 from pipeline.train.preflight import Prepared
 from pipeline.train.signals import StopRequest
 from pipeline.train.state import TrainState
@@ -64,7 +65,7 @@ class _Unread:
 
 @dataclass
 class Trainer:
-    exp: ExperimentConfig
+    plan: RunPlan
     engine: deepspeed.DeepSpeedEngine
     lm: torch.nn.Module  # the HF model inside the engine
     tokenizer: object
@@ -82,41 +83,40 @@ class Trainer:
     rope_phase: int = field(init=False, default=-1)  # the phase whose RoPE settings the model holds (-1: the start's)
 
     @classmethod
-    def build(cls, exp: ExperimentConfig, prepared: Prepared, stop: StopRequest, device: torch.device) -> Trainer:
+    def build(cls, prepared: Prepared, stop: StopRequest, device: torch.device) -> Trainer:
         """Set the run up from what :func:`pipeline.train.preflight.agreed_preflight` checked and decided (it checks
         nothing again) and resume it from the checkpoint preflight found."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        torch.manual_seed(exp.train.seed)
+        plan = prepared.plan
+        torch.manual_seed(plan.seed)
         tokenizer, objectives, index = prepared.tokenizer, prepared.objectives, prepared.indexes["packed"]
         ds = prepared.ds_config()
         lm, engine = build_engine(ds, prepared.model, prepared.engine, [o.objective for p in objectives for o in p])
         if rank == 0:
-            print(f"model {exp.model.init}: {parameter_line(engine.module)}", flush=True)
+            print(f"model {plan.model}: {parameter_line(engine.module)}", flush=True)
             note = sharding_note(ds, world, device.type == "cuda")
             if note:
                 print(note, flush=True)
-        run = RunDir(exp.run_dir)
-        files = run.run_files(exp, ds, lm.config.to_dict(), prepared.data_record())
+        run = RunDir(plan.run_dir)
+        files = prepared.run_files(ds, lm.config.to_dict())
         if rank == 0:
             run.write_run_files(files)
-        t, pin = exp.train, device.type == "cuda"
-        loaders = {name: ShardLoader(s.index, s.micro_batch, t.grad_accum, rank, world, t.seed, exp.data.num_workers,
-                                     pin_memory=pin, verify=exp.data.verify_shards, mixture=s.mixture, plan=s.plan,
+        pin = device.type == "cuda"
+        loaders = {name: ShardLoader(s.index, s.micro_batch, s.grad_accum, rank, world, s.seed, s.workers,
+                                     pin_memory=pin, verify=s.verify, mixture=s.mixture, plan=s.plan,
                                      holdout=s.holdout, warmup=s.warmup, same_task=s.same_task)
                    for name, s in prepared.loaders.items()}
-        v = exp.eval
-        validator = Validator(v, prepared.validation, list(prepared.probes),
-                              v.micro_batch or exp.train.micro_batch, exp.data.verify_shards) if v.every else None
-        evaluators = (TrainingEvaluators.build(v.evaluators, tokenizer, prepared.record, exp.run_dir)
-                      if v.evaluators else None)
-        checkpoints = Checkpointer(engine, run, exp.checkpoint, files, prepared.keep_best)
+        validator = Validator(prepared.validator) if prepared.validator is not None else None
+        evaluators = (TrainingEvaluators(prepared.evaluators, tokenizer, prepared.record, plan.run_dir)
+                      if prepared.evaluators else None)
+        checkpoints = Checkpointer(engine, run, prepared.checkpoint, files)
         state = TrainState(loaders, source_tokens=dict.fromkeys(index.sources if len(index.sources) > 1 else (), 0))
         if checkpoints.resume(state, prepared.resume, prepared.half_written) and rank == 0:
             print(f"resumed from {tag(state.step)} ({state.tokens_seen:,} tokens seen)")
-        return cls(exp, engine, lm, tokenizer, objectives, prepared.record, state, checkpoints,
-                   MetricsLogger(run, rank == 0, exp.train.log_every, start_step=state.step, exp=exp),
-                   Throughput(device_peak_tflops(exp.train.peak_tflops), world),
-                   DivergenceGuard(exp.train.max_bad_steps, skipped_before=engine.skipped_steps), stop, device,
+        return cls(plan, engine, lm, tokenizer, objectives, prepared.record, state, checkpoints,
+                   MetricsLogger(run, rank == 0, plan.log_every, start_step=state.step, trackers=prepared.trackers),
+                   Throughput(device_peak_tflops(plan.peak_tflops), world),
+                   DivergenceGuard(plan.max_bad_steps, skipped_before=engine.skipped_steps), stop, device,
                    validator, evaluators)
 
     def fit(self) -> FitSummary:
@@ -125,17 +125,18 @@ class Trainer:
         started = time.time()
         unread: _Unread | None = None  # the newest step whose numbers are still on their way from the device
         state = self.state
-        while state.step < self.exp.train.steps:
+        plan = self.plan
+        while state.step < plan.steps:
             t0 = time.time()
-            phase_idx, phase = self.exp.phase_at(state.step)
+            phase_idx = plan.phase_at(state.step)
+            phase = plan.phases[phase_idx]
             self._enter_phase(phase_idx)
-            data = self.exp.phases_data[phase_idx]
-            mask_ratios = at_step(self.objectives[phase_idx], self.exp, state.step)
-            batches, local_tokens, counts = self._next_batches(self.objectives[phase_idx], data.loader)
+            mask_ratios = at_step(self.objectives[phase_idx], state.step - phase.start, phase.steps)
+            batches, local_tokens, counts = self._next_batches(self.objectives[phase_idx], phase.loader)
             world = dist.get_world_size()
             t_data = time.time() - t0
-            result = train_step(self.engine, self.objectives[phase_idx], batches, world, self.exp.train.grad_accum,
-                                state.sources if data.loader == "packed" else (), counts)
+            result = train_step(self.engine, self.objectives[phase_idx], batches, world, plan.grad_accum,
+                                state.sources if phase.loader == "packed" else (), counts)
             tokens = world * local_tokens
             state.advance(tokens)
             host = (mask_ratios | {"batch/tokens": tokens}  # the step's numbers the host already has
@@ -147,7 +148,7 @@ class Trainer:
             unread = _Unread(state.step, phase_idx, phase.name, result, tokens, t0, t_data,
                              self.engine.skipped_steps, state.tokens_seen, host)
             signalled, stopping, due = self._stop_or_due()
-            validating = self.validator is not None and self.validator.due(state.step, self.exp.train.steps)
+            validating = plan.validating(state.step)
             if stopping or due or validating:  # read now: a checkpoint needs the guard's verdict on this step,
                 scalars = self._scalars(unread)  # and a validation's numbers join its record
                 if validating:
@@ -192,9 +193,9 @@ class Trainer:
         a function of the phase alone, so a resume continues with the settings the run had."""
         if phase_idx == self.rope_phase:
             return
-        data, self.rope_phase = self.exp.phases_data[phase_idx], phase_idx
-        if set_rope(self.lm, data.rope_theta, data.context) and dist.get_rank() == 0:
-            print(f"phase {self.exp.phases[phase_idx].name}: seq_len {data.seq_len}, RoPE "
+        phase, self.rope_phase = self.plan.phases[phase_idx], phase_idx
+        if set_rope(self.lm, phase.rope_theta, phase.context) and dist.get_rank() == 0:
+            print(f"phase {phase.name}: seq_len {phase.seq_len}, RoPE "
                   f"{self.lm.config.rope_parameters}, max_position_embeddings "
                   f"{self.lm.config.max_position_embeddings}", flush=True)
 
@@ -214,8 +215,8 @@ class Trainer:
         due or the last step is done)."""
         signalled = self.stop.agreed()
         step = self.state.step
-        stopping = signalled or step == self.exp.train.stop_at_step
-        return signalled, stopping, step % self.exp.checkpoint.every == 0 or step == self.exp.train.steps
+        stopping = signalled or step == self.plan.stop_at_step
+        return signalled, stopping, self.plan.checkpoint_due(step)
 
     def _checkpoint_or_stop(self, signalled: bool, stopping: bool, due: bool) -> bool:
         """Checkpoint when one is due and the newest step is good; True when the run stops at this step."""
@@ -239,17 +240,18 @@ class Trainer:
             self.checkpoints.save(state)
         self.checkpoints.wait()
         elapsed_s = round(time.time() - started, 1)  # the loop's time, without the exports
-        finished = state.step == self.exp.train.steps and self.guard.healthy
+        plan = self.plan
+        finished = state.step == plan.steps and self.guard.healthy
         hf_export = None
-        if finished and self.exp.train.export_hf:
-            hf_export = export_engine(self.engine, self.lm, self.tokenizer, RunDir(self.exp.run_dir).hf, self.record,
-                                      self.exp, state.step, state.tokens_seen)
+        if finished and plan.export_hf:
+            hf_export = export_engine(self.engine, self.lm, self.tokenizer, RunDir(plan.run_dir), self.record,
+                                      plan.export_sentence_transformers, state.step, state.tokens_seen)
         best = self.checkpoints.best
         best_export = None
         if finished and best is not None:
-            best_export = BestExport(self.exp.checkpoint.keep_best, best.step, best.value,
-                                     export_best(RunDir(self.exp.run_dir), best.step))
-        summary = self.metrics.close(FitSummary(state.step, state.tokens_seen, elapsed_s, self.exp.run_dir, hf_export,
+            best_export = BestExport(plan.keep_best, best.step, best.value,
+                                     export_best(RunDir(plan.run_dir), best.step))
+        summary = self.metrics.close(FitSummary(state.step, state.tokens_seen, elapsed_s, plan.run_dir, hf_export,
                                                 best_export))
         for loader in state.loaders.values():
             loader.close()

@@ -59,16 +59,20 @@ def logged(phase: list[WeightedObjective], probes: list[WeightedObjective],
     return always | ({"eval/probe_ppl/clm"} if "eval/probe/clm" in always else set()), sometimes
 
 
-@dataclass
-class Validator:
-    config: ValidationConfig
+@dataclass(frozen=True)
+class ValidationSpec:
+    """What a validation scores and how, as preflight decided it (when: the plan's ``validate_every``)."""
+
     samples: ValidationSamples
-    probes: list[WeightedObjective]
+    probes: tuple[WeightedObjective, ...]
     micro_batch: int  # rows per rank per forward
     verify: bool  # data.verify_shards: checked on the first evaluation, which reads every held-out sample
 
-    def due(self, step: int, last: int) -> bool:
-        return step % self.config.every == 0 or step == last
+
+class Validator:
+    def __init__(self, spec: ValidationSpec):
+        self.samples, self.probes, self.micro_batch = spec.samples, list(spec.probes), spec.micro_batch
+        self.verify = spec.verify  # until the first evaluation has read every held-out sample
 
     @torch.no_grad()
     def run(self, engine, phase: list[WeightedObjective], device: torch.device) -> dict[str, float]:

@@ -27,6 +27,7 @@ from pipeline.model.weight_decay import param_groups
 from pipeline.run_dir import RunDir
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.batch_warmup import batch_warmup
+from pipeline.train.engine_spec import lr_schedule
 from pipeline.train.module import TrainModule
 from pipeline.train.phases import build_objectives
 from pipeline.train.schedule import lr_multiplier
@@ -77,7 +78,7 @@ def reference_losses(shards: str, init_dir: str, run_dir: str, *overrides: str) 
     model = TrainModule(lm)
     opt = torch.optim.AdamW(param_groups(model, exp.optim.weight_decay), lr=exp.optim.lr, betas=exp.optim.betas,
                             eps=exp.optim.eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, STEPS, exp.optim))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, lr_schedule(exp.optim, STEPS)))
     # 2 ranks x micro 2 x accumulation 2 = global batch 8: one rank taking micro-batches of 4, twice
     loader = ShardLoader(load_index(shards), micro_batch=4, grad_accum=2, seed=exp.train.seed,
                          warmup=batch_warmup(dataclasses.replace(exp.train, micro_batch=4), 1))

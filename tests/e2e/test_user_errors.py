@@ -17,6 +17,7 @@ from pipeline.config import ConfigError
 from pipeline.data.format.index import load_index
 from pipeline.experiment import SAMPLE_INPUTS, load_experiment
 from pipeline.planner.estimates import GPUS, gpu_key
+from pipeline.train.engine_spec import lr_schedule
 from pipeline.train.schedule import lr_multiplier
 
 BAD_YAML = "phases=[{objectives: [{name: mlm, ratio: 0.3}]"
@@ -125,7 +126,7 @@ def test_a_short_run_fits_the_default_schedule_and_fixed_counts_that_do_not_fit_
     """warmup 30 + decay 60 steps made every run under 90 steps a config error."""
     short = load_experiment(None, ["train.steps=10"])
     assert (short.optim.warmup(10), short.optim.decay(10)) == (1, 2)
-    assert [lr_multiplier(s, 10, short.optim) for s in (0, 1, 7, 8, 9)] == [1.0, 1.0, 1.0, 1.0, 0.5]
+    assert [lr_multiplier(s, lr_schedule(short.optim, 10)) for s in (0, 1, 7, 8, 9)] == [1.0, 1.0, 1.0, 1.0, 0.5]
     default = load_experiment(None)  # 0.1 and 0.2 of 300 steps: the fixed counts it had
     assert (default.optim.warmup(300), default.optim.decay(300)) == (30, 60)
     cosine = load_experiment(None, ["train.steps=10", "optim.schedule=cosine", "optim.decay_steps=30"])

@@ -206,12 +206,12 @@ def test_the_scores_evaluators_logged_at_a_step_are_its_exports_model_index(toke
     which export_checkpoint writes into hf-best/README.md) carries the logged eval/sts/<dataset> numbers, read as the
     export reads; a launch/evaluate.py file of the step, written later, wins."""
     from pipeline.experiment import EvaluatorConfig
-    from pipeline.train.evaluators import TrainingEvaluators
+    from pipeline.train.evaluators import TrainingEvaluators, evaluator_tasks
 
     run, lm = RunDir(str(tmp_path / "run")), tiny_llama(tokenizer, seed=3)
     sts = [os.path.join(FIXTURES, "sts", name) for name in ("stsb.tsv", "sickr.tsv")]
-    evaluators = TrainingEvaluators.build([EvaluatorConfig("sts", sts), EvaluatorConfig("clustering", [
-        os.path.join(FIXTURES, "clustering", "mteb-topics.jsonl")])], tokenizer, MNTP, run.path)
+    evaluators = TrainingEvaluators(evaluator_tasks([EvaluatorConfig("sts", sts), EvaluatorConfig("clustering", [
+        os.path.join(FIXTURES, "clustering", "mteb-topics.jsonl")])]), tokenizer, MNTP, run.path)
     scalars = evaluators.run(lm, lm, 4, torch.device("cpu"))  # the engine: what switches dropout off and on
     card_dir = export(tokenizer, run.hf_best, MNTP, results=results_at(run, 4, "bidirectional"))
     _, parsed = model_index_to_eval_results(metadata_load(os.path.join(card_dir, "README.md"))["model-index"])

@@ -24,6 +24,7 @@ from pipeline.tasks import SPECS
 from pipeline.train.checkpoint import Best, Checkpointer
 from pipeline.train.keep_best import KeepBest
 from pipeline.train.module import TrainModule
+from pipeline.train.plan import checkpoint_spec
 from pipeline.train.preflight import preflight
 from pipeline.train.run_setup import ResumePoint
 from pipeline.train.state import TrainState
@@ -93,7 +94,7 @@ def test_preflight_refuses_a_missing_data_file(build_shards, tmp_path):
 
 def _checkpointer(run: RunDir, engine: FakeEngine, mode: str, metric: str = "eval/sts_avg") -> Checkpointer:
     cfg = CheckpointConfig(every=2, keep_last=1, keep_best=metric, keep_best_mode=mode)
-    return Checkpointer(engine, run, cfg, {}, KeepBest(metric, mode, (0,)) if metric else None)
+    return Checkpointer(engine, run, checkpoint_spec(cfg, KeepBest(metric, mode, (0,)) if metric else None), {})
 
 
 def _engine() -> FakeEngine:
@@ -175,13 +176,14 @@ def test_a_phase_that_does_not_log_the_metric_and_a_repetition_with_nothing_to_s
     """A CLM -> MLM run keeping the best eval/loss/clm: phase 1's validations log no CLM loss, and a repetition
     evaluator whose continuations are all too short logs no Rep-4 (its real headline): neither stops the run."""
     run = RunDir(str(tmp_path / "run"))
-    clm = Checkpointer(_engine(), run, CheckpointConfig(), {}, KeepBest("eval/loss/clm", "min", (0,)))
+    clm = Checkpointer(_engine(), run, checkpoint_spec(CheckpointConfig(), KeepBest("eval/loss/clm", "min", (0,))), {})
     clm.observe(2, 0, {"eval/loss/clm": 3.0})
     clm.observe(6, 1, {"eval/loss/mlm": 1.0})
     assert clm.best == Best(2, 3.0)
     short = SPECS["repetition"].headline({"datasets": {"wiki": repetition.repetition_scores(["too short", "also"])}})
     assert "eval/rep_4/wiki" not in {f"eval/{k}" for k in short}
-    rep = Checkpointer(_engine(), run, CheckpointConfig(), {}, KeepBest("eval/rep_4/wiki", "min", (0,), True))
+    rep = Checkpointer(_engine(), run,
+                       checkpoint_spec(CheckpointConfig(), KeepBest("eval/rep_4/wiki", "min", (0,), True)), {})
     rep.observe(2, 0, {f"eval/{k}": v for k, v in short.items()} | {"eval/loss/clm": 3.0})
     rep.observe(4, 0, {"eval/rep_4/wiki": 0.2})
     assert rep.best == Best(4, 0.2)

@@ -17,7 +17,7 @@ import pytest
 from conftest import TOKENIZER
 from helpers import REPO, in_process_entry
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, to_dict
 from pipeline.data.format.index import load_index, load_manifest
 from pipeline.data.prep.build import run_job
 from pipeline.data.prep.build_config import BuildConfig
@@ -196,8 +196,8 @@ def taken_run(build_shards, inputs, *overrides: str) -> str:
     run = RunDir(exp.run_dir)
     step = run.checkpoint(5)
     os.makedirs(step)
-    files = run.run_files(exp, {}, model, DataRecord(index.directory, index.fingerprint, index.num_samples,
-                                                     index.num_tokens))
+    files = run.run_files(to_dict(exp), {}, model, DataRecord(index.directory, index.fingerprint,
+                                                              index.num_samples, index.num_tokens))
     for name, content in {**files, MARKER: {"world_size": 1}}.items():
         write_json_atomic(os.path.join(step, name), content)
     return shards
@@ -269,7 +269,8 @@ def test_a_phases_own_shards_changed_under_a_resume_are_refused(build_shards, in
     assert record.phase_shards == {"phases[1]": {"directory": trained, "fingerprint": fingerprints[0]}}
     step = RunDir(exp.run_dir).checkpoint(5)
     os.makedirs(step)
-    for name, content in {**RunDir(exp.run_dir).run_files(exp, {}, {}, record), MARKER: {"world_size": 1}}.items():
+    files = RunDir(exp.run_dir).run_files(to_dict(exp), {}, {}, record)
+    for name, content in {**files, MARKER: {"world_size": 1}}.items():
         write_json_atomic(os.path.join(step, name), content)
     rc, out, err = start(capsys, settings(trained), True)
     assert rc == 0 and "resume: from step 5 (runs/sample-tiny-clm/checkpoints/step00000005)" in out, err

@@ -22,7 +22,7 @@ from helpers import ONE_RANK, launch_training, logged_steps, one_error
 from pipeline.config import ConfigError, to_dict
 from pipeline.experiment import TrainConfig, load_experiment
 from pipeline.run_dir import RunDir
-from pipeline.train.trackers import Trackers, check_trackers
+from pipeline.train.trackers import Trackers, check_trackers, trackers_spec
 
 COMMON = ["train.micro_batch=2", "train.log_every=1", "optim.schedule=constant", "optim.warmup_steps=0",
           "optim.decay_steps=0", "checkpoint.every=2", "checkpoint.keep_last=3", "data.seq_len=64",
@@ -189,7 +189,7 @@ def test_bad_tracker_settings_are_one_line(override, message):
 def test_a_tracker_failing_mid_run_is_dropped_with_one_warning(tmp_path, wandb_home, capsys):
     exp = load_experiment(None, [f"run_dir={tmp_path}", "train.trackers=[wandb,mlflow]", "train.wandb_mode=offline"])
     run = RunDir(exp.run_dir)
-    trackers = Trackers(exp, run, to_dict(exp), start_step=0, logged_until=0)
+    trackers = Trackers(trackers_spec(exp, to_dict(exp)), run, start_step=0, logged_until=0)
     trackers.log(1, {"loss/clm": 2.0})
     trackers.open[0][1].run.finish()  # W&B's run ends under the trainer: its next log raises
     for step in (2, 3):

@@ -13,6 +13,7 @@ from pipeline.model import varlen
 from pipeline.model.attention import FLEX, VARLEN
 from pipeline.train.compiling import body_compiles, check_compile, leaf_layers
 from pipeline.train.ds_config import load_ds_config, resolve_ds_config
+from pipeline.train.engine_spec import adamw
 from pipeline.train.kernels import adamw_kernel, attn_implementation
 from pipeline.train.module import build_optimizer
 
@@ -47,11 +48,11 @@ def test_attention_implementation_without_torch_varlen(monkeypatch):
 
 def test_adamw_kernel_choice():
     groups = [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.1}]
-    cpu = build_optimizer(groups, OptimConfig(), adamw_kernel(OptimConfig(), cuda=False))
+    cpu = build_optimizer(groups, adamw(OptimConfig()), adamw_kernel(OptimConfig(), cuda=False))
     assert type(cpu) is torch.optim.AdamW and not cpu.defaults["fused"]  # unchanged on CPU
     assert cpu.defaults["lr"] == OptimConfig().lr and cpu.defaults["betas"] == OptimConfig().betas
     assert adamw_kernel(OptimConfig(), cuda=True) == "torch"
-    assert build_optimizer(groups, OptimConfig(), "torch").defaults["fused"] is True
+    assert build_optimizer(groups, adamw(OptimConfig()), "torch").defaults["fused"] is True
     for kind in ("torch", "deepspeed"):
         with pytest.raises(ConfigError, match=f"optim.fused: {kind} needs CUDA"):
             adamw_kernel(OptimConfig(fused=kind), cuda=False)
@@ -100,7 +101,7 @@ def test_fused_adam_build_failure_falls_back_to_torch_fused_adamw(monkeypatch, c
 
     monkeypatch.setattr(deepspeed.ops.adam, "FusedAdam", failed_build)
     groups = [{"params": [torch.nn.Parameter(torch.ones(3))]}]
-    optimizer = build_optimizer(groups, OptimConfig(), "deepspeed")
+    optimizer = build_optimizer(groups, adamw(OptimConfig()), "deepspeed")
     assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"] is True
     assert ("FusedAdam could not be built (Error building extension 'fused_adam'); training with torch's fused AdamW"
             in capsys.readouterr().err)

@@ -34,6 +34,7 @@ from pipeline.train.guard import Diverged, DivergenceGuard
 from pipeline.train.metrics import MetricsLogger, Throughput
 from pipeline.train.module import TrainModule
 from pipeline.train.phases import WeightedObjective, build_objectives
+from pipeline.train.plan import checkpoint_spec, run_plan
 from pipeline.train.run_setup import ResumePoint, half_written
 from pipeline.train.signals import STOP_SIGNALS, StopRequest
 from pipeline.train.state import TrainState
@@ -129,24 +130,24 @@ def trainer(tmp_path, stop, steps=8, every=2, max_bad_steps=2, phases=None, stop
     fake = FakeEngine(TrainModule(lm), **engine)
     run = RunDir(exp.run_dir)
     objectives = [objectives_of(p) for p in exp.phases]
-    return Trainer(exp, fake, lm, None, objectives, EncoderRecord(),
+    return Trainer(run_plan(exp), fake, lm, None, objectives, EncoderRecord(),
                    TrainState({"packed": ShardLoader(load_index(shards), 2, 1, 0, 1, 0)}),
-                   Checkpointer(fake, run, exp.checkpoint, {}), MetricsLogger(run, True, log_every),
+                   Checkpointer(fake, run, checkpoint_spec(exp.checkpoint), {}), MetricsLogger(run, True, log_every),
                    Throughput(0.0, 1), DivergenceGuard(max_bad_steps), stop, torch.device("cpu"))
 
 
 def test_a_stop_signal_checkpoints_the_step_it_stops_at(tmp_path, stop, capsys):
     t = trainer(tmp_path, stop, on_step=lambda step: step == 3 and os.kill(os.getpid(), signal.SIGUSR1))
     summary = t.fit()
-    assert t.state.step == 3 and summary == FitSummary(3, t.state.tokens_seen, summary.elapsed_s, t.exp.run_dir,
-                                                       loss_plot=RunDir(t.exp.run_dir).loss_plot)
-    assert RunDir(t.exp.run_dir).complete_steps() == [2, 3]  # step 3 is off the every-2 grid: saved for the stop
+    assert t.state.step == 3 and summary == FitSummary(3, t.state.tokens_seen, summary.elapsed_s, t.plan.run_dir,
+                                                       loss_plot=RunDir(t.plan.run_dir).loss_plot)
+    assert RunDir(t.plan.run_dir).complete_steps() == [2, 3]  # step 3 is off the every-2 grid: saved for the stop
     out = capsys.readouterr().out
     assert "stopped at step 3 (checkpointed) on SIGUSR1; start the same command again to resume" in out
     assert f"summary: steps=3 tokens_seen={t.state.tokens_seen} elapsed_s={summary.elapsed_s} run_dir=" \
-           f"{t.exp.run_dir} loss_plot={RunDir(t.exp.run_dir).loss_plot}\n" in out  # no export of a stopped run
-    assert logged_step_numbers(t.exp.run_dir) == [1, 2, 3]  # the stop step's record is written before it stops
-    client = torch.load(os.path.join(RunDir(t.exp.run_dir).checkpoint(3), "state.pt"), weights_only=False)["client"]
+           f"{t.plan.run_dir} loss_plot={RunDir(t.plan.run_dir).loss_plot}\n" in out  # no export of a stopped run
+    assert logged_step_numbers(t.plan.run_dir) == [1, 2, 3]  # the stop step's record is written before it stops
+    client = torch.load(os.path.join(RunDir(t.plan.run_dir).checkpoint(3), "state.pt"), weights_only=False)["client"]
     assert client["step"] == 3 and client["loaders"]["packed"]["samples_consumed"] == 3 * 2
 
 
@@ -165,7 +166,7 @@ def test_bad_steps_write_no_checkpoint_and_diverge_keeping_the_last_good_one(tmp
     with pytest.raises(Diverged, match=r"2 bad steps in a row .* up to step 5.* the last good checkpoint is "
                                        r".*step00000002"):
         t.fit()
-    assert RunDir(t.exp.run_dir).complete_steps() == [2]  # step 4 was due but bad
+    assert RunDir(t.plan.run_dir).complete_steps() == [2]  # step 4 was due but bad
 
 
 def logged_step_numbers(run_dir: str) -> list[int]:
@@ -180,19 +181,19 @@ def test_one_bad_step_delays_the_checkpoint_and_the_run_goes_on(tmp_path, stop):
     """Also: a step's record is written while the next step runs, except at a checkpoint step (the guard's verdict
     comes first); every step is logged once, in order."""
     logged = {}
-    t = trainer(tmp_path, stop, skip={4}, on_step=lambda step: logged.update({step: logged_step_numbers(t.exp.run_dir)}))
+    t = trainer(tmp_path, stop, skip={4}, on_step=lambda step: logged.update({step: logged_step_numbers(t.plan.run_dir)}))
     assert t.fit().steps == 8
-    assert RunDir(t.exp.run_dir).complete_steps() == [2, 6, 8]
+    assert RunDir(t.plan.run_dir).complete_steps() == [2, 6, 8]
     assert {n: steps[-1] if steps else 0 for n, steps in logged.items()} == \
         {n: n - 2 if n % 2 == 0 else n - 1 for n in range(1, 9)}  # every=2: odd steps wait for the next one
-    assert logged_step_numbers(t.exp.run_dir) == list(range(1, 9))
+    assert logged_step_numbers(t.plan.run_dir) == list(range(1, 9))
 
 
 def test_a_stop_on_a_bad_step_keeps_the_last_good_checkpoint(tmp_path, stop, capsys):
     t = trainer(tmp_path, stop, max_bad_steps=3, skip={3},
                 on_step=lambda step: step == 3 and os.kill(os.getpid(), signal.SIGTERM))
     assert t.fit().steps == 3
-    assert RunDir(t.exp.run_dir).complete_steps() == [2]  # the bad newest step is not saved, not even at the end
+    assert RunDir(t.plan.run_dir).complete_steps() == [2]  # the bad newest step is not saved, not even at the end
     assert "stopped at step 3 (not checkpointed: the newest step was bad; the last good checkpoint is" in \
         capsys.readouterr().out
 
@@ -204,7 +205,7 @@ def test_a_restart_drops_half_written_checkpoints_whose_markers_would_complete_i
     a complete checkpoint with missing files). Found while building bench/chaos_soak.py."""
     first = trainer(tmp_path, stop, steps=4, async_save=True)
     first.fit()
-    run = RunDir(first.exp.run_dir)
+    run = RunDir(first.plan.run_dir)
     os.remove(os.path.join(run.checkpoint(4), MARKER))  # what a kill before the marker leaves
     assert os.path.exists(written_marker(run.checkpoint(4), 0))
     again = trainer(tmp_path, stop, steps=4, async_save=True)  # the restart: a new process
@@ -237,7 +238,7 @@ def test_a_masking_ratio_schedule_is_logged_and_a_resume_inside_it_continues_it_
                               {"name": "mntp", "log_as": "m", "ratio_schedule": {"shape": "step", "steps": [[0.5, 0.2]]}}]}]
     whole = trainer(tmp_path / "whole", stop, phases=phases, log_every=1)
     whole.fit()
-    logged = logged_steps(whole.exp.run_dir)
+    logged = logged_steps(whole.plan.run_dir)
     t = [min(max((i / 5 - 0.2) / 0.8, 0.0), 1.0) for i in range(6)]  # steps 3-8 are steps 0-5 of the MLM phase
     assert [logged[s].get("mask_ratio/mlm") for s in range(1, 9)] == pytest.approx(
         [None, None, *(0.4 * (1 - x) + 0.1 * x for x in t)], abs=1e-12)
@@ -246,7 +247,7 @@ def test_a_masking_ratio_schedule_is_logged_and_a_resume_inside_it_continues_it_
     assert [line.split("]")[0] for line in lines] == [f"step {s:>6} [{'clm' if s < 3 else 'mlm+mntp'}" for s in range(1, 9)]
     assert "mask_ratio" not in lines[1] and " mask_ratio/mlm=0.400 mask_ratio/m=0.300 lr=" in lines[2]
     assert f" mask_ratio/mlm={logged[8]['mask_ratio/mlm']:.3f} mask_ratio/m=0.200 lr=" in lines[7]
-    board = EventAccumulator(RunDir(whole.exp.run_dir).tensorboard).Reload().Scalars("model/rope_theta")
+    board = EventAccumulator(RunDir(whole.plan.run_dir).tensorboard).Reload().Scalars("model/rope_theta")
     assert [(e.step, e.value) for e in board] == [(s, 10000.0 if s < 3 else 40000.0) for s in range(1, 9)]
     first = trainer(tmp_path / "resumed", stop, phases=phases, stop_at_step=5)
     assert first.fit().steps == 5
@@ -254,7 +255,7 @@ def test_a_masking_ratio_schedule_is_logged_and_a_resume_inside_it_continues_it_
     assert resumed.checkpoints.resume(resumed.state, ResumePoint(5, 1))  # what Trainer.build does
     assert (resumed.state.step, resumed.state.tokens_seen) == (5, first.state.tokens_seen)
     resumed.fit()
-    again = logged_steps(resumed.exp.run_dir)
+    again = logged_steps(resumed.plan.run_dir)
     assert sorted(again) == [6, 7, 8]
     for s in again:
         assert {k: v for k, v in again[s].items() if k.startswith(("loss/", "mask_ratio/"))} == \
