@@ -160,10 +160,11 @@ def test_resume_is_bit_identical_and_survives_kill_during_an_async_checkpoint(ba
 @pytest.mark.slow  # compiling in both ranks adds ~2.5 min on 2 cores; tests/unit/model/test_compile.py is the fast check
 @pytest.mark.extended  # and test_zero3_engine.py compiles the layers under ZeRO-3
 def test_compiled_body_under_zero3_gives_the_eager_losses(baseline, shards, init_dir, tmp_path):
-    """model.compile with selective activation checkpointing and ZeRO-3's gather hooks around the compiled layers,
-    on 2 ranks: the first steps equal the (eager, unchecked) baseline's."""
+    """model.compile with activation checkpointing and ZeRO-3's gather hooks around the compiled layers, on 2 ranks:
+    the first steps equal the (eager, unchecked) baseline's (selective checkpointing with compile is refused:
+    test_preflight.py)."""
     run_dir = str(tmp_path / "compiled")
-    launch(run_dir, shards, init_dir, "model.compile=true", "model.activation_checkpointing=selective",
+    launch(run_dir, shards, init_dir, "model.compile=true", "model.activation_checkpointing=true",
            "train.stop_at_step=3")
     ours, base = losses(run_dir), losses(baseline)
     for step in (1, 2, 3):
