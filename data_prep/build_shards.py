@@ -9,6 +9,8 @@ the build pipeline/data/prep/build.py (docs/data_prep.md).
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.data.prep.build_cli import main
 
 if __name__ == "__main__":

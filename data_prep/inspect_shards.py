@@ -8,6 +8,8 @@ Also installed as ``pipeline-inspect-shards``; options: ``--help``. The checks a
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.data.prep.inspection import main
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ the supervised smoke run:
 import argparse
 import os
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.data.prep.pairs_sample import write_pairs_sample
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

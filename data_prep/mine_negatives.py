@@ -11,6 +11,8 @@ pipeline/mining/cli.py, the search and filters pipeline/mining/negatives.py (doc
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.mining.cli import main
 
 if __name__ == "__main__":

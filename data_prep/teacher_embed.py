@@ -9,6 +9,8 @@ Writes ``teacher.json``, ``keys.npy`` and a ``<column>.npy`` per text column in 
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.mining.teacher import main
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ pipeline/data/prep/tokenizer_training.py (docs/data_prep.md).
 
 import sys
 
+import _repo  # noqa: F401  (first: the checkout's root on sys.path, installed or not)
+
 from pipeline.data.prep.tokenizer_training import main
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ def test_launch_scripts_parse_no_options_themselves():
 NOT_COMMANDS = {
     "launch/train.py": "runs under DeepSpeed's launcher (deepspeed launch/train.py)",
     "launch/_repo.py": "not a script: what every launch/ script imports first (the checkout's root on sys.path)",
+    "data_prep/_repo.py": "not a script: launch/_repo.py (a link), which every data_prep/ script imports first",
     "data_prep/make_sample_corpus.py": "regenerates the checkout's data/sample",
     "data_prep/make_pairs_sample.py": "regenerates the checkout's data/sample/pairs",
 }
@@ -158,13 +159,19 @@ def test_every_script_that_needs_no_launcher_is_a_command_the_readme_lists():
 
 
 def test_every_launch_script_puts_the_checkout_first_on_sys_path():
-    """Each script imports launch/_repo.py before any ``pipeline`` module (checked on the source, no start-up)."""
-    for path in python_files("launch"):
+    """Each launch/ and data_prep/ script that imports ``pipeline`` imports _repo.py (launch/'s; data_prep/'s is a
+    link to it) before any ``pipeline`` module (checked on the source, no start-up): run from a checkout beside an
+    editable install of another, it runs its own library."""
+    link = os.path.join(REPO, "data_prep", "_repo.py")
+    assert os.path.realpath(link) == os.path.realpath(os.path.join(REPO, "launch", "_repo.py"))
+    for path in python_files("launch") + python_files("data_prep"):
         if path.endswith("_repo.py"):
             continue
         imports = [n for n in ast.parse(open(path).read(), path).body if isinstance(n, (ast.Import, ast.ImportFrom))]
-        first = next(i for i, n in enumerate(imports) if isinstance(n, ast.ImportFrom)
-                     and (n.module or "").startswith("pipeline"))
+        first = next((i for i, n in enumerate(imports) if isinstance(n, ast.ImportFrom)
+                      and (n.module or "").startswith("pipeline")), None)
+        if first is None:
+            continue  # data_prep/make_sample_corpus.py: the standard library and zstandard alone
         assert any(isinstance(n, ast.Import) and n.names[0].name == "_repo" for n in imports[:first]), path
 
 
