@@ -133,6 +133,12 @@ def _recorded_inputs(manifest: dict) -> list[dict] | None:
     return None if inputs is None else [{**i, "path": os.path.abspath(i["path"])} for i in inputs]
 
 
+def _real(path: str) -> str:
+    """``path`` with its links resolved: one input reached through a linked directory (a checkout's ``runs`` linked
+    elsewhere, a cluster's ``/home`` on ``/gpfs``) is the same input, so its shards are not refused as another's."""
+    return os.path.realpath(path)
+
+
 def _shown(paths: list[str]) -> str:
     """Paths for a one-line message: relative to here when under it, at most three named."""
     rel = [os.path.relpath(p) if p.startswith(os.getcwd() + os.sep) else p for p in paths]
@@ -149,7 +155,7 @@ def built_otherwise(manifest: dict, inputs: list[str], tokenizer: str | None, se
     settings, out = manifest["settings"], []
     recorded = _recorded_inputs(manifest)
     now = [input_record(p) for p in inputs]
-    if recorded is not None and [r["path"] for r in recorded] != [n["path"] for n in now]:
+    if recorded is not None and [_real(r["path"]) for r in recorded] != [_real(n["path"]) for n in now]:
         out.append(f"from {_shown([r['path'] for r in recorded])}, not {_shown([n['path'] for n in now])}")
     elif recorded is not None:
         changed = [n["path"] for r, n in zip(recorded, now) if r["bytes"] != n["bytes"]

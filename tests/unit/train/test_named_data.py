@@ -127,6 +127,20 @@ def test_an_input_changed_since_the_build_is_refused(tmp_path, capsys):
         f"it does not hold the shards of data.build_inputs; ")
 
 
+def test_an_input_named_through_a_linked_directory_is_the_input_built_from(tmp_path, capsys):
+    """The same file reached through a link (a checkout whose runs/ links elsewhere, a cluster's /home on /gpfs) is
+    the input the shards were built from: they were refused as another input's."""
+    (tmp_path / "data").mkdir()
+    a = corpus(tmp_path / "data" / "a.jsonl", "ledger")
+    shards = tmp_path / "shards"
+    run_job(BuildConfig(inputs=(a,), tokenizer=TOKENIZER, output=str(shards), seq_len=64, progress=False))
+    os.symlink(tmp_path / "data", tmp_path / "linked")
+    linked = str(tmp_path / "linked" / "a.jsonl")
+    rc, out, err = start(capsys, [f"run_dir={tmp_path / 'run'}", f"data.shards={shards}",
+                                  f"data.build_inputs=[{linked}]"], True)
+    assert rc == 0 and f"shards {shards} (packed): " in out, err
+
+
 def test_data_rebuild_builds_the_inputs_named_beside_the_old_shards_and_swaps_them_in(build_shards, inputs,
                                                                                       tmp_path, capsys):
     """The rebuilt directory is the one a fresh build of b.jsonl makes (determinism), and nothing else is left."""
