@@ -21,7 +21,7 @@ import torch
 from huggingface_hub import EvalResult
 from transformers import PreTrainedModel
 
-from pipeline.experiment import ExperimentConfig
+from pipeline.experiment import ExperimentConfig, phase_at
 from pipeline.export.card import is_encoder, write_card
 from pipeline.export.hub import adapter_base
 from pipeline.export.model_index import results_at
@@ -142,7 +142,7 @@ def export_checkpoint(run: RunDir, out: str, step: int | None = None, dtype: str
     if truncate_dim is not None:
         record = replace(record, truncate_dim=truncate_dim_of(truncate_dim, config.hidden_size, record))
     sd = checkpoint_state_dict(run, step)
-    phase = exp.phase_data(exp.phase_at(max(step - 1, 0))[0])
+    phase = exp.phase_data(phase_at(exp.phase_starts(), max(step - 1, 0)))
     configure_rope(config, phase.rope_theta, phase.context)
     lm = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
     save_hf(lm, {k: v.to(DTYPES[dtype]) for k, v in sd.items()}, tokenizer, out, record, exp, step,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeline.experiment import CheckpointConfig, ExperimentConfig
+from pipeline.experiment import CheckpointConfig, ExperimentConfig, phase_at
 
 if TYPE_CHECKING:  # the decision's module imports the evaluators, which the plan does not need
     from pipeline.train.keep_best import KeepBest
@@ -48,7 +48,7 @@ class RunPlan:
 
     def phase_at(self, step: int) -> int:
         """The phase of the global ``step`` (from 0)."""
-        return max(i for i, p in enumerate(self.phases) if p.start <= step)
+        return phase_at([p.start for p in self.phases], step)
 
     def validating(self, step: int) -> bool:
         return bool(self.validate_every) and (step % self.validate_every == 0 or step == self.steps)

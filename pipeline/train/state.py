@@ -5,7 +5,7 @@
 ``load_state_dict()`` (torchtitan's ``Stateful``). Two things a resume needs live elsewhere in the checkpoint: each
 rank's RNG state in ``rng-rank<r>.pt`` (DeepSpeed writes the client state on rank 0 alone below ZeRO-3, and every
 rank has its own generators), and the world size in the ``COMPLETE`` marker (read before loading: it decides how to
-load). The phase is not saved: it is a function of the step and the experiment (``ExperimentConfig.phase_at``).
+load). The phase is not saved: it is a function of the step and the experiment (``pipeline.experiment.phase_at``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import sys
 import pytest
 from helpers import launch_training
 
-from pipeline.experiment import SAMPLE_DIR
+from pipeline.experiment import SAMPLE_DIR, phase_at
 from pipeline.grid import load_grid
 from pipeline.io import REPO
 from pipeline.run_dir import RunDir
@@ -133,7 +133,7 @@ def test_a_twin_of_each_kind_trains_through_the_sweep_and_a_second_sweep_has_not
         exp, logged = v.experiment, metrics(v.experiment.run_dir)
         assert sorted(logged) == list(range(1, exp.train.steps + 1)), v.name
         for step, rec in logged.items():
-            phase = exp.phase_at(step - 1)[1]
+            phase = exp.phases[phase_at(exp.phase_starts(), step - 1)]
             assert rec["phase"] == phase.name and f"loss/{phase.objectives[0].name}" in rec, (v.name, step)
     switch = metrics(f"{out}/switch-610m-12k-clm25-smoke")
     assert {rec["phase"] for rec in switch.values()} == {"clm", "mlm"}

@@ -1,4 +1,4 @@
-"""The experiment's fields as they load (pipeline/experiment.py): the run's name, errors that name the key, the
+"""The experiment's fields as they load (pipeline/experiment/): the run's name, errors that name the key, the
 phases' boundaries, and the batch warmup's fields checked against the world size (pipeline/train/batch_warmup.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.config import ConfigError
 from pipeline.data.loading.order import BatchWarmup
-from pipeline.experiment import load_experiment
+from pipeline.experiment import load_experiment, phase_at
 from pipeline.io import REPO
 from pipeline.train.batch_warmup import batch_warmup
 from pipeline.train.phases import build_objectives
@@ -55,7 +55,7 @@ def test_experiment_config_errors_name_the_key():
     exp = load_experiment(None, ["train.steps=100", "phases=[{share: 0.25, objectives: [{name: clm}]}, "
                                  "{share: 0.75, objectives: [{name: mlm, ratio: 0.4}]}]"])
     assert exp.phase_starts() == [0, 25]
-    assert exp.phase_at(24)[1].name == "clm" and exp.phase_at(25)[1].name == "mlm"
+    assert [exp.phases[phase_at(exp.phase_starts(), s)].name for s in (24, 25)] == ["clm", "mlm"]
 
 
 def test_global_batch_is_micro_batch_times_grad_accum_times_world():

@@ -1,7 +1,7 @@
 """The experiment's path through the trainer (issues 42, 53): preflight reads the experiment and hands the trainer
 what it decided (``Prepared``: the run's plan and one spec per part), so :meth:`Trainer.build` takes no experiment
 and neither it nor the loop reaches one. Followed completely: every file of pipeline/, the config's own code
-(experiment.py, config.py) included, and every config object in the experiment (its sections, phases, objectives'
+(experiment/, config.py) included, and every config object in the experiment (its sections, phases, objectives'
 and evaluators' configs), ``self`` included."""
 
 from __future__ import annotations

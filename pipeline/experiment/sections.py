@@ -1,4 +1,5 @@
-"""The experiment config: what to train, on which shards, with which objectives in which phases."""
+"""The experiment's sections (``data``, ``model``, ``phases``, ``optim``, ``train``, ``checkpoint``, ``eval``,
+``export``) as dataclasses, each checked on its own when it loads; checks across sections are checks.py's."""
 
 from __future__ import annotations
 
@@ -9,92 +10,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from pipeline.config import ConfigError, apply_overrides, check_ranges, from_dict, load_experiment_file
+from pipeline.config import ConfigError, from_dict
 from pipeline.data.prep.input_shards import input_shards
-from pipeline.io import REPO, repo_relative
+from pipeline.experiment.mixture import SourceMixture
+from pipeline.experiment.sample import SAMPLE_DIR, SAMPLE_INPUTS, is_sample, sample_shards
 from pipeline.model.lora import LLM2VEC_TARGETS
 from pipeline.model.presets import PRESETS
-from pipeline.objectives import CLMConfig, ObjectiveConfig
+from pipeline.objectives import ObjectiveConfig
 from pipeline.tasks import IN_TRAINING, SPECS
-
-SAMPLE_DIR = os.path.join(REPO, "data", "sample")
-SAMPLE_INPUTS = (os.path.join(SAMPLE_DIR, "train", "**", "*.jsonl.zst"),)
-
-
-def sample_shards(seq_len: int) -> str:
-    """The shard directory of the embedded sample corpus at ``seq_len``, the only one built from it unasked."""
-    return os.path.join("runs", "shards", f"sample-{seq_len}")
-
-
-def _is_sample(inputs: list[str]) -> bool:
-    """``inputs`` are the sample corpus's (as the config holds them, or as a record relative to the repository)."""
-    return all(os.path.normpath(p) in (SAMPLE_INPUTS[0], repo_relative(SAMPLE_INPUTS[0])) for p in inputs)
-
-
-@dataclass(frozen=True)
-class MixtureSource:
-    """One source of ``data.mixture`` (written ``SOURCE: ratio``, or ``SOURCE: {ratio: R, max_repetition: M}``)."""
-
-    ratio: float  # target share of the run's training samples; the ratios of all sources sum to 1
-    max_repetition: float | None = None  # times over its samples may be read (None: data.mixture_max_repetition)
-
-
-MIN_RATIO = 1e-6  # mixture ratios are quantised to 2**-20 (pipeline.data.loading.mixture)
-
-
-@dataclass(frozen=True)
-class SourceMixture:
-    """``data.mixture`` typed and checked once, when the experiment loads (:meth:`parse`): each source's ratio and
-    maximum repetition (filled in from ``data.mixture_max_repetition``), sorted by name; empty: no mixture. The
-    config keeps the mapping as written, so experiment files and ``--set data.mixture=...`` read and write as
-    before."""
-
-    sources: tuple[tuple[str, MixtureSource], ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.sources)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(name for name, _ in self.sources)
-
-    @property
-    def ratios(self) -> dict[str, float]:
-        return {name: s.ratio for name, s in self.sources}
-
-    @property
-    def max_repetition(self) -> dict[str, float]:
-        return {name: s.max_repetition for name, s in self.sources}
-
-    @classmethod
-    def parse(cls, mixture: dict[str, Any], max_repetition: float, setting: str = "data.mixture") -> SourceMixture:
-        """``data.mixture`` (or ``setting``: ``data.pair_mixture``, whose sources are tasks) as written
-        (``max_repetition``: ``data.mixture_max_repetition``), or a ConfigError."""
-        out = {}
-        for name in sorted(mixture):
-            key, value = f"{setting}.{name}", mixture[name]
-            if not isinstance(name, str) or not name:
-                raise ConfigError(f"{setting}: {name!r} is not a source name; the keys are source names as "
-                                  f"data_prep recorded them (pipeline-inspect-shards lists them)")
-            if isinstance(value, dict):
-                src = from_dict(MixtureSource, value, key)
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                src = MixtureSource(float(value))
-            else:
-                raise ConfigError(f"{key}: {value!r} is not a ratio; write {name}: 0.25 or "
-                                  f"{name}: {{ratio: 0.25, max_repetition: 2}}")
-            if not MIN_RATIO <= src.ratio <= 1:
-                raise ConfigError(f"{key}: ratio {src.ratio} is out of range; it must be in [{MIN_RATIO:g}, 1] "
-                                  f"(drop a source to leave it out)")
-            repetition = max_repetition if src.max_repetition is None else src.max_repetition
-            if not (math.isfinite(repetition) and repetition > 0):
-                raise ConfigError(f"{key}.max_repetition: {repetition} is out of range; it must be > 0")
-            out[name] = MixtureSource(src.ratio, float(repetition))
-        total = sum(s.ratio for s in out.values())
-        if out and not math.isclose(total, 1.0, abs_tol=1e-6):
-            scaled = ", ".join(f"{n}: {s.ratio / total:.4g}" for n, s in out.items())
-            raise ConfigError(f"{setting}: ratios must sum to 1, got {total:.6g}; e.g. {{{scaled}}}")
-        return cls(tuple(out.items()))
 
 
 @dataclass
@@ -144,11 +67,11 @@ class DataConfig:
     shards_from_inputs = False
 
     def validate(self) -> None:
-        if not self.shards and self.build_inputs and not _is_sample(self.build_inputs):
+        if not self.shards and self.build_inputs and not is_sample(self.build_inputs):
             self.shards_from_inputs = True
         self.shards = self.shards or self.shards_at(self.seq_len)
         if os.path.normpath(self.shards) == sample_shards(self.seq_len):
-            if self.build_inputs and not _is_sample(self.build_inputs):
+            if self.build_inputs and not is_sample(self.build_inputs):
                 raise ConfigError(f"data.shards: {self.shards} is the sample corpus's directory, but "
                                   f"data.build_inputs names {self.build_inputs}; leave data.shards unset to build "
                                   f"them into a directory of their own, or name another directory")
@@ -263,18 +186,6 @@ class PhaseSpec:
         self.name = self.name or "+".join(o.name for o in self.objectives)
 
 
-@dataclass(frozen=True)
-class PhaseData:
-    """The packed samples a phase reads and the RoPE settings it trains with (``ExperimentConfig.phase_data``)."""
-
-    shards: str
-    seq_len: int
-    micro_batch: int  # samples per rank per micro-step
-    build_inputs: tuple[str, ...]  # what preflight builds ``shards`` from when missing (data.build_if_missing)
-    loader: str  # the loader (and its state in checkpoints): "packed" for data.shards, else the first phase's key
-    rope_theta: float | None  # the latest rope_theta of this and the earlier phases (None: the start model's)
-    context: int  # the longest seq_len of this and the earlier phases: the model's max_position_embeddings floor
-
 
 @dataclass
 class OptimConfig:
@@ -388,20 +299,6 @@ class CheckpointConfig:
     RANGES: ClassVar[dict[str, str]] = {"every": ">= 1", "keep_last": ">= 1", "keep_every": ">= 0"}
 
 
-# the validation's own scalars (pipeline.train.validation)
-VALIDATION_METRICS = {"loss/": "min", "acc/": "max", "probe/": "min", "probe_acc/": "max", "probe_ppl/": "min",
-                      "source_loss/": "min", "source_probe/": "min"}
-
-
-def metric_mode(metric: str, tasks: list[str]) -> str | None:
-    """"max" or "min": which way ``metric`` (``eval/...``) improves, when the validation or one of the evaluator
-    ``tasks`` logs it (as ``eval/<headline key>``, each task's spec: pipeline.tasks); None for a name none of them
-    logs."""
-    key = metric.removeprefix("eval/")
-    if key == metric:
-        return None
-    known = VALIDATION_METRICS | {k: h.better for t in tasks if t in IN_TRAINING for k, h in SPECS[t].keys.items()}
-    return next((mode for prefix, mode in known.items() if key.startswith(prefix)), None)
 
 
 @dataclass
@@ -515,176 +412,5 @@ class ExportConfig:
             raise ConfigError(f"export.license: {self.license!r} is not a Hub license id; "
                               + (f"did you mean {' or '.join(near)}? " if near else "")
                               + "the ids are those of https://huggingface.co/docs/hub/repositories-licenses "
-                                "(pipeline/experiment.py: HUB_LICENSES), e.g. apache-2.0 or mit")
+                                "(pipeline/experiment/sections.py: HUB_LICENSES), e.g. apache-2.0 or mit")
 
-
-DEFAULT_NAME = "sample-tiny-clm"  # the embedded default experiment's run
-
-
-@dataclass
-class ExperimentConfig:
-    name: str = ""  # default: the run directory's name when run_dir is set, else sample-tiny-clm
-    run_dir: str = ""  # default runs/<name>
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    phases: list[PhaseSpec] = field(default_factory=lambda: [PhaseSpec(objectives=[CLMConfig()])])
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: ValidationConfig = field(default_factory=ValidationConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)  # the exports' model card
-
-    def validate(self) -> None:
-        self.__dict__.pop("phases_data", None)
-        self.name = self.name or (os.path.basename(os.path.normpath(self.run_dir)) if self.run_dir else DEFAULT_NAME)
-        self.run_dir = self.run_dir or os.path.join("runs", self.name)
-        check_ranges(self)
-        self.data.validate()
-        for i, phase in enumerate(self.phases):  # defaults are built without from_dict, so validate (and name) them here
-            phase.validate()
-            for j, objective in enumerate(phase.objectives):
-                objective.check_attention_dropout(self.model.attention_dropout, f"phases[{i}].objectives[{j}]")
-                objective.check_step(self.train.grad_accum, len(phase.objectives), f"phases[{i}].objectives[{j}]")
-                objective.check_schedule(f"phases[{i}].objectives[{j}]")
-                objective.check_embedding(f"phases[{i}].objectives[{j}]")
-        if not math.isclose(sum(p.share for p in self.phases), 1.0, abs_tol=1e-6):
-            shares = [p.share for p in self.phases]
-            raise ConfigError(f"phases: shares must sum to 1, got {shares} (sum {sum(shares):g}); set each phase's "
-                              f"share so they do, e.g. {[round(s / sum(shares), 4) for s in shares]}")
-        first_phase = self.phase_lengths()[0]
-        if self.train.batch_warmup.steps > first_phase:
-            raise ConfigError(f"train.batch_warmup.steps: {self.train.batch_warmup.steps} steps outlast the first "
-                              f"phase ({first_phase} steps); set train.batch_warmup.steps={first_phase} or fewer: the "
-                              f"batch warms up within it (the loaders of later phases count only the steps they "
-                              f"read)")
-        self._check_phase_data()
-        self._check_schedule_fits()
-        if self.checkpoint.keep_best:
-            self.keep_best_mode()
-
-    def keep_best_mode(self) -> str:
-        """"max" or "min" for ``checkpoint.keep_best`` (its mode, or derived by :func:`metric_mode`); a ConfigError
-        when the metric is not measured at a step that has a checkpoint."""
-        c, v, metric = self.checkpoint, self.eval, self.checkpoint.keep_best
-        if not v.every:
-            raise ConfigError(f"checkpoint.keep_best: {metric} is measured by the validation; set eval.every (a "
-                              f"multiple of checkpoint.every, {c.every}) and eval.holdout or eval.shards")
-        if v.every % c.every:
-            raise ConfigError(f"checkpoint.keep_best: eval.every {v.every} is not a multiple of checkpoint.every "
-                              f"{c.every}, so a best step could have no checkpoint; set eval.every to a multiple, "
-                              f"e.g. eval.every={c.every * max(1, round(v.every / c.every))}")
-        derived = metric_mode(metric, [e.task for e in v.evaluators])
-        if not metric.startswith("eval/") or (derived is None and c.keep_best_mode == "auto"):
-            tasks = [e.task for e in v.evaluators]
-            names = [f"eval/{k}..." for k in [*VALIDATION_METRICS, *(k for t in tasks for k in SPECS[t].keys)]]
-            raise ConfigError(f"checkpoint.keep_best: {metric!r} is not a validation scalar this run logs; name one "
-                              f"of {names} (eval.evaluators add theirs), or set checkpoint.keep_best_mode to max "
-                              f"or min for another eval/ name")
-        return derived if c.keep_best_mode == "auto" else c.keep_best_mode
-
-    @functools.cached_property
-    def phases_data(self) -> tuple[PhaseData, ...]:
-        """:meth:`phase_data` of every phase, resolved once (by :meth:`validate`, which clears it first: the config
-        is not changed after it is validated)."""
-        return tuple(self._resolve_phase_data(i) for i in range(len(self.phases)))
-
-    def phase_data(self, i: int) -> PhaseData:
-        """Phase ``i``'s shards, sequence length, micro-batch and RoPE settings, its unset fields filled from the
-        run's ``data`` and ``train`` (and the earlier phases, for the RoPE theta)."""
-        return self.phases_data[i]
-
-    def _resolve_phase_data(self, i: int) -> PhaseData:
-        p, d = self.phases[i], self.data
-        seq_len = p.seq_len or d.seq_len
-        shards = self._phase_shards(i)
-        own = os.path.normpath(shards) != os.path.normpath(d.shards)
-        first = next(j for j in range(i + 1) if os.path.normpath(self._phase_shards(j)) == os.path.normpath(shards))
-        if not own:
-            inputs = tuple(d.build_inputs)
-        elif os.path.normpath(shards) == sample_shards(seq_len):
-            inputs = SAMPLE_INPUTS
-        else:  # data.build_inputs, unless they are the sample's that data.shards' default brought
-            inputs = () if os.path.normpath(d.shards) == sample_shards(d.seq_len) else tuple(d.build_inputs)
-        return PhaseData(shards, seq_len, p.micro_batch or self._tokens_kept(i, seq_len), inputs,
-                         f"phases[{first}]" if own else "packed",
-                         next((q.rope_theta for q in reversed(self.phases[:i + 1]) if q.rope_theta is not None), None),
-                         max(q.seq_len or d.seq_len for q in self.phases[:i + 1]))
-
-    def _phase_shards(self, i: int) -> str:
-        p, d, where = self.phases[i], self.data, f"phases[{i}]"
-        seq_len = p.seq_len or d.seq_len
-        if p.shards or seq_len == d.seq_len:
-            return p.shards or d.shards
-        if os.path.normpath(d.shards) == os.path.normpath(d.shards_at(d.seq_len)):
-            return d.shards_at(seq_len)
-        raise ConfigError(f"{where}.shards: the phase's seq_len {seq_len} is not data.seq_len {d.seq_len}, so it "
-                          f"cannot read data.shards ({d.shards}); set {where}.shards to shards built at seq_len "
-                          f"{seq_len} (preflight builds them from data.build_inputs when missing)")
-
-    def _tokens_kept(self, i: int, seq_len: int) -> int:
-        """The micro-batch of phase ``i`` at ``seq_len`` with the run's tokens per micro-batch."""
-        tokens, where = self.train.micro_batch * self.data.seq_len, f"phases[{i}]"
-        if tokens % seq_len:
-            raise ConfigError(f"{where}.micro_batch: 0 keeps the run's {tokens} tokens per micro-batch "
-                              f"(train.micro_batch {self.train.micro_batch} x data.seq_len {self.data.seq_len}), "
-                              f"which seq_len {seq_len} does not divide; set {where}.micro_batch, e.g. "
-                              f"{where}.micro_batch={max(1, tokens // seq_len)}")
-        return tokens // seq_len
-
-    def _check_phase_data(self) -> None:
-        """Each phase's data resolves, and phases reading one shard directory (one loader, one order) agree on
-        its sequence length and micro-batch: data.shards' are data.seq_len and train.micro_batch."""
-        batch = {"packed": ("train.micro_batch", self.train.micro_batch)}
-        length = {"packed": ("data.seq_len", self.data.seq_len)}
-        for i, p in enumerate(self.phases):
-            if 0 < p.seq_len < 8:
-                raise ConfigError(f"phases[{i}].seq_len: {p.seq_len} is out of range; it must be 0 (data.seq_len) "
-                                  f"or >= 8")
-        for i, data in enumerate(self.phases_data):
-            key, seq_len = length.setdefault(data.loader, (f"phases[{i}].seq_len", data.seq_len))
-            if seq_len != data.seq_len:
-                raise ConfigError(f"phases[{i}].seq_len: {data.seq_len}, but its shards {data.shards} are read at "
-                                  f"{key} {seq_len}; a shard directory holds one sequence length, so name shards "
-                                  f"built at {data.seq_len} in phases[{i}].shards")
-            key, micro = batch.setdefault(data.loader, (f"phases[{i}].micro_batch", data.micro_batch))
-            if micro != data.micro_batch:
-                raise ConfigError(f"phases[{i}].micro_batch: {data.micro_batch}, but {data.shards} is read with "
-                                  f"{key} {micro}; phases reading one shard directory continue one order at one "
-                                  f"micro-batch, so set phases[{i}].micro_batch={micro} (or give the phase its own "
-                                  f"shards)")
-
-    def _check_schedule_fits(self) -> None:
-        optim, steps = self.optim, self.train.steps
-        warmup, decay = optim.warmup(steps), optim.decay(steps)
-        if warmup + decay <= steps:
-            return
-        fixed = [f"optim.{k}={v}" for k, v in (("warmup_steps", optim.warmup_steps), ("decay_steps", optim.decay_steps))
-                 if v is not None and (k == "warmup_steps" or optim.schedule == "wsd")]
-        if not fixed:
-            raise ConfigError(f"optim: warmup_ratio + decay_ratio ({optim.warmup_ratio:g} + {optim.decay_ratio:g}) "
-                              f"exceed 1 (the whole run); lower them, e.g. optim.warmup_ratio=0.1 optim.decay_ratio=0.2")
-        raise ConfigError(f"optim: {warmup} warmup + {decay} decay steps ({' '.join(fixed)}) exceed train.steps "
-                          f"({steps}); lower them, or leave them unset to take fractions of the run "
-                          f"(optim.warmup_ratio={optim.warmup_ratio:g}, optim.decay_ratio={optim.decay_ratio:g})")
-
-    def phase_starts(self) -> list[int]:
-        """First global step of each phase (a function of the step, so a resume lands in the right phase)."""
-        starts, acc = [], 0.0
-        for p in self.phases:
-            starts.append(round(acc * self.train.steps))
-            acc += p.share
-        return starts
-
-    def phase_lengths(self) -> list[int]:
-        """Optimizer steps of each phase."""
-        starts = self.phase_starts()
-        return [end - start for start, end in zip(starts, [*starts[1:], self.train.steps])]
-
-    def phase_at(self, step: int) -> tuple[int, PhaseSpec]:
-        idx = max(i for i, s in enumerate(self.phase_starts()) if s <= step)
-        return idx, self.phases[idx]
-
-
-def load_experiment(path: str | None, overrides: list[str] = ()) -> ExperimentConfig:
-    data = load_experiment_file(path) if path else {}
-    return from_dict(ExperimentConfig, apply_overrides(data, list(overrides)))
