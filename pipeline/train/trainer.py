@@ -4,7 +4,9 @@
 model spec, the DeepSpeed config, the run's plan, each collaborator's spec, the resume point), each part by one call
 from its spec: the DeepSpeed engine with the LR schedule, run files, loaders, resume. :meth:`Trainer.fit` is the
 loop, its phases and cadences the plan's (:class:`~pipeline.train.plan.RunPlan`); neither reads the experiment.
-Each collaborator has one job: :func:`~pipeline.train.step.train_step` the
+Each step is its batches, :func:`~pipeline.train.step.train_step` and the state advanced; all else around it
+(validation, evaluators, the record, the divergence guard, keep-best, checkpoint and stop) are the callbacks of
+:mod:`pipeline.train.callbacks`, in their order. Each collaborator has one job: :func:`~pipeline.train.step.train_step` the
 optimizer step, :class:`~pipeline.train.checkpoint.Checkpointer` resume and save of the engine and the
 :class:`~pipeline.train.state.TrainState` (steps, tokens, loader positions),
 :class:`~pipeline.train.metrics.MetricsLogger` metrics.jsonl, the trackers and the console line,
@@ -30,6 +32,7 @@ from pipeline.export.record import EncoderRecord
 from pipeline.model.flops import device_peak_tflops, work_flops
 from pipeline.model.rope import rope_parameter_sets, set_rope
 from pipeline.run_dir import RunDir, tag
+from pipeline.train.callbacks import Callback, StepEnd, Unread, fit_callbacks
 from pipeline.train.checkpoint import Checkpointer
 from pipeline.train.ds_config import sharding_note
 from pipeline.train.evaluators import TrainingEvaluators
@@ -43,24 +46,8 @@ from pipeline.train.plan import RunPlan
 from pipeline.train.preflight import Prepared
 from pipeline.train.signals import StopRequest
 from pipeline.train.state import TrainState
-from pipeline.train.step import StepResult, target_counts, train_step
+from pipeline.train.step import target_counts, train_step
 from pipeline.train.validation import Validator
-
-
-@dataclass(frozen=True)
-class _Unread:
-    """A trained step whose numbers the host has not read yet, and what its metrics record needs besides them."""
-
-    step: int
-    phase_idx: int
-    phase: str
-    result: StepResult
-    tokens: int
-    started: float  # time.time() at the step's start
-    data_seconds: float
-    skipped_steps: int  # DeepSpeed's count after the step
-    tokens_seen: int
-    host: dict[str, float]  # its scalars known on the host (batch sizes, sequence length, masking ratios)
 
 
 @dataclass
@@ -81,6 +68,7 @@ class Trainer:
     validator: Validator | None = None  # None without eval.every
     evaluators: TrainingEvaluators | None = None  # None without eval.evaluators
     rope_phase: int = field(init=False, default=-1)  # the phase whose RoPE settings the model holds (-1: the start's)
+    callbacks: list[Callback] = field(init=False)  # fit's concerns around each step, in the order they run
 
     @classmethod
     def build(cls, prepared: Prepared, stop: StopRequest, device: torch.device) -> Trainer:
@@ -119,67 +107,74 @@ class Trainer:
                    DivergenceGuard(plan.max_bad_steps, skipped_before=engine.skipped_steps), stop, device,
                    validator, evaluators)
 
+    def __post_init__(self):
+        self.callbacks = fit_callbacks(self.validator, self.evaluators)
+
     def fit(self) -> FitSummary:
-        """Train to ``train.steps``, or until a stop; returns the summary."""
-        self.stop.training_started()
+        """Train to ``train.steps``, or until a stop; returns the summary. Each step: its batches, ``train_step``,
+        the state advanced, then the callbacks (:mod:`pipeline.train.callbacks`, which say in which order)."""
+        for callback in self.callbacks:
+            callback.pre_train(self)
         started = time.time()
-        unread: _Unread | None = None  # the newest step whose numbers are still on their way from the device
-        state = self.state
-        plan = self.plan
-        while state.step < plan.steps:
-            t0 = time.time()
-            phase_idx = plan.phase_at(state.step)
-            phase = plan.phases[phase_idx]
-            self._enter_phase(phase_idx)
-            mask_ratios = at_step(self.objectives[phase_idx], state.step - phase.start, phase.steps)
-            batches, local_tokens, counts = self._next_batches(self.objectives[phase_idx], phase.loader)
-            world = dist.get_world_size()
-            t_data = time.time() - t0
-            result = train_step(self.engine, self.objectives[phase_idx], batches, world, plan.grad_accum,
-                                state.sources if phase.loader == "packed" else (), counts)
-            tokens = world * local_tokens
-            state.advance(tokens)
-            host = (mask_ratios | {"batch/tokens": tokens}  # the step's numbers the host already has
-                    | {f"batch/samples/{kind}": world * sum(len(b.keys) for b in bs) for kind, bs in batches.items()}
-                    | ({"progress/seq_len": batches["packed"][0].input_ids.shape[1]} if "packed" in batches else {})
-                    | {"model/rope_theta": rope_parameter_sets(self.lm.config)[0]["rope_theta"]})
+        unread: Unread | None = None  # the newest step whose numbers are still on their way from the device
+        while self.state.step < self.plan.steps:
+            trained = self._train_step()
             if unread is not None:  # the previous step, read while this one runs; its time: from start to start
-                self._log(unread, self._scalars(unread, t0 - unread.started))
-            unread = _Unread(state.step, phase_idx, phase.name, result, tokens, t0, t_data,
-                             self.engine.skipped_steps, state.tokens_seen, host)
-            signalled, stopping, due = self._stop_or_due()
-            validating = plan.validating(state.step)
-            if stopping or due or validating:  # read now: a checkpoint needs the guard's verdict on this step,
-                scalars = self._scalars(unread)  # and a validation's numbers join its record
-                if validating:
-                    scalars |= self.validator.run(self.engine, self.objectives[phase_idx], self.device)
-                    if self.evaluators is not None:
-                        scalars |= self.evaluators.run(self.engine, self.lm, state.step, self.device)
-                self._log(unread, scalars)
-                unread = None
-                if validating and self.guard.healthy:  # before the step's checkpoint, which spares the best
-                    self.checkpoints.observe(state.step, phase_idx, scalars)
-            if self._checkpoint_or_stop(signalled, stopping, due):
+                self.log(unread, self._scalars(unread, trained.started - unread.started))
+            end = StepEnd(trained)
+            for callback in self.callbacks:
+                callback.post_step(self, end)
+            unread = trained if end.scalars is None else None
+            if end.stopping:
                 break
+        for callback in self.callbacks:
+            callback.post_train(self)
         return self._finish(started)
 
-    def _scalars(self, s: _Unread, seconds: float | None = None) -> dict[str, float]:
+    def _train_step(self) -> Unread:
+        """The next step: the phase's batches, ``train_step`` (queued on the device), the state advanced."""
+        t0 = time.time()
+        state, plan = self.state, self.plan
+        phase_idx = plan.phase_at(state.step)
+        phase = plan.phases[phase_idx]
+        self._enter_phase(phase_idx)
+        mask_ratios = at_step(self.objectives[phase_idx], state.step - phase.start, phase.steps)
+        batches, local_tokens, counts = self._next_batches(self.objectives[phase_idx], phase.loader)
+        world = dist.get_world_size()
+        t_data = time.time() - t0
+        result = train_step(self.engine, self.objectives[phase_idx], batches, world, plan.grad_accum,
+                            state.sources if phase.loader == "packed" else (), counts)
+        tokens = world * local_tokens
+        state.advance(tokens)
+        host = (mask_ratios | {"batch/tokens": tokens}  # the step's numbers the host already has
+                | {f"batch/samples/{kind}": world * sum(len(b.keys) for b in bs) for kind, bs in batches.items()}
+                | ({"progress/seq_len": batches["packed"][0].input_ids.shape[1]} if "packed" in batches else {})
+                | {"model/rope_theta": rope_parameter_sets(self.lm.config)[0]["rope_theta"]})
+        return Unread(state.step, phase_idx, phase.name, result, tokens, t0, t_data, self.engine.skipped_steps,
+                      state.tokens_seen, host)
+
+    def read(self, end: StepEnd) -> dict[str, float]:
+        """The step's record, read now (once) instead of while the next step runs."""
+        if end.scalars is None:
+            end.scalars = self._scalars(end.trained)
+        return end.scalars
+
+    def log(self, s: Unread, scalars: dict[str, float]) -> None:
+        """Step ``s``'s record to every callback's ``log_metrics``."""
+        for callback in self.callbacks:
+            callback.log_metrics(self, s, scalars)
+
+    def _scalars(self, s: Unread, seconds: float | None = None) -> dict[str, float]:
         """Step ``s``'s metrics, its numbers read back (waiting for their copy from the device, not for later
-        work), counted by the divergence guard. ``seconds``: the step's time, measured after the read-back when
-        not given."""
+        work). ``seconds``: the step's time, measured after the read-back when not given."""
         losses, grad_norm = s.result.losses, s.result.grad_norm
         seconds = time.time() - s.started if seconds is None else seconds
-        self.guard.count(losses, grad_norm, s.skipped_steps)
         return ({f"loss/{n}": v for n, v in losses.items()}
                 | {f"acc/{n}": v for n, v in s.result.accuracy.items()}
                 | {"optim/lr": s.result.lr, "optim/grad_norm": grad_norm, "optim/skipped_steps": s.skipped_steps}
                 | self.throughput.scalars(s.tokens, seconds, s.data_seconds, work_flops(self.lm.config, s.result.work))
                 | {"progress/tokens_seen": s.tokens_seen, "progress/phase": s.phase_idx} | s.host
                 | self._source_scalars(s.result))
-
-    def _log(self, s: _Unread, scalars: dict[str, float]) -> None:
-        self.metrics.log(s.step, scalars, s.phase)
-        self.guard.check(s.step, s.result.losses, s.result.grad_norm, self.checkpoints.last_good)
 
     def _source_scalars(self, result) -> dict[str, float]:
         """``source_loss/<output>/<source>`` of the step, ``progress/source_tokens/<source>`` so far."""
@@ -210,35 +205,9 @@ class Trainer:
         return ({kind: [b.to(self.device, non_blocking=True) for b in bs] for kind, bs in host.items()}, tokens,
                 target_counts(step_objs, host))
 
-    def _stop_or_due(self) -> tuple[bool, bool, bool]:
-        """(a stop signal on any rank, the run stops at this step (that or ``train.stop_at_step``), a checkpoint is
-        due or the last step is done)."""
-        signalled = self.stop.agreed()
-        step = self.state.step
-        stopping = signalled or step == self.plan.stop_at_step
-        return signalled, stopping, self.plan.checkpoint_due(step)
-
-    def _checkpoint_or_stop(self, signalled: bool, stopping: bool, due: bool) -> bool:
-        """Checkpoint when one is due and the newest step is good; True when the run stops at this step."""
-        if self.guard.healthy and (due or stopping):
-            self.checkpoints.save(self.state)
-        if stopping:
-            self.checkpoints.wait()
-        if stopping and dist.get_rank() == 0:
-            why = f" on {self.stop.reason or 'the stop request of another rank'}" if signalled else ""
-            saved = ("checkpointed" if self.checkpoints.last_saved == self.state.step else
-                     f"not checkpointed: the newest step was bad; the last good checkpoint is "
-                     f"{self.checkpoints.last_good()}")
-            print(f"stopped at step {self.state.step} ({saved}){why}; start the same command again to resume",
-                  flush=True)
-        return stopping
-
     def _finish(self, started: float) -> FitSummary:
-        """The last checkpoint, the HF export of a finished healthy run, the summary; the loaders closed."""
+        """The HF export of a finished healthy run, the summary; the trackers and the loaders closed."""
         state = self.state
-        if self.checkpoints.last_saved != state.step and self.guard.healthy:
-            self.checkpoints.save(state)
-        self.checkpoints.wait()
         elapsed_s = round(time.time() - started, 1)  # the loop's time, without the exports
         plan = self.plan
         finished = state.step == plan.steps and self.guard.healthy

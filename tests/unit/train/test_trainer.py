@@ -27,6 +27,7 @@ from pipeline.objectives import OBJECTIVES, Masking, make_objective
 from pipeline.run_dir import MARKER, RunDir
 from pipeline.tokenizer import load_tokenizer
 from pipeline.train.async_checkpoint import wait_for_ranks, written_marker
+from pipeline.train.callbacks import Callback
 from pipeline.train.checkpoint import Checkpointer, save
 from pipeline.train.device_reads import DeviceReads
 from pipeline.train.fit_summary import BestExport, FitSummary
@@ -187,6 +188,34 @@ def test_one_bad_step_delays_the_checkpoint_and_the_run_goes_on(tmp_path, stop):
     assert {n: steps[-1] if steps else 0 for n, steps in logged.items()} == \
         {n: n - 2 if n % 2 == 0 else n - 1 for n in range(1, 9)}  # every=2: odd steps wait for the next one
     assert logged_step_numbers(t.plan.run_dir) == list(range(1, 9))
+
+
+def test_the_callbacks_run_in_olmo_cores_hook_order_by_priority(tmp_path, stop):
+    """``pre_train``; each step's record (``log_metrics``) while the next step runs, then that step's ``post_step``;
+    a checkpoint step's record at once, inside ``post_step``, before the checkpoint (a callback of priority 45 sees
+    the record and not yet the save); ``post_train`` (the last checkpoint) after the loop."""
+    seen = []
+
+    class Spy(Callback):
+        priority = 45  # after keep-best (50), before the checkpoint (40)
+
+        def pre_train(self, fit):
+            seen.append("pre_train")
+
+        def log_metrics(self, fit, s, scalars):
+            seen.append(f"record {s.step}")
+
+        def post_step(self, fit, end):
+            seen.append(f"post_step {end.trained.step} saved {fit.checkpoints.last_saved}")
+
+        def post_train(self, fit):
+            seen.append("post_train")
+
+    t = trainer(tmp_path, stop, steps=4, every=2)
+    t.callbacks = sorted([*t.callbacks, Spy()], key=lambda c: -c.priority)
+    t.fit()
+    assert seen == ["pre_train", "post_step 1 saved 0", "record 1", "record 2", "post_step 2 saved 0",
+                    "post_step 3 saved 2", "record 3", "record 4", "post_step 4 saved 2", "post_train"]
 
 
 def test_a_stop_on_a_bad_step_keeps_the_last_good_checkpoint(tmp_path, stop, capsys):
