@@ -20,6 +20,7 @@ from pipeline.objectives import (
     SSCLConfig,
     SupervisedConfig,
 )
+from pipeline.objectives.configs import Matryoshka
 
 POOLED = {"mean": "mean-pooled states", "last": "the last token"}  # an objective's declared POOLING in words
 POLICIES = {"80-10-10": "80% replaced by the mask token, 10% by a random token, 10% kept",
@@ -52,22 +53,36 @@ def _magnet(o: MagnetConfig) -> str:
             f"generation of the missing spans from the context (weight {o.msg_weight:g}) in one pass")
 
 
+def _info_nce(scale: float, m: Matryoshka | None, pooled: str = "") -> str:
+    """A contrastive objective's InfoNCE: on what, at which scale, and over which leading dims (Matryoshka)."""
+    on = f" on {pooled}" if pooled else ""
+    if m is None:
+        return f"InfoNCE{on}, scale {scale:g}"
+    weights = "" if not m.weights else " (weights " + ", ".join(f"{w:g}" for _, w in m.terms()) + ")"
+    return (f"InfoNCE{on}, scale {scale:g}, summed over the leading {', '.join(map(str, m.dims))} dims{weights} "
+            f"(Matryoshka: an export cut to any of them stands alone)")
+
+
 def _simcse(o: SimCSEConfig) -> str:
     return (f"unsupervised SimCSE: each sentence against its own copy under other dropout, the batch's other "
-            f"sentences the negatives (InfoNCE on {POOLED[o.POOLING]}, scale {o.scale:g})")
+            f"sentences the negatives ({_info_nce(o.scale, o.matryoshka, POOLED[o.POOLING])})")
 
 
 def _sscl(o: SSCLConfig) -> str:
     return (f"MAGNET's self-supervised contrastive learning: each sentence against its {o.augment} view, "
-            f"both after the instruction {o.instruction!r} (InfoNCE on {POOLED[o.POOLING]}, scale {o.scale:g})")
+            f"both after the instruction {o.instruction!r} ({_info_nce(o.scale, o.matryoshka, POOLED[o.POOLING])})")
 
 
 def _supervised(o: SupervisedConfig) -> str:
     negatives = ("its own hard negatives (no other rows')" if not o.in_batch_negatives else
                  "its hard negatives and the batch's other positives" if o.hard_negatives else
                  "the batch's other positives")
+    collisions = "; a candidate with the text of the query's own positive left out" if o.mask_collisions else ""
+    by = ("a chunk per micro-batch" if o.grad_cache is True else
+          f"chunks of at most {o.grad_cache.tokens} real tokens" if o.grad_cache else None)
+    chunks = f"; the step's micro-batches one contrastive batch (GradCache, {by})" if by else ""
     return (f"supervised contrastive learning: each query against its positive, {negatives} the negatives "
-            f"(InfoNCE, scale {o.scale:g})")
+            f"({_info_nce(o.scale, o.matryoshka)}{collisions}){chunks}")
 
 
 def _distill(o: DistillConfig) -> str:
@@ -78,7 +93,8 @@ def _distill(o: DistillConfig) -> str:
             f"{o.kl_weight:g})")
 
 
-# each objective's words by its name; its pooling in words is the one its config declares (POOLING)
+# each objective's words by its name (tests/unit/export/test_summary.py holds every registered objective to them);
+# its pooling in words is the one its config declares (POOLING)
 WORDS: dict[str, Callable[[Any], str]] = {
     "clm": lambda o: "causal language modelling: every token predicted from the ones before it",
     "magnet": _magnet, "mlm": _masked, "mntp": _masked, "simcse": _simcse, "sscl": _sscl,
@@ -86,9 +102,8 @@ WORDS: dict[str, Callable[[Any], str]] = {
 
 
 def objective_words(o: ObjectiveConfig) -> str:
-    """One objective as a sentence fragment; an objective added without words in ``WORDS`` gets its name."""
-    text = WORDS[o.name](o) if o.name in WORDS else o.name
-    return text + (f"; loss weight {o.weight:g}" if o.weight != 1 else "")
+    """One objective as a sentence fragment."""
+    return WORDS[o.name](o) + (f"; loss weight {o.weight:g}" if o.weight != 1 else "")
 
 
 def teacher_words(directory: str) -> str:
