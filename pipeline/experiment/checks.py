@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from pipeline.config import ConfigError
+from pipeline.data.format.index import ShardKind
 from pipeline.experiment.phases import PhaseData
 from pipeline.experiment.sections import (
     CheckpointConfig,
@@ -55,8 +56,8 @@ def check_phase_seq_lens(phases: list[PhaseSpec]) -> None:
 def check_phase_data(phases_data: tuple[PhaseData, ...], data: DataConfig, train: TrainConfig) -> None:
     """Phases reading one shard directory (one loader, one order) agree on its sequence length and micro-batch:
     data.shards' are data.seq_len and train.micro_batch."""
-    batch = {"packed": ("train.micro_batch", train.micro_batch)}
-    length = {"packed": ("data.seq_len", data.seq_len)}
+    batch = {ShardKind.PACKED.value: ("train.micro_batch", train.micro_batch)}
+    length = {ShardKind.PACKED.value: ("data.seq_len", data.seq_len)}
     for i, pd in enumerate(phases_data):
         key, seq_len = length.setdefault(pd.loader, (f"phases[{i}].seq_len", pd.seq_len))
         if seq_len != pd.seq_len:

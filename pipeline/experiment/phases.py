@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.config import ConfigError
+from pipeline.data.format.index import ShardKind
 from pipeline.experiment.sample import SAMPLE_INPUTS, sample_shards
 from pipeline.experiment.sections import DataConfig, PhaseSpec
 
@@ -20,9 +21,16 @@ class PhaseData:
     seq_len: int
     micro_batch: int  # samples per rank per micro-step
     build_inputs: tuple[str, ...]  # what preflight builds ``shards`` from when missing (data.build_if_missing)
-    loader: str  # the loader (and its state in checkpoints): "packed" for data.shards, else the first phase's key
+    # the loader (and its state in checkpoints, so a plain string): data.shards' is named by their kind ("packed"),
+    # a phase's own shards' by the first phase that reads them ("phases[1]")
+    loader: str
     rope_theta: float | None  # the latest rope_theta of this and the earlier phases (None: the start model's)
     context: int  # the longest seq_len of this and the earlier phases: the model's max_position_embeddings floor
+
+    @property
+    def reads_data_shards(self) -> bool:
+        """The phase reads data.shards (their loader), not shards of its own."""
+        return self.loader == ShardKind.PACKED.value
 
 
 def phase_starts(phases: list[PhaseSpec], steps: int) -> list[int]:
@@ -56,7 +64,8 @@ def _resolve(phases: list[PhaseSpec], d: DataConfig, micro_batch: int, i: int) -
     seq_len = p.seq_len or d.seq_len
     shards = _phase_shards(p, d, i)
     own = os.path.normpath(shards) != os.path.normpath(d.shards)
-    first = next(j for j in range(i + 1) if os.path.normpath(_phase_shards(phases[j], d, j)) == os.path.normpath(shards))
+    first = next(j for j in range(i + 1)
+                 if os.path.normpath(_phase_shards(phases[j], d, j)) == os.path.normpath(shards))
     if not own:
         inputs = tuple(d.build_inputs)
     elif os.path.normpath(shards) == sample_shards(seq_len):
@@ -64,7 +73,7 @@ def _resolve(phases: list[PhaseSpec], d: DataConfig, micro_batch: int, i: int) -
     else:  # data.build_inputs, unless they are the sample's that data.shards' default brought
         inputs = () if os.path.normpath(d.shards) == sample_shards(d.seq_len) else tuple(d.build_inputs)
     return PhaseData(shards, seq_len, p.micro_batch or _tokens_kept(d, micro_batch, i, seq_len), inputs,
-                     f"phases[{first}]" if own else "packed",
+                     f"phases[{first}]" if own else ShardKind.PACKED.value,
                      next((q.rope_theta for q in reversed(phases[:i + 1]) if q.rope_theta is not None), None),
                      max(q.seq_len or d.seq_len for q in phases[:i + 1]))
 

@@ -466,14 +466,14 @@ def grid_report(plan: PlannerInput, cluster: Cluster) -> list[str]:
         total += hours
         lines.append(f"  {v.name:<26}{sum(s * n for _, s, n in phases) / 1e9:>9.1f}B{hours:>12,.0f}"
                      f"{hours / cluster.gpus / 24:>8.2f}")
-        if any(data.loader != "packed" for data, _, _ in phases):  # context extension: each phase's share
+        if not all(data.reads_data_shards for data, _, _ in phases):  # context extension: each phase's share
             lines.append("    " + ", ".join(f"{p.name} {s * n / 1e9:.2f}B at seq_len {data.seq_len}"
                                             for p, (data, s, n) in zip(exp.phases, phases)))
         mixture = exp.data.source_mixture
         if mixture:  # data.mixture mixes data.shards, which the phases without shards of their own read
             seq_len = exp.data.seq_len
             counts = MixturePlan.of_ratios(mixture.ratios).counts(
-                sum(s * n // seq_len for data, s, n in phases if data.loader == "packed"))
+                sum(s * n // seq_len for data, s, n in phases if data.reads_data_shards))
             lines.append("    " + ", ".join(f"{n} {c * seq_len / 1e9:.2f}B" for n, c in counts.items()))
     lines.append(f"  {'total':<26}{'':>10}{total:>12,.0f}{total / cluster.gpus / 24:>8.1f}")
     return lines

@@ -114,7 +114,7 @@ def _budget_lines(exp: ExperimentConfig, prepared: Prepared, world: int) -> list
              f"{world} ranks): {sum(s for s, _ in phases):,} samples, "
              f"{sum(s * pd.seq_len for s, pd in phases):,} tokens"]
     if prepared.train_samples:
-        packed = sum(s for s, pd in phases if pd.loader == "packed")
+        packed = sum(s for s, pd in phases if pd.reads_data_shards)
         lines.append(f"  data.shards: training reads {packed:,} of its {prepared.train_samples:,} samples "
                      f"({packed / prepared.train_samples:.2f} passes)")
     return lines

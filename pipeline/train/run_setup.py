@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass
 
 from pipeline.config import ConfigError
+from pipeline.data.format.index import ShardKind
 from pipeline.experiment import ExperimentConfig
 from pipeline.inputs import builds_other_shards
 from pipeline.lock import DirLock, describe
@@ -127,7 +128,7 @@ def check_resumable(exp: ExperimentConfig, point: ResumePoint, model_config: dic
     saved = run.checkpoint_experiment(point.step)
     differences = []
     record = run.checkpoint_run_file(point.step, DATA) or {}
-    fingerprint = shards["packed"][1]
+    fingerprint = shards[ShardKind.PACKED.value][1]
     inputs = f" (from data.build_inputs {d.build_inputs})" if d.build_inputs else ""
     if record and fingerprint is not None and record["fingerprint"] != fingerprint:
         differences.append(f"on {record['directory']} (fingerprint {record['fingerprint'][:12]}), while this run's "

@@ -178,7 +178,7 @@ def packed_fingerprints(exp: ExperimentConfig, tokenizer: Tokenizer | None, to_b
 
         return shard_fingerprint(_build_config(p, d, tokenizer, p.directory), tokenizer)
 
-    names = ["packed", *(pd.loader for _, pd in own_phase_data(exp))]
+    names = [ShardKind.PACKED.value, *(pd.loader for _, pd in own_phase_data(exp))]
     return {name: (p.directory, fingerprint(p)) for name, p in zip(names, packed_dirs(exp), strict=True)}
 
 
@@ -233,7 +233,7 @@ def check_mixture(exp: ExperimentConfig, index: DatasetIndex, train_samples: int
     every source named exists and can supply its share within its maximum repetition. Returns the plan (the packed
     loader's) and its lines for rank 0 to print."""
     d, t = exp.data, exp.train
-    steps = sum(n for n, pd in zip(exp.phase_lengths(), exp.phases_data) if pd.loader == "packed")
+    steps = sum(n for n, pd in zip(exp.phase_lengths(), exp.phases_data) if pd.reads_data_shards)
     return _plan(d.source_mixture, "data.mixture", "sources", index, train_samples, t.seed,
                  Budget(steps, t.global_batch(world), d.seq_len))
 
@@ -289,7 +289,8 @@ def check_pairs(exp: ExperimentConfig, index: DatasetIndex, objectives: tuple[tu
 def loader_micro_batches(exp: ExperimentConfig) -> dict[str, int]:
     """Each loader's micro-batch: train.micro_batch, the units' data.unit_micro_batch, each phase's own."""
     t, d = exp.train, exp.data
-    micro = {"packed": t.micro_batch, "units": d.unit_micro_batch or t.micro_batch, "pairs": t.micro_batch}
+    micro = {ShardKind.PACKED.value: t.micro_batch, ShardKind.UNITS.value: d.unit_micro_batch or t.micro_batch,
+             ShardKind.PAIRS.value: t.micro_batch}
     return micro | {pd.loader: pd.micro_batch for pd in exp.phases_data}
 
 
@@ -304,35 +305,34 @@ def check_shards(exp: ExperimentConfig, tok: Tokenizer, objectives: tuple[tuple[
     readers = shard_kind_readers(objectives)
     t, d = exp.train, exp.data
     micro = loader_micro_batches(exp)
-    indexes = {"packed": _load_index(d.shards, "data.shards", d, tok, d.seq_len, ShardKind.PACKED,
-                                     readers[ShardKind.PACKED])}
-    holdout = split(indexes["packed"], exp.eval.holdout)  # once: training, validation and the mixture take it
-    _check_enough("data.shards", indexes["packed"], t.global_batch(world, micro["packed"]), holdout)
+    packed, units, pairs = ShardKind.PACKED.value, ShardKind.UNITS.value, ShardKind.PAIRS.value  # loaders' names
+    indexes = {packed: _load_index(d.shards, "data.shards", d, tok, d.seq_len, ShardKind.PACKED,
+                                   readers[ShardKind.PACKED])}
+    holdout = split(indexes[packed], exp.eval.holdout)  # once: training, validation and the mixture take it
+    _check_enough("data.shards", indexes[packed], t.global_batch(world, micro[packed]), holdout)
     for i, pd in own_phase_data(exp):
         phase_readers = sorted({o.name for o in objectives[i] if o.objective.shard_kind == ShardKind.PACKED})
         indexes[pd.loader] = _check_index(pd.shards, f"phases[{i}].shards", d, tok, pd.seq_len, ShardKind.PACKED,
                                           phase_readers, t.global_batch(world, micro[pd.loader]))
-    validation = check_held_out(exp, tok, indexes["packed"], holdout)
-    plan, notes = check_mixture(exp, indexes["packed"], holdout.limit, world) if d.source_mixture else (None, [])
-    plans = {"packed": (d.source_mixture, plan)}
+    validation = check_held_out(exp, tok, indexes[packed], holdout)
+    plan, notes = check_mixture(exp, indexes[packed], holdout.limit, world) if d.source_mixture else (None, [])
+    plans = {packed: (d.source_mixture, plan)}
     if readers[ShardKind.UNITS]:
-        indexes["units"] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, ShardKind.UNITS,
-                                        readers[ShardKind.UNITS],
-                                        t.global_batch(world, micro["units"]))
+        indexes[units] = _check_index(d.unit_shards, "data.unit_shards", d, tok, None, ShardKind.UNITS,
+                                      readers[ShardKind.UNITS], t.global_batch(world, micro[units]))
     if readers[ShardKind.PAIRS]:
-        indexes["pairs"] = _check_index(d.pair_shards, "data.pair_shards", d, tok, None, ShardKind.PAIRS,
-                                        readers[ShardKind.PAIRS],
-                                        t.global_batch(world, micro["pairs"]))
-        pair_plan, pair_notes = check_pairs(exp, indexes["pairs"], objectives, world)
-        plans["pairs"], notes = (d.task_mixture, pair_plan), notes + pair_notes
+        indexes[pairs] = _check_index(d.pair_shards, "data.pair_shards", d, tok, None, ShardKind.PAIRS,
+                                      readers[ShardKind.PAIRS], t.global_batch(world, micro[pairs]))
+        pair_plan, pair_notes = check_pairs(exp, indexes[pairs], objectives, world)
+        plans[pairs], notes = (d.task_mixture, pair_plan), notes + pair_notes
     first = exp.phases_data[0].loader  # the batch warmup lies in the first phase: it warms that phase's loaders
     warmed = {first if o.objective.shard_kind == ShardKind.PACKED else o.objective.shard_kind.value
               for o in objectives[0]}
     mixtures = {name: (MappingProxyType(m.ratios), p) for name, (m, p) in plans.items() if m}
     loaders = {name: LoaderSpec(index, micro[name], t.grad_accum, t.seed, d.num_workers, d.verify_shards,
-                                holdout if name == "packed" else None,
+                                holdout if name == packed else None,
                                 *mixtures.get(name, (None, None)), warmup if name in warmed else None,
-                                name == "pairs" and d.pair_batching == "same_task")
+                                name == pairs and d.pair_batching == "same_task")
                for name, index in indexes.items()}
     return Shards(MappingProxyType(indexes), MappingProxyType(loaders), holdout, validation, tuple(notes))
 
