@@ -1,5 +1,5 @@
-"""What every objective shares: its config's common fields, the facts it declares, the output triple, masking
-settings, and the target-only LM head.
+"""What every objective shares: its config's common fields, the facts it declares, its output
+(``ObjectiveOutput``), masking settings, and the target-only LM head.
 
 An objective turns a ``Batch`` into ``Targets`` (model input, which positions predict, and what they predict).
 The base class then runs the decoder body for hidden states, gathers the predicting positions, and runs the LM
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -29,8 +29,11 @@ from pipeline.objectives.configs import BaseConfig, MaskedConfig
 from pipeline.tokenizer import Tokenizer
 
 
-@dataclass
-class ObjectiveOutput:
+class ObjectiveOutput(NamedTuple):
+    """One loss of an objective's forward, read by field name. A named tuple because it leaves the engine's forward
+    (``TrainModule``) as it is: ZeRO-3's hooks and DeepSpeed's output hooks find tensors inside tuples, lists and
+    dicts only, and rebuild a named tuple with its fields (``deepspeed.runtime.zero.utils.apply_to_tensors_only``)."""
+
     loss_sum: torch.Tensor  # fp32 scalar: sum of cross-entropy over the targets (differentiable)
     num_targets: torch.Tensor  # int64 scalar
     num_correct: torch.Tensor  # int64 scalar: targets whose arg-max prediction is right
@@ -151,11 +154,11 @@ def target_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: Targets
         loss_sum, correct, *per_target = lm_head(hidden[where], labels, per_target=rows)
     else:
         loss_sum, correct, *per_target = cross_entropy(lm_head(hidden[where]).float(), labels, per_target=rows)
-    out = ObjectiveOutput(loss_sum=loss_sum, num_targets=targets.predict_at.sum(), num_correct=correct)
-    if rows:
-        out.row_loss = per_target[0].new_zeros(len(targets.predict_at)).index_add_(0, where[0], per_target[0])
-        out.row_targets = targets.predict_at.sum(-1)
-    return out
+    num_targets = targets.predict_at.sum()
+    if not rows:
+        return ObjectiveOutput(loss_sum, num_targets, correct)
+    row_loss = per_target[0].new_zeros(len(targets.predict_at)).index_add_(0, where[0], per_target[0])
+    return ObjectiveOutput(loss_sum, num_targets, correct, row_loss, targets.predict_at.sum(-1))
 
 
 class Objective(ABC):

@@ -47,27 +47,36 @@ class EmbedPass:
         return self.objective.embed(model, batch)
 
 
-def grad_cache(embed: Callable[[int], torch.Tensor], chunks: int, loss: Callable[[torch.Tensor], torch.Tensor],
-               backward: Callable[[int, torch.Tensor], None], replay_rng: bool = True) -> torch.Tensor:
-    """Run GradCache over ``chunks`` chunks: ``embed(m)`` embeds chunk m ([rows_m, d]); ``loss(E)`` is the scalar to
-    differentiate of all chunks' embeddings E (concatenated, fp32); ``backward(m, surrogate)`` back-propagates chunk
-    m's surrogate (``loss.backward()``, or the engine's ``backward`` and ``step``). Returns the loss, detached.
+class GradCache:
+    """GradCache over ``chunks`` chunks: ``embed(m)`` embeds chunk m ([rows_m, d]); ``loss(E)`` is the scalar to
+    differentiate of all chunks' embeddings E (concatenated, fp32). :meth:`cache` runs steps 1 and 2 and returns the
+    loss, detached; :meth:`surrogate` is step 3's scalar of chunk m, for its caller to back-propagate (the engine's
+    ``backward``, a micro-step each); :meth:`done`, after the last, leaves the RNG as the first pass did.
     ``replay_rng=False`` exists for the test that shows the replay matters."""
-    states, parts = [], []
-    for m in range(chunks):
-        states.append(rng_state())
-        with torch.no_grad():
-            parts.append(embed(m).float())
-    cache = torch.cat(parts).requires_grad_()
-    value = loss(cache)
-    (grad,) = torch.autograd.grad(value, cache)
-    after = rng_state()
-    for m, g in enumerate(grad.split([len(p) for p in parts])):
-        if replay_rng:
-            set_rng_state(states[m])
-        backward(m, (embed(m).float() * g).sum())
-    set_rng_state(after)
-    return value.detach()
+
+    def __init__(self, embed: Callable[[int], torch.Tensor], chunks: int,
+                 loss: Callable[[torch.Tensor], torch.Tensor], replay_rng: bool = True):
+        self.embed, self.chunks, self.loss, self.replay_rng = embed, chunks, loss, replay_rng
+
+    def cache(self) -> torch.Tensor:
+        self.states, parts = [], []
+        for m in range(self.chunks):
+            self.states.append(rng_state())
+            with torch.no_grad():
+                parts.append(self.embed(m).float())
+        cache = torch.cat(parts).requires_grad_()
+        value = self.loss(cache)
+        (grad,) = torch.autograd.grad(value, cache)
+        self.after, self.grads = rng_state(), grad.split([len(p) for p in parts])
+        return value.detach()
+
+    def surrogate(self, m: int) -> torch.Tensor:
+        if self.replay_rng:
+            set_rng_state(self.states[m])
+        return (self.embed(m).float() * self.grads[m]).sum()
+
+    def done(self) -> None:
+        set_rng_state(self.after)
 
 
 def token_ranges(tokens: list[int], budget: int) -> list[tuple[int, int]]:

@@ -19,6 +19,7 @@ from transformers.integrations import HfDeepSpeedConfig
 from pipeline.model.build import ModelSpec, build_model
 from pipeline.model.moe import ROUTER_AUX, router_aux_scope
 from pipeline.model.weight_decay import param_groups
+from pipeline.objectives.base import ObjectiveOutput
 from pipeline.train.async_checkpoint import WeightsOnlyLoads
 from pipeline.train.compiling import deepcompile
 from pipeline.train.deepspeed_ops import arch_list_for_deepspeed
@@ -42,16 +43,12 @@ class TrainModule(nn.Module):
             out = objective(self.lm, batch) if counts is None else objective(self.lm, batch, counts)
         if isinstance(out, torch.Tensor):  # an embedding pass (``grad_cache.EmbedPass``)
             return out
-        # plain tuples in a dict: ZeRO-3's hooks only see through tuples, lists and dicts; each row's loss and
-        # targets follow when the objective made them (a batch with source ids)
-        outputs = {name: (o.loss_sum, o.num_targets, o.num_correct)
-                   + ((o.row_loss, o.row_targets) if o.row_loss is not None else ())
-                   for name, o in out.items()}
+        # each loss's ``ObjectiveOutput``: named tuples in a dict, which ZeRO-3's hooks see through
         if routed:  # the mean of the call's body forwards counts as one target (the step counts calls)
             aux = torch.stack(router_losses).mean()
             one = torch.ones((), dtype=torch.long, device=aux.device)
-            outputs[ROUTER_AUX] = (aux, one, torch.zeros_like(one))
-        return outputs
+            out[ROUTER_AUX] = ObjectiveOutput(aux, one, torch.zeros_like(one))
+        return out
 
 
 BUILD_ERRORS = (RuntimeError, ImportError, OSError, subprocess.CalledProcessError)  # a failed JIT build of an op

@@ -97,13 +97,14 @@ class Validator:
                 for kind, acc, o in scores:
                     for own, out in outputs[forward_of(o)].items():
                         key = (kind, acc, o.loss_name(own))
-                        total = torch.stack([t.detach().double() for t in out[:3]])  # loss sum, targets, correct
+                        total = torch.stack([t.detach().double() for t in (out.loss_sum, out.num_targets,
+                                                                           out.num_correct)])
                         sums[key] = sums[key] + total if key in sums else total
-                        if len(out) == 5:  # each row's loss and targets: the batch has source ids
+                        if out.row_loss is not None:  # each row's loss and targets: the batch has source ids
                             into = by_source.setdefault(key, torch.zeros(len(sources), 2, dtype=torch.float64,
                                                                          device=device))
                             into.index_add_(0, batch.source_ids.clamp(min=0),
-                                            torch.stack([out[3].double(), out[4].double()], -1))
+                                            torch.stack([out.row_loss.double(), out.row_targets.double()], -1))
         finally:
             engine.train()
         self.verify = False

@@ -30,7 +30,7 @@ from pipeline.experiment import load_experiment
 from pipeline.export.record import from_experiment
 from pipeline.objectives import Supervised, SupervisedConfig
 from pipeline.objectives.infonce import Matryoshka, info_nce
-from pipeline.train.grad_cache import grad_cache, split_ranges, token_ranges
+from pipeline.train.grad_cache import GradCache, split_ranges, token_ranges
 
 PAIRS = os.path.join(REPO, "data", "sample", "pairs")
 TOKENIZER = os.path.join(REPO, "data", "sample", "tokenizer")
@@ -264,9 +264,12 @@ def cached_and_reference(tokenizer, batch, dropout: float, replay: bool = True, 
         model = tiny_llama(tokenizer, attention_dropout=dropout).train()
         torch.manual_seed(7)
         if mode == "cached":
-            loss = grad_cache(lambda m, model=model: objective.embed(model, chunks[m]), len(chunks),
-                              lambda e: objective.loss(e, chunks).loss_sum,
-                              lambda m, surrogate: surrogate.backward(), replay_rng=replay)
+            cache = GradCache(lambda m, model=model: objective.embed(model, chunks[m]), len(chunks),
+                              lambda e: objective.loss(e, chunks).loss_sum, replay_rng=replay)
+            loss = cache.cache()
+            for m in range(len(chunks)):
+                cache.surrogate(m).backward()
+            cache.done()
         elif mode == "graph":
             e = torch.cat([objective.embed(model, c) for c in chunks])
             loss = objective.loss(e, chunks).loss_sum

@@ -72,7 +72,9 @@ def host_tensors(batches: list[Batch]) -> list[torch.Tensor]:
     return [getattr(b, f.name) for b in batches for f in fields(b) if isinstance(getattr(b, f.name), torch.Tensor)]
 
 
-def counted_step(spec: dict, batches: list[Batch], kind: str, attention_dropout: float = 0.0) -> DeviceReads:
+def counted_step(monkeypatch, spec: dict, batches: list[Batch], kind: str, attention_dropout: float = 0.0,
+                 sources: tuple[str, ...] = ()) -> tuple[DeviceReads, list[int]]:
+    """(the device reads, the size of each all-reduce) of one step of ``spec`` on ``batches``."""
     tokenizer = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
     objectives = build_objectives(from_dict(PhaseSpec, spec), tokenizer)
     torch.manual_seed(0)
@@ -86,30 +88,44 @@ def counted_step(spec: dict, batches: list[Batch], kind: str, attention_dropout:
     by_kind = {kind: batches}
     counts = target_counts(objectives, by_kind)  # on the host copies, as the trainer does
     engine = Engine(TrainModule(lm))
+    reduced = []
+
+    def all_reduce(tensor, *args, real=dist.all_reduce, **kwargs):
+        reduced.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
     with DeviceReads(host=host_tensors(batches)) as reads:
-        result = train_step(engine, objectives, by_kind, 1, len(batches), counts=counts)
+        result = train_step(engine, objectives, by_kind, 1, len(batches), sources, counts)
     assert all(loss == loss for loss in result.losses.values())  # the step ran (read afterwards: not counted)
-    return reads
+    assert set(result.source_losses) == (set(result.losses) if sources else set())
+    return reads, reduced
 
 
-def test_a_packed_step_reads_nothing():
-    """CLM, MNTP and MAGNET, two micro-batches: no read of the device at all (the mask decision and the varlen
-    segments come from the host copy, the target counts from the host, the results leave in one non-blocking copy
-    that is read after the step)."""
+def test_a_packed_step_reads_nothing_and_reduces_twice(monkeypatch):
+    """CLM, MNTP and MAGNET, two micro-batches of two sources: no read of the device at all (the mask decision and
+    the varlen segments come from the host copy, the target counts from the host, the results leave in one
+    non-blocking copy that is read after the step), and two all-reduces: the target counts and work before the
+    forward, every logged sum (per output and per source) after the step."""
     tokenizer = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
-    batch = packed_text_batch(tokenizer, TEXTS * 2)
+    batches = [packed_text_batch(tokenizer, TEXTS * 2), packed_text_batch(tokenizer, TEXTS * 2, seed=1)]
+    for b in batches:
+        b.source_ids = torch.tensor([0, 1, 1, 0])
     spec = {"objectives": [{"name": "clm"}, {"name": "mntp"}, {"name": "magnet", "log_as": "magnet"}]}
-    reads = counted_step(spec, [batch, packed_text_batch(tokenizer, TEXTS * 2, seed=1)], "packed")
+    reads, reduced = counted_step(monkeypatch, spec, batches, "packed", sources=("a", "b"))
     assert dict(reads.sites) == {}
+    # 4 outputs: 4 target counts + 3 of work; 4 x (loss, correct) + 4 x 2 sources x (loss, targets) + 2 tokens
+    assert reduced == [4 + 3, 4 * 2 + 4 * 2 * 2 + 2]
 
 
-def test_a_simcse_step_reads_nothing():
+def test_a_simcse_step_reads_nothing(monkeypatch):
     """SimCSE's unit check and its rows with text are decided on the host copy (a boolean index or ``bool(any)`` of
     the device's batch was a read a micro-batch)."""
     tokenizer = load_tokenizer(os.path.join(SAMPLE_DIR, "tokenizer"))
     batches = [unit_text_batch(tokenizer, TEXTS), unit_text_batch(tokenizer, TEXTS[::-1], first_index=4)]
-    reads = counted_step({"objectives": [{"name": "simcse"}]}, batches, "units", attention_dropout=0.1)
-    assert dict(reads.sites) == {}
+    reads, reduced = counted_step(monkeypatch, {"objectives": [{"name": "simcse"}]}, batches, "units",
+                                  attention_dropout=0.1)
+    assert dict(reads.sites) == {} and len(reduced) == 2
 
 
 def test_transformers_mask_code_reads_nothing_under_our_implementations():
