@@ -228,8 +228,9 @@ class _Plain(_Pass):
     def loss(self, m: int, metrics: StepMetrics) -> torch.Tensor:
         objective, batch = self.o.objective, self.batches[m]
         packed = batch if objective.shard_kind == ShardKind.PACKED else None
+        known = (self.counts[m],) if objective.predicts_tokens else ()
         loss = 0.0
-        for own, out in self.engine(objective, batch, *(self.counts[m],) * objective.predicts_tokens).items():
+        for own, out in self.engine(objective, batch, *known).items():
             name = self.o.loss_name(own)
             loss = loss + self.norm.weighted(name, out.loss_sum)
             metrics.add(name, out, packed)
