@@ -77,17 +77,17 @@ class RecipesRun(Reproduction):
         return os.path.join(self.out, f"timings-{NAME}.json")
 
 
-def runs(kind: str) -> list[str]:
+def runs(variant: str) -> list[str]:
     """The run directories of one arm (simcse, simcse-mrl, supervised-given, supervised-mined), seed by seed."""
-    return [os.path.join(OUT, f"{NAME}-{kind}-{s}") for s in SEEDS]
+    return [os.path.join(OUT, f"{NAME}-{variant}-{s}") for s in SEEDS]
 
 
 def merges() -> list[str]:
     return [os.path.join(OUT, f"{NAME}-merge-{s}") for s in SEEDS]
 
 
-def mined(kind: str) -> str:
-    return os.path.join(OUT, f"mined-{kind}")
+def mined(variant: str) -> str:
+    return os.path.join(OUT, f"mined-{variant}")
 
 
 def results_file(model: str, dim: int = WIDTH) -> str:
@@ -114,21 +114,21 @@ def train(stages: Stages, only: list[str], what: str) -> None:
 
 
 def mine_negatives(stages: Stages) -> None:
-    """Each kind of mining (with and without the filters) of the given pairs with MINER's export; the filtered
+    """Each variant of mining (with and without the filters) of the given pairs with MINER's export; the filtered
     one's pair shards are what the supervised-mined runs read."""
-    for kind, flags in FILTERS.items():
-        shards = ["--shards", MINED_SHARDS] if kind == "filtered" else []
-        argv = ["--input", PAIR_SHARDS, "--model", os.path.join(OUT, MINER, "hf"), "--output", mined(kind),
+    for variant, flags in FILTERS.items():
+        shards = ["--shards", MINED_SHARDS] if variant == "filtered" else []
+        argv = ["--input", PAIR_SHARDS, "--model", os.path.join(OUT, MINER, "hf"), "--output", mined(variant),
                 "--num-negatives", "1", "--max-length", "64", "--no-progress", *flags, *shards]
-        if not (mined_files(kind) >= PAIR_FILES and (not shards or os.path.isfile(os.path.join(MINED_SHARDS,
+        if not (mined_files(variant) >= PAIR_FILES and (not shards or os.path.isfile(os.path.join(MINED_SHARDS,
                                                                                                MANIFEST)))):
-            stages.run(f"mine_{NAME}", f"{kind} mining: data_prep/mine_negatives.py {' '.join(argv)}",
+            stages.run(f"mine_{NAME}", f"{variant} mining: data_prep/mine_negatives.py {' '.join(argv)}",
                        lambda argv=argv: _checked(mine(argv), "mining"))
 
 
-def mined_files(kind: str) -> set[str]:
+def mined_files(variant: str) -> set[str]:
     """The pairs files one mining has finished (its record names each when written whole)."""
-    path = os.path.join(mined(kind), "mining.json")
+    path = os.path.join(mined(variant), "mining.json")
     return set(read_json(path, what="mining record")["files"]) if os.path.isfile(path) else set()
 
 
@@ -142,7 +142,7 @@ def merge_exports(stages: Stages) -> None:
     the merge keeps its instruction format)."""
     for seed, out in zip(SEEDS, merges()):
         if not os.path.isfile(os.path.join(out, "config.json")):
-            models = [os.path.join(OUT, f"{NAME}-{kind}-{seed}", "hf") for kind in ("supervised-given", "simcse")]
+            models = [os.path.join(OUT, f"{NAME}-{variant}-{seed}", "hf") for variant in ("supervised-given", "simcse")]
             stages.run(f"merge_{NAME}", f"linear 0.5/0.5 merge of {' and '.join(models)} into {out}",
                        lambda models=models, out=out: merge("linear", models, out, [0.5, 0.5], progress=False))
 
@@ -202,9 +202,9 @@ def mining_record() -> dict:
     rules = answers(_sample_texts("train"))
     record = {"rules": {t: {"queries": len(q), "with_several_answers": sum(len(a) > 1 for a in q.values())}
                         for t, q in rules.items()}}
-    for kind in FILTERS:
-        if os.path.isfile(os.path.join(mined(kind), "mining.json")):
-            record[kind] = false_negatives(mined(kind), rules)
+    for variant in FILTERS:
+        if os.path.isfile(os.path.join(mined(variant), "mining.json")):
+            record[variant] = false_negatives(mined(variant), rules)
     return record
 
 
@@ -246,9 +246,9 @@ def _claim(claim: str, verdict: tuple[str, str]) -> str:
 def matryoshka_section() -> list[str]:
     lines = ["| variant | " + " | ".join(f"STS-B at {d}" + (" (full)" if d == WIDTH else "") for d in DIMS)
              + " | drop 576 → 128 |", "|---|" + "---|" * (len(DIMS) + 1)]
-    for label, kind in (("SimCSE", "simcse"), ("SimCSE + Matryoshka (576, 256, 128, 64)", "simcse-mrl")):
-        lines.append(f"| {label} | " + " | ".join(_cell(measured(headlines(runs(kind), d), STSB)) for d in DIMS)
-                     + f" | {_cell(drops(runs(kind), 128))} |")
+    for label, variant in (("SimCSE", "simcse"), ("SimCSE + Matryoshka (576, 256, 128, 64)", "simcse-mrl")):
+        lines.append(f"| {label} | " + " | ".join(_cell(measured(headlines(runs(variant), d), STSB)) for d in DIMS)
+                     + f" | {_cell(drops(runs(variant), 128))} |")
     claims = matryoshka_claims(drops(runs("simcse-mrl"), 128), drops(runs("simcse"), 128))
     return [*lines, "", "| claim | verdict | measured |", "|---|---|---|", *(_claim(*c) for c in claims)]
 
@@ -268,13 +268,13 @@ def matryoshka_claims(with_mrl: Measured | None, without: Measured | None) -> li
 def mining_section(record: dict) -> list[str]:
     lines = ["| mining (recipes-simcse-s0's export, 1 negative a row) | task | rows kept | false negatives (the rules) "
              "| the row's given negative | candidates dropped by the margin |", "|---|---|---|---|---|---|"]
-    for kind in FILTERS:
-        for task, c in record.get(kind, {}).items():
+    for variant in FILTERS:
+        for task, c in record.get(variant, {}).items():
             rate = c["false"] / c["negatives"] if c["negatives"] else 0.0
-            lines.append(f"| {kind} ({' '.join(FILTERS[kind]) or 'no filter'}) | {task} | {c['kept']} of "
+            lines.append(f"| {variant} ({' '.join(FILTERS[variant]) or 'no filter'}) | {task} | {c['kept']} of "
                          f"{c['rows']} | {c['false']} ({100 * rate:.1f} %) | {c['given']} | "
                          f"{c['skipped']['relative_margin']} |")
-    if not any(kind in record for kind in FILTERS):
+    if not any(variant in record for variant in FILTERS):
         lines.append("| not run | | | | | |")
     lines += ["", "By the rules over the whole train split, " + "; ".join(
         f"{c['with_several_answers']} of {c['queries']} {task} queries have more than one answer"
@@ -292,9 +292,9 @@ def mining_section(record: dict) -> list[str]:
     for key, name in (("zs_ndcg_avg", "both tasks"), *((k, k.split("/")[1]) for k in RETRIEVAL[:2])):
         claims.append(_claim(f"supervised on mined negatives > on given negatives on retrieval ({name})", compare(
             measured(headlines(runs("supervised-mined")), key), measured(headlines(runs("supervised-given")), key))))
-    rates = {kind: Measured((sum(c["false"] for c in record[kind].values())
-                             / max(1, sum(c["negatives"] for c in record[kind].values())),))
-             for kind in FILTERS if kind in record}
+    rates = {variant: Measured((sum(c["false"] for c in record[variant].values())
+                             / max(1, sum(c["negatives"] for c in record[variant].values())),))
+             for variant in FILTERS if variant in record}
     claims.append(_claim("the filters lower the false-negative rate of mined negatives (unfiltered vs filtered)",
                          compare(rates.get("unfiltered"), rates.get("filtered"))))
     return [*lines, *table, *claims]
@@ -345,10 +345,10 @@ def write_records(r: RecipesRun, stages: Stages, record: dict) -> dict:
                 os.makedirs(os.path.dirname(keep), exist_ok=True)
                 shutil.copyfile(path, keep)
     os.makedirs(os.path.join(target, "mining"), exist_ok=True)
-    for kind in FILTERS:
-        if os.path.isfile(source := os.path.join(mined(kind), "mining.json")):
+    for variant in FILTERS:
+        if os.path.isfile(source := os.path.join(mined(variant), "mining.json")):
             kept = read_json(source, what="mining record")
-            write_json_atomic(os.path.join(target, "mining", f"{kind}.json"),
+            write_json_atomic(os.path.join(target, "mining", f"{variant}.json"),
                               kept | {"model": repo_relative(kept["model"])})
     write_json_atomic(os.path.join(target, "mining", "false_negatives.json"), record)
     ours = {name: s for name, s in step_seconds(OUT).items() if name.startswith(NAME) or name == "llm2vec-mntp"}

@@ -161,11 +161,11 @@ STUDIES = (
                   ("STS-B (Spearman x100)", "sts/stsb")),
           plots=("loss_curves", "curves"),
           extra_seeds="magnet-magnet-s[12]",
-          paper={label: {"rep_sen/wiki": LLAMA2[kind]["rep_sen/wiki"], "rep_4/wiki": LLAMA2[kind]["rep_4/wiki"],
-                         "sts/clough": LLAMA2[kind]["sts_avg"],
-                         **({"sts/stsb": LLAMA2[kind]["sts/stsb"]} if "sts/stsb" in LLAMA2[kind] else {}),
-                         **({"infill_ppl_magnet/wiki": LLAMA2[kind]["infill_ppl_magnet/wiki"]}
-                            if "infill_ppl_magnet/wiki" in LLAMA2[kind] else {})}
-                 for label, kind in (("SmolLM2 (untrained)", "base"), ("LLM2Vec MNTP + SimCSE", "llm2vec"),
+          paper={label: {"rep_sen/wiki": LLAMA2[model]["rep_sen/wiki"], "rep_4/wiki": LLAMA2[model]["rep_4/wiki"],
+                         "sts/clough": LLAMA2[model]["sts_avg"],
+                         **({"sts/stsb": LLAMA2[model]["sts/stsb"]} if "sts/stsb" in LLAMA2[model] else {}),
+                         **({"infill_ppl_magnet/wiki": LLAMA2[model]["infill_ppl_magnet/wiki"]}
+                            if "infill_ppl_magnet/wiki" in LLAMA2[model] else {})}
+                 for label, model in (("SmolLM2 (untrained)", "base"), ("LLM2Vec MNTP + SimCSE", "llm2vec"),
                                      ("MAGNET", "magnet"))}),
 )

@@ -7,7 +7,7 @@ Every config error of a run is raised here: nothing below it raises ``ConfigErro
 
 :func:`local_preflight` is what one rank checks alone, before any process group (and all that ``launch/train.py
 --check`` runs): it takes and writes nothing, so a refusal costs no rendezvous and leaves nothing behind.
-:func:`agreed_preflight` then runs the rest on every rank in agreed stages (the same run and code, each rank's local
+:func:`agreed_preflight` then runs the rest on every rank in agreed checks (the same run and code, each rank's local
 result, rank 0's lock, rank 0's build of missing shards, their checks); the first failure of any rank is reported
 once, by rank 0. What it returns, :class:`Prepared`, is what it built and decided (objectives, probes, the
 resolved DeepSpeed config, the model's spec, the run's plan and each part's spec, the resume point, the shards'
@@ -33,7 +33,7 @@ import torch
 from transformers import PretrainedConfig
 
 from pipeline.config import ConfigError, to_dict
-from pipeline.data.format.index import UNNAMED_SOURCE, DatasetIndex
+from pipeline.data.format.index import UNNAMED_SOURCE, DatasetIndex, ShardKind
 from pipeline.data.loading.holdout import Holdout, ValidationSamples
 from pipeline.data.loading.order import BatchWarmup
 from pipeline.experiment import ExperimentConfig, ValidationConfig
@@ -131,7 +131,7 @@ class Prepared:
     def data_record(self) -> DataRecord:
         """``data.json`` (written into every checkpoint): the shards of data.shards and of each phase's own, which
         :func:`~pipeline.train.run_setup.check_resumable` holds a resume to."""
-        packed = self.indexes["packed"]
+        packed = self.indexes[ShardKind.PACKED.value]
         phases = {name: {"directory": i.directory, "fingerprint": i.fingerprint}
                   for name, i in self.indexes.items() if name.startswith("phases[")}
         return DataRecord(packed.directory, packed.fingerprint, packed.num_samples, packed.num_tokens, phases)
@@ -218,11 +218,11 @@ def check_setup(exp: ExperimentConfig, rank: int, world: int, cuda: bool, ds: di
                           f"to the record field naming each document's source (SlimPajama: "
                           f"meta.redpajama_set_name), or build the shards with data_prep/build_shards.py "
                           f"--source-field")
-    if shard_kind_readers(objectives)["units"] and not d.unit_shards:
+    if shard_kind_readers(objectives)[ShardKind.UNITS] and not d.unit_shards:
         raise ConfigError("data.unit_shards: an objective reads sentence units (e.g. simcse, sscl) but "
                           "data.unit_shards is empty; build them with data_prep/build_shards.py --units and "
                           "set data.unit_shards")
-    if shard_kind_readers(objectives)["pairs"] and not d.pair_shards:
+    if shard_kind_readers(objectives)[ShardKind.PAIRS] and not d.pair_shards:
         raise ConfigError("data.pair_shards: the supervised objective reads (query, positive, negatives) rows but "
                           "data.pair_shards is empty; build them with data_prep/build_shards.py --pairs and set "
                           "data.pair_shards")
@@ -291,7 +291,7 @@ def _given(local: Prepared | Exception) -> Prepared:
 
 def agreed_preflight(exp: ExperimentConfig, rank: int, world: int, cuda: bool, held: contextlib.ExitStack,
                      local: Prepared | Exception, on_failure: Callable[[], None] = lambda: None) -> Prepared | None:
-    """The rest of :func:`preflight` once the process group runs, each stage agreed by every rank: the same run
+    """The rest of :func:`preflight` once the process group runs, each check agreed by every rank: the same run
     and code, each rank's :func:`local_preflight` (``local``: its result, or its failure, which rank 0 reports),
     rank 0's lock of the run directory (until ``held`` closes), its build of missing shards, and their checks.
     None when any rank failed (rank 0 said why). ``on_failure`` runs on every rank before the report (the

@@ -57,13 +57,13 @@ def launcher_chain() -> list[tuple[int, int]]:
 
 class StopRequest:
     """Created first thing in a rank (this module imports nothing heavy, so a signal early in start-up is handled
-    too). Its stages: the signal is held until :meth:`config_checked`, then "exit now" until
+    too). Its periods: the signal is held until :meth:`config_checked`, then "exit now" until
     :meth:`training_started`, then "checkpoint, then exit"; :meth:`failing` holds it for good."""
 
     def __init__(self, rank: int, poll_s: float = 1.0):
         self.rank = rank
         self.reason: str | None = None
-        self._stage = "config"  # config -> start-up -> training; or failing
+        self._period = "config"  # config -> start-up -> training; or failing
         self._run_dir: str | None = None
         self._started = time.time()
         self._group = None  # the process group the ranks agree over (:meth:`agreed`)
@@ -98,7 +98,7 @@ class StopRequest:
         stops = {int(s) for s in STOP_SIGNALS}
         while data := os.read(fd, 64):  # b"": :meth:`close` closed the write end
             for signum in data:
-                if signum in stops and self._stage == "start-up":
+                if signum in stops and self._period == "start-up":
                     self._stop(signal.Signals(signum).name)
         os.close(fd)
 
@@ -113,7 +113,7 @@ class StopRequest:
         """Exit 0 in start-up, as a stop with a checkpoint does: launch/slurm/train.sbatch requeues a run whose
         ranks stopped cleanly. Held (only recorded) before the config check, in training and while failing."""
         self.reason = self.reason or why
-        if self._stage == "start-up":
+        if self._period == "start-up":
             self._exit_in_start_up()
 
     def _exit_in_start_up(self) -> None:
@@ -152,16 +152,16 @@ class StopRequest:
 
     def config_checked(self, run_dir: str) -> None:
         """The config is valid: a held signal stops the rank now, and later ones at once."""
-        self._run_dir, self._stage = run_dir, "start-up"
+        self._run_dir, self._period = run_dir, "start-up"
         if self.requested:
             self._exit_in_start_up()
 
     def failing(self) -> None:
         """The rank is reporting its own failure, which must not be lost to the signal that failure causes."""
-        self._stage = "failing"
+        self._period = "failing"
 
     def training_started(self) -> None:
-        self._stage = "training"
+        self._period = "training"
 
     def agreed(self) -> bool:
         """All ranks must stop at the same step: a signal may reach them at different times. The ranks agree over a
