@@ -20,7 +20,7 @@ from bench_target_head import head_bench_parser, small_model
 from pipeline.data.format.sample import UNMASKABLE
 from pipeline.data.loading.batch import Batch
 from pipeline.objectives import Supervised, SupervisedConfig
-from pipeline.train.grad_cache import grad_cache, token_ranges
+from pipeline.train.grad_cache import GradCache, token_ranges
 
 SLOTS = 3
 
@@ -67,8 +67,13 @@ def main() -> None:
 
     def step(chunks: list[Batch]) -> float:
         model.zero_grad(set_to_none=True)
-        return grad_cache(lambda m: objective.embed(model, chunks[m]), len(chunks),
-                          lambda e: objective.loss(e, [batch]).loss_sum, lambda m, s: s.backward()).item()
+        cache = GradCache(lambda m: objective.embed(model, chunks[m]), len(chunks),
+                          lambda e: objective.loss(e, [batch]).loss_sum)
+        loss = cache.cache()
+        for m in range(len(chunks)):
+            cache.surrogate(m).backward()
+        cache.done()
+        return loss.item()
 
     losses = {name: step(chunks) for name, chunks in variants.items()}  # warm-up
     assert abs(losses["rows"] - losses["tokens"]) <= 1e-5 * abs(losses["rows"]), losses

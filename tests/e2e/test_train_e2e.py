@@ -89,7 +89,7 @@ def reference_losses(shards: str, init_dir: str, run_dir: str, *overrides: str) 
         count = int(sum(clm.objective.num_targets(b)["clm"] for b in batches))
         total = 0.0
         for b in batches:
-            loss_sum, _, _ = model(clm.objective, b)["clm"]
+            loss_sum = model(clm.objective, b)["clm"].loss_sum
             (loss_sum / count).backward()
             total += loss_sum.item()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), exp.optim.grad_clip)))

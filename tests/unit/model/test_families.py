@@ -172,9 +172,9 @@ for family, path in json.loads(sys.argv[3]).items():
         before = [p.detach().clone() for p in watched]
     for o in objectives:
         out = engine(o.objective, units if o.objective.shard_kind == "units" else packed)
-        loss = sum(v[0] / max(int(v[1]), 1) for v in out.values())
+        loss = sum(v.loss_sum / max(int(v.num_targets), 1) for v in out.values())
         engine.backward(loss)
-        losses.update({k: float(v[0]) / max(int(v[1]), 1) for k, v in out.items()})
+        losses.update({k: float(v.loss_sum) / max(int(v.num_targets), 1) for k, v in out.items()})
     engine.step()
     with deepspeed.zero.GatheredParameters(watched):
         moved = [float((p.detach() - b).abs().max()) for p, b in zip(watched, before)]
