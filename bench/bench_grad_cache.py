@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from bench_target_head import head_bench_parser, small_model
@@ -23,6 +25,7 @@ from pipeline.objectives import Supervised, SupervisedConfig
 from pipeline.train.grad_cache import GradCache, token_ranges
 
 SLOTS = 3
+T = TypeVar("T")
 
 
 def mixed_batch(rows: int, width: int, long_fraction: float, vocab: int, seed: int = 0) -> Batch:
@@ -51,6 +54,27 @@ def describe(chunks: list[Batch]) -> str:
             f"padded tokens max {max(padded)} (all {sum(padded)})")
 
 
+def interleaved(variants: dict[str, T], step: Callable[[T], object], reps: int) -> dict[str, list[float]]:
+    """Seconds of ``step`` on each variant, ``reps`` rounds of one run each in turn: machine noise hits all alike."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, variant in variants.items():
+            start = time.perf_counter()
+            step(variant)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def timed(seconds: list[float]) -> str:
+    """The median and every repetition, in ms."""
+    return f"median {statistics.median(seconds) * 1e3:7.0f} ms [{', '.join(f'{t * 1e3:.0f}' for t in seconds)}]"
+
+
+def paired_ratio(times: dict[str, list[float]], over: str, base: str) -> float:
+    """The median of the round-by-round ratios ``over`` / ``base`` (robust to load that moves whole rounds)."""
+    return statistics.median(o / b for o, b in zip(times[over], times[base]))
+
+
 def main() -> None:
     parser = head_bench_parser(__doc__, seq_len=128, reps=5)
     parser.set_defaults(vocab=8000, hidden=128, layers=2, batch=48)
@@ -77,20 +101,13 @@ def main() -> None:
 
     losses = {name: step(chunks) for name, chunks in variants.items()}  # warm-up
     assert abs(losses["rows"] - losses["tokens"]) <= 1e-5 * abs(losses["rows"]), losses
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.reps):
-        for name, chunks in variants.items():  # interleaved: machine noise hits both alike
-            start = time.perf_counter()
-            step(chunks)
-            times[name].append(time.perf_counter() - start)
+    times = interleaved(variants, step, args.reps)
     print(f"hidden {args.hidden}, layers {args.layers}, {args.batch} rows x {SLOTS} texts of <= {args.seq_len} "
           f"tokens, {args.long_fraction:.0%} long rows, micro {args.micro}, budget {budget} tokens, "
           f"{torch.get_num_threads()} threads, {args.reps} reps")
     for name, ts in times.items():
-        print(f"{name:>6}: median {statistics.median(ts) * 1e3:7.0f} ms [{', '.join(f'{t * 1e3:.0f}' for t in ts)}]; "
-              f"{describe(variants[name])}")
-    ratio = statistics.median(t / r for t, r in zip(times["tokens"], times["rows"]))
-    print(f"tokens / rows (median of paired ratios): {ratio:.2f}x")
+        print(f"{name:>6}: {timed(ts)}; {describe(variants[name])}")
+    print(f"tokens / rows (median of paired ratios): {paired_ratio(times, 'tokens', 'rows'):.2f}x")
 
 
 if __name__ == "__main__":

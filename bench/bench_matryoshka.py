@@ -7,11 +7,8 @@ negative). Run: ``python bench/bench_matryoshka.py``.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
-from bench_grad_cache import mixed_batch
+from bench_grad_cache import interleaved, mixed_batch, paired_ratio, timed
 from bench_target_head import head_bench_parser, small_model
 
 from pipeline.objectives import Supervised, SupervisedConfig
@@ -35,19 +32,12 @@ def main() -> None:
         return loss.item()
 
     losses = {name: step(o) for name, o in variants.items()}  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.reps):
-        for name, objective in variants.items():  # interleaved: machine noise hits both alike
-            start = time.perf_counter()
-            step(objective)
-            times[name].append(time.perf_counter() - start)
+    times = interleaved(variants, step, args.reps)
     print(f"hidden {args.hidden}, layers {args.layers}, {args.batch} rows x 3 texts of <= {args.seq_len} tokens, "
           f"Matryoshka dims {list(dims)}, {torch.get_num_threads()} threads, {args.reps} reps")
     for name, ts in times.items():
-        print(f"{name:>10}: loss {losses[name]:.4f}, median {statistics.median(ts) * 1e3:6.0f} ms "
-              f"[{', '.join(f'{t * 1e3:.0f}' for t in ts)}]")
-    ratio = statistics.median(m / p for m, p in zip(times["matryoshka"], times["plain"]))
-    print(f"matryoshka / plain (median of paired ratios): {ratio:.2f}x")
+        print(f"{name:>10}: loss {losses[name]:.4f}, {timed(ts)}")
+    print(f"matryoshka / plain (median of paired ratios): {paired_ratio(times, 'matryoshka', 'plain'):.2f}x")
 
 
 if __name__ == "__main__":
