@@ -98,9 +98,10 @@ def test_every_evaluation_reads_a_run_or_merge_of_the_grid_and_each_width_has_it
     assert len({recipes.results_file(simcse, d) for d in DIMS}) == len(DIMS)
 
 
-def test_the_page_has_the_study_block_and_a_study_with_nothing_run_says_so(tmp_path):
+def test_the_page_has_the_study_block_and_a_study_with_nothing_run_says_so(tmp_path, monkeypatch):
     page = tmp_path / "results.md"
     page.write_text(open(os.path.join(REPO, "docs", "results.md")).read())
+    monkeypatch.chdir(tmp_path)  # nothing run here, whatever this checkout's runs/reproduce holds
     record = {"rules": {"replies": {"queries": 10, "with_several_answers": 1}}}
     recipes.write_block(str(page), recipes.markdown(record, {}))
     block = page.read_text().split(f"<!-- BEGIN full {NAME} -->")[1].split(f"<!-- END full {NAME} -->")[0]
