@@ -348,8 +348,10 @@ def write_records(r: RecipesRun, stages: Stages, record: dict) -> dict:
     for variant in FILTERS:
         if os.path.isfile(source := os.path.join(mined(variant), "mining.json")):
             kept = read_json(source, what="mining record")
-            write_json_atomic(os.path.join(target, "mining", f"{variant}.json"),
-                              kept | {"model": repo_relative(kept["model"])})
+            write_json_atomic(os.path.join(target, "mining", f"{variant}.json"), kept | {
+                "model": repo_relative(kept["model"]),
+                "model_read": kept["model_read"] | {"path": repo_relative(kept["model_read"]["path"])},
+                "inputs": [i | {"path": repo_relative(i["path"])} for i in kept["inputs"]]})
     write_json_atomic(os.path.join(target, "mining", "false_negatives.json"), record)
     ours = {name: s for name, s in step_seconds(OUT).items() if name.startswith(NAME) or name == "llm2vec-mntp"}
     timings = {"stages_s": stages.spend({}), "step_seconds_median": ours}

@@ -109,3 +109,16 @@ def test_the_page_has_the_study_block_and_a_study_with_nothing_run_says_so(tmp_p
     assert len(claims) == 3 + 4 + 4  # (a) the claim and its two parts, (b) three retrieval claims and the rate, (c)
     assert all("| **inconclusive** |" in line for line in claims)
     assert "1 of 10 replies queries have more than one answer" in block
+
+
+def test_the_committed_mining_records_name_paths_relative_to_the_checkout():
+    """The records are kept in the repository: a path in them names the file in any checkout."""
+    def paths(value):
+        if isinstance(value, dict):
+            return [p for k, v in value.items() for p in ([v] if k == "path" else paths(v))]
+        return [p for v in value for p in paths(v)] if isinstance(value, list) else []
+
+    for variant in recipes.FILTERS:
+        with open(os.path.join(REPO, "docs", "results", "full", NAME, "mining", f"{variant}.json")) as f:
+            found = paths(json.load(f)) + [json.load(open(f.name))["model"]]
+        assert found and not any(os.path.isabs(p) for p in found), found
