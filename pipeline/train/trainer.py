@@ -77,7 +77,7 @@ class Trainer:
         rank, world = dist.get_rank(), dist.get_world_size()
         plan = prepared.plan
         torch.manual_seed(plan.seed)
-        tokenizer, objectives, index = prepared.tokenizer, prepared.objectives, prepared.indexes["packed"]
+        tokenizer, objectives, index = prepared.tokenizer, prepared.objectives, prepared.indexes[ShardKind.PACKED]
         ds = prepared.ds_config()
         lm, engine = build_engine(ds, prepared.model, prepared.engine, [o.objective for p in objectives for o in p])
         if rank == 0:
@@ -143,12 +143,12 @@ class Trainer:
         world = dist.get_world_size()
         t_data = time.time() - t0
         result = train_step(self.engine, self.objectives[phase_idx], batches, world, plan.grad_accum,
-                            state.sources if phase.loader == "packed" else (), counts)
+                            state.sources if phase.loader == ShardKind.PACKED else (), counts)
         tokens = world * local_tokens
         state.advance(tokens)
         host = (mask_ratios | {"batch/tokens": tokens}  # the step's numbers the host already has
                 | {f"batch/samples/{kind}": world * sum(len(b.keys) for b in bs) for kind, bs in batches.items()}
-                | ({"progress/seq_len": batches["packed"][0].input_ids.shape[1]} if "packed" in batches else {})
+                | ({"progress/seq_len": batches[ShardKind.PACKED][0].input_ids.shape[1]} if ShardKind.PACKED in batches else {})
                 | {"model/rope_theta": rope_parameter_sets(self.lm.config)[0]["rope_theta"]})
         return Unread(state.step, phase_idx, phase.name, result, tokens, t0, t_data, self.engine.skipped_steps,
                       state.tokens_seen, host)
