@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import PreTrainedTokenizerFast
 
 from pipeline.config import ConfigError, from_tagged
+from pipeline.data.format.index import ShardKind
 from pipeline.data.format.instructions import DEFAULT_FORMAT
 from pipeline.data.format.sample import UNMASKABLE
 from pipeline.data.loading.batch import Batch, collate
@@ -345,10 +346,13 @@ def test_every_objective_is_registered_by_its_config():
 def test_each_objective_declares_what_it_is(tokenizer):
     facts = {name: (cls.masks, cls.predicts_next, cls.causal, bool(cls.needs_tokenizer), cls.shard_kind)
              for name, cls in OBJECTIVES.items()}
-    assert facts == {"clm": (False, True, True, False, "packed"), "mlm": (True, False, False, True, "packed"),
-                     "mntp": (True, True, False, True, "packed"), "magnet": (True, True, False, True, "packed"),
-                     "sscl": (False, False, False, True, "units"), "simcse": (False, False, False, True, "units"),
-                     "supervised": (False, False, False, False, "pairs"), "distill": (False, False, False, False, "pairs")}
+    packed, units, pairs = ShardKind.PACKED, ShardKind.UNITS, ShardKind.PAIRS
+    assert facts == {"clm": (False, True, True, False, packed), "mlm": (True, False, False, True, packed),
+                     "mntp": (True, True, False, True, packed), "magnet": (True, True, False, True, packed),
+                     "sscl": (False, False, False, True, units), "simcse": (False, False, False, True, units),
+                     "supervised": (False, False, False, False, pairs), "distill": (False, False, False, False, pairs)}
+    # a ShardKind equals its string, so a bare "packed" would pass the comparison above: the type is held too
+    assert {name: type(cls.shard_kind) for name, cls in OBJECTIVES.items()} == dict.fromkeys(OBJECTIVES, ShardKind)
     required = {"distill": {"teacher": "runs/shards/pairs/teacher"}}  # read at attach, not at build
     built = {name: make_objective(from_tagged(ObjectiveConfig, {"name": name, **required.get(name, {})}), tokenizer)
              for name in OBJECTIVES}
