@@ -54,6 +54,7 @@ from pipeline.reproduce.invocation import DEVICES, SCALES, Reproduction, chosen_
 from pipeline.reproduce.plan import plan
 from pipeline.reproduce.records import (
     Evaluated,
+    check_page,
     is_row_run,
     keep_records,
     missing_seed_zero,
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--scale {args.scale}: the runs of {', '.join(gpu)} declare GPU ranks (resources.gpu) "
                              f"and this run would be on the CPU (--device {args.device}); run it on a GPU machine, "
                              "or check it here with --dry-run")
+        check_page(r)
         set_rank_defaults(r.device)
         plan(r) if args.dry_run else reproduce(r)
     except (RealDataError, RuntimeError, ValueError) as e:

@@ -1,6 +1,6 @@
 """What an invocation leaves under RESULTS/SCALE and on the page: each study's runs' and baselines' small records
-copied from OUT (``keep_records``), its block of the page (``write_page``) and ``timings.json``
-(``write_timings``)."""
+copied from OUT (``keep_records``), its block of the page (``write_page``, checked first by ``check_page``) and
+``timings.json`` (``write_timings``)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,18 @@ def keep_records(r: Reproduction, study: Study, runs: list[str]) -> None:
     for path in glob.glob(os.path.join(r.out, "baselines", f"*-{study.name}.json")):
         os.makedirs(os.path.join(r.results, "baselines"), exist_ok=True)
         shutil.copyfile(path, os.path.join(r.results, "baselines", os.path.basename(path)))
+
+
+def check_page(r: Reproduction) -> None:
+    """The page holds a block for each study this invocation writes: checked before anything trains, so a wrong
+    ``--page`` fails at once instead of after the first study's runs and evaluations (``write_page``)."""
+    if not os.path.isfile(r.page):
+        raise ValueError(f"--page {r.page}: no such file; name a copy of docs/results.md, the page whose "
+                         f"'<!-- BEGIN {r.mode} STUDY -->' blocks the results are written into")
+    with open(r.page) as f:
+        text = f.read()
+    for study in r.studies:
+        replace_block(text, r.mode, study.name, "", r.page)  # raises, naming the missing block and the fix
 
 
 def write_page(r: Reproduction, study: Study, evaluated: Evaluated) -> None:

@@ -269,7 +269,8 @@ def test_paper_scale_dry_run_checks_and_prints_every_run_and_task_and_writes_not
     """`launch/reproduce.py --scale paper --dry-run` on a CPU machine without SmolLM2: each study's runs resolved and
     validated into the sweep's table with their steps and tokens, each task's options, the shards to build."""
     proc = warm.run(REPRODUCE, ["--scale", "paper", "--dry-run", "--out", str(tmp_path / "runs"), "--results",
-                                str(tmp_path / "results"), "--page", str(tmp_path / "missing.md")], timeout=300)
+                                str(tmp_path / "results"), "--page", os.path.join(REPO, "docs", "results.md")],
+                    timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
     assert rows["llm2vec-mntp"][2:4] == ["1000", "16.4M"] and rows["llm2vec-simcse"][2] == "1000"
@@ -284,6 +285,23 @@ def test_paper_scale_dry_run_checks_and_prints_every_run_and_task_and_writes_not
     assert ("baseline smollm2-echo: runs/models/smollm2-135m as it is, causal attention, layout echo; "
             "sts,clustering,zero_shot_retrieval: no training, evaluation time only") in proc.stdout
     assert os.listdir(tmp_path) == []  # no run directory, no records, no page
+
+
+@pytest.mark.e2e
+def test_a_page_without_the_studies_blocks_is_refused_before_anything_runs(tmp_path):
+    """--page names the page the studies' blocks are written into after their runs and evaluations: a missing file,
+    or one without a study's block, is one line at once (it was a traceback ten minutes in, after the first study's
+    training), the dry run's too."""
+    page = tmp_path / "results.md"
+    page.write_text(open(os.path.join(REPO, "docs", "results.md")).read().replace("BEGIN quick magnet", "BEGIN x"))
+    for named, said in ((tmp_path / "missing.md", "no such file; name a copy of docs/results.md"),
+                        (page, "no '<!-- BEGIN quick magnet -->' ... '<!-- END quick magnet -->' block")):
+        for dry in ([], ["--dry-run"]):
+            proc = warm.run(REPRODUCE, ["--quick", *dry, "--device", "cpu", "--out", str(tmp_path / "runs"),
+                                        "--results", str(tmp_path / "results"), "--page", str(named)], timeout=300)
+            assert proc.returncode == 1 and proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
+            assert str(named) in proc.stderr and said in proc.stderr and "== " not in proc.stdout
+    assert sorted(os.listdir(tmp_path)) == ["results.md"]  # nothing built, trained or recorded
 
 
 def test_a_dry_run_stops_at_a_paper_grid_that_does_not_validate(tmp_path, monkeypatch):
