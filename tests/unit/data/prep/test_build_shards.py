@@ -284,13 +284,16 @@ def test_slurm_array_defaults():
                                               "SLURM_ARRAY_TASK_COUNT": "8"}) == (3, 8)
 
 
-# a build (this process) forks one pool worker as its pool starts them, writes the worker's pid to argv[1], and waits
+# a build (this process) forks one pool worker as its pool starts them, writes the worker's pid to argv[1], and waits;
+# the build's pid is taken before the fork, as the pool's initargs take it: read in the worker, it is the reaper's
+# once the build has been killed, and a worker that had not reached its prctl yet then passed the parent check
 BUILD_WITH_A_WORKER = """
 import os, sys, time
 from pipeline.data.prep import build
+parent = os.getpid()
 worker = os.fork()
 if worker == 0:
-    build._pool_worker(os.getppid(), None, None, None, "a tokenizer")
+    build._pool_worker(parent, None, None, None, "a tokenizer")
     time.sleep(600)  # a file being tokenized
     os._exit(0)
 with open(sys.argv[1], "w") as f:
