@@ -25,6 +25,7 @@ from pipeline.experiment import ExperimentConfig
 from pipeline.export.hf import save_hf
 from pipeline.export.merge import INSTALL, main
 from pipeline.export.record import EncoderRecord, read_record
+from pipeline.export.weights import BASE_INDEX
 from pipeline.model.load_hf import LM_INDEX
 
 pytest.importorskip("mergekit")
@@ -160,11 +161,36 @@ def test_inputs_that_do_not_merge_are_refused_in_one_line_before_any_weight_is_r
                                                        "were trained from)"),
     (("--method", "linear", "--models", "A", "A", "--output", "A"), "--output {a}: one of the inputs; name a new "
                                                                     "directory"),
+    (("--method", "linear", "--models", "A", "A", "--output", "KEPT"), "--output {kept}: a directory that holds no "
+     "export; a merge replaces its directory as a whole: name a new directory or remove this one"),
+    (("--method", "linear", "--models", "A", "A", "--t", "0.3"), "--t applies to --method slerp, not linear"),
+    (("--method", "slerp", "--models", "A", "A", "--weights", "1", "1"), "--weights: SLERP weighs its two exports by "
+                                                                         "--t (0: the first, 1: the second)"),
+    (("--method", "linear", "--models", "A", "A", "--weights", "nan", "1"), "--weights, --t and --lambda must be "
+                                                                           "finite numbers"),
+    (("--method", "linear", "--models", "A", "A", "--weights", "1", "-1"), "--weights [1.0, -1.0]: linear merging "
+                                                                           "divides by their sum, which is 0"),
 ])
 def test_settings_that_do_not_fit_the_method_are_refused_in_one_line(exports, tmp_path, capsys, args, message):
-    args = [exports["a"] if a == "A" else a for a in args]
+    kept = tmp_path / "kept"  # a directory of something else, which a merge would replace
+    kept.mkdir()
+    (kept / "notes.txt").write_text("not an export")
+    args = [{"A": exports["a"], "KEPT": str(kept)}.get(a, a) for a in args]
     assert main(args + ([] if "--output" in args else ["--output", str(tmp_path / "out")])) == 2
-    assert capsys.readouterr().err.splitlines() == ["error: " + message.format(a=exports["a"])]
+    assert capsys.readouterr().err.splitlines() == ["error: " + message.format(a=exports["a"], kept=kept)]
+    assert (kept / "notes.txt").read_text() == "not an export"
+
+
+def test_a_directory_that_is_not_an_export_is_refused_in_one_line(exports, tmp_path, capsys):
+    empty, weightless = tmp_path / "empty", tmp_path / "weightless"
+    empty.mkdir()
+    weightless.mkdir()
+    shutil.copy(os.path.join(exports["a"], "config.json"), weightless)
+    for path, said in ((empty, "no config.json; pass export directories (launch/export_hf.py --output DIR)"),
+                       (weightless, f"no model.safetensors (or {BASE_INDEX}); mergekit merges safetensors exports")):
+        assert main(["--method", "linear", "--models", exports["a"], str(path), "--output", str(tmp_path / "o")]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"error: {path}: {said}"]
+    assert not os.path.exists(tmp_path / "o")
 
 
 def test_a_missing_mergekit_is_one_line_naming_the_extra(exports, tmp_path, capsys, monkeypatch):
