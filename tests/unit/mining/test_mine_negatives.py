@@ -16,7 +16,7 @@ from helpers import REPO, cpu_env, tiny_llama
 from shard_corpus import TOKENIZER
 
 from pipeline.config import from_dict
-from pipeline.data.format.index import load_index
+from pipeline.data.format.index import MANIFEST, load_index
 from pipeline.eval import load_model
 from pipeline.eval.encode import rows_for
 from pipeline.eval.forward import length_batches
@@ -153,14 +153,28 @@ def test_use_faiss_without_faiss_stops_in_one_line_naming_the_install(tmp_path, 
     (["--max-score", "2"], "--max-score must be a cosine in [-1, 1], got 2.0"),
     (["--min-score", "0.5", "--max-score", "0.2"], "--min-score 0.5 must be below --max-score 0.2"),
     (["--faiss-batch-size", "0"], "--faiss-batch-size must be >= 1, got 0"),
-    (["--input", "BAD.jsonl"], "BAD.jsonl:2: positive missing, empty or not text"),
+    (["--input", "@BAD.jsonl"], "BAD.jsonl:2: positive missing, empty or not text"),
+    (["--input", "@NEG.jsonl"], "NEG.jsonl:1: negative missing, empty or not text"),
+    (["--input", "@EMPTY.jsonl"], "EMPTY.jsonl: no rows; a pairs file holds one {\"query\", \"positive\"} object "
+                                  "per line"),
+    (["--input", "@NOTHING*.jsonl"], "--input 'NOTHING*.jsonl' matches no file; check the path or quote the glob"),
+    (["--input", "@NOTES.txt"], "NOTES.txt: pairs are jsonl rows (.jsonl"),
+    (["--input", "@a/x.jsonl", "@b/x.jsonl"], "two inputs are named x.jsonl; each is written to OUTPUT under its "
+                                              "name (and is its task): rename one"),
+    (["--input", "@units"], "units: not a pair shard directory (built without --pairs); pass pairs files or a "
+                            "directory of build_shards.py --pairs"),
 ])
 def test_settings_out_of_range_stop_in_one_line_before_a_model_is_loaded(tmp_path, capsys, args, message):
-    """The model named does not exist: each refusal comes before anything would load it (the model's own check
-    comes after the settings'), one line, exit 2."""
-    bad = tmp_path / "BAD.jsonl"
-    bad.write_text('{"query": "q", "positive": "p"}\n{"query": "q", "positive": ""}\n')
-    args = [a.replace("BAD", str(tmp_path / "BAD")) for a in args]
+    """The model named does not exist: each refusal of a setting or an input comes before anything would load it
+    (the model's own check comes after), one line, exit 2. ``@`` stands for the test's directory."""
+    row = '{"query": "q", "positive": "p"}\n'
+    for name, text in (("BAD.jsonl", row + '{"query": "q", "positive": ""}\n'), ("EMPTY.jsonl", ""),
+                       ("NEG.jsonl", '{"query": "q", "positive": "p", "negative": ["n", " "]}\n'),
+                       ("NOTES.txt", row), ("a/x.jsonl", row), ("b/x.jsonl", row),
+                       (f"units/{MANIFEST}", json.dumps({"settings": {"units": True}}))):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    args = [a.replace("@", f"{tmp_path}/") for a in args]
     inputs = [] if "--input" in args else ["--input", os.path.join(PAIRS, "replies.jsonl")]
     assert main([*inputs, "--model", str(tmp_path / "none"), "--output", str(tmp_path / "out"), *args]) == 2
     err = capsys.readouterr().err
