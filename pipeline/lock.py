@@ -23,6 +23,9 @@ class LockHeld(RuntimeError):
     pass
 
 
+# flock's errors where a filesystem has none; EBADF: NFS refuses an exclusive lock on a file open read-only (man 2
+# flock, "NFS details")
+NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL, errno.EBADF)
 _HELD: set[int] = set()  # descriptors of the locks this process holds
 
 
@@ -103,8 +106,7 @@ class DirLock:
         except BlockingIOError:
             self._refuse(holder, fd)
         except OSError as e:  # no flock on this filesystem: the recorded holder decides
-            # EBADF: NFS refuses an exclusive lock on a file open read-only (man 2 flock, "NFS details")
-            if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL, errno.EBADF):
+            if e.errno not in NO_FLOCK:
                 os.close(fd)
                 raise
             if holder and _holder_alive(holder):
@@ -132,7 +134,11 @@ class DirLock:
         if remove:
             os.unlink(self.path)
         os.ftruncate(self._fd, 0)
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        except OSError as e:  # no flock here: the cleared record frees it (and closing drops any flock)
+            if e.errno not in NO_FLOCK:
+                raise
         _HELD.discard(self._fd)
         os.close(self._fd)
         self._fd = None
