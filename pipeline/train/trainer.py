@@ -146,9 +146,10 @@ class Trainer:
                             state.sources if phase.loader == ShardKind.PACKED else (), counts)
         tokens = world * local_tokens
         state.advance(tokens)
+        packed = batches.get(ShardKind.PACKED)
         host = (mask_ratios | {"batch/tokens": tokens}  # the step's numbers the host already has
                 | {f"batch/samples/{kind}": world * sum(len(b.keys) for b in bs) for kind, bs in batches.items()}
-                | ({"progress/seq_len": batches[ShardKind.PACKED][0].input_ids.shape[1]} if ShardKind.PACKED in batches else {})
+                | ({"progress/seq_len": packed[0].input_ids.shape[1]} if packed else {})
                 | {"model/rope_theta": rope_parameter_sets(self.lm.config)[0]["rope_theta"]})
         return Unread(state.step, phase_idx, phase.name, result, tokens, t0, t_data, self.engine.skipped_steps,
                       state.tokens_seen, host)
